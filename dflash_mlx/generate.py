@@ -1,0 +1,244 @@
+"""Lossless block-wise generation: prefill, draft, verify, accept, roll back, stream.
+
+    python -m dflash_mlx.generate --prompt "def fib(n):"
+"""
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Generator, List, Optional, Union
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream, wired_limit
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .targets import adapter_for
+
+
+@dataclass
+class GenerationResponse:
+    """One verify cycle's worth of output (the first one is the prefill token).
+
+    Args:
+        text: the new text segment.
+        tokens: the tokens committed this cycle (eos excluded, as mlx-lm does).
+        accepted: drafted tokens the target accepted this cycle.
+        committed: tokens this cycle committed before any eos / length cut
+            (accepted + 1; the "acceptance length" papers report).
+        prompt_tokens, prompt_tps: prompt size and prefill speed.
+        generation_tokens, generation_tps: totals so far.
+        peak_memory: in GB.
+        finish_reason: "stop" (eos), "length" (max_tokens) or None.
+    """
+
+    text: str
+    tokens: List[int]
+    accepted: int
+    committed: int
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class PhaseTimer:
+    """Wall time per phase, for the benchmark. Timing forces a sync per phase."""
+
+    seconds: Dict[str, float] = field(
+        default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "rollback": 0.0, "host": 0.0}
+    )
+    cycles: int = 0
+    _t: float = 0.0
+
+    def start(self):
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str, *arrays):
+        if arrays:
+            mx.eval(*arrays)
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._t
+        self._t = now
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
+    """str, token list or mx.array -> 1-D token array (mlx-lm's rule for BOS)."""
+    if isinstance(prompt, mx.array):
+        return prompt.reshape(-1)
+    if isinstance(prompt, str):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
+    return mx.array(prompt)
+
+
+def accept_greedy(draft_tokens: List[int], target_tokens: List[int]):
+    """Longest prefix where the draft equals the target's choice, plus the
+    target's own token at the first mismatch (or after the last slot)."""
+    a = 0
+    while a < len(draft_tokens) and draft_tokens[a] == target_tokens[a]:
+        a += 1
+    return a, target_tokens[a]
+
+
+def prefill(target, prompt: mx.array, cache, step: int):
+    """Run the prompt through the target; return last logits and all taps.
+
+    Mirrors mlx-lm's generate_step: all but the last token in chunks of
+    ``step``, then the last token alone.
+    """
+    taps = []
+    tokens = prompt[None]
+    n = tokens.shape[1]
+    start = 0
+    while n - start > 1:
+        end = min(start + step, n - 1)
+        _, t = target.forward(tokens[:, start:end], cache, last_logits_only=True, record=False)
+        mx.eval(t, [c.state for c in cache])
+        taps.append(t)
+        start = end
+    logits, t = target.forward(tokens[:, start:], cache, last_logits_only=True, record=False)
+    taps.append(t)
+    return logits[:, -1], mx.concatenate(taps, axis=1)
+
+
+def stream_generate(
+    model,
+    draft,
+    tokenizer,
+    prompt: Union[str, List[int], mx.array],
+    *,
+    block_size: Optional[int] = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
+    prefill_step_size: int = 2048,
+    timer: Optional[PhaseTimer] = None,
+) -> Generator[GenerationResponse, None, None]:
+    """Generate from ``model`` with ``draft`` proposing blocks; yields per cycle.
+
+    Greedy (``temperature == 0`` and no ``sampler``) output is token-identical
+    to the target's own greedy decode. With ``temperature > 0`` (or a
+    ``sampler``, mlx-lm's ``make_sampler`` style, fed log-probabilities) the
+    target samples every verified slot and a draft token is accepted only
+    when it equals the target's sample: lossless, though it accepts less than
+    speculative sampling would. ``block_size`` defaults to the drafter's
+    trained size; 1 is plain target decoding.
+    """
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
+    block_size = draft.block_size if block_size is None else int(block_size)
+    if block_size < 1:
+        raise ValueError("block_size must be at least 1")
+    if draft._target is None or draft._target.model is not model:
+        draft.bind(model)
+    target = draft.target
+    if sampler is None:
+        sampler = make_sampler(temperature) if temperature > 0 else None
+
+    def choose(logits):  # target's token(s) for logits [..., V]
+        if sampler is None:
+            return mx.argmax(logits, axis=-1)
+        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    prompt = encode_prompt(tokenizer, prompt)
+    if prompt.size == 0:
+        raise ValueError("the prompt is empty")
+    eos = set(tokenizer.eos_token_ids)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    timer = timer or None
+
+    with wired_limit(model, [generation_stream]):
+        cache = target.make_cache()
+        draft_cache = draft.make_cache()
+        tic = time.perf_counter()
+        if timer:
+            timer.start()
+        logits, context = prefill(target, prompt, cache, prefill_step_size)
+        anchor = choose(logits).item()
+        if timer:
+            timer.lap("prefill")
+        prompt_tps = prompt.size / (time.perf_counter() - tic)
+        tic = time.perf_counter()
+        n_out = 0
+
+        def respond(new_tokens, accepted, committed):
+            nonlocal n_out
+            finish = None
+            out = []
+            for t in new_tokens:
+                if t in eos:
+                    finish = "stop"
+                    break
+                out.append(t)
+                detok.add_token(t)
+                n_out += 1
+                if n_out == max_tokens:
+                    finish = "length"
+                    break
+            if finish:
+                detok.finalize()
+            return GenerationResponse(
+                text=detok.last_segment,
+                tokens=out,
+                accepted=accepted,
+                committed=committed,
+                prompt_tokens=prompt.size,
+                prompt_tps=prompt_tps,
+                generation_tokens=n_out,
+                generation_tps=n_out / max(time.perf_counter() - tic, 1e-9),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+            )
+
+        response = respond([anchor], 0, 1)
+        yield response
+        while response.finish_reason is None:
+            # Never verify more slots than tokens we may still emit.
+            L = min(block_size, max_tokens - n_out)
+            if timer:
+                timer.start()
+            if L > 1:
+                block = mx.array([[anchor] + [draft.mask_token_id] * (L - 1)])
+                drafted = draft.propose(block, context, draft_cache)
+                if timer:
+                    timer.lap("draft", drafted)
+                verify_in = mx.concatenate([mx.array([[anchor]]), drafted.astype(mx.int32)], axis=1)
+            else:
+                verify_in = mx.array([[anchor]])
+            logits, taps = target.forward(verify_in, cache)
+            chosen = choose(logits[0])
+            if timer:
+                timer.lap("verify", chosen, taps, [c.state for c in cache])
+            proposal = verify_in[0, 1:].tolist()
+            accepted, bonus = accept_greedy(proposal, chosen.tolist())
+            target.rollback(cache, accepted + 1)
+            context = taps[:, : accepted + 1]
+            if timer:
+                timer.lap("rollback", [c.state for c in cache])
+                timer.cycles += 1
+            anchor = bonus
+            response = respond(proposal[:accepted] + [bonus], accepted, accepted + 1)
+            if timer:
+                timer.lap("host")
+            yield response
+        mx.clear_cache()
+
+
+def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
+    """Whole-text convenience wrapper around :func:`stream_generate`."""
+    text = ""
+    for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose:
+        print()
+    return text

@@ -1,0 +1,208 @@
+"""Loading targets (through mlx-lm) and drafters (z-lab Hugging Face layout)."""
+
+import json
+from pathlib import Path
+from typing import Dict, Optional, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .models.dflash import DFlashConfig, DFlashDraftModel, DraftConfigError
+
+DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+
+# Community drafts name some tensors differently (reference section 2).
+TENSOR_ALIASES = (
+    ("midlayer.", "layers.0."),
+    ("encoder.fc.", "fc."),
+    ("encoder.output_norm_enc.", "hidden_norm."),
+    ("model.", ""),
+)
+
+
+class DraftLoadError(ValueError):
+    """A drafter directory that cannot be loaded as it is."""
+
+
+def resolve_path(path_or_hub_id: Union[str, Path], allow_patterns=None) -> Path:
+    """A local directory as it is, else a Hugging Face snapshot.
+
+    huggingface_hub honours HF_HUB_OFFLINE and its cache, so an id that was
+    downloaded once keeps working offline.
+    """
+    path = Path(path_or_hub_id).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise DraftLoadError(f"{path} is a file; pass the checkpoint directory")
+        return path
+    text = str(path_or_hub_id)
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise DraftLoadError(
+            f"{text!r} is neither an existing directory nor a Hugging Face id (owner/name)"
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(
+            snapshot_download(
+                text,
+                allow_patterns=allow_patterns
+                or ["*.json", "*.safetensors", "*.md", "tokenizer*", "*.txt", "*.jinja"],
+            )
+        )
+    except LocalEntryNotFoundError as e:
+        raise DraftLoadError(
+            f"{text!r} is not a local directory and is not in the Hugging Face cache "
+            f"(offline or unreachable hub): download it once or pass a local path"
+        ) from e
+    except HfHubHTTPError as e:
+        raise DraftLoadError(f"cannot download {text!r} from the Hugging Face hub: {e}") from e
+
+
+def read_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise DraftLoadError(f"{path} has no config.json: is this a drafter checkpoint?")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftLoadError(f"{cfg_file} is not valid JSON: {e}") from e
+
+
+def check_draft_architecture(cfg: dict, path) -> str:
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch is None and "dflash_config" in cfg:
+        arch = "DFlashDraftModel"
+    if arch not in DRAFT_ARCHITECTURES:
+        raise DraftLoadError(
+            f"{path}: architecture {arch!r} is not a DFlash drafter; supported: "
+            f"{', '.join(DRAFT_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def read_safetensors(path: Path) -> Dict[str, mx.array]:
+    """All tensors of a single-file or sharded (indexed) checkpoint."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise DraftLoadError(f"{path} has no .safetensors weights")
+    weights = {}
+    for name in files:
+        f = path / name
+        if not f.exists():
+            raise DraftLoadError(f"{f} is listed in the index but missing")
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # mlx raises RuntimeError/ValueError on bad files
+            raise DraftLoadError(f"{f} is truncated or corrupt ({e}); download it again") from e
+    return weights
+
+
+def normalize_tensor_names(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    out = {}
+    for key, value in weights.items():
+        for old, new in TENSOR_ALIASES:
+            if key.startswith(old):
+                key = new + key[len(old) :]
+                break
+        # DFlash2 stores its codebooks as bare tensors; MLX embeddings want .weight
+        if key.endswith("_codebook"):
+            key += ".weight"
+        out[key] = value
+    return out
+
+
+def draft_model_class(config: DFlashConfig):
+    if config.architecture == "DFlash2DraftModel":
+        from .models.dflash2 import DFlash2DraftModel
+
+        return DFlash2DraftModel
+    return DFlashDraftModel
+
+
+def build_draft(config: DFlashConfig, quantization: Optional[dict] = None, weights=None):
+    model = draft_model_class(config)(config)
+    if quantization:
+        names = weights or {}
+        nn.quantize(
+            model,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            class_predicate=lambda p, m: f"{p}.scales" in names,
+        )
+    return model
+
+
+def check_weights(model: nn.Module, weights: Dict[str, mx.array], path) -> None:
+    """Exactly the model's tensors, with the model's shapes."""
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+        if extra:
+            parts.append(f"unexpected {extra[:6]}{' ...' if len(extra) > 6 else ''}")
+        raise DraftLoadError(f"{path}: tensors do not match the config: {'; '.join(parts)}")
+    for name, value in weights.items():
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise DraftLoadError(
+                f"{path}: tensor {name} has shape {tuple(value.shape)}, the config implies "
+                f"{tuple(expected[name].shape)}"
+            )
+
+
+def load_draft(
+    path_or_hub_id: Union[str, Path],
+    target=None,
+    *,
+    dtype: Optional[mx.Dtype] = None,
+) -> DFlashDraftModel:
+    """Load a DFlash / DFlash2 drafter from a z-lab style checkpoint.
+
+    Accepts the original Hugging Face directory, a hub id, or a directory
+    written by ``dflash_mlx convert`` (quantized ones need no extra flag).
+    When ``target`` is given the drafter is checked against it and bound.
+    ``dtype`` casts floating weights (default: as stored).
+    """
+    path = resolve_path(path_or_hub_id)
+    cfg = read_config(path)
+    check_draft_architecture(cfg, path)
+    try:
+        config = DFlashConfig.from_hf(cfg)
+    except DraftConfigError as e:
+        raise DraftLoadError(f"{path}/config.json: {e}") from e
+    weights = normalize_tensor_names(read_safetensors(path))
+    model = build_draft(config, cfg.get("quantization"), weights)
+    check_weights(model, weights, path)
+    model.load_weights(list(weights.items()), strict=True)
+    if dtype is not None:
+        model.set_dtype(dtype, predicate=lambda k: "codebook" not in k or dtype == mx.float32)
+    model.eval()
+    mx.eval(model.parameters())
+    if target is not None:
+        model.bind(target)
+    return model
+
+
+def load(path_or_hub_id: Union[str, Path], **kwargs) -> Tuple[nn.Module, object]:
+    """Load a target model and tokenizer with mlx-lm (local path or hub id)."""
+    from mlx_lm import load as mlx_lm_load
+
+    path = Path(path_or_hub_id).expanduser()
+    if not path.exists():
+        text = str(path_or_hub_id)
+        if text.startswith((".", "/", "~")) or text.count("/") != 1:
+            raise FileNotFoundError(
+                f"target {text!r} is neither an existing directory nor a Hugging Face id"
+            )
+    elif not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json: is this a model directory?")
+    return mlx_lm_load(str(path_or_hub_id), **kwargs)

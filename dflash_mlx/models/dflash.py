@@ -1,0 +1,406 @@
+"""DFlash block-diffusion drafter (z-lab ``DFlashDraftModel`` checkpoints).
+
+A few Qwen3-style layers that draft a whole block in one forward pass. The
+drafter owns no embedding or LM head: it borrows the target's (``bind``). The
+target's tap hidden states are fused (``fc`` + ``hidden_norm``) and injected
+into every layer as extra keys/values (KV injection); block slots attend to
+that context and to each other (non-causal unless the config says otherwise).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import initialize_rope
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+class DraftConfigError(ValueError):
+    """A drafter config.json that cannot be honoured."""
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
+    """Tap layers when the config names none (reference section 3)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    step = (end - start) / (num_draft_layers - 1)
+    return [int(round(start + i * step)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: List[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[Dict[str, Any]] = None
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    num_target_layers: Optional[int] = None
+    target_hidden_size: Optional[int] = None
+    layer_types: List[str] = field(default_factory=list)
+    sliding_window: Optional[int] = None
+    is_causal: Optional[bool] = None
+    architecture: str = "DFlashDraftModel"
+    # DFlash2 fields; zero / neutral for DFlash1 checkpoints.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None
+
+    @classmethod
+    def from_hf(cls, cfg: Dict[str, Any]) -> "DFlashConfig":
+        """Parse every config variant found in published drafters."""
+        dflash = dict(cfg.get("dflash_config") or {})
+
+        def pick(name, default=None):
+            return dflash.get(name, cfg.get(name, default))
+
+        missing = [
+            k
+            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+            if k not in cfg
+        ]
+        if missing:
+            raise DraftConfigError(f"drafter config.json lacks {', '.join(missing)}")
+        n_layers = int(cfg["num_hidden_layers"])
+        n_heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads)
+
+        num_target_layers = cfg.get("num_target_layers")
+        tap_ids = pick("target_layer_ids")
+        if tap_ids is None:
+            if num_target_layers is None:
+                raise DraftConfigError(
+                    "drafter config.json names neither dflash_config.target_layer_ids "
+                    "nor num_target_layers, so the target taps are unknown"
+                )
+            tap_ids = default_target_layer_ids(int(num_target_layers), n_layers)
+        mask_id = pick("mask_token_id")
+        if mask_id is None:
+            raise DraftConfigError("drafter config.json lacks dflash_config.mask_token_id")
+
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta", 10000.0)
+        if rope is not None and (rope.get("rope_type") or rope.get("type")) in (None, "default"):
+            rope = None  # plain RoPE: nothing for initialize_rope to scale
+
+        sliding_window = cfg.get("sliding_window") or dflash.get("swa_window_size")
+        layer_types = list(cfg.get("layer_types") or [])
+        if not layer_types:
+            use_swa = dflash.get("use_swa", cfg.get("use_sliding_window", False))
+            layer_types = [SLIDING if use_swa and sliding_window else FULL] * n_layers
+        elif dflash.get("use_swa") is False:
+            layer_types = [FULL] * n_layers
+        if len(layer_types) != n_layers:
+            raise DraftConfigError(
+                f"layer_types has {len(layer_types)} entries for {n_layers} layers"
+            )
+        unknown = set(layer_types) - {FULL, SLIDING}
+        if unknown:
+            raise DraftConfigError(f"unsupported layer_types {sorted(unknown)}")
+        if SLIDING in layer_types and not sliding_window:
+            raise DraftConfigError("sliding_attention layers need sliding_window")
+
+        is_causal = cfg.get("is_causal")
+        if is_causal is None:
+            is_causal = dflash.get("causal")
+
+        arch = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
+        softcap = pick("final_logit_softcapping")
+        return cls(
+            hidden_size=int(cfg["hidden_size"]),
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=head_dim,
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            target_layer_ids=[int(i) for i in tap_ids],
+            mask_token_id=int(mask_id),
+            block_size=int(pick("block_size", 16)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope,
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            num_target_layers=num_target_layers,
+            target_hidden_size=cfg.get("target_hidden_size"),
+            layer_types=layer_types,
+            sliding_window=int(sliding_window) if sliding_window else None,
+            is_causal=None if is_causal is None else bool(is_causal),
+            architecture=arch,
+            conv_kernel_size=int(pick("conv_kernel_size", 0) or 0),
+            conv_group_size=int(pick("conv_group_size", 0) or 0),
+            selector_rank=int(pick("selector_rank", 0) or 0),
+            selector_top_k=int(pick("selector_top_k", 0) or 0),
+            input_embedding_scale=float(pick("input_embedding_scale", 1.0) or 1.0),
+            output_multiplier=float(pick("output_multiplier", 1.0) or 1.0),
+            final_logit_softcapping=float(softcap) if softcap else None,
+        )
+
+    @property
+    def fc_input_size(self) -> int:
+        return len(self.target_layer_ids) * (self.target_hidden_size or self.hidden_size)
+
+
+class ContextCache:
+    """Per-layer K/V of the injected target context, committed positions only.
+
+    ``offset`` counts every context position ever appended (absolute RoPE
+    position of the next one). A sliding layer keeps just the last
+    ``window - 1`` positions: the anchor (first block slot) sits one past the
+    context, so nothing older is visible to any block slot.
+    """
+
+    step = 256
+
+    def __init__(self, max_size: Optional[int] = None):
+        self.max_size = max_size
+        self.keys = self.values = None
+        self.offset = 0  # absolute positions appended so far
+        self.start = 0  # absolute position of keys[..., 0, :]
+        self.size = 0
+
+    def append(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        n = keys.shape[2]
+        if self.keys is None or self.size + n > self.keys.shape[2]:
+            grow = ((self.size + n + self.step - 1) // self.step) * self.step
+            shape = (*keys.shape[:2], grow, keys.shape[3])
+            new_k = mx.zeros(shape, keys.dtype)
+            new_v = mx.zeros((*shape[:3], values.shape[3]), values.dtype)
+            if self.size:
+                new_k[..., : self.size, :] = self.keys[..., : self.size, :]
+                new_v[..., : self.size, :] = self.values[..., : self.size, :]
+            self.keys, self.values = new_k, new_v
+        self.keys[..., self.size : self.size + n, :] = keys
+        self.values[..., self.size : self.size + n, :] = values
+        self.size += n
+        self.offset += n
+        if self.max_size is not None and self.size > self.max_size:
+            drop = self.size - self.max_size
+            self.keys = self.keys[..., drop:, :]
+            self.values = self.values[..., drop:, :]
+            self.size -= drop
+            self.start += drop
+        return self.fetch()
+
+    def fetch(self) -> Tuple[Optional[mx.array], Optional[mx.array]]:
+        if self.keys is None:
+            return None, None
+        return self.keys[..., : self.size, :], self.values[..., : self.size, :]
+
+    @property
+    def state(self):
+        return self.fetch()
+
+
+def draft_attention_mask(
+    ctx_positions: mx.array,
+    block_positions: mx.array,
+    *,
+    is_causal: bool,
+    sliding_window: Optional[int],
+) -> Optional[mx.array]:
+    """Boolean [L, S+L] visibility of context + block keys for block queries.
+
+    Mirrors the PyTorch reference: causal keeps keys at or before the query;
+    a sliding window hides keys at distance >= window (both directions when
+    non-causal). Returns None when everything is visible.
+    """
+    if not is_causal and sliding_window is None:
+        return None
+    keys = mx.concatenate([ctx_positions, block_positions])[None, :]
+    queries = block_positions[:, None]
+    visible = mx.ones((queries.shape[0], keys.shape[1]), dtype=mx.bool_)
+    if is_causal:
+        visible = visible & (keys <= queries)
+    if sliding_window is not None:
+        visible = visible & (queries - keys < sliding_window)
+        if not is_causal:
+            visible = visible & (keys - queries < sliding_window)
+    return visible
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        dim, hd = config.hidden_size, config.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = hd
+        self.scale = hd**-0.5
+        sliding = config.layer_types[layer_idx] == SLIDING
+        self.sliding_window = config.sliding_window if sliding else None
+        # The reference treats sliding layers as causal unless told otherwise.
+        self.is_causal = sliding if config.is_causal is None else config.is_causal
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+
+    def project_kv(self, x: mx.array, rope, offset: int) -> Tuple[mx.array, mx.array]:
+        """K/V of ``x`` at absolute positions ``offset..``: [B, H_kv, S, D]."""
+        B, S, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, S, self.n_kv_heads, -1))
+        v = self.v_proj(x).reshape(B, S, self.n_kv_heads, -1)
+        k = rope(k.transpose(0, 2, 1, 3), offset=offset)
+        return k, v.transpose(0, 2, 1, 3)
+
+    def __call__(self, x, context, rope, cache: ContextCache) -> mx.array:
+        B, L, _ = x.shape
+        # Inject the new context first: the block starts right after it.
+        if context.shape[1]:
+            ctx_k, ctx_v = cache.append(*self.project_kv(context, rope, cache.offset))
+        else:
+            ctx_k, ctx_v = cache.fetch()
+        block_start = cache.offset
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
+        q = rope(q.transpose(0, 2, 1, 3), offset=block_start)
+        k, v = self.project_kv(x, rope, block_start)
+        if ctx_k is not None:
+            k = mx.concatenate([ctx_k, k], axis=2)
+            v = mx.concatenate([ctx_v, v], axis=2)
+        mask = draft_attention_mask(
+            mx.arange(cache.start, cache.start + cache.size),
+            mx.arange(block_start, block_start + L),
+            is_causal=self.is_causal,
+            sliding_window=self.sliding_window,
+        )
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DraftAttention(config, layer_idx)
+        self.mlp = DraftMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x, context, rope, cache):
+        h = x + self.self_attn(self.input_layernorm(x), context, rope, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraftModel(nn.Module):
+    """The drafter. Low-level contract (mirrors z-lab's MLX runtime)::
+
+        draft.bind(target_model)
+        cache = draft.make_cache()
+        logits = draft(block_tokens, target_hidden, cache)   # [B, L, vocab]
+        tokens = draft.propose(block_tokens, target_hidden, cache)  # slots 1..L-1
+
+    ``target_hidden`` holds the concatenated tap states of the S context
+    positions not yet injected; they are appended to ``cache`` (so call each
+    context chunk once). Block K/V are never stored.
+    """
+
+    layer_class = DraftLayer
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.fc_input_size, config.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = [self.layer_class(config, i) for i in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rope = initialize_rope(
+            config.head_dim,
+            base=config.rope_theta,
+            traditional=False,
+            scaling_config=config.rope_scaling,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+        # Borrowed from the target by bind(); kept out of the parameter tree
+        # so saving or quantizing the drafter never touches them.
+        self._target = None
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def bind(self, target_model) -> "DFlashDraftModel":
+        """Share the target's embedding and LM head (not copied)."""
+        from ..targets import adapter_for
+
+        object.__setattr__(self, "_target", adapter_for(target_model, self.config))
+        return self
+
+    @property
+    def target(self):
+        if self._target is None:
+            raise RuntimeError("drafter is not bound: call draft.bind(target_model) first")
+        return self._target
+
+    def make_cache(self) -> List[ContextCache]:
+        window = self.config.sliding_window
+        return [
+            ContextCache(window - 1 if t == SLIDING else None) for t in self.config.layer_types
+        ]
+
+    def fuse(self, target_hidden: mx.array) -> mx.array:
+        """Feature fusion: concatenated taps -> one drafter-width vector."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def hidden_states(self, block_tokens, target_hidden, cache) -> mx.array:
+        """Final (normed) drafter states of every block slot."""
+        h = self.target.embed(block_tokens)
+        if self.config.input_embedding_scale != 1.0:
+            h = h * self.config.input_embedding_scale
+        context = self.fuse(target_hidden.astype(h.dtype))
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, context, self.rope, c)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: mx.array) -> mx.array:
+        logits = self.target.lm_head(hidden)
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    def __call__(self, block_tokens, target_hidden, cache) -> mx.array:
+        return self.compute_logits(self.hidden_states(block_tokens, target_hidden, cache))
+
+    def propose(self, block_tokens, target_hidden, cache, temperature: float = 0.0, sampler=None):
+        """Greedy (or sampled) tokens for slots 1..L-1: [B, L-1]."""
+        logits = self(block_tokens, target_hidden, cache)[:, 1:]
+        if temperature > 0 and sampler is not None:
+            return sampler(logits)
+        return mx.argmax(logits, axis=-1)

@@ -1,0 +1,104 @@
+"""What every target adapter provides to the DFlash loop."""
+
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+
+class TargetError(ValueError):
+    """A target that cannot serve a drafter (wrong family, vocab, taps...)."""
+
+
+class TargetAdapter:
+    """Per-instance view of an mlx-lm model as a DFlash target.
+
+    ``forward(tokens, cache)`` returns ``(logits, taps)`` and remembers what
+    it needs to undo; ``rollback(cache, keep)`` then keeps only the first
+    ``keep`` tokens of that forward in every cache.
+    """
+
+    def __init__(self, model: nn.Module, text_model: nn.Module, backbone: nn.Module):
+        self.model = model
+        self.text_model = text_model  # owns lm_head / args
+        self.backbone = backbone  # owns embed_tokens, layers, norm
+        self.args = text_model.args
+        self.tap_ids: List[int] = []
+        self.tied = bool(getattr(self.args, "tie_word_embeddings", False)) or not hasattr(
+            text_model, "lm_head"
+        )
+
+    # Shapes the drafter is checked against.
+    @property
+    def num_layers(self) -> int:
+        return len(self.backbone.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.args.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backbone.embed_tokens.weight.shape[0])
+
+    def check_drafter(self, config) -> None:
+        """Raise one clear error if this target cannot feed ``config``'s drafter."""
+        if config.vocab_size != self.vocab_size:
+            raise TargetError(
+                f"drafter vocab_size {config.vocab_size} != target vocabulary "
+                f"{self.vocab_size}: this drafter was trained for another target"
+            )
+        bad = [i for i in config.target_layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise TargetError(
+                f"drafter taps target layers {bad}, but the target has only "
+                f"{self.num_layers} layers (0..{self.num_layers - 1})"
+            )
+        want = len(config.target_layer_ids) * self.hidden_size
+        if config.fc_input_size != want:
+            raise TargetError(
+                f"drafter fc expects {config.fc_input_size} input features, but "
+                f"{len(config.target_layer_ids)} taps x target hidden {self.hidden_size} "
+                f"= {want}: drafter and target do not match"
+            )
+        if not 0 <= config.mask_token_id < self.vocab_size:
+            raise TargetError(
+                f"drafter mask_token_id {config.mask_token_id} is outside the "
+                f"target vocabulary (size {self.vocab_size})"
+            )
+        self.tap_ids = list(config.target_layer_ids)
+
+    # Shared weights for the drafter.
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.backbone.embed_tokens(tokens)
+
+    def lm_head(self, hidden: mx.array) -> mx.array:
+        if self.tied:
+            return self.backbone.embed_tokens.as_linear(hidden)
+        return self.text_model.lm_head(hidden)
+
+    def make_cache(self) -> list:
+        return make_prompt_cache(self.model)
+
+    # Forward with taps and rollback: implemented per family.
+    def forward(
+        self,
+        tokens: mx.array,
+        cache: Sequence,
+        *,
+        taps: Optional[Sequence[int]] = None,
+        last_logits_only: bool = False,
+        record: bool = True,
+    ) -> Tuple[mx.array, Optional[mx.array]]:
+        raise NotImplementedError
+
+    def rollback(self, cache: Sequence, keep: int) -> None:
+        raise NotImplementedError
+
+    def _finish(self, h, captured, last_logits_only):
+        if last_logits_only:
+            h = h[:, -1:]
+        logits = self.lm_head(self.backbone.norm(h))
+        tap_states = mx.concatenate(captured, axis=-1) if captured else None
+        return logits, tap_states
