@@ -242,3 +242,80 @@ def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -
     if verbose:
         print()
     return text
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    from .pair import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    p = argparse.ArgumentParser(description="Generate text with a target model and a DFlash drafter.")
+    p.add_argument("--model", default=str(DEFAULT_TARGET), help="target: local path or Hugging Face id (default: the bundled pair)")
+    p.add_argument("--draft-model", default=None, help="DFlash/DFlash2 drafter: local path or Hugging Face id (default: the bundled pair's when --model is the default)")
+    p.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin; default: a bundled held-out prompt)")
+    p.add_argument("--max-tokens", "-m", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--block-size", type=int, default=None, help="verify width (default: the drafter's trained block size; 1 = plain decoding)")
+    p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is")
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="stream text and print statistics")
+    return p
+
+
+def build_prompt(tokenizer, prompt: str, system_prompt=None, use_chat_template=True):
+    """Apply the tokenizer's chat template when it has one (mlx_lm.generate's rule)."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return prompt
+
+
+def main(argv=None):
+    from .loading import load, load_draft
+    from .pair import DEFAULT_TARGET, default_draft_for, default_prompt
+
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        draft_path = args.draft_model or default_draft_for(args.model)
+        model, tokenizer = load(args.model)
+        draft = load_draft(draft_path, model)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if str(args.model) == str(DEFAULT_TARGET):
+        print(f"[bundled default pair: {DEFAULT_TARGET.parent}]", file=sys.stderr)
+    prompt = args.prompt if args.prompt is not None else default_prompt()
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    prompt = build_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
+    if args.verbose and isinstance(prompt, str):
+        print(prompt, end="", flush=True)
+    cycles, committed = 0, 0
+    last = None
+    for last in stream_generate(
+        model,
+        draft,
+        tokenizer,
+        prompt,
+        block_size=args.block_size,
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        prefill_step_size=args.prefill_step_size,
+    ):
+        if args.verbose:
+            print(last.text, end="", flush=True)
+        cycles += 1
+        committed += last.committed
+    if args.verbose and last is not None:
+        print("\n" + "=" * 10)
+        print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+        # The first response is the prefill's token, not a verify cycle.
+        if cycles > 1:
+            print(f"Mean tokens per cycle: {(committed - 1) / (cycles - 1):.2f} over {cycles - 1} cycles")
+        print(f"Peak memory: {last.peak_memory:.3f} GB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
