@@ -1,0 +1,229 @@
+"""The drafter against a straightforward float32 reference of reference section 2,
+and the config variants published checkpoints use."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+
+import dflash_mlx
+from dflash_mlx.models.dflash import DFlashConfig, default_target_layer_ids
+
+
+def _np(a):
+    return np.array(a.astype(mx.float32))
+
+
+def rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def rope(x, positions, theta):
+    """Non-traditional RoPE (rotate halves) on [..., S, D]."""
+    d = x.shape[-1]
+    inv = theta ** (-np.arange(0, d, 2) / d)
+    ang = positions[:, None] * inv[None]
+    cos, sin = np.cos(ang), np.sin(ang)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def reference_logits(draft, target, blocks, contexts):
+    """Loop-level float32 DFlash forward over successive cycles.
+
+    ``contexts[i]`` holds the tap states injected before block ``i``; the
+    block's anchor sits right after all context injected so far.
+    """
+    cfg = draft.config
+    W = {k: _np(v) for k, v in tree_flatten(draft.parameters())}
+    E = _np(target.backbone.embed_tokens.weight)
+    head = E if target.tied else _np(target.text_model.lm_head.weight)
+    eps, hd = cfg.rms_norm_eps, cfg.head_dim
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    ctx_feats = np.zeros((0, cfg.hidden_size), np.float32)
+    outs = []
+    for block, ctx in zip(blocks, contexts):
+        fused = rms(_np(ctx)[0] @ W["fc.weight"].T, W["hidden_norm.weight"], eps)
+        ctx_feats = np.concatenate([ctx_feats, fused])
+        S, L = len(ctx_feats), len(block)
+        pos_ctx, pos_blk = np.arange(S), S + np.arange(L)
+        h = E[np.array(block)] * cfg.input_embedding_scale
+        for i in range(cfg.num_hidden_layers):
+            p = f"layers.{i}."
+            x = rms(h, W[p + "input_layernorm.weight"], eps)
+            q = (x @ W[p + "self_attn.q_proj.weight"].T).reshape(L, H, hd)
+            q = rope(rms(q, W[p + "self_attn.q_norm.weight"], eps).transpose(1, 0, 2), pos_blk, cfg.rope_theta)
+            kv_in = np.concatenate([ctx_feats, x])
+            k = (kv_in @ W[p + "self_attn.k_proj.weight"].T).reshape(S + L, KV, hd)
+            k = rope(rms(k, W[p + "self_attn.k_norm.weight"], eps).transpose(1, 0, 2),
+                     np.concatenate([pos_ctx, pos_blk]), cfg.rope_theta)
+            v = (kv_in @ W[p + "self_attn.v_proj.weight"].T).reshape(S + L, KV, hd).transpose(1, 0, 2)
+            layer_type = cfg.layer_types[i]
+            causal = (layer_type == "sliding_attention") if cfg.is_causal is None else cfg.is_causal
+            window = cfg.sliding_window if layer_type == "sliding_attention" else None
+            out = np.zeros((L, H, hd), np.float32)
+            for head_i in range(H):
+                kv_i = head_i // (H // KV)
+                for qi in range(L):
+                    qp = pos_blk[qi]
+                    scores = []
+                    for kj, kp in enumerate(np.concatenate([pos_ctx, pos_blk])):
+                        ok = (not causal or kp <= qp) and (
+                            window is None or (qp - kp < window and (causal or kp - qp < window))
+                        )
+                        scores.append(q[head_i, qi] @ k[kv_i, kj] / np.sqrt(hd) if ok else -np.inf)
+                    scores = np.array(scores)
+                    w = np.exp(scores - scores.max())
+                    w /= w.sum()
+                    out[qi, head_i] = w @ v[kv_i]
+            h = h + out.reshape(L, -1) @ W[p + "self_attn.o_proj.weight"].T
+            x = rms(h, W[p + "post_attention_layernorm.weight"], eps)
+            g = x @ W[p + "mlp.gate_proj.weight"].T
+            u = x @ W[p + "mlp.up_proj.weight"].T
+            h = h + ((g / (1 + np.exp(-g))) * u) @ W[p + "mlp.down_proj.weight"].T
+        h = rms(h, W["norm.weight"], eps)
+        outs.append(h @ head.T)
+    return outs
+
+
+VARIANTS = {
+    "full": {},
+    "sliding-causal-default": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),
+    "sliding-noncausal": dict(layer_types=["sliding_attention", "sliding_attention"], sliding_window=3, is_causal=False),
+    "causal-flag": dict(is_causal=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_drafter_logits_match_float32_reference(qwen3_5_pair, tmp_path, variant):
+    pair = qwen3_5_pair
+    path = pair.make_draft(tmp_path / "d", **VARIANTS[variant])
+    draft = dflash_mlx.load_draft(path, pair.model)
+    target = draft.target
+    rng = np.random.default_rng(3)
+    n_feat = draft.config.fc_input_size
+    contexts = [mx.array(rng.standard_normal((1, s, n_feat)).astype(np.float32)) for s in (7, 3, 1)]
+    blocks = [rng.integers(0, pair.vocab, 6).tolist() for _ in contexts]
+    cache = draft.make_cache()
+    got = [draft(mx.array([b]), c, cache)[0] for b, c in zip(blocks, contexts)]
+    want = reference_logits(draft, target, blocks, contexts)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(_np(g), w, atol=1e-4, rtol=1e-4)
+
+
+def test_propose_is_argmax_of_slots_after_anchor(qwen3_pair, tmp_path):
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    ctx = mx.random.normal((1, 4, draft.config.fc_input_size))
+    block = mx.array([[5] + [draft.mask_token_id] * 7])
+    logits = draft(block, ctx, draft.make_cache())
+    proposal = draft.propose(block, ctx, draft.make_cache())
+    assert proposal.shape == (1, 7)
+    assert proposal.tolist() == mx.argmax(logits[:, 1:], axis=-1).tolist()
+
+
+def test_context_cache_holds_committed_positions_only(qwen3_pair, tmp_path):
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    cache = draft.make_cache()
+    n = draft.config.fc_input_size
+    draft(mx.array([[1, 2, 3, 4]]), mx.zeros((1, 5, n)), cache)
+    draft(mx.array([[1, 2, 3, 4]]), mx.zeros((1, 2, n)), cache)
+    assert all(c.offset == 7 and c.fetch()[0].shape[2] == 7 for c in cache)
+
+
+def test_sliding_cache_keeps_window(qwen3_pair, tmp_path):
+    pair = qwen3_pair
+    path = pair.make_draft(tmp_path / "d", layer_types=["sliding_attention"] * 2, sliding_window=4)
+    draft = dflash_mlx.load_draft(path, pair.model)
+    cache = draft.make_cache()
+    draft(mx.array([[1, 2]]), mx.zeros((1, 9, draft.config.fc_input_size)), cache)
+    assert all(c.offset == 9 and c.fetch()[0].shape[2] == 3 for c in cache)
+
+
+def test_embedding_and_head_are_shared_not_copied(qwen3_5_pair, tmp_path):
+    pair = qwen3_5_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    names = [k for k, _ in tree_flatten(draft.parameters())]
+    assert not any("embed" in k or "lm_head" in k for k in names)
+    assert draft.target.backbone.embed_tokens is pair.model.language_model.model.embed_tokens
+
+
+def test_default_tap_ids():
+    assert default_target_layer_ids(32, 1) == [16]
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(32, 8)[0] == 1 and default_target_layer_ids(32, 8)[-1] == 29
+
+
+def _base_cfg():
+    return tiny.draft_config(tiny.QWEN3, 258)
+
+
+def test_config_variants():
+    cfg = _base_cfg()
+    nested = json.loads(json.dumps(cfg))
+    nested.pop("block_size")
+    nested["dflash_config"]["block_size"] = 10
+    assert DFlashConfig.from_hf(nested).block_size == 10
+    assert DFlashConfig.from_hf(cfg).block_size == 8
+
+    rp = json.loads(json.dumps(cfg))
+    rp.pop("rope_theta")
+    rp["rope_parameters"] = {"rope_theta": 1e7, "rope_type": "default"}
+    c = DFlashConfig.from_hf(rp)
+    assert c.rope_theta == 1e7 and c.rope_scaling is None
+
+    yarn = json.loads(json.dumps(cfg))
+    yarn["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    assert DFlashConfig.from_hf(yarn).rope_scaling["rope_type"] == "yarn"
+
+    swa = json.loads(json.dumps(cfg))
+    swa["dflash_config"].update(use_swa=True, swa_window_size=64)
+    c = DFlashConfig.from_hf(swa)
+    assert c.layer_types == ["sliding_attention"] * 2 and c.sliding_window == 64
+
+    causal = json.loads(json.dumps(cfg))
+    causal["dflash_config"]["causal"] = True
+    assert DFlashConfig.from_hf(causal).is_causal is True
+
+    no_taps = json.loads(json.dumps(cfg))
+    del no_taps["dflash_config"]["target_layer_ids"]
+    assert DFlashConfig.from_hf(no_taps).target_layer_ids == default_target_layer_ids(4, 2)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_half_precision_and_sharded_checkpoints_load(qwen3_pair, tmp_path, dtype):
+    pair = qwen3_pair
+    cfg = pair.draft_config()
+    ref = dflash_mlx.load_draft(tiny.make_draft(tmp_path / "f32", cfg), pair.model)
+    half = dflash_mlx.load_draft(tiny.make_draft(tmp_path / "half", cfg, dtype=dtype, shards=3), pair.model)
+    assert half.fc.weight.dtype == dtype
+    ctx = mx.random.normal((1, 3, cfg["hidden_size"] * 2))
+    block = mx.array([[3, 4, 5, 6]])
+    a = ref(block, ctx, ref.make_cache())
+    b = half(block, ctx, half.make_cache()).astype(mx.float32)
+    assert mx.abs(a - b).max().item() < 0.1 * mx.abs(a).max().item()
+
+
+def test_alternative_tensor_names(qwen3_pair, tmp_path):
+    pair = qwen3_pair
+    cfg = pair.draft_config(layers=1, taps=[2])
+    src = tiny.make_draft(tmp_path / "orig", cfg)
+    weights = mx.load(str(src / "model.safetensors"))
+    renamed = {}
+    for k, v in weights.items():
+        k = k.replace("layers.0.", "midlayer.").replace("fc.", "encoder.fc.")
+        k = k.replace("hidden_norm.", "encoder.output_norm_enc.")
+        renamed[k] = v
+    alt = tmp_path / "alt"
+    alt.mkdir()
+    (alt / "config.json").write_text((src / "config.json").read_text())
+    mx.save_safetensors(str(alt / "model.safetensors"), renamed)
+    a = dflash_mlx.load_draft(src, pair.model)
+    b = dflash_mlx.load_draft(alt, pair.model)
+    ctx = mx.random.normal((1, 2, cfg["hidden_size"]))
+    block = mx.array([[1, 2, 3]])
+    assert mx.array_equal(a(block, ctx, a.make_cache()), b(block, ctx, b.make_cache()))
