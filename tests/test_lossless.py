@@ -167,3 +167,18 @@ def test_llama_target_is_lossless(llama_pair, tmp_path):
     scripted = ScriptedDrafter(ref + [0] * 16, len(prompt), 8, range(8), pair.vocab)
     assert dflash_tokens(pair, scripted, prompt, block_size=8, max_tokens=50)[0] == ref
     assert dflash_tokens(pair, draft, prompt, max_tokens=50)[0] == ref
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_sequential_recurrence_is_lossless(qwen3_5_pair, block_size):
+    """mlx-lm's own recurrence (what Metal runs) with bit-identical replay."""
+    from dflash_mlx.targets.hybrid import HybridTarget
+
+    pair = qwen3_5_pair
+    prompt = prompt_of(pair, 40)
+    ref = reference_tokens(pair, prompt, 150 + block_size)
+    draft = ScriptedDrafter(ref, len(prompt), block_size, range(block_size), pair.vocab)
+    draft._target = HybridTarget(pair.model, recurrence="sequential")
+    draft._target.tap_ids = [0]
+    got, _ = dflash_tokens(pair, draft, prompt, block_size=block_size, max_tokens=150)
+    assert got == ref[:150]

@@ -18,7 +18,13 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
+from ..ops.gated_delta import DeltaChunk, chunked_gated_delta, log_decay
 from .base import TargetAdapter
+
+
+def has_fused_recurrence() -> bool:
+    """Whether mlx-lm will run the recurrence as its Metal kernel."""
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
 
 
 @dataclass
@@ -32,9 +38,10 @@ class DeltaRecord:
     a: mx.array
     b: mx.array
     state: Optional[mx.array]  # recurrent state before the forward
+    chunk: Optional[DeltaChunk] = None  # set when the WY form ran the block
 
 
-def gated_delta_forward(gdn, x, mask, cache, record: bool):
+def gated_delta_forward(gdn, x, mask, cache, record: bool, chunked: bool = False):
     """mlx-lm's ``GatedDeltaNet.__call__`` for one instance, plus a record.
 
     Written against the module's own weights and mlx-lm's own helpers
@@ -64,12 +71,22 @@ def gated_delta_forward(gdn, x, mask, cache, record: bool):
     ]
     q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
     state0 = cache[1]
-    out, state = gated_delta_update(
-        q, k, v, a, b, gdn.A_log, gdn.dt_bias, state0, mask, use_kernel=not gdn.training
-    )
+    chunk = None
+    if chunked and S > 1 and mask is None:
+        # One chunk for a verify block (rollback reads any prefix state from
+        # it); 64-token chunks for a prompt.
+        out, state, chunk = chunked_gated_delta(
+            q, k, v, log_decay(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b), state0,
+            chunk_size=S if record else 64,
+        )
+        out = out.astype(q.dtype)
+    else:
+        out, state = gated_delta_update(
+            q, k, v, a, b, gdn.A_log, gdn.dt_bias, state0, mask, use_kernel=not gdn.training
+        )
     cache[1] = state
     cache.advance(S)
-    rec = DeltaRecord(conv_input, q, k, v, a, b, state0) if record else None
+    rec = DeltaRecord(conv_input, q, k, v, a, b, state0, chunk) if record else None
     out = gdn.norm(out, z)
     return gdn.out_proj(out.reshape(B, S, -1)), rec
 
@@ -80,6 +97,8 @@ def rewind_gated_delta(gdn, cache, rec: DeltaRecord, keep: int) -> None:
     cache[0] = mx.contiguous(rec.conv_input[:, keep : keep + n_keep, :])
     if keep == 0:
         state = rec.state
+    elif rec.chunk is not None:
+        state = rec.chunk.state_after(keep)
     else:
         _, state = gated_delta_update(
             rec.q[:, :keep],
@@ -97,11 +116,20 @@ def rewind_gated_delta(gdn, cache, rec: DeltaRecord, keep: int) -> None:
 
 
 class HybridTarget(TargetAdapter):
-    """qwen3_5 / qwen3_5_moe, text-only or the multimodal wrapper."""
+    """qwen3_5 / qwen3_5_moe, text-only or the multimodal wrapper.
 
-    def __init__(self, model):
+    ``recurrence`` picks how multi-token forwards run the GatedDeltaNet
+    recurrence: "chunked" (WY form, a few matmuls), "sequential" (mlx-lm's
+    own path, token by token or its Metal kernel) or "auto" (chunked unless
+    mlx-lm has its fused kernel here).
+    """
+
+    def __init__(self, model, recurrence: str = "auto"):
         text = getattr(model, "language_model", model)
         super().__init__(model, text, text.model)
+        if recurrence not in ("auto", "chunked", "sequential"):
+            raise ValueError("recurrence must be 'auto', 'chunked' or 'sequential'")
+        self.chunked = recurrence == "chunked" or (recurrence == "auto" and not has_fused_recurrence())
         self._records = {}
         self._last_len = 0
 
@@ -116,7 +144,7 @@ class HybridTarget(TargetAdapter):
         for i, (layer, c) in enumerate(zip(bb.layers, cache)):
             if layer.is_linear:
                 r, rec = gated_delta_forward(
-                    layer.linear_attn, layer.input_layernorm(h), ssm_mask, c, record
+                    layer.linear_attn, layer.input_layernorm(h), ssm_mask, c, record, self.chunked
                 )
                 if rec is not None:
                     self._records[i] = rec
