@@ -1,0 +1,236 @@
+"""DFlash vs autoregressive decoding of the same target, measured in one run.
+
+    mlx-dflash bench                      # the bundled pair, its held-out prompts
+    mlx-dflash bench --model T --draft-model D --prompts prompts.json --json out.json --plot out.png
+
+Reports tok/s and speedup, mean tokens per cycle and the acceptance histogram,
+per-phase timings (draft / verify / rollback / host), the forward costs that
+bound the speedup (T1: target on 1 token, T16: target on a block, Tdraft),
+peak memory, and the share of generated tokens that repeat an earlier 4-gram
+(repetitive output inflates acceptance). Every configuration gets a warm-up
+run that is not counted.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+
+from .generate import PhaseTimer, encode_prompt, stream_generate
+
+
+def repeated_4gram_share(tokens: List[int]) -> float:
+    """Fraction of tokens that complete a 4-gram already seen in the output."""
+    seen, repeats = set(), 0
+    for i in range(3, len(tokens)):
+        gram = tuple(tokens[i - 3 : i + 1])
+        repeats += gram in seen
+        seen.add(gram)
+    return repeats / max(1, len(tokens))
+
+
+def run_autoregressive(model, tokenizer, prompt, max_tokens):
+    from mlx_lm import stream_generate as mlx_lm_stream_generate
+
+    tokens, last = [], None
+    for last in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+        if last.finish_reason != "stop":
+            tokens.append(last.token)
+    return {"tokens": tokens, "tps": last.generation_tps, "peak_memory": last.peak_memory}
+
+
+def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=None):
+    """One generation; tok/s counted from the first token, like mlx-lm."""
+    tokens, accepted, last = [], [], None
+    for i, last in enumerate(
+        stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, timer=timer)
+    ):
+        tokens += last.tokens
+        if i:  # response 0 is the prefill's token
+            accepted.append(last.accepted)
+    return {
+        "tokens": tokens,
+        "tps": last.generation_tps,
+        "accepted": accepted,
+        "peak_memory": last.peak_memory,
+    }
+
+
+def time_forwards(model, draft, prompt_ids, block_size, repeats=20) -> Dict[str, float]:
+    """Median ms of the forwards that bound the speedup, warm, same context."""
+    target = draft.target
+    cache = target.make_cache()
+    _, taps = target.forward(prompt_ids[None], cache, last_logits_only=True, record=False)
+    mx.eval(taps, [c.state for c in cache])
+
+    def target_forward(n):
+        tokens = mx.array([[1] * n])
+
+        def step():
+            out, t = target.forward(tokens, cache)
+            mx.eval(out, t)
+            target.rollback(cache, 0)
+
+        return step
+
+    block = mx.array([[1] + [draft.mask_token_id] * (block_size - 1)])
+
+    def drafter_forward():
+        mx.eval(draft.propose(block, taps[:, -1:], draft.make_cache()))
+
+    def median_ms(fn):
+        for _ in range(3):
+            fn()
+        samples = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(samples)
+
+    return {
+        "target_1": median_ms(target_forward(1)),
+        f"target_{block_size}": median_ms(target_forward(block_size)),
+        "drafter": median_ms(drafter_forward),
+    }
+
+
+def benchmark(model, draft, tokenizer, prompts: List[str], max_tokens=128, block_size=None) -> dict:
+    block_size = block_size or draft.block_size
+    draft.bind(model)
+    warm = prompts[0]
+    run_autoregressive(model, tokenizer, warm, 16)
+    run_dflash(model, draft, tokenizer, warm, 16, block_size)
+
+    ar, df = [], []
+    timer = PhaseTimer()
+    for prompt in prompts:
+        ar.append(run_autoregressive(model, tokenizer, prompt, max_tokens))
+        df.append(run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size))
+    # Phase timings sync after every phase, so they get their own pass.
+    for prompt in prompts:
+        run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=timer)
+
+    mismatches = sum(a["tokens"] != d["tokens"] for a, d in zip(ar, df))
+    ar_tokens = sum(len(r["tokens"]) for r in ar)
+    df_tokens = sum(len(r["tokens"]) for r in df)
+    ar_time = sum(len(r["tokens"]) / r["tps"] for r in ar)
+    df_time = sum(len(r["tokens"]) / r["tps"] for r in df)
+    accepted = [a for r in df for a in r["accepted"]]
+    hist = Counter(a + 1 for a in accepted)
+    tokens_per_cycle = statistics.mean(a + 1 for a in accepted) if accepted else 1.0
+    forwards = time_forwards(model, draft, encode_prompt(tokenizer, prompts[0]), block_size)
+    ideal = tokens_per_cycle * forwards["target_1"] / (forwards[f"target_{block_size}"] + forwards["drafter"])
+    speedup = (df_tokens / df_time) / (ar_tokens / ar_time)
+    phases = {k: 1e3 * v / max(1, timer.cycles) for k, v in timer.seconds.items() if k != "prefill"}
+    return {
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "block_size": block_size,
+        "autoregressive_tps": ar_tokens / ar_time,
+        "dflash_tps": df_tokens / df_time,
+        "speedup": speedup,
+        "mean_tokens_per_cycle": tokens_per_cycle,
+        "acceptance_histogram": {str(k): hist.get(k, 0) for k in range(1, block_size + 1)},
+        "phase_ms_per_cycle": phases,
+        "forward_ms": forwards,
+        "ideal_speedup": ideal,
+        "fraction_of_ideal": speedup / ideal,
+        "repeated_4gram_share": statistics.mean(repeated_4gram_share(r["tokens"]) for r in df),
+        "outputs_identical": mismatches == 0,
+        "mismatched_prompts": mismatches,
+        "peak_memory_gb": max(r["peak_memory"] for r in df + ar),
+    }
+
+
+def print_report(r: dict) -> None:
+    B = r["block_size"]
+    print(f"prompts {r['prompts']}, max tokens {r['max_tokens']}, block size {B}")
+    print(f"autoregressive (mlx-lm)  {r['autoregressive_tps']:8.1f} tok/s")
+    print(f"DFlash                   {r['dflash_tps']:8.1f} tok/s   speedup {r['speedup']:.2f}x")
+    print(f"mean tokens per cycle    {r['mean_tokens_per_cycle']:.2f}")
+    print(
+        f"forwards (ms)            target x1 {r['forward_ms']['target_1']:.2f}, "
+        f"target x{B} {r['forward_ms'][f'target_{B}']:.2f}, drafter {r['forward_ms']['drafter']:.2f}"
+    )
+    print(f"ideal speedup            {r['ideal_speedup']:.2f}x  (achieved {100 * r['fraction_of_ideal']:.0f}% of it)")
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_ms_per_cycle"].items())
+    print(f"phases (ms per cycle)    {phases}")
+    hist = " ".join(f"{k}:{v}" for k, v in r["acceptance_histogram"].items())
+    print(f"tokens per cycle hist    {hist}")
+    print(f"repeated 4-gram share    {100 * r['repeated_4gram_share']:.1f}%")
+    print(f"outputs identical to AR  {r['outputs_identical']}")
+    print(f"peak memory              {r['peak_memory_gb']:.3f} GB")
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    hist = r["acceptance_histogram"]
+    ax1.bar([int(k) for k in hist], list(hist.values()), color="#4C72B0")
+    ax1.set_xlabel("tokens committed per cycle")
+    ax1.set_ylabel("cycles")
+    ax1.set_title(f"acceptance (mean {r['mean_tokens_per_cycle']:.2f})")
+    names = ["autoregressive", "DFlash"]
+    values = [r["autoregressive_tps"], r["dflash_tps"]]
+    if "speculative_tps" in r:
+        names.insert(1, "spec. (mlx-lm)")
+        values.insert(1, r["speculative_tps"])
+    ax2.bar(names, values, color=["#999999", "#DD8452", "#55A868"][-len(names):])
+    ax2.set_ylabel("tokens / s")
+    ax2.set_title(f"speedup {r['speedup']:.2f}x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def setup_arg_parser():
+    from .pair import DEFAULT_TARGET
+
+    p = argparse.ArgumentParser(description="Benchmark DFlash against autoregressive decoding of the same target.")
+    p.add_argument("--model", default=str(DEFAULT_TARGET))
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--prompts", default=None, help="JSON list of prompts (default: the bundled held-out prompts)")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--plot", default=None, help="write a PNG figure here")
+    return p
+
+
+def main(argv=None):
+    from .loading import load, load_draft
+    from .pair import default_draft_for, default_prompts
+
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        draft_path = args.draft_model or default_draft_for(args.model)
+        model, tokenizer = load(args.model)
+        draft = load_draft(draft_path, model)
+        prompts = json.loads(open(args.prompts).read()) if args.prompts else default_prompts()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    report = benchmark(model, draft, tokenizer, prompts, args.max_tokens, args.block_size)
+    report.update(model=str(args.model), draft_model=str(draft_path), mlx=mx.__version__, device=str(mx.default_device()))
+    print_report(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
