@@ -1,0 +1,87 @@
+"""Command-line entry points: generate, chat, bench, and the dispatcher."""
+
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dflash_mlx import benchmark, chat, cli
+
+# the package exports a generate() function under the module's name
+generate = importlib.import_module("dflash_mlx.generate")
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(qwen3_5_pair, tmp_path_factory):
+    draft = qwen3_5_pair.make_draft(tmp_path_factory.mktemp("cli") / "draft", block_size=4)
+    return str(qwen3_5_pair.path), str(draft)
+
+
+def test_generate_streams_and_reports(tiny_dirs, capsys):
+    model, draft = tiny_dirs
+    rc = generate.main(["--model", model, "--draft-model", draft, "--prompt", "def f(x):", "-m", "24"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.startswith("def f(x):")
+    for line in ("Prompt:", "Generation: 24 tokens", "Mean tokens per cycle:", "Peak memory:"):
+        assert line in out
+
+
+def test_generate_matches_library_text(tiny_dirs, qwen3_5_pair, capsys):
+    import dflash_mlx
+
+    model, draft_dir = tiny_dirs
+    generate.main(["--model", model, "--draft-model", draft_dir, "--prompt", "abc", "-m", "16", "--block-size", "2"])
+    out = capsys.readouterr().out
+    draft = dflash_mlx.load_draft(draft_dir, qwen3_5_pair.model)
+    text = dflash_mlx.generate(qwen3_5_pair.model, draft, qwen3_5_pair.tokenizer, "abc", max_tokens=16)
+    assert out.startswith("abc" + text)
+
+
+def test_generate_bad_paths_fail_cleanly(tiny_dirs, tmp_path, capsys):
+    model, _ = tiny_dirs
+    assert generate.main(["--model", model, "--draft-model", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "neither an existing directory" in err
+    assert generate.main(["--model", model]) == 1
+    assert "--draft-model is required" in capsys.readouterr().err
+
+
+def test_chat_turns(tiny_dirs, capsys):
+    model, draft = tiny_dirs
+    answers = iter(["hello", "r", "again", "q"])
+    assert chat.main(["--model", model, "--draft-model", draft, "-m", "8"], input_fn=lambda _: next(answers)) == 0
+    out = capsys.readouterr().out
+    assert out.count("tokens/cycle]") == 2
+
+
+def test_bench_json_and_plot(tiny_dirs, tmp_path, capsys):
+    model, draft = tiny_dirs
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(["def a():", "x = 1"]))
+    rc = benchmark.main([
+        "--model", model, "--draft-model", draft, "--prompts", str(prompts), "--max-tokens", "12",
+        "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"),
+    ])
+    assert rc == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["outputs_identical"] is True
+    assert set(report["phase_ms_per_cycle"]) == {"draft", "verify", "rollback", "host"}
+    assert sum(report["acceptance_histogram"].values()) > 0
+    assert (tmp_path / "r.png").stat().st_size > 1000
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_repeated_4gram_share():
+    assert benchmark.repeated_4gram_share([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 / 8)
+    assert benchmark.repeated_4gram_share([1, 2, 3, 4, 5]) == 0
+
+
+def test_dispatcher(capsys):
+    assert cli.main([]) == 2
+    assert cli.main(["nope"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+    done = subprocess.run([sys.executable, "-m", "dflash_mlx.generate", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--draft-model" in done.stdout
