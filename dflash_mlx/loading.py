@@ -6,7 +6,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from .models.dflash import DFlashConfig, DFlashDraftModel, DraftConfigError
 
@@ -184,7 +184,15 @@ def load_draft(
     check_weights(model, weights, path)
     model.load_weights(list(weights.items()), strict=True)
     if dtype is not None:
-        model.set_dtype(dtype, predicate=lambda k: "codebook" not in k or dtype == mx.float32)
+        # Floating tensors only (packed quantized weights are integers);
+        # codebooks keep their stored precision unless float32 is asked for.
+        def cast(name, value):
+            keep = not mx.issubdtype(value.dtype, mx.floating) or (
+                "codebook" in name and dtype != mx.float32
+            )
+            return value if keep else value.astype(dtype)
+
+        model.update(tree_map_with_path(cast, model.parameters()))
     model.eval()
     mx.eval(model.parameters())
     if target is not None:

@@ -1,0 +1,453 @@
+"""Convert Hugging Face DFlash / DFlash2 drafters (and their targets) to MLX.
+
+    mlx-dflash convert --hf-path z-lab/Qwen3.5-4B-DFlash --mlx-path dflash-4bit -q
+    python -m dflash_mlx.convert --hf-path Qwen/Qwen3.5-4B --mlx-path target-4bit -q \\
+        --draft-hf-path z-lab/Qwen3.5-4B-DFlash --draft-mlx-path dflash-4bit
+
+Drafters are converted here, one tensor at a time, so peak memory stays near
+one output shard. Targets are handed to mlx-lm's own converter. Either way
+the result appears at the destination only once it is complete.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .loading import (
+    DRAFT_ARCHITECTURES,
+    build_draft,
+    check_draft_architecture,
+    check_weights,
+    normalize_tensor_names,
+    read_safetensors,
+    resolve_path,
+)
+from .models.dflash import DFlashConfig, DraftConfigError
+
+DTYPES = ("float16", "bfloat16", "float32")
+Q_BITS = (2, 3, 4, 5, 6, 8)
+Q_GROUP_SIZES = (32, 64, 128)
+DEFAULT_SHARD_GB = 2.0
+# Besides weights and config.json, files worth carrying over (model card,
+# tokenizer, chat template, generation config, licence, remote code).
+COPIED_SUFFIXES = {".json", ".md", ".txt", ".jinja", ".model", ".tiktoken", ".py"}
+SOURCE_WEIGHT_FILES = {"config.json", "model.safetensors.index.json"}
+
+
+class ConvertError(ValueError):
+    """A conversion that cannot proceed; the message is shown as is."""
+
+
+def source_config(hf_path: str) -> Tuple[Path, dict]:
+    """config.json of a local directory or a hub id (fetching nothing else)."""
+    src = resolve_path(hf_path, allow_patterns=["config.json"])
+    cfg_file = src / "config.json"
+    if not cfg_file.is_file():
+        raise ConvertError(f"{hf_path} has no config.json: not a Hugging Face checkpoint")
+    try:
+        return src, json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{cfg_file} is not valid JSON: {e}") from e
+
+
+def detect_kind(cfg: dict) -> str:
+    """'draft' for DFlash / DFlash2 architectures, anything else is a target."""
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch in DRAFT_ARCHITECTURES or (arch is None and "dflash_config" in cfg):
+        return "draft"
+    return "target"
+
+
+class Staging:
+    """A private directory beside DST that becomes DST only on commit().
+
+    Same parent, so the final rename is atomic and never crosses file
+    systems. An existing DST is refused up front unless ``force``; with
+    ``force`` it is replaced only at commit, after the conversion succeeded.
+    """
+
+    def __init__(self, dst, force: bool):
+        self.dst = Path(dst).expanduser().absolute()
+        self.force = force
+        if os.path.lexists(self.dst) and not force:
+            raise ConvertError(f"{dst} already exists: pass --force to replace it")
+        self.dst.parent.mkdir(parents=True, exist_ok=True)
+        self.root = Path(tempfile.mkdtemp(prefix=f".{self.dst.name}.", suffix=".tmp", dir=self.dst.parent))
+        # Writers create this themselves (mlx-lm insists on a new path); being
+        # made by mkdir, it gets ordinary permissions, unlike mkdtemp's 0700.
+        self.path = self.root / "out"
+
+    def commit(self):
+        old = self.root / "old"
+        if os.path.lexists(self.dst):
+            if not self.force:
+                raise ConvertError(f"{self.dst} appeared during the conversion; left it alone")
+            os.replace(self.dst, old)
+        try:
+            os.replace(self.path, self.dst)
+        except OSError:
+            if os.path.lexists(old):
+                os.replace(old, self.dst)
+            raise
+        self.discard()
+
+    def discard(self):
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def quantizable(group_size: int):
+    """nn.quantize predicate: Linear layers whose input width the group divides.
+
+    Only matmul weights are quantized. Norms, DFlash2 conv base kernels and
+    the selector codebooks stay float: they are tiny (no memory to win), and
+    base kernels and codebooks are not matmul weights but terms of sums (conv
+    taps over a block, pairwise selector scores) whose rounding errors
+    compound along the block and the selector's walk.
+    """
+    return lambda path, module: isinstance(module, nn.Linear) and module.weight.shape[-1] % group_size == 0
+
+
+def zlab_name(name: str) -> str:
+    """Model parameter name -> z-lab tensor name (codebooks are bare there)."""
+    return name[: -len(".weight")] if name.endswith("_codebook.weight") else name
+
+
+def plan_draft_tensors(model: nn.Module, weights: Dict[str, mx.array], dtype, q) -> List[list]:
+    """Lazy output tensors, grouped into units that are evaluated together.
+
+    Consumes ``weights``: once a unit is evaluated and written nothing else
+    holds its source, so memory is released tensor by tensor.
+    """
+    quantized = {p for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    units = []
+    for name, _ in tree_flatten(model.parameters()):
+        prefix, leaf = name.rsplit(".", 1)
+        if prefix in quantized and leaf in ("scales", "biases"):
+            continue  # emitted with the weight
+        value = weights.pop(name)
+        # Codebooks keep their stored precision unless float32 is asked for,
+        # as load_draft does: selector scores are sums of their products.
+        if (
+            dtype is not None
+            and mx.issubdtype(value.dtype, mx.floating)
+            and ("codebook" not in name or dtype == mx.float32)
+        ):
+            value = value.astype(dtype)
+        if prefix in quantized and leaf == "weight":
+            w, scales, biases = mx.quantize(value, q["group_size"], q["bits"])
+            units.append([(name, w), (f"{prefix}.scales", scales), (f"{prefix}.biases", biases)])
+        else:
+            units.append([(zlab_name(name), value)])
+    return units
+
+
+def shard_units(units: List[list], max_bytes: int) -> List[List[list]]:
+    """Consecutive units per shard; a unit larger than the limit gets its own."""
+    shards, size = [], 0
+    for unit in units:
+        nbytes = sum(v.nbytes for _, v in unit)
+        if not shards or size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(unit)
+        size += nbytes
+    return shards
+
+
+def copy_side_files(src: Path, out: Path):
+    """Model card, tokenizer and other small files, as they are."""
+    for f in src.iterdir():
+        if (
+            f.is_file()
+            and not f.name.startswith(".")
+            and f.name not in SOURCE_WEIGHT_FILES
+            and (f.suffix in COPIED_SUFFIXES or f.name.upper().startswith("LICENSE"))
+        ):
+            shutil.copy2(f, out / f.name)
+
+
+def write_draft(
+    hf_path: str,
+    cfg: dict,
+    out: Path,
+    *,
+    dtype: Optional[str],
+    quantize: bool,
+    q_bits: int,
+    q_group_size: int,
+    max_shard_bytes: int,
+) -> dict:
+    """Check the whole drafter, then write it to ``out`` shard by shard."""
+    from tqdm import tqdm
+
+    src = resolve_path(hf_path)
+    if cfg.get("quantization"):
+        raise ConvertError(f"{hf_path} is already quantized: convert from the float checkpoint")
+    try:
+        config = DFlashConfig.from_hf(cfg)
+    except DraftConfigError as e:
+        raise ConvertError(f"{src / 'config.json'}: {e}") from e
+    weights = normalize_tensor_names(read_safetensors(src))
+    model = build_draft(config)  # parameters stay lazy: nothing is allocated
+    check_weights(model, weights, src)
+    size_before = sum(v.nbytes for v in weights.values())
+    n_before = len(weights)
+    mx_dtype = getattr(mx, dtype) if dtype else None
+    q = {"group_size": q_group_size, "bits": q_bits, "mode": "affine"} if quantize else None
+    kept_float = []
+    if q:
+        predicate = quantizable(q_group_size)
+        kept_float = [
+            p for p, m in model.named_modules() if isinstance(m, nn.Linear) and not predicate(p, m)
+        ]
+        nn.quantize(model, q_group_size, q_bits, class_predicate=predicate)
+    shards = shard_units(plan_draft_tensors(model, weights, mx_dtype, q), max_shard_bytes)
+    del model
+
+    out.mkdir()
+    n_shards = len(shards)
+    weight_map, size_after = {}, 0
+    total = sum(len(u) for s in shards for u in s)
+    with tqdm(total=total, unit="tensor", desc="converting", disable=None) as bar:
+        for i in range(n_shards):
+            shard, shards[i] = shards[i], None
+            fname = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+            tensors = {}
+            for unit in shard:
+                mx.eval(*(v for _, v in unit))
+                tensors.update(unit)
+                bar.update(len(unit))
+            del shard
+            mx.save_safetensors(str(out / fname), tensors, metadata={"format": "mlx"})
+            size_after += sum(v.nbytes for v in tensors.values())
+            weight_map.update(dict.fromkeys(tensors, fname))
+            del tensors
+            mx.clear_cache()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {"total_size": size_after}, "weight_map": dict(sorted(weight_map.items()))},
+            indent=2,
+        )
+    )
+    copy_side_files(src, out)
+    out_cfg = dict(cfg)  # every original field survives
+    if dtype:
+        for key in ("torch_dtype", "dtype"):
+            if key in out_cfg:
+                out_cfg[key] = dtype
+    if q:
+        out_cfg["quantization"] = dict(q)
+        out_cfg["quantization_config"] = dict(q)  # the HF-side name mlx-lm also writes
+    (out / "config.json").write_text(json.dumps(out_cfg, indent=2))
+    return {
+        "tensors": (n_before, len(weight_map)),
+        "bytes": (size_before, size_after),
+        "shards": n_shards,
+        "kept_float": kept_float,
+    }
+
+
+def write_target(hf_path: str, out: Path, *, dtype, quantize, q_bits, q_group_size) -> dict:
+    """mlx-lm's converter, unchanged (its own shard size), writing to ``out``."""
+    from mlx_lm.convert import convert as mlx_lm_convert
+
+    src = Path(hf_path).expanduser()
+    size_before = sum(f.stat().st_size for f in src.glob("*.safetensors")) if src.is_dir() else None
+    mlx_lm_convert(
+        hf_path=str(hf_path),
+        mlx_path=str(out),
+        quantize=quantize,
+        q_bits=q_bits if quantize else None,
+        q_group_size=q_group_size if quantize else None,
+        dtype=dtype,
+    )
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    return {
+        "tensors": (None, len(index["weight_map"])),
+        "bytes": (size_before, index["metadata"]["total_size"]),
+        "shards": len(set(index["weight_map"].values())),
+        "kept_float": [],
+    }
+
+
+def human(nbytes) -> str:
+    if nbytes is None:
+        return "?"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def summary_line(kind: str, dst: Path, stats: dict, seconds: float, q: Optional[dict]) -> str:
+    n_in, n_out = stats["tensors"]
+    b_in, b_out = stats["bytes"]
+    tensors = f"{n_in} -> {n_out}" if n_in is not None else f"{n_out}"
+    qtext = f", {q['bits']}-bit g{q['group_size']}" if q else ""
+    line = (
+        f"[convert] {kind} -> {dst}: {tensors} tensors in {stats['shards']} shard(s), "
+        f"{human(b_in)} -> {human(b_out)}{qtext}, {seconds:.1f} s, "
+        f"peak MLX memory {human(mx.get_peak_memory())}"
+    )
+    if stats["kept_float"]:
+        line += (
+            f"\n[convert] kept {len(stats['kept_float'])} linear layer(s) in float: input width "
+            f"not divisible by the group size {q['group_size']} ({', '.join(stats['kept_float'][:4])}"
+            f"{' ...' if len(stats['kept_float']) > 4 else ''})"
+        )
+    return line
+
+
+def convert(
+    hf_path: str,
+    mlx_path: str,
+    *,
+    kind: str = "auto",
+    dtype: Optional[str] = None,
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    force: bool = False,
+    max_shard_gb: float = DEFAULT_SHARD_GB,
+    draft_hf_path: Optional[str] = None,
+    draft_mlx_path: Optional[str] = None,
+) -> List[dict]:
+    """Convert one checkpoint, or a target + drafter pair, all or nothing.
+
+    ``kind`` is "draft", "target" or "auto" (from config.json's
+    architectures). Every destination is checked before any work starts and
+    filled only after every conversion succeeded; on failure none is touched.
+    Returns the per-checkpoint statistics.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise ConvertError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if quantize and (q_bits not in Q_BITS or q_group_size not in Q_GROUP_SIZES):
+        raise ConvertError(f"quantization needs bits in {Q_BITS} and group size in {Q_GROUP_SIZES}")
+    if (draft_hf_path is None) != (draft_mlx_path is None):
+        raise ConvertError("--draft-hf-path and --draft-mlx-path go together")
+    jobs = [(hf_path, mlx_path, kind)]
+    if draft_hf_path is not None:
+        jobs.append((draft_hf_path, draft_mlx_path, "draft"))
+    dsts = [Path(d).expanduser().absolute() for _, d, _ in jobs]
+    if len(set(dsts)) != len(dsts):
+        raise ConvertError("the target and the drafter need different destinations")
+    options = dict(dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size)
+    q = {"group_size": q_group_size, "bits": q_bits} if quantize else None
+
+    resolved = []
+    for src, dst, job_kind in jobs:
+        src_dir, cfg = source_config(src)
+        found = detect_kind(cfg)
+        if job_kind == "auto":
+            job_kind = found
+        elif job_kind == "draft" and found != "draft":
+            check_draft_architecture(cfg, src)  # raises, naming the architecture
+        if src_dir.resolve() == Path(dst).expanduser().resolve():
+            raise ConvertError(f"{dst} is the source checkpoint: choose another --mlx-path")
+        resolved.append((src, cfg, dst, job_kind))
+
+    stagings = []
+    try:
+        for _, _, dst, _ in resolved:
+            stagings.append(Staging(dst, force))
+        lines = []
+        stats = []
+        for (src, cfg, dst, job_kind), staging in zip(resolved, stagings):
+            tic = time.perf_counter()
+            mx.reset_peak_memory()
+            if job_kind == "draft":
+                shard_bytes = int(max_shard_gb * (1 << 30))
+                result = write_draft(src, cfg, staging.path, max_shard_bytes=shard_bytes, **options)
+            else:
+                result = write_target(src, staging.path, **options)
+            result["kind"] = job_kind
+            stats.append(result)
+            lines.append(summary_line(job_kind, staging.dst, result, time.perf_counter() - tic, q))
+        for staging in stagings:
+            staging.commit()
+    finally:
+        for staging in stagings:
+            staging.discard()
+    for line in lines:
+        print(line)
+    return stats
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx-dflash convert",
+        description="Convert a Hugging Face DFlash/DFlash2 drafter or its target model to MLX "
+        "(drafters natively, targets through mlx-lm's converter).",
+    )
+    p.add_argument("--hf-path", "--model", required=True, help="source: local directory or Hugging Face id")
+    p.add_argument("--mlx-path", required=True, help="destination directory (must not exist unless --force)")
+    p.add_argument(
+        "--kind",
+        choices=("auto", "draft", "target"),
+        default="auto",
+        help="what --hf-path is (default: from config.json's architectures; "
+        f"{' / '.join(DRAFT_ARCHITECTURES)} are drafters, anything else a target)",
+    )
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="type of the float tensors (default: as stored)")
+    p.add_argument("-q", "--quantize", action="store_true", help="quantize the linear layers")
+    p.add_argument("--q-bits", type=int, choices=Q_BITS, default=None, help="bits per weight (default 4)")
+    p.add_argument("--q-group-size", type=int, choices=Q_GROUP_SIZES, default=None, help="group size (default 64)")
+    p.add_argument("--force", action="store_true", help="replace an existing destination (after success)")
+    p.add_argument(
+        "--max-shard-size",
+        type=float,
+        default=DEFAULT_SHARD_GB,
+        metavar="GB",
+        help=f"drafter output shard size in GiB; peak memory is about one shard (default {DEFAULT_SHARD_GB})",
+    )
+    p.add_argument("--draft-hf-path", default=None, help="also convert this drafter, with the same options")
+    p.add_argument("--draft-mlx-path", default=None, help="destination of --draft-hf-path")
+    return p
+
+
+def main(argv=None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    if not args.quantize and (args.q_bits is not None or args.q_group_size is not None):
+        print("error: --q-bits / --q-group-size need -q/--quantize", file=sys.stderr)
+        return 2
+    if args.max_shard_size <= 0:
+        print("error: --max-shard-size must be positive", file=sys.stderr)
+        return 2
+    try:
+        convert(
+            args.hf_path,
+            args.mlx_path,
+            kind=args.kind,
+            dtype=args.dtype,
+            quantize=args.quantize,
+            q_bits=args.q_bits or 4,
+            q_group_size=args.q_group_size or 64,
+            force=args.force,
+            max_shard_gb=args.max_shard_size,
+            draft_hf_path=args.draft_hf_path,
+            draft_mlx_path=args.draft_mlx_path,
+        )
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except ValueError as e:  # ConvertError, DraftLoadError and mlx-lm's own checks
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # mlx file errors, OS errors: one line, not a traceback
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Does quantizing the drafter cost acceptance? Mean tokens per cycle, float vs 8/4-bit.
+
+    python examples/quantized_acceptance.py --model TARGET --draft-model DRAFTER \\
+        --prompts dflash_mlx/default_pair/prompts.json --max-tokens 256
+
+Converts the drafter to each bit width (into a temporary directory), runs
+greedy DFlash on every prompt and prints mean tokens committed per verify
+cycle. Greedy decoding is lossless, so every variant must produce the same
+text; only the number of cycles it takes differs. The prompts file is a JSON
+list of strings (or of {"prompt": ...} objects), or plain text with one prompt
+per line.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import dflash_mlx  # noqa: E402
+from dflash_mlx.convert import convert  # noqa: E402
+from dflash_mlx.generate import build_prompt  # noqa: E402
+
+
+def read_prompts(path: Path):
+    text = path.read_text()
+    if path.suffix == ".json":
+        items = json.loads(text)
+        return [p["prompt"] if isinstance(p, dict) else p for p in items]
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def run_variant(model, tokenizer, draft_dir, prompts, max_tokens):
+    """Greedy DFlash over all prompts: (tokens per prompt, cycles, committed)."""
+    draft = dflash_mlx.load_draft(draft_dir, model)
+    outputs, cycles, committed = [], 0, 0
+    for prompt in prompts:
+        responses = list(dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens))
+        outputs.append([t for r in responses for t in r.tokens])
+        # The first response is the prefill's token, not a verify cycle.
+        cycles += len(responses) - 1
+        committed += sum(r.committed for r in responses[1:])
+    return outputs, cycles, committed
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="target: local path or Hugging Face id")
+    p.add_argument("--draft-model", required=True, help="float drafter: local path or Hugging Face id")
+    p.add_argument("--prompts", required=True, type=Path, help="JSON list or one prompt per line")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--bits", type=int, nargs="+", default=[8, 4], help="bit widths to compare (default 8 4)")
+    p.add_argument("--q-group-size", type=int, default=64)
+    p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompts as they are")
+    args = p.parse_args(argv)
+
+    model, tokenizer = dflash_mlx.load(args.model)
+    prompts = read_prompts(args.prompts)[: args.limit]
+    prompts = [build_prompt(tokenizer, q, use_chat_template=not args.ignore_chat_template) for q in prompts]
+    rows, reference = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for bits in [None, *args.bits]:
+            label = "float" if bits is None else f"{bits}-bit g{args.q_group_size}"
+            draft_dir = args.draft_model
+            if bits is not None:
+                draft_dir = str(Path(tmp) / f"q{bits}")
+                convert(args.draft_model, draft_dir, kind="draft", quantize=True, q_bits=bits, q_group_size=args.q_group_size)
+            tic = time.perf_counter()
+            outputs, cycles, committed = run_variant(model, tokenizer, draft_dir, prompts, args.max_tokens)
+            seconds = time.perf_counter() - tic
+            if reference is None:
+                reference = outputs
+            elif outputs != reference:
+                sys.exit(f"{label}: greedy output differs from the float drafter's (lossless decoding is broken)")
+            rows.append((label, committed / max(cycles, 1), cycles, seconds))
+    base = rows[0][1]
+    print(f"\n{len(prompts)} prompts, {sum(map(len, reference))} generated tokens each run")
+    print("| drafter | mean tokens/cycle | vs float | cycles | seconds |")
+    print("|---|---|---|---|---|")
+    for label, mean, cycles, seconds in rows:
+        print(f"| {label} | {mean:.3f} | {100 * (mean / base - 1):+.1f}% | {cycles} | {seconds:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
