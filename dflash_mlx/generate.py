@@ -14,6 +14,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .sampling import ACCEPTANCE_RULES, processed_probs, speculative_accept
 from .targets import adapter_for
 
 
@@ -115,20 +116,38 @@ def stream_generate(
     block_size: Optional[int] = None,
     max_tokens: int = 256,
     temperature: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
     sampler: Optional[Callable[[mx.array], mx.array]] = None,
+    acceptance: str = "speculative",
     prefill_step_size: int = 2048,
     timer: Optional[PhaseTimer] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from ``model`` with ``draft`` proposing blocks; yields per cycle.
 
     Greedy (``temperature == 0`` and no ``sampler``) output is token-identical
-    to the target's own greedy decode. With ``temperature > 0`` (or a
-    ``sampler``, mlx-lm's ``make_sampler`` style, fed log-probabilities) the
-    target samples every verified slot and a draft token is accepted only
-    when it equals the target's sample: lossless, though it accepts less than
-    speculative sampling would. ``block_size`` defaults to the drafter's
-    trained size; 1 is plain target decoding.
+    to the target's own greedy decode. With ``temperature > 0`` every committed
+    token is distributed exactly as mlx-lm's ``make_sampler(temperature,
+    top_p, min_p, top_k=top_k)`` samples the target, under either
+    ``acceptance`` rule:
+
+    - ``"speculative"`` (default): the drafter samples its block from its own
+      processed distribution q; each draft token survives with probability
+      min(1, p/q) against the target's processed p, the first rejected slot
+      is resampled from max(0, p - q) (reference section 6).
+    - ``"exact-match"``: the drafter proposes greedily, the target samples
+      every slot, and a draft token survives only if it equals that sample.
+      Simpler, accepts less; kept for comparison.
+
+    A custom ``sampler`` (mlx-lm style, fed log-probabilities; it overrides
+    ``temperature`` and the truncation arguments) only yields tokens, not the
+    p that rejection sampling needs, so it always uses exact match. Seed
+    ``mx.random`` to reproduce a sampled run. ``block_size`` defaults to the
+    drafter's trained size; 1 is plain target decoding.
     """
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, not {acceptance!r}")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if max_tokens < 1:
@@ -140,13 +159,21 @@ def stream_generate(
     if draft._target is None or draft._target.model is not model:
         draft.bind(model)
     target = draft.target
-    if sampler is None:
-        sampler = make_sampler(temperature) if temperature > 0 else None
+    speculative = sampler is None and temperature > 0 and acceptance == "speculative"
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    if sampler is None and temperature > 0:
+        sampler = make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)
 
     def choose(logits):  # target's token(s) for logits [..., V]
         if sampler is None:
             return mx.argmax(logits, axis=-1)
         return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    def accept(logits, proposal, q):  # accepted count and the token after them
+        if q is None:
+            return accept_greedy(proposal.tolist(), choose(logits).tolist())
+        accepted, token = speculative_accept(proposal, processed_probs(logits, **sampling), q)
+        return accepted.item(), token.item()
 
     prompt = encode_prompt(tokenizer, prompt)
     if prompt.size == 0:
@@ -206,27 +233,31 @@ def stream_generate(
             L = min(block_size, max_tokens - n_out)
             if timer:
                 timer.start()
+            q = None  # the drafter's distribution, when rejection sampling
             if L > 1:
                 block = mx.array([[anchor] + [draft.mask_token_id] * (L - 1)])
-                drafted = draft.propose(block, context, draft_cache)
+                if speculative:
+                    drafted, q = draft.propose_with_probs(block, context, draft_cache, **sampling)
+                    q = q[0]
+                else:
+                    drafted = draft.propose(block, context, draft_cache)
                 if timer:
                     timer.lap("draft", drafted)
                 verify_in = mx.concatenate([mx.array([[anchor]]), drafted.astype(mx.int32)], axis=1)
             else:
                 verify_in = mx.array([[anchor]])
             logits, taps = target.forward(verify_in, cache)
-            chosen = choose(logits[0])
+            proposal = verify_in[0, 1:]
+            accepted, bonus = accept(logits[0], proposal, q)
             if timer:
-                timer.lap("verify", chosen, taps, [c.state for c in cache])
-            proposal = verify_in[0, 1:].tolist()
-            accepted, bonus = accept_greedy(proposal, chosen.tolist())
+                timer.lap("verify", taps, [c.state for c in cache])
             target.rollback(cache, accepted + 1)
             context = taps[:, : accepted + 1]
             if timer:
                 timer.lap("rollback", [c.state for c in cache])
                 timer.cycles += 1
             anchor = bonus
-            response = respond(proposal[:accepted] + [bonus], accepted, accepted + 1)
+            response = respond(proposal[:accepted].tolist() + [bonus], accepted, accepted + 1)
             if timer:
                 timer.lap("host")
             yield response
@@ -254,6 +285,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin; default: a bundled held-out prompt)")
     p.add_argument("--max-tokens", "-m", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="seed mx.random for a reproducible sampled run")
+    p.add_argument(
+        "--acceptance",
+        choices=ACCEPTANCE_RULES,
+        default="speculative",
+        help="rule for drafted tokens at --temp > 0: rejection sampling or exact match (both lossless)",
+    )
     p.add_argument("--block-size", type=int, default=None, help="verify width (default: the drafter's trained block size; 1 = plain decoding)")
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is")
     p.add_argument("--system-prompt", default=None)
@@ -291,6 +332,8 @@ def main(argv=None):
     prompt = build_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     if args.verbose and isinstance(prompt, str):
         print(prompt, end="", flush=True)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
     cycles, committed = 0, 0
     last = None
     for last in stream_generate(
@@ -301,6 +344,10 @@ def main(argv=None):
         block_size=args.block_size,
         max_tokens=args.max_tokens,
         temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        acceptance=args.acceptance,
         prefill_step_size=args.prefill_step_size,
     ):
         if args.verbose:

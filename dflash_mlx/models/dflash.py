@@ -14,6 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..sampling import processed_probs, sample
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -319,6 +321,7 @@ class DFlashDraftModel(nn.Module):
         cache = draft.make_cache()
         logits = draft(block_tokens, target_hidden, cache)   # [B, L, vocab]
         tokens = draft.propose(block_tokens, target_hidden, cache)  # slots 1..L-1
+        tokens, q = draft.propose_with_probs(block_tokens, target_hidden, cache, temperature)
 
     ``target_hidden`` holds the concatenated tap states of the S context
     positions not yet injected; they are appended to ``cache`` (so call each
@@ -404,3 +407,21 @@ class DFlashDraftModel(nn.Module):
         if temperature > 0 and sampler is not None:
             return sampler(logits)
         return mx.argmax(logits, axis=-1)
+
+    def propose_with_probs(
+        self,
+        block_tokens,
+        target_hidden,
+        cache,
+        temperature: float,
+        top_p: float = 0.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+    ) -> Tuple[mx.array, mx.array]:
+        """Sampled tokens for slots 1..L-1 and the distribution ``q`` they were
+        drawn from, ``([B, L-1], [B, L-1, V])``: what speculative sampling
+        needs to verify them. ``q`` is processed like the target's ``p``.
+        """
+        logits = self(block_tokens, target_hidden, cache)[:, 1:]
+        q = processed_probs(logits, temperature, top_p, top_k, min_p)
+        return sample(q), q
