@@ -100,6 +100,30 @@ def time_forwards(model, draft, prompt_ids, block_size, repeats=20) -> Dict[str,
     }
 
 
+def run_speculative(model, ar_draft, tokenizer, prompt, max_tokens, num_draft_tokens):
+    """mlx-lm's classic speculative decoding with an autoregressive drafter."""
+    from mlx_lm import stream_generate as mlx_lm_stream_generate
+
+    tokens, last = [], None
+    for last in mlx_lm_stream_generate(
+        model, tokenizer, prompt, max_tokens=max_tokens, draft_model=ar_draft, num_draft_tokens=num_draft_tokens
+    ):
+        if last.finish_reason != "stop":
+            tokens.append(last.token)
+    return {"tokens": tokens, "tps": last.generation_tps}
+
+
+def speculative_baseline(model, ar_draft, tokenizer, prompts, max_tokens, ar_reference, num_draft_tokens):
+    run_speculative(model, ar_draft, tokenizer, prompts[0], 16, num_draft_tokens)  # warm-up
+    runs = [run_speculative(model, ar_draft, tokenizer, p, max_tokens, num_draft_tokens) for p in prompts]
+    n = sum(len(r["tokens"]) for r in runs)
+    return {
+        "speculative_tps": n / sum(len(r["tokens"]) / r["tps"] for r in runs),
+        "speculative_num_draft_tokens": num_draft_tokens,
+        "speculative_outputs_identical": all(r["tokens"] == a["tokens"] for r, a in zip(runs, ar_reference)),
+    }
+
+
 def benchmark(model, draft, tokenizer, prompts: List[str], max_tokens=128, block_size=None) -> dict:
     block_size = block_size or draft.block_size
     draft.bind(model)
@@ -128,7 +152,7 @@ def benchmark(model, draft, tokenizer, prompts: List[str], max_tokens=128, block
     ideal = tokens_per_cycle * forwards["target_1"] / (forwards[f"target_{block_size}"] + forwards["drafter"])
     speedup = (df_tokens / df_time) / (ar_tokens / ar_time)
     phases = {k: 1e3 * v / max(1, timer.cycles) for k, v in timer.seconds.items() if k != "prefill"}
-    return {
+    report = {
         "prompts": len(prompts),
         "max_tokens": max_tokens,
         "block_size": block_size,
@@ -146,6 +170,7 @@ def benchmark(model, draft, tokenizer, prompts: List[str], max_tokens=128, block
         "mismatched_prompts": mismatches,
         "peak_memory_gb": max(r["peak_memory"] for r in df + ar),
     }
+    return report, ar
 
 
 def print_report(r: dict) -> None:
@@ -166,6 +191,19 @@ def print_report(r: dict) -> None:
     print(f"repeated 4-gram share    {100 * r['repeated_4gram_share']:.1f}%")
     print(f"outputs identical to AR  {r['outputs_identical']}")
     print(f"peak memory              {r['peak_memory_gb']:.3f} GB")
+    if "speculative_tps" in r:
+        print(
+            f"mlx-lm speculative       {r['speculative_tps']:8.1f} tok/s   "
+            f"({r['speculative_num_draft_tokens']} draft tokens, identical {r['speculative_outputs_identical']})"
+        )
+    if "sampled_tokens_per_cycle" in r:
+        t = r["sampled_tokens_per_cycle"]
+        print(
+            f"tokens per cycle at T={r['sampling_temperature']}  rejection sampling {t['speculative']:.2f}, "
+            f"exact match {t['exact-match']:.2f}"
+        )
+    for impl, share in r.get("conv_selector_share", {}).items():
+        print(f"DFlash2 conv+selector    {impl}: {100 * share['share']:.1f}% of a draft forward ({1e3 * share['draft_s']:.2f} ms)")
 
 
 def plot(r: dict, path: str) -> None:
@@ -202,6 +240,9 @@ def setup_arg_parser():
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--ar-draft-model", default=None, help="also run mlx-lm's classic speculative decoding with this autoregressive drafter")
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens per step for --ar-draft-model")
+    p.add_argument("--sampling-temp", type=float, default=None, help="also compare tokens per cycle of rejection sampling vs exact match at this temperature")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG figure here")
     return p
@@ -221,7 +262,26 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 1
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
-    report = benchmark(model, draft, tokenizer, prompts, args.max_tokens, args.block_size)
+    report, ar_runs = benchmark(model, draft, tokenizer, prompts, args.max_tokens, args.block_size)
+    if args.ar_draft_model:
+        from mlx_lm import load as mlx_lm_load
+
+        ar_draft = mlx_lm_load(args.ar_draft_model)[0]
+        report.update(
+            speculative_baseline(model, ar_draft, tokenizer, prompts, args.max_tokens, ar_runs, args.num_draft_tokens)
+        )
+    if args.sampling_temp:
+        from .sampling import tokens_per_cycle_by_rule
+
+        report["sampling_temperature"] = args.sampling_temp
+        report["sampled_tokens_per_cycle"] = tokens_per_cycle_by_rule(
+            model, draft, tokenizer, prompts, temperature=args.sampling_temp,
+            max_tokens=args.max_tokens, block_size=args.block_size,
+        )
+    if draft.config.architecture == "DFlash2DraftModel":
+        from .models.dflash2 import conv_selector_share
+
+        report["conv_selector_share"] = conv_selector_share(draft, block_size=report["block_size"])
     report.update(model=str(args.model), draft_model=str(draft_path), mlx=mx.__version__, device=str(mx.default_device()))
     print_report(report)
     if args.json:

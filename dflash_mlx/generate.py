@@ -181,7 +181,6 @@ def stream_generate(
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer
     detok.reset()
-    timer = timer or None
 
     with wired_limit(model, [generation_stream]):
         cache = target.make_cache()

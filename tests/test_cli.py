@@ -64,6 +64,7 @@ def test_bench_json_and_plot(tiny_dirs, tmp_path, capsys):
     rc = benchmark.main([
         "--model", model, "--draft-model", draft, "--prompts", str(prompts), "--max-tokens", "12",
         "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"),
+        "--ar-draft-model", model, "--sampling-temp", "0.7",  # the target drafting itself
     ])
     assert rc == 0
     report = json.loads((tmp_path / "r.json").read_text())
@@ -71,6 +72,8 @@ def test_bench_json_and_plot(tiny_dirs, tmp_path, capsys):
     assert set(report["phase_ms_per_cycle"]) == {"draft", "verify", "rollback", "host"}
     assert sum(report["acceptance_histogram"].values()) > 0
     assert (tmp_path / "r.png").stat().st_size > 1000
+    assert report["speculative_outputs_identical"] is True and report["speculative_tps"] > 0
+    assert set(report["sampled_tokens_per_cycle"]) == {"speculative", "exact-match"}
     assert "speedup" in capsys.readouterr().out
 
 
