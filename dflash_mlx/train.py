@@ -1,0 +1,524 @@
+"""Train a DFlash drafter for a frozen target, mlx-lm style.
+
+    mlx-dflash train --target PATH --data corpus.txt --out my-draft
+    python -m dflash_mlx.train --target PATH --data tokens.npy --out my-draft --resume
+
+The recipe (reference section 8): the target is frozen and run once per
+training sequence, giving the tap hidden states of every position and, for
+self-distillation, its own greedy prediction at every position. Random anchor
+positions ``a`` are drawn per sequence; each anchor becomes a block
+``[token at a, MASK x (B-1)]`` at positions ``a..a+B-1``. All blocks of a
+sequence go through the drafter in one pass under a block-sparse mask: a
+block sees the fused taps of positions ``< a`` (what the inference loop has
+injected when it drafts from anchor ``a``) and its own slots, never another
+block. Slot ``j`` is trained with cross-entropy against the token at
+``a + j`` (the target's greedy choice there, or the data token), weighted
+``exp(-(j-1)/gamma)`` because a later slot only counts if every earlier one
+was accepted.
+
+Checkpoints are z-lab Hugging Face directories (``config.json`` +
+``model.safetensors``), loadable with ``dflash_mlx.load_draft`` and the
+converter as they are; ``training_state/`` beside them makes ``--resume``
+continue bit-identically.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids, draft_attention_mask
+
+STATE_DIR = "training_state"
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+# Arguments that change the trained weights: --resume must repeat them.
+RUN_KEYS = (
+    "target", "data", "num_layers", "block_size", "taps", "steps", "learning_rate",
+    "batch_size", "seq_len", "gamma", "anchors_per_seq", "seed", "targets", "warmup",
+    "mask_token_id", "intermediate_size", "weight_decay", "grad_clip", "target_dtype",
+)
+MASK_NAME = re.compile(r"^<\|?\s*mask\s*\|?>$", re.IGNORECASE)
+
+
+class TrainError(ValueError):
+    """Bad input to the trainer: reported as one line, no traceback."""
+
+
+# ------------------------------------------------------------------ the math
+
+
+def block_sparse_mask(anchors: mx.array, seq_len: int, block_size: int) -> mx.array:
+    """Boolean [batch, n*B, seq_len + n*B]: which keys each block slot sees.
+
+    Block ``i`` (anchor ``a_i``) sees context positions ``< a_i`` and every
+    slot of its own block; the per-layer causal / sliding-window rule of the
+    drafter is applied on top by :func:`train_forward`.
+    """
+    n = anchors.shape[1]
+    anchor_of_slot = mx.repeat(anchors, block_size, axis=1)  # [b, L]
+    ctx = mx.arange(seq_len)[None, None, :] < anchor_of_slot[:, :, None]
+    block_id = mx.arange(n * block_size) // block_size
+    own = block_id[:, None] == block_id[None, :]
+    own = mx.broadcast_to(own, (anchors.shape[0], *own.shape))
+    return mx.concatenate([ctx, own], axis=-1)
+
+
+def layer_mask(attn, mask: mx.array, positions: mx.array, seq_len: int) -> mx.array:
+    """``mask`` narrowed by the layer's own rule, the same function inference uses."""
+    ctx_positions = mx.arange(seq_len)
+    rules = [
+        draft_attention_mask(
+            ctx_positions, p, is_causal=attn.is_causal, sliding_window=attn.sliding_window
+        )
+        for p in positions
+    ]
+    if rules[0] is None:
+        return mask
+    return mask & mx.stack(rules)
+
+
+def _rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
+    """RoPE of ``x`` [b, L, H, D] with each slot at its own absolute position.
+
+    Each slot becomes a length-1 sequence whose offset is its position, so
+    blocks at scattered anchors rotate exactly as in a contiguous decode.
+    Returns [b, H, L, D].
+    """
+    b, L, H, D = x.shape
+    y = rope(x.reshape(b * L, 1, H, D).transpose(0, 2, 1, 3), offset=positions.reshape(-1))
+    return y.reshape(b, L, H, D).transpose(0, 2, 1, 3)
+
+
+def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask):
+    """``DraftAttention.__call__`` for many blocks at scattered positions."""
+    b, L, _ = x.shape
+    q = attn.q_norm(attn.q_proj(x).reshape(b, L, attn.n_heads, -1))
+    q = _rope_at(rope, q, positions)
+    # project_kv with one-token sequences at per-slot offsets.
+    k, v = attn.project_kv(x.reshape(b * L, 1, -1), rope, positions.reshape(-1))
+    k = k.reshape(b, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = v.reshape(b, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    k = mx.concatenate([ctx_k, k], axis=2)
+    v = mx.concatenate([ctx_v, v], axis=2)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask[:, None])
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, L, -1))
+
+
+def train_forward(draft: DFlashDraftModel, target_embed, tap_states, blocks, positions, mask):
+    """Final drafter states of many blocks of one batch of sequences at once.
+
+    Mirrors ``DFlashDraftModel.hidden_states`` with the drafter's own modules,
+    so training and inference compute the same function: the fused taps of
+    all ``S`` positions are projected to K/V once per layer (absolute
+    positions ``0..S-1``), block slots at ``positions`` [b, L] attend to
+    them and to each other as ``mask`` [b, L, S+L] (see
+    :func:`block_sparse_mask`) and the layer's causal/window rule allow.
+    """
+    h = target_embed(blocks)
+    if draft.config.input_embedding_scale != 1.0:
+        h = h * draft.config.input_embedding_scale
+    context = draft.fuse(tap_states.astype(h.dtype))
+    seq_len = context.shape[1]
+    for layer in draft.layers:
+        attn = layer.self_attn
+        ctx_k, ctx_v = attn.project_kv(context, draft.rope, 0)
+        m = layer_mask(attn, mask, positions, seq_len)
+        h = h + _block_attention(attn, layer.input_layernorm(h), ctx_k, ctx_v, draft.rope, positions, m)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return draft.norm(h)
+
+
+def slot_weights(block_size: int, gamma: float) -> mx.array:
+    """Loss weight of slots 1..B-1: exp(-(j-1)/gamma)."""
+    return mx.exp(-mx.arange(block_size - 1, dtype=mx.float32) / gamma)
+
+
+def make_blocks(tokens: mx.array, anchors: mx.array, block_size: int, mask_id: int):
+    """Block tokens [b, n*B] (anchor token + masks) and their positions."""
+    b, n = anchors.shape
+    first = mx.take_along_axis(tokens, anchors, axis=1)[..., None]
+    masks = mx.full((b, n, block_size - 1), mask_id, dtype=tokens.dtype)
+    blocks = mx.concatenate([first, masks], axis=-1).reshape(b, n * block_size)
+    positions = (anchors[..., None] + mx.arange(block_size)).reshape(b, n * block_size)
+    return blocks, positions
+
+
+def slot_labels(tokens, greedy, anchors, block_size: int) -> mx.array:
+    """Labels [b, n, B-1] of slots 1..B-1: the data token at ``a+j``, or
+    with ``greedy`` the target's prediction at ``a+j-1`` (what it would emit
+    at ``a+j``)."""
+    b, n = anchors.shape
+    idx = anchors[..., None] + mx.arange(1, block_size)
+    if greedy is not None:
+        tokens, idx = greedy, idx - 1
+    return mx.take_along_axis(tokens, idx.reshape(b, -1), axis=1).reshape(b, n, block_size - 1)
+
+
+def drafter_loss(draft, target_embed, tap_states, blocks, positions, mask, labels, weights):
+    """Decayed cross-entropy and accuracy proxies of one batch."""
+    b, n, width = labels.shape
+    hidden = train_forward(draft, target_embed, tap_states, blocks, positions, mask)
+    hidden = hidden.reshape(b, n, width + 1, -1)[:, :, 1:]  # slot 0 is the known anchor
+    logits = draft.compute_logits(hidden).astype(mx.float32)
+    ce = nn.losses.cross_entropy(logits, labels)
+    loss = (ce * weights).sum(-1).mean() / weights.sum()
+    correct = mx.stop_gradient(mx.argmax(logits, axis=-1) == labels)
+    # 1 + accepted prefix: the tokens a verify cycle would commit.
+    accept_len = 1 + mx.cumprod(correct.astype(mx.float32), axis=-1).sum(-1).mean()
+    return loss, (correct[..., 0].mean(), correct.mean(), accept_len)
+
+
+def target_pass(adapter, tokens: mx.array, taps: Sequence[int]):
+    """Frozen target: tap states of every position and its greedy predictions."""
+    logits, tap_states = adapter.forward(
+        tokens, adapter.make_cache(), taps=list(taps), last_logits_only=False, record=False
+    )
+    return mx.stop_gradient(tap_states), mx.stop_gradient(mx.argmax(logits, axis=-1))
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warmup to ``peak``, then cosine down to 10% of it."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+# ---------------------------------------------------------------------- data
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def read_data(paths: List[str], tokenizer, vocab_size: int) -> np.ndarray:
+    """One int32 token stream: text files tokenised (EOS between files),
+    ``.npy`` arrays taken as token ids (flattened)."""
+    eos = tokenizer.eos_token_id
+    parts = []
+    for p in map(Path, paths):
+        if p.suffix == ".npy":
+            arr = np.load(p, allow_pickle=False)
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise TrainError(f"{p}: token arrays must be integers, not {arr.dtype}")
+            arr = arr.reshape(-1).astype(np.int64)
+            if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+                raise TrainError(
+                    f"{p}: token ids span {arr.min()}..{arr.max()}, outside the target "
+                    f"vocabulary (0..{vocab_size - 1}): tokenised for another model?"
+                )
+            parts.append(arr)
+        else:
+            try:
+                text = p.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise TrainError(f"{p}: not UTF-8 text (pass token arrays as .npy)") from None
+            with quiet_transformers():  # whole files exceed model_max_length: harmless here
+                ids = tokenizer.encode(text, add_special_tokens=False)
+            parts.append(np.asarray(ids + ([eos] if eos is not None else []), dtype=np.int64))
+    return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
+
+
+def sample_batch(rng: np.random.Generator, stream: np.ndarray, args):
+    """Random windows [batch, seq_len] and sorted anchors [batch, n] with
+    ``1 <= a`` and ``a + B - 1 < seq_len`` (no two anchors alike)."""
+    starts = rng.integers(0, len(stream) - args.seq_len + 1, size=args.batch_size)
+    windows = np.stack([stream[s : s + args.seq_len] for s in starts])
+    n_valid = args.seq_len - args.block_size
+    anchors = np.stack(
+        [np.sort(rng.choice(n_valid, size=args.anchors_per_seq, replace=False)) + 1 for _ in starts]
+    )
+    return windows, anchors.astype(np.int32)
+
+
+# ----------------------------------------------------------------- checkpoint
+
+
+def find_mask_token(tokenizer) -> int:
+    """The tokenizer's mask token, if it declares one or has one named like ``<|mask|>``."""
+    mask_id = getattr(tokenizer, "mask_token_id", None)
+    if mask_id is not None:
+        return int(mask_id)
+    vocab = tokenizer.get_vocab()
+    hits = sorted(i for t, i in vocab.items() if MASK_NAME.match(t))
+    if not hits:
+        raise TrainError(
+            "the target tokenizer has no mask token (like <|mask|>); pass --mask-token-id "
+            "with an id the target never needs to produce (a reserved special token)"
+        )
+    return hits[0]
+
+
+def write_checkpoint(out: Path, config: dict, draft, optimizer, state: dict, dtype) -> None:
+    """Write the z-lab layout + training state into a temp dir, then swap it
+    in, so a crash never leaves a half-written checkpoint at ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    params = dict(tree_flatten(draft.parameters()))
+    mx.save_safetensors(
+        str(tmp / "model.safetensors"),
+        {k: v.astype(dtype) for k, v in params.items()},
+        metadata={"format": "pt"},
+    )
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / STATE_DIR).mkdir()
+    arrays = {f"model.{k}": v for k, v in params.items()}
+    arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
+    mx.save_safetensors(str(tmp / STATE_DIR / "training_state.safetensors"), arrays)
+    (tmp / STATE_DIR / "training_state.json").write_text(json.dumps(state, indent=1) + "\n")
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def read_state(out: Path):
+    state_dir = out / STATE_DIR
+    if not (state_dir / "training_state.json").exists():
+        raise TrainError(f"--resume: {out} holds no training state ({STATE_DIR}/) to continue")
+    state = json.loads((state_dir / "training_state.json").read_text())
+    arrays = mx.load(str(state_dir / "training_state.safetensors"))
+    return state, arrays
+
+
+def run_config(args) -> dict:
+    cfg = {k: getattr(args, k) for k in RUN_KEYS}
+    cfg["target"] = str(Path(args.target).resolve()) if Path(args.target).exists() else args.target
+    cfg["data"] = [str(Path(p).resolve()) for p in args.data]
+    return cfg
+
+
+def check_resume(saved: dict, current: dict) -> None:
+    diff = [k for k in RUN_KEYS if saved.get(k) != current.get(k)]
+    if diff:
+        detail = ", ".join(f"--{k.replace('_', '-')} {current[k]!r} (saved {saved.get(k)!r})" for k in diff)
+        raise TrainError(f"--resume must repeat the original run's arguments; differs: {detail}")
+
+
+# ---------------------------------------------------------------------- main
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx-dflash train",
+        description="Train a DFlash drafter for a frozen target (z-lab checkpoint layout).",
+    )
+    p.add_argument("--target", required=True, help="target model: local path or Hugging Face id")
+    p.add_argument("--data", nargs="+", default=[], help="text files (tokenised with the target's tokenizer) or .npy token arrays")
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--num-layers", type=int, default=2, help="drafter layers")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--taps", default=None, help="comma list of target layers to tap (default: the reference rule, one per drafter layer)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: the target's)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's <|mask|>-like token")
+    p.add_argument("--targets", choices=("self-distill", "data"), default="self-distill", help="labels: the target's own greedy predictions, or the data tokens")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--learning-rate", type=float, default=6e-4)
+    p.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: 5%% of --steps), then cosine to 10%%")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--anchors-per-seq", type=int, default=32)
+    p.add_argument("--gamma", type=float, default=None, help="slot loss decay exp(-(j-1)/gamma) (default: block-size / 2, i.e. the public 4 for block 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of the saved model.safetensors (training is float32)")
+    p.add_argument(
+        "--target-dtype",
+        choices=tuple(DTYPES),
+        default=None,
+        help="run the frozen target in this dtype (default: as stored; float32 is several times "
+        "faster on CPU for a bf16 checkpoint, its taps differ from bf16 inference by rounding only)",
+    )
+    return p
+
+
+def check_args(args) -> None:
+    """Everything that can be checked before loading the target."""
+    if not args.data:
+        raise TrainError("no --data files given")
+    missing = [p for p in args.data if not Path(p).is_file()]
+    if missing:
+        raise TrainError(f"--data file(s) not found: {', '.join(missing)}")
+    for name in ("num_layers", "steps", "batch_size", "anchors_per_seq"):
+        if getattr(args, name) < 1:
+            raise TrainError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.block_size < 2:
+        raise TrainError("--block-size must be at least 2 (the anchor plus one drafted slot)")
+    if args.seq_len < args.block_size + 1:
+        raise TrainError(
+            f"--seq-len {args.seq_len} is shorter than a block: it needs at least "
+            f"block-size + 1 = {args.block_size + 1} tokens (one context token before the anchor)"
+        )
+    n_valid = args.seq_len - args.block_size
+    if args.anchors_per_seq > n_valid:
+        raise TrainError(
+            f"--anchors-per-seq {args.anchors_per_seq} exceeds the {n_valid} anchor positions "
+            f"a --seq-len {args.seq_len} window has for block size {args.block_size}"
+        )
+    if args.gamma is not None and args.gamma <= 0:
+        raise TrainError("--gamma must be positive")
+    if args.taps is not None:
+        try:
+            args.taps = [int(t) for t in args.taps.split(",") if t.strip()]
+        except ValueError:
+            raise TrainError(f"--taps must be a comma list of layer indices, not {args.taps!r}") from None
+        if not args.taps:
+            raise TrainError("--taps is empty")
+    out = Path(args.out)
+    if not args.resume and out.exists() and any(out.iterdir()):
+        raise TrainError(f"{out} exists and is not empty: pass --resume to continue it, or choose a new --out")
+
+
+def train(args) -> dict:
+    from .loading import load
+    from .pair import draft_config_for_target
+    from .targets import adapter_for
+
+    check_args(args)
+    try:
+        model, tokenizer = load(args.target)
+    except ValueError as e:  # mlx-lm: unknown model type, bad config
+        raise TrainError(f"cannot load target {args.target}: {e}") from None
+    if args.target_dtype is not None:
+        model.set_dtype(DTYPES[args.target_dtype])
+    adapter = adapter_for(model)
+    vocab = adapter.vocab_size
+    n_target = adapter.num_layers
+    if args.taps is None:
+        args.taps = default_target_layer_ids(n_target, args.num_layers)
+    bad = [t for t in args.taps if not 0 <= t < n_target]
+    if bad:
+        raise TrainError(f"--taps {bad} out of range: the target has layers 0..{n_target - 1}")
+    if args.mask_token_id is None:
+        args.mask_token_id = find_mask_token(tokenizer)
+    if not 0 <= args.mask_token_id < vocab:
+        raise TrainError(f"--mask-token-id {args.mask_token_id} is outside the target vocabulary (0..{vocab - 1})")
+    args.gamma = args.gamma if args.gamma is not None else args.block_size / 2
+    args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+
+    stream = read_data(args.data, tokenizer, vocab)
+    if len(stream) < args.seq_len:
+        raise TrainError(
+            f"the data holds {len(stream)} tokens, fewer than one --seq-len {args.seq_len} "
+            f"window (add data or lower --seq-len; a block needs {args.block_size + 1})"
+        )
+
+    config = draft_config_for_target(
+        adapter.args,
+        num_layers=args.num_layers,
+        block_size=args.block_size,
+        target_layer_ids=args.taps,
+        mask_token_id=args.mask_token_id,
+        intermediate_size=args.intermediate_size,
+    )
+    mx.random.seed(args.seed)  # drafter initialisation
+    draft = DFlashDraftModel(DFlashConfig.from_hf(config))
+    draft.bind(model)
+    optimizer = optim.AdamW(learning_rate=lr_at(0, args.steps, args.learning_rate, args.warmup), weight_decay=args.weight_decay)
+    optimizer.init(draft.trainable_parameters())
+    rng = np.random.default_rng(args.seed)
+    out = Path(args.out)
+    run = run_config(args)
+    state = {"step": 0, "history": [], "train_seconds": 0.0, "run": run}
+    if args.resume:
+        saved, arrays = read_state(out)
+        check_resume(saved["run"], run)
+        draft.load_weights([(k[6:], v) for k, v in arrays.items() if k.startswith("model.")], strict=True)
+        optimizer.state = tree_unflatten([(k[10:], v) for k, v in arrays.items() if k.startswith("optimizer.")])
+        rng.bit_generator.state = saved["rng"]
+        state = saved
+        print(f"resuming {out} at step {state['step']}", file=sys.stderr)
+    mx.eval(draft.parameters(), optimizer.state)
+
+    weights = slot_weights(args.block_size, args.gamma)
+    value_and_grad = nn.value_and_grad(draft, drafter_loss)
+    mask_id = args.mask_token_id
+
+    def step_fn(tokens, anchors):
+        tap_states, greedy = target_pass(adapter, tokens, args.taps)
+        blocks, positions = make_blocks(tokens, anchors, args.block_size, mask_id)
+        labels = slot_labels(tokens, greedy if args.targets == "self-distill" else None, anchors, args.block_size)
+        mask = block_sparse_mask(anchors, args.seq_len, args.block_size)
+        (loss, metrics), grads = value_and_grad(
+            draft, adapter.embed, tap_states, blocks, positions, mask, labels, weights
+        )
+        grads, _ = optim.clip_grad_norm(grads, args.grad_clip)
+        optimizer.update(draft, grads)
+        return loss, metrics
+
+    def save():
+        state["rng"] = rng.bit_generator.state
+        write_checkpoint(out, config, draft, optimizer, state, DTYPES[args.dtype])
+
+    from tqdm import tqdm
+
+    bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="drafter")
+    tic = time.perf_counter()
+    for step in bar:
+        optimizer.learning_rate = lr_at(step, args.steps, args.learning_rate, args.warmup)
+        windows, anchors = sample_batch(rng, stream, args)
+        loss, (acc1, acc, tau) = step_fn(mx.array(windows), mx.array(anchors))
+        mx.eval(loss, acc1, acc, tau, draft.parameters(), optimizer.state)
+        record = [round(x.item(), 6) for x in (loss, acc1, acc, tau)]
+        state["history"].append(record)
+        state["step"] = step + 1
+        bar.set_postfix(loss=f"{record[0]:.3f}", acc1=f"{record[1]:.3f}", acc=f"{record[2]:.3f}", tau=f"{record[3]:.2f}")
+        if state["step"] % args.save_every == 0 or state["step"] == args.steps:
+            state["train_seconds"] += time.perf_counter() - tic
+            tic = time.perf_counter()
+            save()
+    return state
+
+
+def main(argv=None) -> int:
+    from .loading import DraftLoadError
+    from .targets import TargetError
+
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        state = train(args)
+    except (TrainError, TargetError, DraftLoadError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; the last checkpoint in {args.out} resumes with --resume", file=sys.stderr)
+        return 130
+    hist = state["history"]
+    tail = np.mean([h[0] for h in hist[-20:]]) if hist else float("nan")
+    print(
+        f"trained {state['step']} steps in {state['train_seconds']:.0f}s; loss (last 20) {tail:.4f}; "
+        f"checkpoint {args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""The trainer: train/inference consistency, learning, lossless checkpoints,
+exact resume, and one-line errors for bad input."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import stream_generate as mlx_lm_stream_generate
+
+import dflash_mlx
+from dflash_mlx import train as T
+from dflash_mlx.models.dflash import DFlashConfig, DFlashDraftModel
+
+import tiny
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "bidirectional": {},
+    "causal": {"is_causal": True},
+    "sliding": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """Real text (this package's source): structured enough to learn from."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("".join(p.read_text() for p in sorted((REPO / "dflash_mlx").glob("*.py"))))
+    return path
+
+
+def small_run(pair, corpus, out, *extra):
+    """argv of a CI-sized run (block 8, 2 drafter layers, byte tokens)."""
+    return [
+        "--target", str(pair.path), "--data", str(corpus), "--out", str(out),
+        "--block-size", "8", "--seq-len", "48", "--batch-size", "2", "--anchors-per-seq", "6",
+        "--learning-rate", "3e-3", "--warmup", "2", "--intermediate-size", "96", *extra,
+    ]  # fmt: skip
+
+
+def assert_lossless(pair, draft, prompt, max_tokens):
+    """DFlash greedy == mlx-lm greedy (eos disabled so both run the full length)."""
+    tok = pair.tokenizer
+    saved, tok.eos_token_ids = set(tok.eos_token_ids), set()
+    try:
+        ref = [r.token for r in mlx_lm_stream_generate(pair.model, tok, prompt, max_tokens=max_tokens)]
+        got = list(dflash_mlx.stream_generate(pair.model, draft, tok, prompt, max_tokens=max_tokens))
+    finally:
+        tok.eos_token_ids = saved
+    assert [t for r in got for t in r.tokens] == ref
+    return got
+
+
+def history(out: Path):
+    return json.loads((out / T.STATE_DIR / "training_state.json").read_text())["history"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_train_forward_equals_inference(pair, variant):
+    """Every block of the one-pass training forward gives the logits the
+    inference drafter gives from a fresh cache fed the taps before its anchor."""
+    B, S = 6, 24
+    cfg = pair.draft_config(block_size=B, **VARIANTS[variant])
+    draft = DFlashDraftModel(DFlashConfig.from_hf(cfg))
+    tiny._seeded_init(draft, 3)
+    draft.bind(pair.model)
+    tokens = mx.array(np.random.default_rng(0).integers(0, 256, (2, S)), dtype=mx.int32)
+    taps, _ = T.target_pass(draft.target, tokens, cfg["dflash_config"]["target_layer_ids"])
+    anchors = mx.array([[1, 7, 15], [3, 9, S - B]], dtype=mx.int32)
+    blocks, positions = T.make_blocks(tokens, anchors, B, draft.mask_token_id)
+    mask = T.block_sparse_mask(anchors, S, B)
+    logits = draft.compute_logits(
+        T.train_forward(draft, draft.target.embed, taps, blocks, positions, mask)
+    )
+    for b in range(2):
+        for i, a in enumerate(anchors[b].tolist()):
+            block = blocks[b : b + 1, i * B : (i + 1) * B]
+            assert block[0, 0].item() == tokens[b, a].item()
+            ref = draft(block, taps[b : b + 1, :a], draft.make_cache())[0]
+            np.testing.assert_allclose(logits[b, i * B : (i + 1) * B], ref, atol=1e-5, rtol=0)
+
+
+def test_labels_and_weights():
+    tokens = mx.arange(20)[None]
+    greedy = tokens + 100
+    anchors = mx.array([[1, 5]])
+    blocks, positions = T.make_blocks(tokens, anchors, 4, 99)
+    assert blocks.tolist() == [[1, 99, 99, 99, 5, 99, 99, 99]]
+    assert positions.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    # slot j: data token at a+j, or the target's prediction made at a+j-1
+    assert T.slot_labels(tokens, None, anchors, 4).tolist() == [[[2, 3, 4], [6, 7, 8]]]
+    assert T.slot_labels(tokens, greedy, anchors, 4).tolist() == [[[101, 102, 103], [105, 106, 107]]]
+    np.testing.assert_allclose(T.slot_weights(4, 2.0), np.exp(-np.arange(3) / 2.0), rtol=1e-6)
+    mask = T.block_sparse_mask(anchors, 10, 4)[0]
+    assert mask[0, :10].tolist() == [True] + [False] * 9  # anchor 1 sees position 0 only
+    assert mask[5, :10].tolist() == [True] * 5 + [False] * 5
+    assert mask[0, 10:].tolist() == [True] * 4 + [False] * 4  # its own block, both ways
+    assert mask[7, 10:].tolist() == [False] * 4 + [True] * 4
+
+
+def test_training_learns_and_checkpoint_decodes_losslessly(qwen3_5_pair, corpus, tmp_path):
+    pair, out = qwen3_5_pair, tmp_path / "draft"
+    assert T.main(small_run(pair, corpus, out, "--steps", "40", "--save-every", "100")) == 0
+    losses = [h[0] for h in history(out)]
+    assert len(losses) == 40
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3, losses
+
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
+    assert cfg["dflash_config"]["mask_token_id"] == pair.tokenizer.convert_tokens_to_ids(tiny.MASK)
+    assert set(mx.load(str(out / "model.safetensors"))) >= {"fc.weight", "layers.1.mlp.up_proj.weight"}
+
+    assert_lossless(pair, dflash_mlx.load_draft(out, pair.model), "def load_draft(path", 40)
+
+
+def test_data_targets_npy_and_bf16_checkpoint(qwen3_pair, corpus, tmp_path):
+    pair = qwen3_pair
+    ids = np.asarray(pair.tokenizer.encode(corpus.read_text()[:4000]), dtype=np.uint16)
+    np.save(tmp_path / "tokens.npy", ids)
+    out = tmp_path / "draft"
+    argv = small_run(pair, tmp_path / "tokens.npy", out, "--steps", "3", "--targets", "data",
+                     "--dtype", "bfloat16", "--taps", "1,2", "--num-layers", "1")  # fmt: skip
+    assert T.main(argv) == 0
+    assert all(v.dtype == mx.bfloat16 for v in mx.load(str(out / "model.safetensors")).values())
+    draft = dflash_mlx.load_draft(out, pair.model)
+    assert draft.config.target_layer_ids == [1, 2] and draft.config.num_hidden_layers == 1
+    assert_lossless(pair, draft, "import mlx", 20)
+
+
+def test_resume_equals_uninterrupted_run(qwen3_pair, corpus, tmp_path, monkeypatch, capsys):
+    pair = qwen3_pair
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert T.main(small_run(pair, corpus, straight, "--steps", "8", "--save-every", "3")) == 0
+
+    # Interrupt (Ctrl-C) while sampling step 5's batch: the checkpoint of step 3 survives.
+    real = T.sample_batch
+    calls = []
+
+    def interrupted(*a):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(T, "sample_batch", interrupted)
+    argv = small_run(pair, corpus, resumed, "--steps", "8", "--save-every", "3")
+    assert T.main(argv) == 130
+    assert "--resume" in capsys.readouterr().err
+    assert len(history(resumed)) == 3
+    monkeypatch.setattr(T, "sample_batch", real)
+    assert T.main(argv + ["--resume"]) == 0
+
+    assert history(resumed) == history(straight)
+    a, b = mx.load(str(straight / "model.safetensors")), mx.load(str(resumed / "model.safetensors"))
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    # Changing what the run trains on is refused rather than silently mixed in.
+    assert T.main(argv + ["--resume", "--learning-rate", "1e-3"]) == 1
+    assert "--learning-rate" in capsys.readouterr().err
+
+
+def _no_mask_target(pair, root: Path) -> Path:
+    path = root / "no_mask_target"
+    shutil.copytree(pair.path, path)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    tok["added_tokens"] = [t for t in tok["added_tokens"] if t["content"] != tiny.MASK]
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    return path
+
+
+BAD = {  # case: (arguments after the common ones, words the message must hold)
+    "no data": (lambda p, d, t: [], "no --data"),
+    "missing data": (lambda p, d, t: ["--data", str(t / "nope.txt")], "not found"),
+    "seq shorter than a block": (lambda p, d, t: ["--data", str(d), "--seq-len", "8"], "shorter than a block"),
+    "data shorter than a window": (lambda p, d, t: ["--data", str(t / "short.txt")], "fewer than one"),
+    "taps out of range": (lambda p, d, t: ["--data", str(d), "--taps", "1,9"], "out of range"),
+    "bad taps": (lambda p, d, t: ["--data", str(d), "--taps", "1,x"], "comma list"),
+    "mask id out of vocab": (lambda p, d, t: ["--data", str(d), "--mask-token-id", "9999"], "outside"),
+    "npy outside vocab": (lambda p, d, t: ["--data", str(t / "big.npy")], "outside the target"),
+    "no mask token": (lambda p, d, t: ["--data", str(d), "--target", str(_no_mask_target(p, t))], "--mask-token-id"),
+    "unsupported target": (lambda p, d, t: ["--data", str(d), "--target", str(t / "mistral")], "unsupported target"),
+    "missing target": (lambda p, d, t: ["--data", str(d), "--target", str(t / "absent")], "absent"),
+    "nothing to resume": (lambda p, d, t: ["--data", str(d), "--resume"], "no training state"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_fails_with_one_line(case, qwen3_pair, corpus, tmp_path, capsys):
+    (tmp_path / "short.txt").write_text("tiny")
+    np.save(tmp_path / "big.npy", np.array([1, 2, 5000]))
+    if case == "unsupported target":
+        tiny.make_target(tmp_path / "mistral", tiny.LLAMA, model_type="mistral")
+    extra, words = BAD[case]
+    # A later --target replaces this one (argparse keeps the last).
+    argv = ["--target", str(qwen3_pair.path), "--out", str(tmp_path / "out"), "--block-size", "8",
+            "--seq-len", "48", "--steps", "1", *extra(qwen3_pair, corpus, tmp_path)]  # fmt: skip
+    assert T.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and words in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_entry_points_report_errors_without_traceback(tmp_path):
+    for cmd in (["-m", "dflash_mlx.train"], ["-m", "dflash_mlx", "train"]):
+        r = subprocess.run(
+            [sys.executable, *cmd, "--target", "x", "--data", str(tmp_path / "none.txt"), "--out", str(tmp_path / "o")],
+            capture_output=True, text=True, cwd=REPO,
+        )  # fmt: skip
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "not found" in r.stderr
