@@ -227,3 +227,25 @@ def test_missing_target_is_clear(tmp_path):
         dflash_mlx.load(str(tmp_path / "nope" / "x" / "y"))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         dflash_mlx.load(str(tmp_path))
+
+
+def test_hub_ids_resolve_through_huggingface_hub_cache(qwen3_pair, tmp_path, monkeypatch):
+    """A hub id is fetched with huggingface_hub; offline, its cache answers."""
+    import shutil
+
+    src = _write_draft(qwen3_pair, tmp_path)
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--tiny-dflash" / "snapshots" / ("0" * 40)
+    shutil.copytree(src, snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    draft = dflash_mlx.load_draft("someone/tiny-dflash", qwen3_pair.model)
+    assert draft.config.block_size == 8
+    with pytest.raises(ValueError, match="not in the Hugging Face cache"):
+        dflash_mlx.load_draft("someone/absent", qwen3_pair.model)
