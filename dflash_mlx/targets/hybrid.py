@@ -77,7 +77,7 @@ def gated_delta_forward(gdn, x, mask, cache, record: bool, chunked: bool = False
         # it); 64-token chunks for a prompt.
         out, state, chunk = chunked_gated_delta(
             q, k, v, log_decay(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b), state0,
-            chunk_size=S if record else 64,
+            chunk_size=S if record else 64, compiled=record,
         )
         out = out.astype(q.dtype)
     else:
