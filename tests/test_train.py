@@ -73,16 +73,16 @@ def test_train_forward_equals_inference(pair, variant):
     taps, _ = T.target_pass(draft.target, tokens, cfg["dflash_config"]["target_layer_ids"])
     anchors = mx.array([[1, 7, 15], [3, 9, S - B]], dtype=mx.int32)
     blocks, positions = T.make_blocks(tokens, anchors, B, draft.mask_token_id)
-    mask = T.block_sparse_mask(anchors, S, B)
+    mask = T.context_mask(anchors, S)
     logits = draft.compute_logits(
         T.train_forward(draft, draft.target.embed, taps, blocks, positions, mask)
     )
     for b in range(2):
         for i, a in enumerate(anchors[b].tolist()):
-            block = blocks[b : b + 1, i * B : (i + 1) * B]
+            block = blocks[b, i][None]
             assert block[0, 0].item() == tokens[b, a].item()
             ref = draft(block, taps[b : b + 1, :a], draft.make_cache())[0]
-            np.testing.assert_allclose(logits[b, i * B : (i + 1) * B], ref, atol=1e-5, rtol=0)
+            np.testing.assert_allclose(logits[b, i], ref, atol=1e-5, rtol=0)
 
 
 def test_labels_and_weights():
@@ -90,17 +90,14 @@ def test_labels_and_weights():
     greedy = tokens + 100
     anchors = mx.array([[1, 5]])
     blocks, positions = T.make_blocks(tokens, anchors, 4, 99)
-    assert blocks.tolist() == [[1, 99, 99, 99, 5, 99, 99, 99]]
-    assert positions.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert blocks.tolist() == [[[1, 99, 99, 99], [5, 99, 99, 99]]]
+    assert positions.tolist() == [[[1, 2, 3, 4], [5, 6, 7, 8]]]
     # slot j: data token at a+j, or the target's prediction made at a+j-1
     assert T.slot_labels(tokens, None, anchors, 4).tolist() == [[[2, 3, 4], [6, 7, 8]]]
     assert T.slot_labels(tokens, greedy, anchors, 4).tolist() == [[[101, 102, 103], [105, 106, 107]]]
     np.testing.assert_allclose(T.slot_weights(4, 2.0), np.exp(-np.arange(3) / 2.0), rtol=1e-6)
-    mask = T.block_sparse_mask(anchors, 10, 4)[0]
-    assert mask[0, :10].tolist() == [True] + [False] * 9  # anchor 1 sees position 0 only
-    assert mask[5, :10].tolist() == [True] * 5 + [False] * 5
-    assert mask[0, 10:].tolist() == [True] * 4 + [False] * 4  # its own block, both ways
-    assert mask[7, 10:].tolist() == [False] * 4 + [True] * 4
+    # strictly before the anchor: its own taps are not context yet
+    assert T.context_mask(anchors, 7).tolist() == [[[True] + [False] * 6, [True] * 5 + [False] * 2]]
 
 
 def test_training_learns_and_checkpoint_decodes_losslessly(qwen3_5_pair, corpus, tmp_path):
