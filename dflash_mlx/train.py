@@ -222,23 +222,27 @@ def quiet_transformers():
         logging.set_verbosity(level)
 
 
-def read_data(paths: List[str], tokenizer, vocab_size: int) -> np.ndarray:
-    """One int32 token stream: text files tokenised (EOS between files),
-    ``.npy`` arrays taken as token ids (flattened)."""
+def read_data(paths: List[str], tokenizer, vocab_size: int) -> List[np.ndarray]:
+    """Token documents. Text files (tokenised, EOS after each) and 1-D
+    ``.npy`` arrays join one running stream, so windows may cross file ends
+    as in LM pre-training; each row of a 2-D ``.npy`` is a document of its
+    own (e.g. one prompt + target continuation), never crossed."""
     eos = tokenizer.eos_token_id
-    parts = []
+    stream, docs = [], []
     for p in map(Path, paths):
         if p.suffix == ".npy":
             arr = np.load(p, allow_pickle=False)
-            if not np.issubdtype(arr.dtype, np.integer):
-                raise TrainError(f"{p}: token arrays must be integers, not {arr.dtype}")
-            arr = arr.reshape(-1).astype(np.int64)
+            if not np.issubdtype(arr.dtype, np.integer) or arr.ndim > 2:
+                raise TrainError(f"{p}: token arrays must be 1-D or 2-D integers, not {arr.ndim}-D {arr.dtype}")
             if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
                 raise TrainError(
                     f"{p}: token ids span {arr.min()}..{arr.max()}, outside the target "
                     f"vocabulary (0..{vocab_size - 1}): tokenised for another model?"
                 )
-            parts.append(arr)
+            if arr.ndim == 2:
+                docs.extend(arr)
+            else:
+                stream.append(arr)
         else:
             try:
                 text = p.read_text(encoding="utf-8")
@@ -246,15 +250,26 @@ def read_data(paths: List[str], tokenizer, vocab_size: int) -> np.ndarray:
                 raise TrainError(f"{p}: not UTF-8 text (pass token arrays as .npy)") from None
             with quiet_transformers():  # whole files exceed model_max_length: harmless here
                 ids = tokenizer.encode(text, add_special_tokens=False)
-            parts.append(np.asarray(ids + ([eos] if eos is not None else []), dtype=np.int64))
-    return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
+            stream.append(np.asarray(ids + ([eos] if eos is not None else [])))
+    if stream:
+        docs.insert(0, np.concatenate(stream))
+    return [d.astype(np.int32) for d in docs]
 
 
-def sample_batch(rng: np.random.Generator, stream: np.ndarray, args):
+def window_starts(docs: List[np.ndarray], seq_len: int):
+    """The documents as one array and every start of a window inside one."""
+    flat = np.concatenate(docs) if docs else np.zeros(0, np.int32)
+    offsets = np.cumsum([0] + [len(d) for d in docs[:-1]])
+    starts = [o + np.arange(len(d) - seq_len + 1) for o, d in zip(offsets, docs) if len(d) >= seq_len]
+    return flat, (np.concatenate(starts) if starts else np.zeros(0, np.int64))
+
+
+def sample_batch(rng: np.random.Generator, data, args):
     """Random windows [batch, seq_len] and sorted anchors [batch, n] with
     ``1 <= a`` and ``a + B - 1 < seq_len`` (no two anchors alike)."""
-    starts = rng.integers(0, len(stream) - args.seq_len + 1, size=args.batch_size)
-    windows = np.stack([stream[s : s + args.seq_len] for s in starts])
+    flat, valid = data
+    starts = valid[rng.integers(0, len(valid), size=args.batch_size)]
+    windows = np.stack([flat[s : s + args.seq_len] for s in starts])
     n_valid = args.seq_len - args.block_size
     anchors = np.stack(
         [np.sort(rng.choice(n_valid, size=args.anchors_per_seq, replace=False)) + 1 for _ in starts]
@@ -433,11 +448,13 @@ def train(args) -> dict:
     args.gamma = args.gamma if args.gamma is not None else args.block_size / 2
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
 
-    stream = read_data(args.data, tokenizer, vocab)
-    if len(stream) < args.seq_len:
+    docs = read_data(args.data, tokenizer, vocab)
+    data = window_starts(docs, args.seq_len)
+    if not len(data[1]):
+        longest = max((len(d) for d in docs), default=0)
         raise TrainError(
-            f"the data holds {len(stream)} tokens, fewer than one --seq-len {args.seq_len} "
-            f"window (add data or lower --seq-len; a block needs {args.block_size + 1})"
+            f"the data holds no --seq-len {args.seq_len} window (longest document {longest} "
+            f"tokens): add data or lower --seq-len (a block needs {args.block_size + 1})"
         )
 
     config = draft_config_for_target(
@@ -493,7 +510,7 @@ def train(args) -> dict:
     tic = time.perf_counter()
     for step in bar:
         optimizer.learning_rate = lr_at(step, args.steps, args.learning_rate, args.warmup)
-        windows, anchors = sample_batch(rng, stream, args)
+        windows, anchors = sample_batch(rng, data, args)
         loss, (acc1, acc, tau) = step_fn(mx.array(windows), mx.array(anchors))
         mx.eval(loss, acc1, acc, tau, draft.parameters(), optimizer.state)
         record = [round(x.item(), 6) for x in (loss, acc1, acc, tau)]

@@ -100,6 +100,13 @@ def test_labels_and_weights():
     assert T.context_mask(anchors, 7).tolist() == [[[True] + [False] * 6, [True] * 5 + [False] * 2]]
 
 
+def test_windows_never_cross_a_row():
+    docs = [np.arange(6), np.array([100, 101]), np.array([200, 201, 202, 203])]
+    flat, starts = T.window_starts(docs, 4)
+    windows = sorted(tuple(flat[s : s + 4].tolist()) for s in starts)
+    assert windows == [(0, 1, 2, 3), (1, 2, 3, 4), (2, 3, 4, 5), (200, 201, 202, 203)]
+
+
 def test_training_learns_and_checkpoint_decodes_losslessly(qwen3_5_pair, corpus, tmp_path):
     pair, out = qwen3_5_pair, tmp_path / "draft"
     assert T.main(small_run(pair, corpus, out, "--steps", "40", "--save-every", "100")) == 0
@@ -118,7 +125,7 @@ def test_training_learns_and_checkpoint_decodes_losslessly(qwen3_5_pair, corpus,
 def test_data_targets_npy_and_bf16_checkpoint(qwen3_pair, corpus, tmp_path):
     pair = qwen3_pair
     ids = np.asarray(pair.tokenizer.encode(corpus.read_text()[:4000]), dtype=np.uint16)
-    np.save(tmp_path / "tokens.npy", ids)
+    np.save(tmp_path / "tokens.npy", ids[:3000].reshape(30, 100))  # rows: separate documents
     out = tmp_path / "draft"
     argv = small_run(pair, tmp_path / "tokens.npy", out, "--steps", "3", "--targets", "data",
                      "--dtype", "bfloat16", "--taps", "1,2", "--num-layers", "1")  # fmt: skip
@@ -173,7 +180,7 @@ BAD = {  # case: (arguments after the common ones, words the message must hold)
     "no data": (lambda p, d, t: [], "no --data"),
     "missing data": (lambda p, d, t: ["--data", str(t / "nope.txt")], "not found"),
     "seq shorter than a block": (lambda p, d, t: ["--data", str(d), "--seq-len", "8"], "shorter than a block"),
-    "data shorter than a window": (lambda p, d, t: ["--data", str(t / "short.txt")], "fewer than one"),
+    "data shorter than a window": (lambda p, d, t: ["--data", str(t / "short.txt")], "no --seq-len 48 window"),
     "taps out of range": (lambda p, d, t: ["--data", str(d), "--taps", "1,9"], "out of range"),
     "bad taps": (lambda p, d, t: ["--data", str(d), "--taps", "1,x"], "comma list"),
     "mask id out of vocab": (lambda p, d, t: ["--data", str(d), "--mask-token-id", "9999"], "outside"),
