@@ -265,8 +265,8 @@ def window_starts(docs: List[np.ndarray], seq_len: int):
 
 
 def sample_batch(rng: np.random.Generator, data, args):
-    """Random windows [batch, seq_len] and sorted anchors [batch, n] with
-    ``1 <= a`` and ``a + B - 1 < seq_len`` (no two anchors alike)."""
+    """Window starts, random windows [batch, seq_len] and sorted anchors
+    [batch, n] with ``1 <= a`` and ``a + B - 1 < seq_len`` (no two alike)."""
     flat, valid = data
     starts = valid[rng.integers(0, len(valid), size=args.batch_size)]
     windows = np.stack([flat[s : s + args.seq_len] for s in starts])
@@ -274,7 +274,7 @@ def sample_batch(rng: np.random.Generator, data, args):
     anchors = np.stack(
         [np.sort(rng.choice(n_valid, size=args.anchors_per_seq, replace=False)) + 1 for _ in starts]
     )
-    return windows, anchors.astype(np.int32)
+    return starts, windows, anchors.astype(np.int32)
 
 
 # ----------------------------------------------------------------- checkpoint
@@ -370,6 +370,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--anchors-per-seq", type=int, default=32)
     p.add_argument("--gamma", type=float, default=None, help="slot loss decay exp(-(j-1)/gamma) (default: block-size / 2, i.e. the public 4 for block 8)")
+    p.add_argument(
+        "--cache-target",
+        action="store_true",
+        help="keep each row's target taps and predictions in memory after its first pass, so "
+        "later epochs skip the target (data: 2-D .npy rows of exactly --seq-len tokens; memory: "
+        "rows x seq-len x taps x hidden floats)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
@@ -457,6 +464,12 @@ def train(args) -> dict:
             f"tokens): add data or lower --seq-len (a block needs {args.block_size + 1})"
         )
 
+    if args.cache_target and any(len(d) != args.seq_len for d in docs):
+        raise TrainError(
+            f"--cache-target needs data that is only 2-D .npy rows of exactly --seq-len "
+            f"{args.seq_len} tokens (each window a whole row)"
+        )
+
     config = draft_config_for_target(
         adapter.args,
         num_layers=args.num_layers,
@@ -488,8 +501,27 @@ def train(args) -> dict:
     value_and_grad = nn.value_and_grad(draft, drafter_loss)
     mask_id = args.mask_token_id
 
-    def step_fn(tokens, anchors):
-        tap_states, greedy = target_pass(adapter, tokens, args.taps)
+    target_cache = {} if args.cache_target else None
+
+    def target_outputs(starts, windows):
+        """The frozen target's taps and predictions, run once per row with --cache-target."""
+        if target_cache is None:
+            return target_pass(adapter, mx.array(windows), args.taps)
+        new = {}
+        for i, s in enumerate(starts.tolist()):
+            if s not in target_cache:
+                new.setdefault(s, i)
+        if new:
+            taps, greedy = target_pass(adapter, mx.array(windows[list(new.values())]), args.taps)
+            mx.eval(taps, greedy)
+            for j, s in enumerate(new):
+                target_cache[s] = (taps[j], greedy[j])
+        rows = [target_cache[s] for s in starts.tolist()]
+        return mx.stack([r[0] for r in rows]), mx.stack([r[1] for r in rows])
+
+    def step_fn(starts, windows, anchors):
+        tokens = mx.array(windows)
+        tap_states, greedy = target_outputs(starts, windows)
         blocks, positions = make_blocks(tokens, anchors, args.block_size, mask_id)
         labels = slot_labels(tokens, greedy if args.targets == "self-distill" else None, anchors, args.block_size)
         mask = context_mask(anchors, args.seq_len)
@@ -510,8 +542,8 @@ def train(args) -> dict:
     tic = time.perf_counter()
     for step in bar:
         optimizer.learning_rate = lr_at(step, args.steps, args.learning_rate, args.warmup)
-        windows, anchors = sample_batch(rng, data, args)
-        loss, (acc1, acc, tau) = step_fn(mx.array(windows), mx.array(anchors))
+        starts, windows, anchors = sample_batch(rng, data, args)
+        loss, (acc1, acc, tau) = step_fn(starts, windows, mx.array(anchors))
         mx.eval(loss, acc1, acc, tau, draft.parameters(), optimizer.state)
         record = [round(x.item(), 6) for x in (loss, acc1, acc, tau)]
         state["history"].append(record)

@@ -136,6 +136,20 @@ def test_data_targets_npy_and_bf16_checkpoint(qwen3_pair, corpus, tmp_path):
     assert_lossless(pair, draft, "import mlx", 20)
 
 
+def test_cached_target_trains_identically(qwen3_5_pair, corpus, tmp_path):
+    """--cache-target only skips repeated target passes: same run, same numbers."""
+    ids = np.asarray(qwen3_5_pair.tokenizer.encode(corpus.read_text()[:2000]))
+    np.save(tmp_path / "rows.npy", ids[: 6 * 48].reshape(6, 48))
+    runs = {}
+    for name, extra in (("plain", []), ("cached", ["--cache-target"])):
+        out = tmp_path / name
+        argv = small_run(qwen3_5_pair, tmp_path / "rows.npy", out, "--steps", "8", *extra)
+        assert T.main(argv) == 0
+        runs[name] = history(out)
+    assert runs["cached"] == runs["plain"]
+    assert T.main(small_run(qwen3_5_pair, corpus, tmp_path / "x", "--cache-target")) == 1
+
+
 def test_resume_equals_uninterrupted_run(qwen3_pair, corpus, tmp_path, monkeypatch, capsys):
     pair = qwen3_pair
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
