@@ -257,14 +257,11 @@ def setup_arg_parser():
 
 
 def main(argv=None):
-    from .loading import load, load_draft
-    from .pair import default_draft_for, default_prompts
+    from .pair import default_prompts, load_pair
 
     args = setup_arg_parser().parse_args(argv)
     try:
-        draft_path = args.draft_model or default_draft_for(args.model)
-        model, tokenizer = load(args.model)
-        draft = load_draft(draft_path, model)
+        model, tokenizer, draft, draft_path = load_pair(args.model, args.draft_model)
         prompts = json.loads(open(args.prompts).read()) if args.prompts else default_prompts()
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -26,13 +26,11 @@ def setup_arg_parser():
 
 
 def main(argv=None, input_fn=input):
-    from .loading import load, load_draft
-    from .pair import default_draft_for
+    from .pair import load_pair
 
     args = setup_arg_parser().parse_args(argv)
     try:
-        model, tokenizer = load(args.model)
-        draft = load_draft(args.draft_model or default_draft_for(args.model), model)
+        model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -312,14 +312,11 @@ def build_prompt(tokenizer, prompt: str, system_prompt=None, use_chat_template=T
 
 
 def main(argv=None):
-    from .loading import load, load_draft
-    from .pair import DEFAULT_TARGET, default_draft_for, default_prompt
+    from .pair import DEFAULT_TARGET, default_prompt, load_pair
 
     args = setup_arg_parser().parse_args(argv)
     try:
-        draft_path = args.draft_model or default_draft_for(args.model)
-        model, tokenizer = load(args.model)
-        draft = load_draft(draft_path, model)
+        model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -68,3 +68,13 @@ def default_prompts() -> List[str]:
 def default_prompt() -> str:
     prompts = default_prompts()
     return prompts[0] if prompts else "def "
+
+
+def load_pair(model_path, draft_path=None):
+    """Target, tokenizer and bound drafter for the CLIs; the drafter defaults
+    to the bundled one when the target is the bundled one."""
+    from .loading import load, load_draft
+
+    draft_path = draft_path or default_draft_for(model_path)
+    model, tokenizer = load(model_path)
+    return model, tokenizer, load_draft(draft_path, model), draft_path
