@@ -730,7 +730,7 @@ DRAFTER_BLOCK = 16
 DRAFTER_TAPS = "1,2,4,5"
 DRAFTER_ROW = 256
 DRAFTER_MAX_PROMPT = 128
-DRAFTER_BATCH = 8  # rows per step
+DRAFTER_BATCH = 4  # rows per step: more, smaller updates won at equal wall time (measured)
 DRAFTER_ANCHORS = 32  # blocks per row
 
 
@@ -832,10 +832,8 @@ def stage_drafter(args) -> None:
     ]  # fmt: skip
     if args.drafter_resume and (run_dir / "training_state").exists():
         train_argv.append("--resume")
-    t_train = time.time()
     if dflash_train.main(train_argv) != 0:
         raise SystemExit("drafter training failed")
-    train_wall = time.time() - t_train
 
     out = PAIR_DIR / "draft"
     tmp = PAIR_DIR / ".draft.tmp"
@@ -858,7 +856,7 @@ def stage_drafter(args) -> None:
         "final_accept_len_proxy": round(float(tail[:, 3].mean()), 3),
         "acceptance": accept,
         "data_time_s": round(t_data, 1),
-        "train_time_s": round(train_wall, 1),
+        "train_time_s": round(state["train_seconds"], 1),
         "stage_time_s": round(time.time() - t_start, 1),
         "seed": args.seed,
         "command": args.command,
@@ -981,7 +979,7 @@ def main(argv=None) -> None:
                     help="train with the chunked (matmul) GatedDeltaNet recurrence")
     ap.add_argument("--drafter-prompts", type=int, default=1024,
                     help="train-split prompts the target continues for the drafter's data")
-    ap.add_argument("--drafter-steps", type=int, default=400)
+    ap.add_argument("--drafter-steps", type=int, default=1400)
     ap.add_argument("--drafter-lr", type=float, default=1.5e-3)
     ap.add_argument("--drafter-resume", action="store_true",
                     help="continue an interrupted drafter run (same data, same arguments)")
