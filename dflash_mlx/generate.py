@@ -155,7 +155,7 @@ def stream_generate(
     block_size = draft.block_size if block_size is None else int(block_size)
     if block_size < 1:
         raise ValueError("block_size must be at least 1")
-    getattr(draft, "check_block_size", lambda size: None)(block_size)  # DFlash2 warns off-size
+    draft.check_block_size(block_size)
     if draft._target is None or draft._target.model is not model:
         draft.bind(model)
     target = draft.target

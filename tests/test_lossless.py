@@ -65,6 +65,9 @@ class ScriptedDrafter:
     def target(self):
         return self._target
 
+    def check_block_size(self, block_size):
+        pass
+
     def make_cache(self):
         return [0]  # context positions seen so far
 

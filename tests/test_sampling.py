@@ -275,6 +275,9 @@ class DoubleDrafter:
     def target(self):
         return self._target
 
+    def check_block_size(self, block_size):
+        pass
+
     def make_cache(self):
         return {"tokens": list(self.prompt), "last": []}
 

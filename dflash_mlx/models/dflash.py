@@ -356,6 +356,10 @@ class DFlashDraftModel(nn.Module):
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
 
+    def check_block_size(self, block_size: int) -> None:
+        """Any block size works for DFlash (slots are independent of the
+        block length); DFlash2 overrides this to warn off its trained size."""
+
     def bind(self, target_model) -> "DFlashDraftModel":
         """Share the target's embedding and LM head (not copied)."""
         from ..targets import adapter_for
