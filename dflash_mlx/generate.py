@@ -240,6 +240,8 @@ def stream_generate(
                     q = q[0]
                 else:
                     drafted = draft.propose(block, context, draft_cache)
+                # The drafter runs while Python builds the verify graph.
+                mx.async_eval(drafted)
                 if timer:
                     timer.lap("draft", drafted)
                 verify_in = mx.concatenate([mx.array([[anchor]]), drafted.astype(mx.int32)], axis=1)
@@ -252,6 +254,8 @@ def stream_generate(
                 timer.lap("verify", taps, [c.state for c in cache])
             target.rollback(cache, accepted + 1)
             context = taps[:, : accepted + 1]
+            # Restore the caches while the host streams text and builds the next draft.
+            mx.async_eval([c.state for c in cache], context)
             if timer:
                 timer.lap("rollback", [c.state for c in cache])
                 timer.cycles += 1

@@ -828,7 +828,7 @@ def stage_drafter(args) -> None:
         "--steps", str(args.drafter_steps), "--learning-rate", str(args.drafter_lr),
         "--warmup", str(max(1, args.drafter_steps // 20)), "--batch-size", str(DRAFTER_BATCH),
         "--seq-len", str(DRAFTER_ROW), "--anchors-per-seq", str(DRAFTER_ANCHORS), "--seed", str(args.seed),
-        "--save-every", "100", "--target-dtype", "float32", "--cache-target", "--dtype", "bfloat16",
+        "--save-every", "100", "--target-dtype", "float32", "--cache-target", "--dtype", "float32",
     ]  # fmt: skip
     if args.drafter_resume and (run_dir / "training_state").exists():
         train_argv.append("--resume")
@@ -979,7 +979,7 @@ def main(argv=None) -> None:
                     help="train with the chunked (matmul) GatedDeltaNet recurrence")
     ap.add_argument("--drafter-prompts", type=int, default=1024,
                     help="train-split prompts the target continues for the drafter's data")
-    ap.add_argument("--drafter-steps", type=int, default=1400)
+    ap.add_argument("--drafter-steps", type=int, default=4800)
     ap.add_argument("--drafter-lr", type=float, default=1.5e-3)
     ap.add_argument("--drafter-resume", action="store_true",
                     help="continue an interrupted drafter run (same data, same arguments)")
