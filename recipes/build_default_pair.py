@@ -973,8 +973,10 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-windows", type=int, default=128)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                     help="mx.compile the train step (measured: no faster on CPU)")
-    ap.add_argument("--max-train-minutes", type=float, default=21.0,
-                    help="stop early (and say so in the card) if training runs past this")
+    ap.add_argument("--max-train-minutes", type=float, default=60.0,
+                    help="stop early (and say so in the card) if training runs past this; "
+                    "the shipped target took 19.7 min, so the default cap leaves slower "
+                    "machines room to reproduce all of its steps")
     ap.add_argument("--chunked-gdn", action=argparse.BooleanOptionalAction, default=True,
                     help="train with the chunked (matmul) GatedDeltaNet recurrence")
     ap.add_argument("--drafter-prompts", type=int, default=1024,
