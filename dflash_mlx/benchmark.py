@@ -91,9 +91,9 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
         mx.eval(out, t)
         target.rollback(cache, 0)
 
-    draft_cache = draft.make_cache()
-    mx.eval(draft.propose(tokens, taps[:, :-new_context], draft_cache))
     block = mx.array([[1] + [draft.mask_token_id] * (block_size - 1)])
+    draft_cache = draft.make_cache()
+    mx.eval(draft.propose(block, taps[:, :-new_context], draft_cache))
     fresh = taps[:, -new_context:]
 
     def drafter_forward():

@@ -254,10 +254,11 @@ def stream_generate(
                 timer.lap("verify", taps, [c.state for c in cache])
             target.rollback(cache, accepted + 1)
             context = taps[:, : accepted + 1]
+            restored = [c.state for c in cache]
             # Restore the caches while the host streams text and builds the next draft.
-            mx.async_eval([c.state for c in cache], context)
+            mx.async_eval(restored, context)
             if timer:
-                timer.lap("rollback", [c.state for c in cache])
+                timer.lap("rollback", restored)
                 timer.cycles += 1
             anchor = bonus
             response = respond(proposal[:accepted].tolist() + [bonus], accepted, accepted + 1)

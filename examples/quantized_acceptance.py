@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dflash_mlx  # noqa: E402
+from dflash_mlx.benchmark import run_dflash  # noqa: E402
 from dflash_mlx.convert import convert  # noqa: E402
 from dflash_mlx.generate import build_prompt  # noqa: E402
 
@@ -38,11 +39,11 @@ def run_variant(model, tokenizer, draft_dir, prompts, max_tokens):
     draft = dflash_mlx.load_draft(draft_dir, model)
     outputs, cycles, committed = [], 0, 0
     for prompt in prompts:
-        responses = list(dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens))
-        outputs.append([t for r in responses for t in r.tokens])
-        # The first response is the prefill's token, not a verify cycle.
-        cycles += len(responses) - 1
-        committed += sum(r.committed for r in responses[1:])
+        run = run_dflash(model, draft, tokenizer, prompt, max_tokens, draft.block_size)
+        outputs.append(run["tokens"])
+        # Each verify cycle commits its accepted tokens plus one.
+        cycles += len(run["accepted"])
+        committed += len(run["accepted"]) + sum(run["accepted"])
     return outputs, cycles, committed
 
 

@@ -771,19 +771,20 @@ def target_continuations(target_dir: Path, prompts: list[list[int]], row_len: in
 
 
 def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[str], max_tokens: int = 128) -> dict:
-    """Greedy tokens committed per verify cycle on held-out prompts, as the
-    benchmark counts them (the prefill's token is not a cycle)."""
-    from dflash_mlx import load, load_draft, stream_generate
+    """Greedy tokens committed per verify cycle on held-out prompts, counted by
+    the benchmark's own run (the prefill's token is not a cycle)."""
+    from dflash_mlx import load, load_draft
+    from dflash_mlx.benchmark import run_dflash
 
     model, tokenizer = load(str(target_dir))
     draft = load_draft(draft_dir, model)
     committed = cycles = 0
     per_prompt = []
     for prompt in tqdm(prompts, desc="acceptance"):
-        responses = list(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens))[1:]
-        c = sum(r.committed for r in responses)
-        committed, cycles = committed + c, cycles + len(responses)
-        per_prompt.append(round(c / max(1, len(responses)), 3))
+        accepted = run_dflash(model, draft, tokenizer, prompt, max_tokens, draft.block_size)["accepted"]
+        c = len(accepted) + sum(accepted)  # each cycle commits its accepted tokens + one
+        committed, cycles = committed + c, cycles + len(accepted)
+        per_prompt.append(round(c / max(1, len(accepted)), 3))
     return {
         "mean_tokens_per_cycle": round(committed / max(1, cycles), 3),
         "per_prompt": per_prompt,
