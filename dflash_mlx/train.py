@@ -50,6 +50,7 @@ RUN_KEYS = (
     "target", "data", "num_layers", "block_size", "taps", "steps", "learning_rate",
     "batch_size", "seq_len", "gamma", "anchors_per_seq", "seed", "targets", "warmup",
     "mask_token_id", "intermediate_size", "weight_decay", "grad_clip", "target_dtype",
+    "init_from",
 )
 MASK_NAME = re.compile(r"^<\|?\s*mask\s*\|?>$", re.IGNORECASE)
 
@@ -330,10 +331,29 @@ def read_state(out: Path):
     return state, arrays
 
 
+def init_weights(draft: DFlashDraftModel, path: Path) -> None:
+    """Load a drafter checkpoint of exactly ``draft``'s configuration."""
+    from .loading import check_weights, normalize_tensor_names, read_config, read_safetensors
+
+    saved = DFlashConfig.from_hf(read_config(path))
+    if saved != draft.config:
+        diff = [
+            f"{k} {getattr(saved, k)!r} (run: {getattr(draft.config, k)!r})"
+            for k in draft.config.__dataclass_fields__
+            if getattr(saved, k) != getattr(draft.config, k)
+        ]
+        raise TrainError(f"--init-from {path} is a different drafter: {', '.join(diff)}")
+    weights = normalize_tensor_names(read_safetensors(path))
+    check_weights(draft, weights, path)
+    draft.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()], strict=True)
+
+
 def run_config(args) -> dict:
     cfg = {k: getattr(args, k) for k in RUN_KEYS}
     cfg["target"] = str(Path(args.target).resolve()) if Path(args.target).exists() else args.target
     cfg["data"] = [str(Path(p).resolve()) for p in args.data]
+    if args.init_from is not None:
+        cfg["init_from"] = str(Path(args.init_from).resolve())
     return cfg
 
 
@@ -380,6 +400,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="start from this drafter's weights (a checkpoint of the same shape, e.g. an earlier "
+        "run's --out) instead of a random initialisation; a fresh schedule and optimizer",
+    )
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of the saved model.safetensors (training is float32)")
     p.add_argument(
         "--target-dtype",
@@ -423,6 +449,8 @@ def check_args(args) -> None:
             raise TrainError(f"--taps must be a comma list of layer indices, not {args.taps!r}") from None
         if not args.taps:
             raise TrainError("--taps is empty")
+    if args.init_from is not None and not (Path(args.init_from) / "config.json").is_file():
+        raise TrainError(f"--init-from {args.init_from} holds no drafter checkpoint (config.json)")
     out = Path(args.out)
     if not args.resume and out.exists() and any(out.iterdir()):
         raise TrainError(f"{out} exists and is not empty: pass --resume to continue it, or choose a new --out")
@@ -481,6 +509,8 @@ def train(args) -> dict:
     mx.random.seed(args.seed)  # drafter initialisation
     draft = DFlashDraftModel(DFlashConfig.from_hf(config))
     draft.bind(model)
+    if args.init_from is not None:
+        init_weights(draft, Path(args.init_from))
     optimizer = optim.AdamW(learning_rate=lr_at(0, args.steps, args.learning_rate, args.warmup), weight_decay=args.weight_decay)
     optimizer.init(draft.trainable_parameters())
     rng = np.random.default_rng(args.seed)

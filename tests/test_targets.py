@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import tiny
+from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -129,6 +130,30 @@ def test_gated_delta_state_after_rollback_is_bit_identical(targets):
     assert linear
     for i in linear:
         assert mx.array_equal(a[i][0], b[i][0]) and mx.array_equal(a[i][1], b[i][1])
+
+
+@pytest.mark.parametrize("keep", [0, 5, 16])
+def test_compiled_verify_layers_are_bit_identical(targets, keep):
+    """The compiled GatedDeltaNet layers of a verify block (and the fused
+    swiglu) compute exactly what the same ops compute one by one: logits,
+    taps, the states rollback leaves, and what follows."""
+    model = targets["qwen3_5"]
+    rng = np.random.default_rng(keep)
+    prompt = mx.array(rng.integers(0, 256, (1, 9)))
+    block = mx.array(rng.integers(0, 256, (1, 16)))
+    results = []
+    for compile_layers in (True, False):
+        adapter = HybridTarget(model, recurrence="chunked", compile_layers=compile_layers)
+        cache = adapter.make_cache()
+        adapter.forward(prompt, cache, taps=[], record=False)
+        logits, taps = adapter.forward(block, cache, taps=[0, 1, 2])
+        assert bool(adapter._compiled_layers) == compile_layers
+        adapter.rollback(cache, keep)
+        after, _ = adapter.forward(block[:, :3], cache, taps=[])
+        states = [s for _, s in tree_flatten([c.state for c in cache]) if s is not None]
+        results.append([logits, taps, after, *states])
+    for fused, plain in zip(*results):
+        assert mx.array_equal(fused, plain)
 
 
 def _write_draft(pair, tmp_path, **kw):

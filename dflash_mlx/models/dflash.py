@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..ops import fast_math
 from ..sampling import processed_probs, sample
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -250,6 +251,7 @@ class DraftAttention(nn.Module):
         self.sliding_window = config.sliding_window if sliding else None
         # The reference treats sliding layers as causal unless told otherwise.
         self.is_causal = sliding if config.is_causal is None else config.is_causal
+        self.sees_all = not self.is_causal and self.sliding_window is None
         bias = config.attention_bias
         self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
@@ -266,6 +268,14 @@ class DraftAttention(nn.Module):
         k = rope(k.transpose(0, 2, 1, 3), offset=offset)
         return k, v.transpose(0, 2, 1, 3)
 
+    def cpu_attention(self, q, k, v):
+        """Unmasked grouped-query attention with a fused approximate softmax:
+        MLX's CPU softmax spends most of a drafter layer's attention in exp."""
+        B, H, L, D = q.shape
+        groups = (q * self.scale).reshape(B, self.n_kv_heads, H // self.n_kv_heads, L, D)
+        scores = groups @ k[:, :, None].swapaxes(-1, -2)
+        return (fast_math.softmax_approx(scores) @ v[:, :, None]).reshape(B, H, L, D)
+
     def __call__(self, x, context, rope, cache: ContextCache) -> mx.array:
         B, L, _ = x.shape
         # Inject the new context first: the block starts right after it.
@@ -280,6 +290,9 @@ class DraftAttention(nn.Module):
         if ctx_k is not None:
             k = mx.concatenate([ctx_k, k], axis=2)
             v = mx.concatenate([ctx_v, v], axis=2)
+        if self.sees_all and not self.training and fast_math.approx_for(q):
+            out = self.cpu_attention(q, k, v)
+            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         mask = draft_attention_mask(
             mx.arange(cache.start, cache.start + cache.size),
             mx.arange(block_start, block_start + L),
@@ -298,6 +311,8 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x):
+        if not self.training and fast_math.approx_for(x):
+            return self.down_proj(fast_math.swiglu_approx(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -405,9 +420,13 @@ class DFlashDraftModel(nn.Module):
     def __call__(self, block_tokens, target_hidden, cache) -> mx.array:
         return self.compute_logits(self.hidden_states(block_tokens, target_hidden, cache))
 
+    def slot_logits(self, block_tokens, target_hidden, cache) -> mx.array:
+        """Logits of the drafted slots 1..L-1 (the anchor's are never used)."""
+        return self.compute_logits(self.hidden_states(block_tokens, target_hidden, cache)[:, 1:])
+
     def propose(self, block_tokens, target_hidden, cache, temperature: float = 0.0, sampler=None):
         """Greedy (or sampled) tokens for slots 1..L-1: [B, L-1]."""
-        logits = self(block_tokens, target_hidden, cache)[:, 1:]
+        logits = self.slot_logits(block_tokens, target_hidden, cache)
         if temperature > 0 and sampler is not None:
             return sampler(logits)
         return mx.argmax(logits, axis=-1)
@@ -426,6 +445,6 @@ class DFlashDraftModel(nn.Module):
         drawn from, ``([B, L-1], [B, L-1, V])``: what speculative sampling
         needs to verify them. ``q`` is processed like the target's ``p``.
         """
-        logits = self(block_tokens, target_hidden, cache)[:, 1:]
+        logits = self.slot_logits(block_tokens, target_hidden, cache)
         q = processed_probs(logits, temperature, top_p, top_k, min_p)
         return sample(q), q

@@ -16,6 +16,7 @@ what rollback needs: no second pass over the block.
 """
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -64,15 +65,18 @@ def _wy_chunk(q, k, v, log_g, beta, state):
 _wy_chunk_compiled = mx.compile(_wy_chunk)
 
 
+@dataclass
 class DeltaChunk:
-    """One chunk solved in WY form; ``state_after(n)`` gives S after n tokens."""
+    """One chunk solved in WY form: ``state_after(n)`` gives S after n tokens.
 
-    def __init__(self, q, k, v, log_g, beta, state, compiled: bool = False):
-        # q, k: [B, H, T, Dk]; v: [B, H, T, Dv]; log_g, beta: [B, H, T]
-        # state: [B, H, Dv, Dk] (float32)
-        solve = _wy_chunk_compiled if compiled else _wy_chunk
-        self.y, self.u, self.L = solve(q, k, v, log_g, beta, state)
-        self.k, self.state = k, state
+    u: deltas [B, H, T, Dv]; L: cumulative log decay [B, H, T]; k: keys
+    [B, H, T, Dk]; state: S before the chunk [B, H, Dv, Dk] (float32).
+    """
+
+    u: mx.array
+    L: mx.array
+    k: mx.array
+    state: mx.array
 
     def state_after(self, n: int) -> mx.array:
         if n == 0:
@@ -81,6 +85,13 @@ class DeltaChunk:
         w = mx.exp(last - self.L[..., :n])[..., None]  # [B, H, n, 1]
         delta = (self.u[:, :, :n] * w).swapaxes(-1, -2) @ self.k[:, :, :n]
         return mx.exp(last)[..., None] * self.state + delta
+
+
+def solve_chunk(q, k, v, log_g, beta, state, compiled: bool = False):
+    """(y, DeltaChunk) of one chunk; q, k: [B, H, T, Dk], v: [B, H, T, Dv],
+    log_g, beta: [B, H, T], state: [B, H, Dv, Dk] (float32)."""
+    y, u, L = (_wy_chunk_compiled if compiled else _wy_chunk)(q, k, v, log_g, beta, state)
+    return y, DeltaChunk(u, L, k, state)
 
 
 def chunked_gated_delta(
@@ -115,10 +126,10 @@ def chunked_gated_delta(
     chunk = None
     for s in range(0, T, chunk_size):
         e = min(s + chunk_size, T)
-        chunk = DeltaChunk(
+        y, chunk = solve_chunk(
             q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], log_g[:, :, s:e], beta[:, :, s:e], state, compiled
         )
-        ys.append(chunk.y)
+        ys.append(y)
         state = chunk.state_after(e - s)
     y = mx.concatenate(ys, axis=2).transpose(0, 2, 1, 3)
     return y, state, chunk

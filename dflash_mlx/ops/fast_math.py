@@ -1,0 +1,135 @@
+"""Fused CPU versions of MLX's exp / sigmoid / silu: exact for the target,
+approximate for the drafter.
+
+MLX's CPU backend evaluates ``exp`` (and so ``sigmoid``, ``silu``,
+``softmax``) with a degree-6 polynomial built from fused multiply-adds. On
+x86 builds those are ``std::fma`` library calls, one element at a time:
+about 20 ns per element, 15-20x the cost of an add. A 16-token verify or a
+drafter forward pays that on every activation and attention score, a
+1-token step hardly at all.
+
+Exact (``silu``, ``swiglu``; used in the target's verify forward): the same
+polynomial inside one ``mx.compile`` kernel, each fused multiply-add emulated
+exactly (the float32 product is exact in float64; adding in float64 and
+rounding once to float32 gives the fma result, a double rounding could
+differ in theory). :func:`available` checks a probe against MLX's ops before
+the path is used, the tests some 10^7 inputs: results equal MLX's bit for
+bit, so the verify computes the very logits mlx-lm would.
+
+Approximate (``softmax_approx``, ``swiglu_approx``; used by the drafter only,
+whose numerics decide how many tokens are accepted, never which are emitted):
+relative error below 1e-4, cheaper still, and shapeless.
+
+Only float32 on the CPU takes these paths: Metal's ``exp`` is already fast,
+and other dtypes round differently.
+"""
+
+from functools import lru_cache, partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+_LOG2E = 1.442695  # the float32 constant MLX multiplies by
+# MLX's (Cephes) coefficients for 2**f on [-0.5, 0.5], highest degree first.
+_POLY = (
+    1.535336188319500e-4,
+    1.339887440266574e-3,
+    9.618437357674640e-3,
+    5.550332471162809e-2,
+    2.402264791363012e-1,
+    6.931472028550421e-1,
+    1.0,
+)
+
+
+def _exp(x: mx.array) -> mx.array:
+    """MLX's CPU float32 exp, traced into the enclosing compiled kernel."""
+    t = x * mx.array(_LOG2E, mx.float32)
+    ipart = mx.floor(t + 0.5)
+    frac = (t - ipart).astype(mx.float64)
+    p = mx.array(_POLY[0], mx.float32)
+    for c in _POLY[1:]:
+        # fma(p, frac, c): exact float64 product, one rounding to float32.
+        p = (p.astype(mx.float64) * frac + mx.array(c, mx.float32).astype(mx.float64)).astype(
+            mx.float32
+        )
+    # Clamping keeps the integer in range; those inputs are overwritten below.
+    scale = ((mx.clip(ipart, -127, 128).astype(mx.int32) + 127) << 23).view(mx.float32)
+    out = scale * p
+    out = mx.where(x > 88.0, mx.array(float("inf"), mx.float32), out)
+    out = mx.where(x < -88.0, mx.array(0.0, mx.float32), out)
+    return mx.where(mx.isnan(x), x, out)
+
+
+def _sigmoid(x):
+    y = 1.0 / (1.0 + _exp(mx.abs(x)))
+    return mx.where(x < 0, y, 1.0 - y)
+
+
+# Compiled per input shape (``view`` rules out shapeless compilation): the
+# shapes that matter repeat every cycle, so each is traced once.
+exp = mx.compile(_exp)
+sigmoid = mx.compile(_sigmoid)
+silu = mx.compile(lambda x: x * _sigmoid(x))
+swiglu = mx.compile(lambda gate, x: gate * _sigmoid(gate) * x)
+
+
+@lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether the fused functions equal MLX's ops bit for bit here.
+
+    False off the CPU (MLX's own kernels are fast there) and if any probe
+    input differs, so a different MLX build or compiler falls back to the ops.
+    """
+    if mx.default_device() != mx.cpu:
+        return False
+    with mx.stream(mx.cpu):
+        probe = mx.concatenate(
+            [
+                mx.linspace(-100.0, 100.0, 1 << 16),
+                mx.random.normal((1 << 16,), key=mx.random.key(0)) * 8.0,
+                mx.array([0.0, -0.0, 88.0, -88.0, 1e-30, -1e-30, float("inf"), -float("inf")]),
+            ]
+        )
+        checks = [
+            (exp(probe), mx.exp(probe)),
+            (sigmoid(probe), mx.sigmoid(probe)),
+            (silu(probe), nn.silu(probe)),
+        ]
+        return all(mx.array_equal(a, b, equal_nan=True).item() for a, b in checks)
+
+
+def use_for(x: mx.array) -> bool:
+    """Take the fused path for ``x``: float32, on a CPU where it is exact."""
+    return x.dtype == mx.float32 and available()
+
+
+# Approximate versions: no ``view``, so they compile shapeless and a softmax
+# over a growing context traces once.
+_SQUARINGS = 8
+
+
+def _exp_nonpositive(x):
+    """exp(x) for x <= 0 as (Taylor exp(x / 256))^256; relative error < 1e-4."""
+    y = mx.maximum(x, -87.0) * (1.0 / 2**_SQUARINGS)
+    p = 1 + y * (1 + y * (1 / 2 + y * (1 / 6 + y * (1 / 24 + y * (1 / 120 + y * (1 / 720))))))
+    for _ in range(_SQUARINGS):
+        p = p * p
+    return p
+
+
+@partial(mx.compile, shapeless=True)
+def softmax_approx(scores):
+    e = _exp_nonpositive(scores - mx.max(scores, axis=-1, keepdims=True))
+    return e / mx.sum(e, axis=-1, keepdims=True)
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu_approx(gate, x):
+    e = _exp_nonpositive(-mx.abs(gate))
+    return gate * mx.where(gate >= 0, 1 / (1 + e), e / (1 + e)) * x
+
+
+def approx_for(x: mx.array) -> bool:
+    """Take the approximate path for ``x``: float32 on the CPU."""
+    return x.dtype == mx.float32 and mx.default_device() == mx.cpu
