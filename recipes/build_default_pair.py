@@ -12,7 +12,8 @@ Stages (run all in order with ``--stage all``, or one at a time):
   tokenizer  train a byte-level BPE tokenizer (with a ``<|mask|>`` token)
   target     train a tiny Qwen3.5 (hybrid GatedDeltaNet + attention) target
   drafter    train the DFlash drafter with ``mlx-dflash train`` on the target's
-             own continuations of train-split prompts
+             own continuations of train-split prompts: from scratch on a first
+             set of prompts, then (``--init-from``) on those plus fresh ones
 
 Example::
 
@@ -620,7 +621,9 @@ def stage_target(args) -> None:
         "command": args.command,
         "compile": bool(args.compile),
         "train_time_s": round(train_time, 1),
-        "stage_time_s": round(time.time() - t_start, 1),
+        # data + training + acceptance: the stage's time from scratch, even
+        # when this invocation resumed an interrupted run.
+        "stage_time_s": round(t_data + train_seconds + t_measure, 1),
         "final_train_loss": round(final_train_loss, 4),
         "train_eval_loss": round(train_eval_loss, 4),
         "heldout_loss": round(heldout_loss, 4),
@@ -802,7 +805,6 @@ def stage_drafter(args) -> None:
 
     from dflash_mlx import train as dflash_train
 
-    t_start = time.time()
     work = Path(args.work_dir)
     target = Path(args.out_dir)
     if not (target / "config.json").exists():
@@ -810,10 +812,14 @@ def stage_drafter(args) -> None:
     tok_meta = json.loads((work / "tokenizer" / "tokenizer_meta.json").read_text())
     prompt_order = []  # train-split prompts in the seeded order both phases draw from
 
-    def continuation_rows(path: Path, first: int, count: int) -> None:
-        """Target continuations of prompts ``first..first+count`` of the seeded order."""
-        if args.drafter_resume and path.exists():
-            return
+    def continuation_rows(path: Path, first: int, count: int) -> float:
+        """Target continuations of prompts ``first..first+count`` of the seeded
+        order; returns the seconds they took (kept beside the rows, so a
+        resumed build still reports the whole build's time)."""
+        timing = path.with_suffix(".json")
+        if args.drafter_resume and path.exists() and timing.exists():
+            return json.loads(timing.read_text())["seconds"]
+        t0 = time.time()
         if not prompt_order:
             prompts = make_prompts(stdlib_root(), read_split(work, "train"), 10**6)
             perm = np.random.default_rng(args.seed).permutation(len(prompts))
@@ -823,7 +829,10 @@ def stage_drafter(args) -> None:
         ids = [e.ids for e in tok.encode_batch(chosen, add_special_tokens=False)]
         rows = target_continuations(target, ids, DRAFTER_ROW, DRAFTER_MAX_PROMPT, batch=128)
         np.save(path, rows.astype(np.uint16))
+        seconds = time.time() - t0
+        timing.write_text(json.dumps({"seconds": round(seconds, 1)}) + "\n")
         print(f"{len(rows)} rows of {DRAFTER_ROW} tokens from train-split prompts {first}..{first + count - 1}")
+        return seconds
 
     def train_run(data_files, run_dir: Path, steps: int, lr: float, init_from=None) -> list:
         if not args.drafter_resume:
@@ -847,8 +856,7 @@ def stage_drafter(args) -> None:
 
     # Phase 1: from scratch on the continuations of the first prompts.
     data = work / "drafter_data.npy"
-    continuation_rows(data, 0, args.drafter_prompts)
-    t_data = time.time() - t_start
+    t_data = continuation_rows(data, 0, args.drafter_prompts)
     run_dir = work / "drafter_run"
     commands = [train_run([data], run_dir, args.drafter_steps, args.drafter_lr)]
     data_files = [data]
@@ -857,9 +865,7 @@ def stage_drafter(args) -> None:
     # over the same rows.
     if args.drafter_extra_steps:
         extra = work / "drafter_data_extra.npy"
-        t0 = time.time()
-        continuation_rows(extra, args.drafter_prompts, args.drafter_extra_prompts)
-        t_data += time.time() - t0
+        t_data += continuation_rows(extra, args.drafter_prompts, args.drafter_extra_prompts)
         data_files.append(extra)
         phase1 = run_dir
         run_dir = work / "drafter_run_extra"
@@ -878,7 +884,9 @@ def stage_drafter(args) -> None:
     for name in ("config.json", "model.safetensors"):
         shutil.copy(run_dir / name, tmp / name)
     held = json.loads((PAIR_DIR / "prompts.json").read_text())
+    t_measure = time.time()
     accept = measure_acceptance(target, tmp, held)
+    t_measure = time.time() - t_measure
     print(f"held-out mean tokens per cycle: {accept['mean_tokens_per_cycle']:.3f}")
 
     state = json.loads((run_dir / "training_state" / "training_state.json").read_text())
@@ -894,7 +902,9 @@ def stage_drafter(args) -> None:
         "acceptance": accept,
         "data_time_s": round(t_data, 1),
         "train_time_s": round(train_seconds, 1),
-        "stage_time_s": round(time.time() - t_start, 1),
+        # data + training + acceptance: the stage's time from scratch, even
+        # when this invocation resumed an interrupted run.
+        "stage_time_s": round(t_data + train_seconds + t_measure, 1),
         "seed": args.seed,
         "command": args.command,
         "train_commands": [

@@ -181,6 +181,25 @@ def test_resume_equals_uninterrupted_run(qwen3_pair, corpus, tmp_path, monkeypat
     assert "--learning-rate" in capsys.readouterr().err
 
 
+def test_init_from_starts_at_the_checkpoint(qwen3_pair, corpus, tmp_path, capsys):
+    """--init-from loads an earlier drafter's weights: with a zero learning
+    rate the new run saves them unchanged and its first loss is the old run's
+    level, not a random drafter's. A drafter of another shape is refused."""
+    pair = qwen3_pair
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert T.main(small_run(pair, corpus, first, "--steps", "30")) == 0
+    argv = small_run(pair, corpus, second, "--steps", "2", "--init-from", str(first))
+    argv[argv.index("--learning-rate") + 1] = "0"
+    assert T.main(argv) == 0
+    a, b = mx.load(str(first / "model.safetensors")), mx.load(str(second / "model.safetensors"))
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    assert history(second)[0][0] < np.mean([h[0] for h in history(first)[:3]]) - 0.3
+    other = small_run(pair, corpus, tmp_path / "third", "--steps", "2", "--num-layers", "1", "--init-from", str(first))
+    assert T.main(other) == 1
+    err = capsys.readouterr().err
+    assert "different drafter" in err and "num_hidden_layers" in err
+
+
 def _no_mask_target(pair, root: Path) -> Path:
     path = root / "no_mask_target"
     shutil.copytree(pair.path, path)
@@ -197,6 +216,7 @@ BAD = {  # case: (arguments after the common ones, words the message must hold)
     "data shorter than a window": (lambda p, d, t: ["--data", str(t / "short.txt")], "no --seq-len 48 window"),
     "taps out of range": (lambda p, d, t: ["--data", str(d), "--taps", "1,9"], "out of range"),
     "bad taps": (lambda p, d, t: ["--data", str(d), "--taps", "1,x"], "comma list"),
+    "init from nothing": (lambda p, d, t: ["--data", str(d), "--init-from", str(t)], "no drafter checkpoint"),
     "mask id out of vocab": (lambda p, d, t: ["--data", str(d), "--mask-token-id", "9999"], "outside"),
     "npy outside vocab": (lambda p, d, t: ["--data", str(t / "big.npy")], "outside the target"),
     "no mask token": (lambda p, d, t: ["--data", str(d), "--target", str(_no_mask_target(p, t))], "--mask-token-id"),
