@@ -3,11 +3,12 @@
 A GatedDeltaNet layer's conv window and recurrent state cannot be trimmed.
 During a verify forward we keep, per layer, the state before the block (MLX
 arrays are immutable, so holding a reference is a free snapshot), the conv
-input and the per-token (q, k, v, a, b). Rolling back to ``keep`` tokens then
-re-runs only the recurrence for those tokens, with the same mlx-lm function
-the forward used, so the state is bit-identical to a token-by-token decode;
-the layer's projections (the weight reads decode time is made of) never run
-again. A fully accepted block needs no replay at all.
+input and what the recurrence needs for any prefix: the per-token
+(q, k, v, a, b) when mlx-lm's recurrence ran (rollback re-runs it for the
+kept tokens, bit-identical to a token-by-token decode), or the chunk's WY
+deltas when the chunked form ran (the state after any prefix is one more
+matmul). The layer's projections (the weight reads decode time is made of)
+never run again, and a fully accepted block needs no replay at all.
 """
 
 from dataclasses import dataclass
