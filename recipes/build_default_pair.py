@@ -848,11 +848,10 @@ def stage_drafter(args) -> None:
         ]  # fmt: skip
         if init_from is not None:
             argv += ["--init-from", str(init_from)]
-        if args.drafter_resume and (run_dir / "training_state").exists():
-            argv.append("--resume")
-        if dflash_train.main(argv) != 0:
+        resume = ["--resume"] if args.drafter_resume and (run_dir / "training_state").exists() else []
+        if dflash_train.main(argv + resume) != 0:
             raise SystemExit("drafter training failed")
-        return argv
+        return argv  # the command a fresh build runs
 
     # Phase 1: from scratch on the continuations of the first prompts.
     data = work / "drafter_data.npy"

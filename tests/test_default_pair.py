@@ -39,8 +39,8 @@ def test_bundled_pair_is_lossless_and_trained(bundled):
                 cycles += 1
                 committed += r.committed
         assert got == ref
-    # the shipped drafter commits 3.3 tokens per cycle here, an untrained one ~1
-    assert committed / cycles > 2.5
+    # the shipped drafter commits 3.4 tokens per cycle here, an untrained one ~1
+    assert committed / cycles > 3.0
 
 
 def test_readme_first_command_runs_offline(tmp_path):
