@@ -6,7 +6,8 @@
 Reports tok/s and speedup, mean tokens per cycle and the acceptance histogram,
 per-phase timings (draft / verify / rollback / host), the forward costs that
 bound the speedup (T1: mlx-lm's target forward on 1 token, T16: the
-verify forward on a block, Tdraft: the drafter as the loop runs it),
+verify forward on a block, Tdraft: the drafter as the loop runs it; each
+timed right after a prompt's runs at its context, medians over prompts),
 peak memory, and the share of generated tokens that repeat an earlier 4-gram
 (repetitive output inflates acceptance). Every configuration gets a warm-up
 run that is not counted.
@@ -151,11 +152,18 @@ def benchmark(model, draft, tokenizer, prompts: List[str], max_tokens=128, block
     run_autoregressive(model, tokenizer, warm, 16)
     run_dflash(model, draft, tokenizer, warm, 16, block_size)
 
-    ar, df = [], []
+    ar, df, timings = [], [], []
     timer = PhaseTimer()
     for prompt in prompts:
         ar.append(run_autoregressive(model, tokenizer, prompt, max_tokens))
         df.append(run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size))
+        # The forwards that bound the speedup, timed right after the runs they
+        # bound and at this prompt's context, so that drift on a shared
+        # machine moves both alike; the drafter injects what this run accepted.
+        accepted = df[-1]["accepted"]
+        per_cycle = 1 + statistics.mean(accepted) if accepted else 1.0
+        ids = encode_prompt(tokenizer, prompt)
+        timings.append(time_forwards(model, draft, ids, block_size, max(1, round(per_cycle)), repeats=10))
     # Phase timings sync after every phase, so they get their own pass.
     for prompt in prompts:
         run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=timer)
@@ -168,8 +176,7 @@ def benchmark(model, draft, tokenizer, prompts: List[str], max_tokens=128, block
     accepted = [a for r in df for a in r["accepted"]]
     hist = Counter(a + 1 for a in accepted)
     tokens_per_cycle = statistics.mean(a + 1 for a in accepted) if accepted else 1.0
-    new_context = max(1, round(tokens_per_cycle))  # positions the drafter injects per cycle
-    forwards = time_forwards(model, draft, encode_prompt(tokenizer, prompts[0]), block_size, new_context)
+    forwards = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
     ideal = tokens_per_cycle * forwards["target_1"] / (forwards[f"target_{block_size}"] + forwards["drafter"])
     speedup = (df_tokens / df_time) / (ar_tokens / ar_time)
     phases = {k: 1e3 * v / max(1, timer.cycles) for k, v in timer.seconds.items() if k != "prefill"}

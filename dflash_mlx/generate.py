@@ -225,43 +225,57 @@ def stream_generate(
                 finish_reason=finish,
             )
 
+        def start_draft(length):
+            """Draft the next ``length``-slot block; it runs once this returns.
+            None when the next cycle verifies the anchor alone."""
+            if length < 2:
+                return None
+            block = mx.array([[anchor] + [draft.mask_token_id] * (length - 1)])
+            q = None  # the drafter's distribution, when rejection sampling
+            if speculative:
+                drafted, q = draft.propose_with_probs(block, context, draft_cache, **sampling)
+                q = q[0]
+            else:
+                drafted = draft.propose(block, context, draft_cache)
+            mx.async_eval(drafted)
+            if timer:
+                timer.lap("draft", drafted)
+            return drafted, q
+
         response = respond([anchor], 0, 1)
+        if timer:
+            timer.start()
+        # Never verify more slots than tokens we may still emit.
+        drafting = start_draft(min(block_size, max_tokens - n_out))
         yield response
         while response.finish_reason is None:
-            # Never verify more slots than tokens we may still emit.
-            L = min(block_size, max_tokens - n_out)
             if timer:
                 timer.start()
-            q = None  # the drafter's distribution, when rejection sampling
-            if L > 1:
-                block = mx.array([[anchor] + [draft.mask_token_id] * (L - 1)])
-                if speculative:
-                    drafted, q = draft.propose_with_probs(block, context, draft_cache, **sampling)
-                    q = q[0]
-                else:
-                    drafted = draft.propose(block, context, draft_cache)
-                # The drafter runs while Python builds the verify graph.
-                mx.async_eval(drafted)
-                if timer:
-                    timer.lap("draft", drafted)
-                verify_in = mx.concatenate([mx.array([[anchor]]), drafted.astype(mx.int32)], axis=1)
+            if drafting is None:
+                q, verify_in = None, mx.array([[anchor]])
             else:
-                verify_in = mx.array([[anchor]])
+                # Python builds the verify graph while the drafter runs.
+                drafted, q = drafting
+                verify_in = mx.concatenate([mx.array([[anchor]]), drafted.astype(mx.int32)], axis=1)
             logits, taps = target.forward(verify_in, cache)
             proposal = verify_in[0, 1:]
             accepted, bonus = accept(logits[0], proposal, q)
             if timer:
                 timer.lap("verify", taps, [c.state for c in cache])
+            new_tokens = proposal[:accepted].tolist() + [bonus]
+            anchor, context = bonus, taps[:, : accepted + 1]
+            # The next block needs only the accepted taps: draft it now, so it
+            # runs while the target rolls back and the host streams text.
+            remaining = max_tokens - n_out - len(new_tokens)
+            ends = remaining < 1 or any(t in eos for t in new_tokens)
+            drafting = None if ends else start_draft(min(block_size, remaining))
             target.rollback(cache, accepted + 1)
-            context = taps[:, : accepted + 1]
             restored = [c.state for c in cache]
-            # Restore the caches while the host streams text and builds the next draft.
             mx.async_eval(restored, context)
             if timer:
                 timer.lap("rollback", restored)
                 timer.cycles += 1
-            anchor = bonus
-            response = respond(proposal[:accepted].tolist() + [bonus], accepted, accepted + 1)
+            response = respond(new_tokens, accepted, accepted + 1)
             if timer:
                 timer.lap("host")
             yield response
