@@ -161,9 +161,9 @@ def benchmark(model, draft, tokenizer, prompts: List[str], max_tokens=128, block
         # bound and at this prompt's context, so that drift on a shared
         # machine moves both alike; the drafter injects what this run accepted.
         accepted = df[-1]["accepted"]
-        per_cycle = 1 + statistics.mean(accepted) if accepted else 1.0
+        new_context = round(1 + statistics.mean(accepted)) if accepted else 1
         ids = encode_prompt(tokenizer, prompt)
-        timings.append(time_forwards(model, draft, ids, block_size, max(1, round(per_cycle)), repeats=10))
+        timings.append(time_forwards(model, draft, ids, block_size, new_context, repeats=10))
     # Phase timings sync after every phase, so they get their own pass.
     for prompt in prompts:
         run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=timer)

@@ -332,20 +332,21 @@ def read_state(out: Path):
 
 
 def init_weights(draft: DFlashDraftModel, path: Path) -> None:
-    """Load a drafter checkpoint of exactly ``draft``'s configuration."""
-    from .loading import check_weights, normalize_tensor_names, read_config, read_safetensors
+    """Copy the weights of the drafter at ``path``, which must have exactly
+    ``draft``'s configuration (loaded, and its files checked, by ``load_draft``)."""
+    from .loading import check_weights, load_draft
 
-    saved = DFlashConfig.from_hf(read_config(path))
-    if saved != draft.config:
+    saved = load_draft(path, dtype=mx.float32)
+    if saved.config != draft.config:
         diff = [
-            f"{k} {getattr(saved, k)!r} (run: {getattr(draft.config, k)!r})"
+            f"{k} {getattr(saved.config, k)!r} (run: {getattr(draft.config, k)!r})"
             for k in draft.config.__dataclass_fields__
-            if getattr(saved, k) != getattr(draft.config, k)
+            if getattr(saved.config, k) != getattr(draft.config, k)
         ]
         raise TrainError(f"--init-from {path} is a different drafter: {', '.join(diff)}")
-    weights = normalize_tensor_names(read_safetensors(path))
-    check_weights(draft, weights, path)
-    draft.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()], strict=True)
+    weights = dict(tree_flatten(saved.parameters()))
+    check_weights(draft, weights, path)  # e.g. a quantized checkpoint
+    draft.load_weights(list(weights.items()), strict=True)
 
 
 def run_config(args) -> dict:

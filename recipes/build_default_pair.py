@@ -852,27 +852,23 @@ def stage_drafter(args) -> None:
         return argv  # the command a fresh build runs
 
     # Phase 1: from scratch on the continuations of the first prompts.
-    data = work / "drafter_data.npy"
-    t_data = continuation_rows(data, 0, args.drafter_prompts)
-    run_dir = work / "drafter_run"
-    commands = [train_run([data], run_dir, args.drafter_steps, args.drafter_lr)]
-    data_files = [data]
+    data_files = [work / "drafter_data.npy"]
+    t_data = continuation_rows(data_files[0], 0, args.drafter_prompts)
+    run_dirs = [work / "drafter_run"]
+    commands = [train_run(data_files, run_dirs[0], args.drafter_steps, args.drafter_lr)]
     # Phase 2: continue from phase 1 on those rows plus fresh ones (a new
     # warmup and cosine), which lifts acceptance further than more epochs
     # over the same rows.
     if args.drafter_extra_steps:
-        extra = work / "drafter_data_extra.npy"
-        t_data += continuation_rows(extra, args.drafter_prompts, args.drafter_extra_prompts)
-        data_files.append(extra)
-        phase1 = run_dir
-        run_dir = work / "drafter_run_extra"
+        data_files.append(work / "drafter_data_extra.npy")
+        t_data += continuation_rows(data_files[-1], args.drafter_prompts, args.drafter_extra_prompts)
+        run_dirs.append(work / "drafter_run_extra")
         commands.append(
-            train_run(data_files, run_dir, args.drafter_extra_steps, args.drafter_extra_lr, init_from=phase1)
+            train_run(data_files, run_dirs[-1], args.drafter_extra_steps, args.drafter_extra_lr, init_from=run_dirs[0])
         )
-    train_seconds = sum(
-        json.loads((d / "training_state" / "training_state.json").read_text())["train_seconds"]
-        for d in ([work / "drafter_run", run_dir] if args.drafter_extra_steps else [run_dir])
-    )
+    run_dir = run_dirs[-1]
+    states = [json.loads((d / "training_state" / "training_state.json").read_text()) for d in run_dirs]
+    train_seconds = sum(s["train_seconds"] for s in states)
 
     out = PAIR_DIR / "draft"
     tmp = PAIR_DIR / ".draft.tmp"
@@ -886,11 +882,10 @@ def stage_drafter(args) -> None:
     t_measure = time.time() - t_measure
     print(f"held-out mean tokens per cycle: {accept['mean_tokens_per_cycle']:.3f}")
 
-    state = json.loads((run_dir / "training_state" / "training_state.json").read_text())
-    tail = np.array(state["history"][-20:])
+    tail = np.array(states[-1]["history"][-20:])
     stats = {
-        "steps": args.drafter_steps + args.drafter_extra_steps,
-        "phase_steps": [args.drafter_steps] + ([args.drafter_extra_steps] if args.drafter_extra_steps else []),
+        "steps": sum(s["step"] for s in states),
+        "phase_steps": [s["step"] for s in states],
         "train_rows": sum(int(np.load(f, mmap_mode="r").shape[0]) for f in data_files),
         "final_loss": round(float(tail[:, 0].mean()), 4),
         "final_slot1_acc": round(float(tail[:, 1].mean()), 4),

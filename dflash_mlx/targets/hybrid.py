@@ -112,7 +112,9 @@ def gated_delta_forward(gdn, x, mask, cache, record: bool, chunked: bool = False
     cache.advance(S)
     rec = None
     if record:
-        rec = DeltaRecord(conv_input, state0, chunk) if chunk else DeltaRecord(conv_input, state0, None, q, k, v, a, b)
+        # Only a replay of mlx-lm's recurrence needs its per-token inputs.
+        per_token = (q, k, v, a, b) if chunk is None else ()
+        rec = DeltaRecord(conv_input, state0, chunk, *per_token)
     out = gated_norm(gdn.norm, out, z)
     return gdn.out_proj(out.reshape(B, S, -1)), rec
 
