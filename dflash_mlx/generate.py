@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Generator, List, Optional, Union
+from typing import Callable, Dict, Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
@@ -77,13 +77,18 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     return mx.array(prompt)
 
 
-def accept_greedy(draft_tokens: List[int], target_tokens: List[int]):
-    """Longest prefix where the draft equals the target's choice, plus the
-    target's own token at the first mismatch (or after the last slot)."""
-    a = 0
-    while a < len(draft_tokens) and draft_tokens[a] == target_tokens[a]:
-        a += 1
-    return a, target_tokens[a]
+def accept_greedy(draft_tokens: mx.array, target_tokens: mx.array) -> Tuple[mx.array, mx.array]:
+    """Longest prefix where the draft equals the target's choice, and the
+    target's own token at the first mismatch (or after the last slot).
+
+    ``[..., n]`` and ``[..., n + 1]`` in, ``(accepted, next_token)`` out, on
+    the device like :func:`speculative_accept`, so the loop reads the whole
+    outcome in one host sync.
+    """
+    n = draft_tokens.shape[-1]
+    same = (draft_tokens == target_tokens[..., :n]).astype(mx.int32)
+    accepted = mx.cumprod(same, axis=-1).sum(axis=-1)
+    return accepted, mx.take_along_axis(target_tokens, accepted[..., None], axis=-1)[..., 0]
 
 
 def prefill(target, prompt: mx.array, cache, step: int):
@@ -169,11 +174,15 @@ def stream_generate(
             return mx.argmax(logits, axis=-1)
         return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
-    def accept(logits, proposal, q):  # accepted count and the token after them
+    def accept(logits, proposal, q):
+        """Accepted count, the token after them and the proposal, read in one sync."""
         if q is None:
-            return accept_greedy(proposal.tolist(), choose(logits).tolist())
-        accepted, token = speculative_accept(proposal, processed_probs(logits, **sampling), q)
-        return accepted.item(), token.item()
+            accepted, token = accept_greedy(proposal, choose(logits))
+        else:
+            accepted, token = speculative_accept(proposal, processed_probs(logits, **sampling), q)
+        outcome = mx.concatenate([accepted[None], token[None], proposal]).astype(mx.int32)
+        accepted, token, *proposed = outcome.tolist()
+        return accepted, token, proposed
 
     prompt = encode_prompt(tokenizer, prompt)
     if prompt.size == 0:
@@ -258,11 +267,10 @@ def stream_generate(
                 drafted, q = drafting
                 verify_in = mx.concatenate([mx.array([[anchor]]), drafted.astype(mx.int32)], axis=1)
             logits, taps = target.forward(verify_in, cache)
-            proposal = verify_in[0, 1:]
-            accepted, bonus = accept(logits[0], proposal, q)
+            accepted, bonus, proposed = accept(logits[0], verify_in[0, 1:], q)
             if timer:
                 timer.lap("verify", taps, [c.state for c in cache])
-            new_tokens = proposal[:accepted].tolist() + [bonus]
+            new_tokens = proposed[:accepted] + [bonus]
             anchor, context = bonus, taps[:, : accepted + 1]
             # The next block needs only the accepted taps: draft it now, so it
             # runs while the target rolls back and the host streams text.
