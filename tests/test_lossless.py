@@ -185,3 +185,21 @@ def test_sequential_recurrence_is_lossless(qwen3_5_pair, block_size):
     draft._target.tap_ids = [0]
     got, _ = dflash_tokens(pair, draft, prompt, block_size=block_size, max_tokens=150)
     assert got == ref[:150]
+
+
+@pytest.mark.parametrize(
+    "draft_tokens, target_tokens, want",
+    [
+        ([5, 6, 7], [5, 6, 7, 8], (3, 8)),  # all accepted: the bonus token follows
+        ([5, 6, 7], [4, 6, 7, 8], (0, 4)),  # first slot rejected
+        ([5, 6, 7], [5, 9, 7, 8], (1, 9)),  # a later match does not count
+        ([], [3], (0, 3)),  # the anchor alone
+    ],
+)
+def test_greedy_acceptance_on_device(draft_tokens, target_tokens, want):
+    from dflash_mlx.generate import accept_greedy
+
+    accepted, token = accept_greedy(mx.array(draft_tokens, mx.int32), mx.array(target_tokens, mx.int32))
+    assert (accepted.item(), token.item()) == want
+    batched = accept_greedy(mx.array([draft_tokens] * 2, mx.int32), mx.array([target_tokens] * 2, mx.int32))
+    assert [t.tolist() for t in batched] == [[want[0]] * 2, [want[1]] * 2]
