@@ -69,9 +69,12 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
 
     ``target_1`` is mlx-lm's own forward of one token on its own cache, the
     step the autoregressive baseline runs; ``target_{B}`` is the verify
-    forward (taps kept, caches rolled back), the step DFlash runs; the
-    drafter forward injects ``new_context`` positions per call over the
-    prompt's context, as in the loop.
+    forward (taps kept), the step DFlash runs; the drafter forward injects
+    ``new_context`` positions per call over the prompt's context, as in the
+    loop. A forward counts until its logits and the cache it leaves are
+    computed: the chunked verify's recurrent state after the block is not on
+    the way to its logits, and left lazy it would never be timed (the loop
+    computes it, for the accepted prefix, when it rolls back).
     """
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -80,7 +83,7 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
     one = mx.array([[1]])
 
     def baseline_step():
-        mx.eval(model(one, cache=lm_cache))
+        mx.eval(model(one, cache=lm_cache), [c.state for c in lm_cache])
 
     target = draft.target
     cache = target.make_cache()
@@ -90,7 +93,7 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
 
     def verify():
         out, t = target.forward(tokens, cache)
-        mx.eval(out, t)
+        mx.eval(out, t, [c.state for c in cache])
         target.rollback(cache, 0)
 
     block = mx.array([[1] + [draft.mask_token_id] * (block_size - 1)])
