@@ -77,6 +77,7 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     return mx.array(prompt)
 
 
+@mx.compile  # a handful of tiny ops, fused: one task instead of seven per cycle
 def accept_greedy(draft_tokens: mx.array, target_tokens: mx.array) -> Tuple[mx.array, mx.array]:
     """Longest prefix where the draft equals the target's choice, and the
     target's own token at the first mismatch (or after the last slot).
