@@ -68,7 +68,7 @@ def test_bench_json_and_plot(tiny_dirs, tmp_path, capsys):
     ])
     assert rc == 0
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["outputs_identical"] is True
+    assert report["outputs_identical"] is True and report["repeats"] == 2
     assert set(report["phase_ms_per_cycle"]) == {"draft", "verify", "rollback", "host"}
     assert sum(report["acceptance_histogram"].values()) > 0
     assert (tmp_path / "r.png").stat().st_size > 1000
