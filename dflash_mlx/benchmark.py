@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import mlx.core as mx
 

@@ -15,7 +15,6 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .sampling import ACCEPTANCE_RULES, processed_probs, speculative_accept
-from .targets import adapter_for
 
 
 @dataclass
@@ -308,7 +307,7 @@ def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    from .pair import DEFAULT_DRAFT, DEFAULT_TARGET
+    from .pair import DEFAULT_TARGET
 
     p = argparse.ArgumentParser(description="Generate text with a target model and a DFlash drafter.")
     p.add_argument("--model", default=str(DEFAULT_TARGET), help="target: local path or Hugging Face id (default: the bundled pair)")

@@ -1,6 +1,5 @@
 """The bundled default pair: present, small, trained, lossless, runnable offline."""
 
-import json
 import os
 import subprocess
 import sys

@@ -4,7 +4,6 @@ Every layer is ``layer(h, mask, cache)`` over a trimmable KV cache, so
 verification needs no record: rollback is a trim.
 """
 
-import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 
 from .base import TargetAdapter, TargetError
