@@ -185,20 +185,18 @@ def benchmark(model, draft, tokenizer, prompts: List[str], max_tokens=128, block
     run_dflash(model, draft, tokenizer, warm, 16, block_size)
     compile_block_lengths(draft, encode_prompt(tokenizer, warm), block_size)
 
-    ar, df, timed, timings = [], [], [], []
+    timed, timings = [], []  # per prompt: its runs, AR and DFlash alternating
     timer = PhaseTimer()
     for prompt in prompts:
         runs = []
         for _ in range(repeats):
             runs.append(run_autoregressive(model, tokenizer, prompt, max_tokens))
             runs.append(run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size))
-        ar.append(runs[0])
-        df.append(runs[1])
         timed.append(runs)
         # The forwards that bound the speedup, timed right after the runs they
         # bound and at this prompt's context, so that drift on a shared
         # machine moves both alike; the drafter injects what this run accepted.
-        accepted = df[-1]["accepted"]
+        accepted = runs[1]["accepted"]
         new_context = round(1 + statistics.mean(accepted)) if accepted else 1
         ids = encode_prompt(tokenizer, prompt)
         timings.append(time_forwards(model, draft, ids, block_size, new_context, repeats=10))
@@ -208,6 +206,8 @@ def benchmark(model, draft, tokenizer, prompts: List[str], max_tokens=128, block
 
     # Every run of a prompt, either decoder, must give mlx-lm's first output.
     mismatches = sum(any(r["tokens"] != runs[0]["tokens"] for r in runs) for runs in timed)
+    ar = [runs[0] for runs in timed]
+    df = [runs[1] for runs in timed]
     ar_timed = [r for runs in timed for r in runs[0::2]]
     df_timed = [r for runs in timed for r in runs[1::2]]
     ar_tokens = sum(len(r["tokens"]) for r in ar_timed)

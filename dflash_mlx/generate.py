@@ -241,8 +241,9 @@ def stream_generate(
             )
 
         def start_draft(length):
-            """Draft the next ``length``-slot block; it runs once this returns.
-            None when the next cycle verifies the anchor alone."""
+            """Draft the next ``length``-slot block (done, or queued on a GPU,
+            when this returns). None when the next cycle verifies the anchor
+            alone."""
             if length < 2:
                 return None
             block = mx.array([[anchor] + [draft.mask_token_id] * (length - 1)])
