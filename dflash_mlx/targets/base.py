@@ -11,12 +11,23 @@ class TargetError(ValueError):
     """A target that cannot serve a drafter (wrong family, vocab, taps...)."""
 
 
+class TargetCache(list):
+    """A target's per-layer mlx-lm caches (a plain list to mlx-lm), plus
+    ``undo``: what the last recorded forward needs to be rolled back.
+
+    The record lives on the cache, not on the adapter, so two caches over one
+    model (two conversations, two requests) never share it.
+    """
+
+    undo = None
+
+
 class TargetAdapter:
     """Per-instance view of an mlx-lm model as a DFlash target.
 
-    ``forward(tokens, cache)`` returns ``(logits, taps)`` and remembers what
-    it needs to undo; ``rollback(cache, keep)`` then keeps only the first
-    ``keep`` tokens of that forward in every cache.
+    ``forward(tokens, cache)`` returns ``(logits, taps)`` and stores in
+    ``cache.undo`` what it needs to undo; ``rollback(cache, keep)`` then keeps
+    only the first ``keep`` tokens of that forward in every cache.
     """
 
     def __init__(self, model: nn.Module, text_model: nn.Module, backbone: nn.Module):
@@ -78,8 +89,8 @@ class TargetAdapter:
             return self.backbone.embed_tokens.as_linear(hidden)
         return self.text_model.lm_head(hidden)
 
-    def make_cache(self) -> list:
-        return make_prompt_cache(self.model)
+    def make_cache(self) -> TargetCache:
+        return TargetCache(make_prompt_cache(self.model))
 
     # Forward with taps and rollback: implemented per family.
     def forward(

@@ -190,12 +190,10 @@ class HybridTarget(TargetAdapter):
         if recurrence not in ("auto", "chunked", "sequential"):
             raise ValueError("recurrence must be 'auto', 'chunked' or 'sequential'")
         self.chunked = recurrence == "chunked" or (recurrence == "auto" and not has_fused_recurrence())
-        self._records = {}
-        self._last_len = 0
         self.compile_layers = compile_layers
         self._compiled_layers = {}
 
-    def _fused_linear_layer(self, i, layer, h, cache):
+    def _fused_linear_layer(self, i, layer, h, cache, records):
         """Verify-block forward of GatedDeltaNet layer ``i`` as one compiled
         function. A verify block has fixed shapes, so each layer traces once;
         fusing its ~100 small ops saves about a fifth of the layer's time on
@@ -207,7 +205,7 @@ class HybridTarget(TargetAdapter):
         state0 = cache[1]
         h, cache[0], cache[1], conv_input, u, L, k = fn(h, cache[0], state0)
         cache.advance(h.shape[1])
-        self._records[i] = DeltaRecord(conv_input, state0, DeltaChunk(u, L, k, state0))
+        records[i] = DeltaRecord(conv_input, state0, DeltaChunk(u, L, k, state0))
         return h
 
     def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True):
@@ -216,35 +214,36 @@ class HybridTarget(TargetAdapter):
         h = bb.embed_tokens(tokens)
         fa_mask = create_attention_mask(h, cache[bb.fa_idx])
         ssm_mask = create_ssm_mask(h, cache[bb.ssm_idx])
-        self._records = {}
+        records = {}
         captured = {}
         fuse = self.compile_layers and record and self.chunked and tokens.shape[1] > 1 and ssm_mask is None
         for i, (layer, c) in enumerate(zip(bb.layers, cache)):
             if layer.is_linear and fuse and c[1] is not None and isinstance(layer.mlp, Qwen3NextMLP):
-                h = self._fused_linear_layer(i, layer, h, c)
+                h = self._fused_linear_layer(i, layer, h, c, records)
             else:
                 if layer.is_linear:
                     r, rec = gated_delta_forward(
                         layer.linear_attn, layer.input_layernorm(h), ssm_mask, c, record, self.chunked
                     )
                     if rec is not None:
-                        self._records[i] = rec
+                        records[i] = rec
                 else:
                     r = layer.self_attn(layer.input_layernorm(h), fa_mask, c)
                 h = h + r
                 h = h + mlp_forward(layer.mlp, layer.post_attention_layernorm(h))
             captured[i] = h
-        self._last_len = tokens.shape[1]
+        if record:
+            cache.undo = (tokens.shape[1], records)
         return self._finish(h, [captured[t] for t in taps], last_logits_only)
 
     def rollback(self, cache, keep):
-        drop = self._last_len - keep
+        length, records = cache.undo
+        cache.undo = None
+        drop = length - keep
         if drop <= 0:
             return
         for i, (layer, c) in enumerate(zip(self.backbone.layers, cache)):
             if layer.is_linear:
-                rewind_gated_delta(layer.linear_attn, c, self._records[i], keep)
+                rewind_gated_delta(layer.linear_attn, c, records[i], keep)
             else:
                 c.trim(drop)
-        self._records = {}
-        self._last_len = keep

@@ -19,7 +19,6 @@ class TransformerTarget(TargetAdapter):
                 "targets with sliding-window layers keep rotating caches that cannot be "
                 "rolled back; use a full-attention target"
             )
-        self._last_len = 0
 
     def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True):
         taps = self.tap_ids if taps is None else taps
@@ -29,12 +28,13 @@ class TransformerTarget(TargetAdapter):
         for i, (layer, c) in enumerate(zip(self.backbone.layers, cache)):
             h = layer(h, mask, c)
             captured[i] = h
-        self._last_len = tokens.shape[1]
+        if record:
+            cache.undo = tokens.shape[1]
         return self._finish(h, [captured[t] for t in taps], last_logits_only)
 
     def rollback(self, cache, keep):
-        drop = self._last_len - keep
+        drop = cache.undo - keep
         if drop > 0:
             for c in cache:
                 c.trim(drop)
-        self._last_len = keep
+        cache.undo = None
