@@ -1,10 +1,16 @@
 """``mlx-dflash <command> [args]``: one entry point, mlx-lm style.
 
-Each command is also ``python -m dflash_mlx.<command>``.
+Each command is also ``python -m dflash_mlx.<command>``. Every command runs
+through :func:`run`, so an error the user can fix ends as one ``error: ...``
+line on stderr and exit code 1, never a traceback.
 """
 
+import argparse
 import importlib
 import sys
+from typing import Callable, Optional, Sequence
+
+from .errors import DFlashError
 
 COMMANDS = {
     "generate": ("dflash_mlx.generate", "stream text from a target with a DFlash drafter"),
@@ -13,6 +19,44 @@ COMMANDS = {
     "train": ("dflash_mlx.train", "train a DFlash drafter for a target"),
     "bench": ("dflash_mlx.benchmark", "DFlash vs autoregressive speed on the same target"),
 }
+
+# What a command reports as a one-line error: the package's own errors, and
+# the ValueError / FileNotFoundError with which mlx, mlx-lm and
+# huggingface_hub reject bad input (unknown model types, unreadable files).
+USER_ERRORS = (DFlashError, ValueError, FileNotFoundError)
+
+
+def print_error(message) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+def run(main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None) -> int:
+    """Run a command's ``main(argv)``; a user error becomes one line and exit code 1."""
+    try:
+        return main(argv)
+    except USER_ERRORS as e:
+        print_error(e)
+        return 1
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose bad flags and values end like every other user error:
+    one ``error: ...`` line and exit code 1 (argparse prints the usage and exits 2)."""
+
+    def error(self, message):
+        print_error(message)
+        sys.exit(1)
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type`` for counts that must be at least 1 (tokens, block size, step size)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(argv=None):
@@ -27,7 +71,7 @@ def main(argv=None):
         print(f"mlx-dflash: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    return module.main(rest)
+    return run(module.main, rest)
 
 
 if __name__ == "__main__":

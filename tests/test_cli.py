@@ -96,3 +96,53 @@ def test_speculative_baseline_on_attention_target(qwen3_pair):
     ar = [benchmark.run_autoregressive(pair.model, pair.tokenizer, p, 12) for p in prompts]
     r = benchmark.speculative_baseline(pair.model, pair.model, pair.tokenizer, prompts, 12, ar, 3)
     assert r["speculative_outputs_identical"] is True and r["speculative_tps"] > 0
+
+
+# ---------------------------------------------------------------------------
+# One error path for every command (cli.run)
+
+
+@pytest.mark.parametrize("flag", ["--max-tokens", "--block-size"])
+def test_bad_values_through_the_dispatcher_are_one_line(tiny_dirs, flag):
+    """`mlx-dflash generate --max-tokens 0` (or --block-size 0) once ended in a traceback."""
+    model, draft = tiny_dirs
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx", "generate", "--model", model, "--draft-model", draft,
+         "--prompt", "x", flag, "0"],
+        capture_output=True, text=True,
+    )
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "at least 1" in lines[0], done.stderr
+
+
+def test_run_turns_user_errors_into_one_line(capsys):
+    from dflash_mlx.errors import CheckpointNotFoundError, DFlashError
+
+    def fails(error):
+        def main(argv):
+            assert argv == ["--x"]
+            raise error
+        return main
+
+    for error in (DFlashError("bad thing: do this"), CheckpointNotFoundError("nothing at p"), ValueError("bad value")):
+        assert cli.run(fails(error), ["--x"]) == 1
+        assert capsys.readouterr().err == f"error: {error}\n"
+    assert cli.run(lambda argv: 0, ["--x"]) == 0
+    with pytest.raises(RuntimeError):  # a bug keeps its traceback
+        cli.run(fails(RuntimeError("bug")), ["--x"])
+
+
+def test_argument_parser_rejects_bad_values_in_one_line(capsys):
+    p = cli.ArgumentParser(prog="x")
+    p.add_argument("--max-tokens", type=cli.positive_int, default=4)
+    assert p.parse_args(["--max-tokens", "3"]).max_tokens == 3
+    for bad, why in (("0", "must be at least 1, got 0"), ("-2", "must be at least 1, got -2"), ("a", "expected an integer")):
+        with pytest.raises(SystemExit) as stop:
+            p.parse_args(["--max-tokens", bad])
+        assert stop.value.code == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: argument --max-tokens:") and why in err and err.count("\n") == 1
+    with pytest.raises(SystemExit) as stop:
+        p.parse_args(["--unknown"])
+    assert stop.value.code == 1 and capsys.readouterr().err.startswith("error: unrecognized arguments")

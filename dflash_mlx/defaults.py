@@ -1,0 +1,17 @@
+"""Defaults shared by the API and the CLIs, so a signature and its flag agree."""
+
+from mlx_lm.generate import DEFAULT_PREFILL_STEP_SIZE
+
+# Tokens generated when the caller names no limit (generate, chat, server).
+DEFAULT_MAX_TOKENS = 256
+# Tokens per prompt in `mlx-dflash bench`: long enough for steady-state cycles.
+DEFAULT_BENCH_MAX_TOKENS = 128
+# Verify width of a drafter config that names none (z-lab's drafters use 16).
+DEFAULT_BLOCK_SIZE = 16
+
+__all__ = [
+    "DEFAULT_BENCH_MAX_TOKENS",
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_PREFILL_STEP_SIZE",
+]

@@ -1,0 +1,23 @@
+"""The package's errors: every one a user can fix derives from ``DFlashError``.
+
+The CLIs print such an error as one ``error: ...`` line (see ``cli.run``);
+anything else is a bug and keeps its traceback. Each class also derives from
+the built-in exception callers already expect (``ValueError``, and
+``FileNotFoundError`` for a checkpoint that is not there).
+"""
+
+
+class DFlashError(Exception):
+    """An error the user can fix; its message says what is wrong and how."""
+
+
+class CheckpointError(DFlashError, ValueError):
+    """A model or drafter checkpoint that cannot be used as it is."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint at the given path or Hugging Face id."""
+
+
+class ArgumentError(DFlashError, ValueError):
+    """An argument value outside what the command or function accepts."""
