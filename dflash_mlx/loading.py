@@ -1,4 +1,9 @@
-"""Loading targets (through mlx-lm) and drafters (z-lab Hugging Face layout)."""
+"""Loading targets (through mlx-lm) and drafters (z-lab Hugging Face layout).
+
+The rules every reader of a checkpoint shares live here once: where a path or
+hub id points, how config.json is read, which configs are drafters, and how
+drafter tensors are named and cast.
+"""
 
 import json
 from pathlib import Path
@@ -8,21 +13,41 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from .errors import CheckpointError, CheckpointNotFoundError
 from .models.dflash import DFlashConfig, DFlashDraftModel, DraftConfigError
 
 DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
-# Community drafts name some tensors differently (reference section 2).
+# Some community drafters name tensors differently; the names on the right
+# are z-lab's (github.com/z-lab/dflash, dflash/model.py).
 TENSOR_ALIASES = (
     ("midlayer.", "layers.0."),
     ("encoder.fc.", "fc."),
     ("encoder.output_norm_enc.", "hidden_norm."),
     ("model.", ""),
 )
+# DFlash2 stores its selector codebooks as bare tensors ("..._codebook");
+# as MLX embeddings they are "..._codebook.weight".
+CODEBOOK = "_codebook"
 
 
-class DraftLoadError(ValueError):
+class DraftLoadError(CheckpointError):
     """A drafter directory that cannot be loaded as it is."""
+
+
+def local_checkpoint(path_or_hub_id: Union[str, Path]) -> Optional[Path]:
+    """The local directory ``path_or_hub_id`` names, or None for a hub id."""
+    path = Path(path_or_hub_id).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointNotFoundError(f"{path} is a file; pass the checkpoint directory")
+        return path
+    text = str(path_or_hub_id)
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise CheckpointNotFoundError(
+            f"{text!r} is neither an existing directory nor a Hugging Face id (owner/name)"
+        )
+    return None
 
 
 def resolve_path(path_or_hub_id: Union[str, Path], allow_patterns=None) -> Path:
@@ -31,19 +56,13 @@ def resolve_path(path_or_hub_id: Union[str, Path], allow_patterns=None) -> Path:
     huggingface_hub honours HF_HUB_OFFLINE and its cache, so an id that was
     downloaded once keeps working offline.
     """
-    path = Path(path_or_hub_id).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise DraftLoadError(f"{path} is a file; pass the checkpoint directory")
+    path = local_checkpoint(path_or_hub_id)
+    if path is not None:
         return path
-    text = str(path_or_hub_id)
-    if text.startswith((".", "/", "~")) or text.count("/") != 1:
-        raise DraftLoadError(
-            f"{text!r} is neither an existing directory nor a Hugging Face id (owner/name)"
-        )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    text = str(path_or_hub_id)
     try:
         return Path(
             snapshot_download(
@@ -53,31 +72,42 @@ def resolve_path(path_or_hub_id: Union[str, Path], allow_patterns=None) -> Path:
             )
         )
     except LocalEntryNotFoundError as e:
-        raise DraftLoadError(
+        raise CheckpointNotFoundError(
             f"{text!r} is not a local directory and is not in the Hugging Face cache "
             f"(offline or unreachable hub): download it once or pass a local path"
         ) from e
     except HfHubHTTPError as e:
-        raise DraftLoadError(f"cannot download {text!r} from the Hugging Face hub: {e}") from e
+        raise CheckpointNotFoundError(f"cannot download {text!r} from the Hugging Face hub: {e}") from e
 
 
 def read_config(path: Path) -> dict:
+    """``path/config.json`` as a dict."""
     cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise DraftLoadError(f"{path} has no config.json: is this a drafter checkpoint?")
+    if not cfg_file.is_file():
+        raise CheckpointNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
     try:
         return json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
-        raise DraftLoadError(f"{cfg_file} is not valid JSON: {e}") from e
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
+
+
+def draft_architecture(cfg: dict) -> Optional[str]:
+    """The drafter architecture a config.json describes, or None for any other model.
+
+    Early z-lab configs name no architecture but carry a ``dflash_config``.
+    """
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch is None and "dflash_config" in cfg:
+        return "DFlashDraftModel"
+    return arch if arch in DRAFT_ARCHITECTURES else None
 
 
 def check_draft_architecture(cfg: dict, path) -> str:
-    arch = (cfg.get("architectures") or [None])[0]
-    if arch is None and "dflash_config" in cfg:
-        arch = "DFlashDraftModel"
-    if arch not in DRAFT_ARCHITECTURES:
+    arch = draft_architecture(cfg)
+    if arch is None:
+        found = (cfg.get("architectures") or [None])[0]
         raise DraftLoadError(
-            f"{path}: architecture {arch!r} is not a DFlash drafter; supported: "
+            f"{path}: architecture {found!r} is not a DFlash drafter; supported: "
             f"{', '.join(DRAFT_ARCHITECTURES)}"
         )
     return arch
@@ -104,18 +134,35 @@ def read_safetensors(path: Path) -> Dict[str, mx.array]:
     return weights
 
 
+def model_tensor_name(stored: str) -> str:
+    """Checkpoint tensor name -> the drafter's parameter name."""
+    for old, new in TENSOR_ALIASES:
+        if stored.startswith(old):
+            stored = new + stored[len(old) :]
+            break
+    return stored + ".weight" if stored.endswith(CODEBOOK) else stored
+
+
+def stored_tensor_name(name: str) -> str:
+    """The drafter's parameter name -> its z-lab checkpoint name."""
+    suffix = CODEBOOK + ".weight"
+    return name[: -len(".weight")] if name.endswith(suffix) else name
+
+
 def normalize_tensor_names(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-    out = {}
-    for key, value in weights.items():
-        for old, new in TENSOR_ALIASES:
-            if key.startswith(old):
-                key = new + key[len(old) :]
-                break
-        # DFlash2 stores its codebooks as bare tensors; MLX embeddings want .weight
-        if key.endswith("_codebook"):
-            key += ".weight"
-        out[key] = value
-    return out
+    return {model_tensor_name(key): value for key, value in weights.items()}
+
+
+def casts_to(name: str, value: mx.array, dtype: mx.Dtype) -> bool:
+    """Whether asking for ``dtype`` casts this tensor.
+
+    Floating tensors only (packed quantized weights are integers). DFlash2's
+    selector codebooks keep their stored precision unless float32 is asked
+    for: selector scores are sums of their products.
+    """
+    if not mx.issubdtype(value.dtype, mx.floating):
+        return False
+    return dtype == mx.float32 or CODEBOOK not in name
 
 
 def draft_model_class(config: DFlashConfig):
@@ -184,15 +231,12 @@ def load_draft(
     check_weights(model, weights, path)
     model.load_weights(list(weights.items()), strict=True)
     if dtype is not None:
-        # Floating tensors only (packed quantized weights are integers);
-        # codebooks keep their stored precision unless float32 is asked for.
-        def cast(name, value):
-            keep = not mx.issubdtype(value.dtype, mx.floating) or (
-                "codebook" in name and dtype != mx.float32
+        model.update(
+            tree_map_with_path(
+                lambda name, v: v.astype(dtype) if casts_to(name, v, dtype) else v,
+                model.parameters(),
             )
-            return value if keep else value.astype(dtype)
-
-        model.update(tree_map_with_path(cast, model.parameters()))
+        )
     model.eval()
     mx.eval(model.parameters())
     if target is not None:
@@ -204,13 +248,7 @@ def load(path_or_hub_id: Union[str, Path], **kwargs) -> Tuple[nn.Module, object]
     """Load a target model and tokenizer with mlx-lm (local path or hub id)."""
     from mlx_lm import load as mlx_lm_load
 
-    path = Path(path_or_hub_id).expanduser()
-    if not path.exists():
-        text = str(path_or_hub_id)
-        if text.startswith((".", "/", "~")) or text.count("/") != 1:
-            raise FileNotFoundError(
-                f"target {text!r} is neither an existing directory nor a Hugging Face id"
-            )
-    elif not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} has no config.json: is this a model directory?")
+    path = local_checkpoint(path_or_hub_id)
+    if path is not None:
+        read_config(path)  # a missing or broken config.json fails here, clearly
     return mlx_lm_load(str(path_or_hub_id), **kwargs)

@@ -14,18 +14,22 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..defaults import DEFAULT_BLOCK_SIZE
+from ..errors import CheckpointError
 from ..ops import fast_math
 from ..sampling import processed_probs, sample
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
-class DraftConfigError(ValueError):
+class DraftConfigError(CheckpointError):
     """A drafter config.json that cannot be honoured."""
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
-    """Tap layers when the config names none (reference section 3)."""
+    """Tap layers when the config names none: one in the middle for a
+    one-layer drafter, else evenly spaced from layer 1 to
+    ``num_target_layers - 3`` (z-lab/dflash, ``build_target_layer_ids``)."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
@@ -44,7 +48,7 @@ class DFlashConfig:
     vocab_size: int
     target_layer_ids: List[int]
     mask_token_id: int
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: Optional[Dict[str, Any]] = None
@@ -135,7 +139,7 @@ class DFlashConfig:
             vocab_size=int(cfg["vocab_size"]),
             target_layer_ids=[int(i) for i in tap_ids],
             mask_token_id=int(mask_id),
-            block_size=int(pick("block_size", 16)),
+            block_size=int(pick("block_size", DEFAULT_BLOCK_SIZE)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=rope,
@@ -206,10 +210,6 @@ class ContextCache:
         if self.keys is None:
             return None, None
         return self.keys[..., : self.size, :], self.values[..., : self.size, :]
-
-    @property
-    def state(self):
-        return self.fetch()
 
 
 def draft_attention_mask(
@@ -424,12 +424,10 @@ class DFlashDraftModel(nn.Module):
         """Logits of the drafted slots 1..L-1 (the anchor's are never used)."""
         return self.compute_logits(self.hidden_states(block_tokens, target_hidden, cache)[:, 1:])
 
-    def propose(self, block_tokens, target_hidden, cache, temperature: float = 0.0, sampler=None):
-        """Greedy (or sampled) tokens for slots 1..L-1: [B, L-1]."""
-        logits = self.slot_logits(block_tokens, target_hidden, cache)
-        if temperature > 0 and sampler is not None:
-            return sampler(logits)
-        return mx.argmax(logits, axis=-1)
+    def propose(self, block_tokens, target_hidden, cache) -> mx.array:
+        """Greedy tokens for slots 1..L-1: [B, L-1] (sampling uses
+        :meth:`propose_with_probs`)."""
+        return mx.argmax(self.slot_logits(block_tokens, target_hidden, cache), axis=-1)
 
     def propose_with_probs(
         self,
@@ -448,3 +446,39 @@ class DFlashDraftModel(nn.Module):
         logits = self.slot_logits(block_tokens, target_hidden, cache)
         q = processed_probs(logits, temperature, top_p, top_k, min_p)
         return sample(q), q
+
+
+def draft_config_for_target(
+    target_args,
+    *,
+    num_layers: int = 2,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    target_layer_ids: Optional[List[int]] = None,
+    mask_token_id: int,
+    intermediate_size: Optional[int] = None,
+) -> dict:
+    """A z-lab style drafter config.json sized to ``target_args`` (mlx-lm args),
+    for training a new drafter."""
+    hidden = int(target_args.hidden_size)
+    n_target = int(target_args.num_hidden_layers)
+    heads = int(target_args.num_attention_heads)
+    taps = target_layer_ids or default_target_layer_ids(n_target, num_layers)
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate_size or int(target_args.intermediate_size),
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(getattr(target_args, "num_key_value_heads", heads)),
+        "head_dim": int(getattr(target_args, "head_dim", None) or hidden // heads),
+        "vocab_size": int(target_args.vocab_size),
+        "rms_norm_eps": float(target_args.rms_norm_eps),
+        "rope_theta": 10000.0,
+        "max_position_embeddings": int(getattr(target_args, "max_position_embeddings", 4096)),
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "num_target_layers": n_target,
+        "block_size": block_size,
+        "dflash_config": {"target_layer_ids": list(taps), "mask_token_id": int(mask_token_id)},
+    }
