@@ -18,12 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import dflash_mlx  # noqa: E402
-from dflash_mlx.benchmark import run_dflash  # noqa: E402
-from dflash_mlx.convert import convert  # noqa: E402
-from dflash_mlx.generate import build_prompt  # noqa: E402
+import dflash_mlx
+from dflash_mlx.benchmark import run_dflash
+from dflash_mlx.convert import convert
+from dflash_mlx.generate import build_prompt
 
 
 def read_prompts(path: Path):

@@ -6,7 +6,7 @@ head_dim 128; vocab 1024 since a drafter has no embedding) as three shards,
 then converts it in fresh processes and prints each one's peak RSS and MLX
 peak memory. Needs about 3 GB of free disk space in --workdir.
 
-    python convert/measure_memory.py
+    python examples/convert_memory.py
 """
 
 import argparse
@@ -20,10 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash_mlx.loading import build_draft  # noqa: E402
-from dflash_mlx.models.dflash import DFlashConfig  # noqa: E402
+from dflash_mlx.loading import build_draft
+from dflash_mlx.models.dflash import DFlashConfig
 
 CONFIG = {
     "architectures": ["DFlashDraftModel"],
@@ -125,7 +123,6 @@ def main():
                 [sys.executable, "-c", CHILD, "--hf-path", str(src), "--mlx-path", str(dst), *flags],
                 capture_output=True,
                 text=True,
-                cwd=Path(__file__).resolve().parents[1],
             )
             seconds = time.perf_counter() - tic
             if proc.returncode != 0:
