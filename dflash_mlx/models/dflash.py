@@ -376,10 +376,14 @@ class DFlashDraftModel(nn.Module):
         block length); DFlash2 overrides this to warn off its trained size."""
 
     def bind(self, target_model) -> "DFlashDraftModel":
-        """Share the target's embedding and LM head (not copied)."""
+        """Share the target's embedding and LM head (not copied). Binding
+        again to the model already bound keeps its adapter (and whatever the
+        adapter compiled), so callers may bind before every use."""
         from ..targets import adapter_for
 
-        object.__setattr__(self, "_target", adapter_for(target_model, self.config))
+        bound = self._target
+        if bound is None or (target_model is not bound and target_model is not bound.model):
+            object.__setattr__(self, "_target", adapter_for(target_model, self.config))
         return self
 
     @property
