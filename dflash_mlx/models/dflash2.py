@@ -1,6 +1,6 @@
 """DFlash2 drafter (z-lab ``DFlash2DraftModel`` checkpoints).
 
-DFlash1 plus two pieces (reference section 4):
+DFlash1 plus two pieces (z-lab/dflash, ``DFlash2DraftModel``):
 
 - a grouped *dynamic depthwise convolution* over the block slots around the
   attention and around the MLP of every layer (``attention_conv`` /
@@ -11,38 +11,23 @@ DFlash1 plus two pieces (reference section 4):
 
 Both are many tiny ops (launch-bound), so each has three implementations:
 plain MLX ops, the same ops fused by ``mx.compile``, and a Metal kernel used
-on Apple GPUs once a parity check against the ops has passed. ``implementation``
-(or the ``use_implementation`` context manager) picks one; the benchmark
-compares them with :func:`conv_selector_share`.
+on Apple GPUs once a parity check against the ops has passed. A drafter's
+``implementation`` attribute picks one for that drafter (``conv_mix`` and
+``walk`` take it as an argument); ``mlx-dflash bench`` compares them
+(``dflash_mlx.timing.conv_selector_share``).
 """
 
-import contextlib
-import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .dflash import DFlashConfig, DFlashDraftModel, DraftConfigError, DraftLayer
 
-IMPLEMENTATIONS = ("auto", "compiled", "ops")
 # "auto": Metal kernel where available and verified, else compiled ops.
-implementation = "auto"
-
-
-@contextlib.contextmanager
-def use_implementation(name: str):
-    """Temporarily run the conv and the selector walk with ``name``."""
-    global implementation
-    if name not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, not {name!r}")
-    saved, implementation = implementation, name
-    try:
-        yield
-    finally:
-        implementation = saved
+IMPLEMENTATIONS = ("auto", "compiled", "ops")
 
 
 # ---------------------------------------------------------------------------
@@ -118,7 +103,7 @@ def conv_mix_metal(x: mx.array, base: mx.array, coef: mx.array) -> mx.array:
 _metal_verdicts: Dict[tuple, bool] = {}
 
 
-def _metal_usable() -> bool:
+def _metal_usable(implementation: str) -> bool:
     return (
         implementation == "auto"
         and mx.metal.is_available()
@@ -143,9 +128,9 @@ def _conv_close(got, want) -> bool:
     return mx.allclose(got.astype(mx.float32), want.astype(mx.float32), rtol=tol, atol=tol).item()
 
 
-def conv_mix(x: mx.array, base: mx.array, coef: mx.array) -> mx.array:
-    """The conv in the selected implementation."""
-    if _metal_usable():
+def conv_mix(x: mx.array, base: mx.array, coef: mx.array, implementation: str = "auto") -> mx.array:
+    """The conv in ``implementation`` (one of :data:`IMPLEMENTATIONS`)."""
+    if _metal_usable(implementation):
         key = ("conv", x.dtype, base.dtype, coef.dtype, *coef.shape[-2:], x.shape[-1])
         if _verified(
             key,
@@ -169,6 +154,7 @@ class DynamicConv(nn.Module):
 
     def __init__(self, hidden_size: int, taps: int, group_size: int):
         super().__init__()
+        self.implementation = "auto"  # set for the whole drafter by DFlash2DraftModel
         self.taps = taps
         self.groups = hidden_size // group_size
         self.base_kernel = mx.zeros((2, taps, hidden_size))
@@ -181,10 +167,10 @@ class DynamicConv(nn.Module):
 
     def prepare(self, x: mx.array) -> Tuple[mx.array, mx.array]:
         coef = self.coefficients(x)
-        return conv_mix(x, self.base_kernel[0], coef[:, :, 0]), coef
+        return conv_mix(x, self.base_kernel[0], coef[:, :, 0], self.implementation), coef
 
     def finish(self, h: mx.array, coef: mx.array) -> mx.array:
-        return conv_mix(h, self.base_kernel[1], coef[:, :, 1])
+        return conv_mix(h, self.base_kernel[1], coef[:, :, 1], self.implementation)
 
 
 class DFlash2Layer(DraftLayer):
@@ -308,9 +294,9 @@ def _walk_same(got, want) -> bool:
     return mx.array_equal(got[0], want[0]).item() and mx.allclose(got[1], want[1]).item()
 
 
-def walk(unary, first, pair, noise):
-    """The walk in the selected implementation."""
-    if unary.shape[1] > 1 and _metal_usable():
+def walk(unary, first, pair, noise, implementation: str = "auto"):
+    """The walk in ``implementation`` (one of :data:`IMPLEMENTATIONS`)."""
+    if unary.shape[1] > 1 and _metal_usable(implementation):
         args = (unary, first, pair, noise)
         if _verified(("walk",), lambda: walk_metal(*args), lambda: walk_ops(*args), _walk_same):
             return tuple(walk_metal(*args))
@@ -346,13 +332,14 @@ class CandidateSelector(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
         rank, vocab = config.selector_rank, config.vocab_size
+        self.implementation = "auto"  # set for the whole drafter by DFlash2DraftModel
         self.top_k = min(config.selector_top_k, vocab)
         self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
         self.predecessor_codebook = nn.Embedding(vocab, rank)
         self.successor_codebook = nn.Embedding(vocab, rank)
 
     def candidates(self, logits: mx.array) -> Tuple[mx.array, mx.array]:
-        fn = top_candidates_ops if implementation == "ops" else top_candidates_compiled
+        fn = top_candidates_ops if self.implementation == "ops" else top_candidates_compiled
         return fn(logits, self.top_k)
 
     def score_tables(self, anchor, hidden, ids) -> Tuple[mx.array, mx.array]:
@@ -387,7 +374,7 @@ class CandidateSelector(nn.Module):
             noise = mx.zeros_like(unary)
             if temperature > 0:
                 noise = temperature * mx.random.gumbel(unary.shape)
-            choice, rows = walk(unary, first, pair, noise)
+            choice, rows = walk(unary, first, pair, noise, self.implementation)
         tokens = mx.take_along_axis(ids, choice[..., None], axis=-1)[..., 0]
         return Walk(ids=ids, choice=choice, tokens=tokens, rows=rows)
 
@@ -419,6 +406,19 @@ class DFlash2DraftModel(DFlashDraftModel):
         super().__init__(config)
         self.candidate_selector = CandidateSelector(config)
 
+    @property
+    def implementation(self) -> str:
+        """How the convs and the selector walk run, one of :data:`IMPLEMENTATIONS`."""
+        return self.candidate_selector.implementation
+
+    @implementation.setter
+    def implementation(self, name: str) -> None:
+        if name not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, not {name!r}")
+        for module in self.modules():
+            if isinstance(module, (DynamicConv, CandidateSelector)):
+                module.implementation = name
+
     def check_block_size(self, block_size: int) -> None:
         """Warn when running another block size than the trained one."""
         if block_size > 1 and block_size != self.block_size:
@@ -437,17 +437,10 @@ class DFlash2DraftModel(DFlashDraftModel):
             block_tokens[:, 0], hidden, self.compute_logits(hidden), temperature, pick
         )
 
-    def propose(self, block_tokens, target_hidden, cache, temperature: float = 0.0, sampler=None):
-        """The selector's tokens for slots 1..L-1: [B, L-1]. An mlx-lm
-        ``sampler`` (temperature > 0) picks from each slot's candidate
-        log-probabilities and owns the temperature."""
-        pick = None
-        if temperature > 0 and sampler is not None:
-
-            def pick(s):
-                return sampler(s - mx.logsumexp(s, axis=-1, keepdims=True)).astype(mx.int32)
-
-        return self.select(block_tokens, target_hidden, cache, temperature, pick).tokens
+    def propose(self, block_tokens, target_hidden, cache) -> mx.array:
+        """The selector's greedy walk over slots 1..L-1: [B, L-1] (sampling
+        uses :meth:`propose_with_probs`)."""
+        return self.select(block_tokens, target_hidden, cache).tokens
 
     def propose_with_probs(
         self,
@@ -487,80 +480,3 @@ class DFlash2DraftModel(DFlashDraftModel):
             return w.tokens, w.scatter(processed(w.rows), vocab)
         w = self.select(block_tokens, target_hidden, cache, temperature)
         return w.tokens, w.scatter(mx.softmax(w.rows / temperature, axis=-1), vocab)
-
-
-# ---------------------------------------------------------------------------
-# Benchmark hook
-
-
-def _seconds(fn: Callable, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        mx.eval(fn())
-    tic = time.perf_counter()
-    for _ in range(iters):
-        mx.eval(fn())
-    return (time.perf_counter() - tic) / iters
-
-
-def conv_selector_share(
-    draft: DFlash2DraftModel,
-    *,
-    block_size: Optional[int] = None,
-    context_len: int = 256,
-    iters: int = 20,
-    warmup: int = 3,
-    implementations: Optional[Sequence[str]] = None,
-    seed: int = 0,
-) -> Dict[str, Dict[str, float]]:
-    """Time the convs + selector against the whole greedy ``propose``.
-
-    ``draft`` must be bound to its target. A context of ``context_len``
-    random tap states is injected once, then each timed call drafts one block
-    (``block_size``, default the trained one) with no new context, like a
-    steady-state cycle. Per implementation (default "ops" and "compiled",
-    plus "auto" when Metal is available) returns seconds per call:
-    ``draft_s`` (the whole propose), ``conv_s`` (every layer's two convs,
-    prepare + finish incl. the coefficient projections, as one graph),
-    ``selector_s`` (top-K + score tables + walk; the LM head, which DFlash1
-    pays too, excluded) and ``share = (conv_s + selector_s) / draft_s``.
-    """
-    cfg = draft.config
-    L = block_size or draft.block_size
-    dtype = draft.norm.weight.dtype
-    mx.random.seed(seed)
-    cache = draft.make_cache()
-    block = mx.array([[0] + [draft.mask_token_id] * (L - 1)])
-    context = mx.random.normal((1, context_len, cfg.fc_input_size)).astype(dtype)
-    mx.eval(draft(block, context, cache))
-    no_context = mx.zeros((1, 0, cfg.fc_input_size), dtype=dtype)
-    x = mx.random.normal((1, L, cfg.hidden_size)).astype(dtype)
-    hidden = draft.norm(mx.random.normal((1, L - 1, cfg.hidden_size)).astype(dtype))
-    logits = draft.compute_logits(hidden)
-    anchor = block[:, 0]
-    mx.eval(x, hidden, logits)
-
-    def convs():
-        h = x
-        for layer in draft.layers:
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                y, coef = conv.prepare(h)
-                h = conv.finish(y, coef)
-        return h
-
-    def selector():
-        w = draft.candidate_selector(anchor, hidden, logits)
-        return w.tokens, w.rows
-
-    if implementations is None:
-        implementations = ("ops", "compiled") + (("auto",) if mx.metal.is_available() else ())
-    result = {}
-    for name in implementations:
-        with use_implementation(name):
-            t = {
-                "draft_s": _seconds(lambda: draft.propose(block, no_context, cache), iters, warmup),
-                "conv_s": _seconds(convs, iters, warmup),
-                "selector_s": _seconds(selector, iters, warmup),
-            }
-        t["share"] = (t["conv_s"] + t["selector_s"]) / t["draft_s"]
-        result[name] = t
-    return result
