@@ -351,7 +351,7 @@ def main(argv=None):
             max_tokens=args.max_tokens, block_size=args.block_size,
         )
     if draft.config.architecture == "DFlash2DraftModel":
-        from .models.dflash2 import conv_selector_share
+        from .timing import conv_selector_share
 
         report["conv_selector_share"] = conv_selector_share(draft, block_size=report["block_size"])
     report.update(model=str(args.model), draft_model=str(draft_path), mlx=mx.__version__, device=str(mx.default_device()))

@@ -161,8 +161,7 @@ def stream_generate(
     if block_size < 1:
         raise ValueError("block_size must be at least 1")
     draft.check_block_size(block_size)
-    if draft._target is None or draft._target.model is not model:
-        draft.bind(model)
+    draft.bind(model)
     target = draft.target
     speculative = sampler is None and temperature > 0 and acceptance == "speculative"
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)

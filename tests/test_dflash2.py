@@ -82,8 +82,7 @@ def conv_inputs(B=2, L=6, H=8, taps=3, G=4, seed=0):
 @pytest.mark.parametrize("L", [1, 2, 6])  # shorter and longer than the 3 taps
 def test_conv_matches_loop_reference(impl, L):
     x, base, coef = conv_inputs(L=L)
-    with d2.use_implementation(impl):
-        y = d2.conv_mix(mx.array(x), mx.array(base), mx.array(coef))
+    y = d2.conv_mix(mx.array(x), mx.array(base), mx.array(coef), impl)
     np.testing.assert_allclose(_np(y), ref_conv(x, base, coef), rtol=1e-5, atol=1e-5)
 
 
@@ -187,8 +186,7 @@ def test_walk_matches_loop_reference_with_ties(impl):
     first = rng.integers(0, 2, (B, K)).astype(np.float32)
     pair = rng.integers(0, 2, (B, N - 1, K, K)).astype(np.float32)
     for noise in (np.zeros((B, N, K), np.float32), rng.gumbel(size=(B, N, K)).astype(np.float32)):
-        with d2.use_implementation(impl):
-            choice, rows = d2.walk(*map(mx.array, (unary, first, pair, noise)))
+        choice, rows = d2.walk(*map(mx.array, (unary, first, pair, noise)), implementation=impl)
         want_choice, want_rows = ref_walk(unary, first, pair, noise)
         np.testing.assert_array_equal(np.array(choice), want_choice)
         np.testing.assert_array_equal(np.array(rows), want_rows)
@@ -229,8 +227,8 @@ def test_selector_matches_formula(impl):
     hidden = rng.standard_normal((2, 6, 16)).astype(np.float32)
     logits = rng.standard_normal((2, 6, 30)).astype(np.float32)
     anchor = np.array([3, 17])
-    with d2.use_implementation(impl):
-        w = sel(mx.array(anchor), mx.array(hidden), mx.array(logits))
+    sel.implementation = impl
+    w = sel(mx.array(anchor), mx.array(hidden), mx.array(logits))
     want = ref_selector(anchor, hidden, logits, proj, P, S, 5)
     np.testing.assert_array_equal(np.array(w.tokens), want)
 
@@ -375,9 +373,30 @@ def test_sampling_runs_through_stream_generate(qwen3_pair, draft2):
     assert len(tokens) == 24
 
 
+def test_implementation_is_per_drafter(qwen3_pair, draft2):
+    path, draft = draft2
+    other = dflash_mlx.load_draft(path, qwen3_pair.model)
+    block = mx.array([[5] + [draft.mask_token_id] * 7])
+    ctx = mx.random.normal((1, 6, draft.config.fc_input_size), key=mx.random.key(0))
+    want = draft.propose(block, ctx, draft.make_cache())
+    other.implementation = "ops"
+    assert draft.implementation == "auto"
+    convs = [m for _, m in other.named_modules() if isinstance(m, d2.DynamicConv)]
+    assert len(convs) == 4 and all(c.implementation == "ops" for c in convs)
+    assert other.candidate_selector.implementation == "ops"
+    assert mx.array_equal(other.propose(block, ctx, other.make_cache()), want)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        other.implementation = "metal"
+
+
 def test_conv_selector_share_reports_each_implementation(draft2):
+    from dflash_mlx.timing import conv_selector_share
+
     _, draft = draft2
-    result = d2.conv_selector_share(draft, context_len=16, iters=2, warmup=1)
+    draft.implementation = "compiled"
+    result = conv_selector_share(draft, context_len=16, iters=2, warmup=1)
+    assert draft.implementation == "compiled"  # restored
+    draft.implementation = "auto"
     assert set(result) >= {"ops", "compiled"}
     for t in result.values():
         assert t["draft_s"] > 0 and t["conv_s"] > 0 and t["selector_s"] > 0
@@ -419,9 +438,9 @@ def test_walk_kernel_matches_ops():
 @metal
 def test_auto_uses_verified_kernels_on_gpu():
     x, base, coef = (mx.array(a) for a in conv_inputs(L=5, H=16, taps=3, G=4))
-    with mx.stream(mx.gpu), d2.use_implementation("auto"):
-        y = d2.conv_mix(x, base, coef)
-        choice, _ = d2.walk(mx.zeros((1, 3, 4)), mx.zeros((1, 4)), mx.zeros((1, 2, 4, 4)), mx.zeros((1, 3, 4)))
+    with mx.stream(mx.gpu):
+        y = d2.conv_mix(x, base, coef, "auto")
+        choice, _ = d2.walk(mx.zeros((1, 3, 4)), mx.zeros((1, 4)), mx.zeros((1, 2, 4, 4)), mx.zeros((1, 3, 4)), "auto")
     np.testing.assert_allclose(_np(y), ref_conv(*map(_np, (x, base, coef))), rtol=1e-5, atol=1e-5)
     assert choice.tolist() == [[0, 0, 0]]
     assert d2._metal_verdicts and all(d2._metal_verdicts.values())
