@@ -33,6 +33,21 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> L
     return [int(round(start + i * step)) for i in range(num_draft_layers)]
 
 
+def one_rope(rope: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The drafter's RoPE parameters. transformers 5 exports may nest them per
+    layer type (``{"full_attention": {...}, "sliding_attention": {...}}``);
+    a DFlash drafter has one RoPE for all its layers."""
+    if not rope or not all(isinstance(v, dict) for v in rope.values()):
+        return rope
+    kinds = list(rope.values())
+    if any(k != kinds[0] for k in kinds):
+        raise DraftConfigError(
+            f"rope_parameters differ between layer types {sorted(rope)}; a DFlash "
+            "drafter applies one RoPE to all its layers"
+        )
+    return kinds[0]
+
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -96,8 +111,13 @@ class DFlashConfig:
         mask_id = pick("mask_token_id")
         if mask_id is None:
             raise DraftConfigError("drafter config.json lacks dflash_config.mask_token_id")
+        if not 0 <= int(mask_id) < int(cfg["vocab_size"]):
+            raise DraftConfigError(
+                f"mask_token_id {mask_id} is outside the drafter vocabulary (vocab_size "
+                f"{cfg['vocab_size']})"
+            )
 
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+        rope = one_rope(cfg.get("rope_parameters") or cfg.get("rope_scaling"))
         rope_theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta", 10000.0)
         if rope is not None and (rope.get("rope_type") or rope.get("type")) in (None, "default"):
             rope = None  # plain RoPE: nothing for initialize_rope to scale

@@ -58,7 +58,8 @@ class TargetAdapter:
         if config.vocab_size != self.vocab_size:
             raise TargetError(
                 f"drafter vocab_size {config.vocab_size} != target vocabulary "
-                f"{self.vocab_size}: this drafter was trained for another target"
+                f"{self.vocab_size} ({self.args.model_type} target): this drafter was "
+                f"trained for another target"
             )
         bad = [i for i in config.target_layer_ids if not 0 <= i < self.num_layers]
         if bad:
@@ -66,17 +67,18 @@ class TargetAdapter:
                 f"drafter taps target layers {bad}, but the target has only "
                 f"{self.num_layers} layers (0..{self.num_layers - 1})"
             )
+        if config.num_target_layers is not None and int(config.num_target_layers) != self.num_layers:
+            raise TargetError(
+                f"drafter was trained on a target of {config.num_target_layers} layers, "
+                f"this {self.args.model_type} target has {self.num_layers}: drafter and "
+                f"target do not match"
+            )
         want = len(config.target_layer_ids) * self.hidden_size
         if config.fc_input_size != want:
             raise TargetError(
                 f"drafter fc expects {config.fc_input_size} input features, but "
                 f"{len(config.target_layer_ids)} taps x target hidden {self.hidden_size} "
                 f"= {want}: drafter and target do not match"
-            )
-        if not 0 <= config.mask_token_id < self.vocab_size:
-            raise TargetError(
-                f"drafter mask_token_id {config.mask_token_id} is outside the "
-                f"target vocabulary (size {self.vocab_size})"
             )
         self.tap_ids = list(config.target_layer_ids)
 
