@@ -84,6 +84,8 @@ class TargetAdapter:
 
     # Shared weights for the drafter.
     def embed(self, tokens: mx.array) -> mx.array:
+        """Token embeddings as the target's first layer sees them (Gemma
+        scales them): the drafter embeds its block the same way."""
         return self.backbone.embed_tokens(tokens)
 
     def lm_head(self, hidden: mx.array) -> mx.array:

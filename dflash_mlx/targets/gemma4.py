@@ -26,8 +26,6 @@ class Gemma4Target(TransformerTarget):
         self.soft_cap = self.text_model.final_logit_softcapping
 
     def embed(self, tokens):
-        """Token embeddings as the target's layers see them (scaled): the
-        drafter's noise embedding is scaled the same way."""
         return self.backbone.embed_tokens(tokens) * self.embed_scale
 
     def per_layer_inputs(self, tokens, h):
