@@ -189,3 +189,150 @@ def make_draft(path: Path, cfg: dict, seed: int = 1, dtype=mx.float32, shards: i
         json.dumps({"metadata": {}, "weight_map": weight_map})
     )
     return path
+
+
+# ---------------------------------------------------------------------------
+# Gemma-4 targets (mlx-lm gemma4_text / gemma4) and their drafters
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+GEMMA4_TEXT = dict(
+    model_type="gemma4_text",
+    architectures=["Gemma4ForCausalLM"],
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,  # the full-attention layers' own head size
+    rms_norm_eps=1e-6,
+    sliding_window=8,
+    layer_types=[SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL],
+    num_kv_shared_layers=2,  # layers 4 and 5 reuse layers 3 and 2
+    use_double_wide_mlp=True,
+    hidden_size_per_layer_input=8,  # per-layer inputs, as E2B/E4B have
+    rope_parameters={
+        FULL: {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+        SLIDING: {"partial_rotary_factor": 1.0, "rope_theta": 10000.0, "rope_type": "default"},
+    },
+    final_logit_softcapping=30.0,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+
+# The 26B-A4B's kind of layer: a dense MLP plus routed experts, full layers
+# with K = V and their own kv-head count; no KV sharing, no per-layer inputs.
+GEMMA4_MOE = dict(
+    GEMMA4_TEXT,
+    sliding_window=12,
+    num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    attention_k_eq_v=True,
+    num_global_key_value_heads=1,
+)
+
+
+def gemma4_multimodal(text: dict, **fields) -> dict:
+    """A Gemma-4 checkpoint's config: the text model nested under text_config."""
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    return dict(
+        model_type="gemma4",
+        architectures=["Gemma4ForConditionalGeneration"],
+        text_config=text,
+        vision_config={"model_type": "gemma4_vision", "hidden_size": 8},
+        eos_token_id=[1, 106],
+        **fields,
+    )
+
+
+def to_gemma4_hf_layout(weights: dict, multimodal: bool) -> dict:
+    """mlx-lm parameter names -> Hugging Face checkpoint names (what
+    mlx-lm's sanitize maps back): experts' gate and up fused into one
+    tensor, the text model under ``model.language_model`` in the multimodal
+    wrapper, next to a vision tower that loading must drop."""
+    out = {}
+    for name, value in weights.items():
+        if name.endswith("switch_glu.up_proj.weight"):
+            continue
+        if name.endswith("switch_glu.gate_proj.weight"):
+            base = name[: -len("switch_glu.gate_proj.weight")]
+            up = weights[base + "switch_glu.up_proj.weight"]
+            name, value = base + "gate_up_proj", mx.concatenate([value, up], axis=-2)
+        elif name.endswith("switch_glu.down_proj.weight"):
+            name = name[: -len("switch_glu.down_proj.weight")] + "down_proj"
+        if multimodal:
+            name = name.replace("language_model.model.", "model.language_model.")
+        out[name] = value
+    if multimodal:
+        out["model.vision_tower.patch_embedder.weight"] = mx.zeros((8, 8))
+    return out
+
+
+def make_gemma4_target(path: Path, base: dict, seed: int = 0, vocab_size=None) -> Path:
+    """Write a tiny random Gemma-4 target (float32, HF layout) + tokenizer.
+
+    ``base`` is a text config (GEMMA4_TEXT) or a multimodal one
+    (:func:`gemma4_multimodal`); ``vocab_size`` defaults to the tokenizer's.
+    """
+    from mlx_lm.utils import _get_classes as get_model_classes
+
+    path = Path(path)
+    vocab = vocab_size or write_tokenizer(path)
+    if vocab_size:  # a smaller model vocabulary over the same tokenizer
+        write_tokenizer(path)
+    cfg = json.loads(json.dumps(base))
+    text = cfg.get("text_config", cfg)
+    text.update(vocab_size=vocab, vocab_size_per_layer_input=vocab)
+    cfg["vocab_size"] = vocab
+    model_cls, args_cls = get_model_classes(cfg)
+    model = model_cls(args_cls.from_dict(cfg))
+    _seeded_init(model, seed, scale=1.5)
+    rng = np.random.default_rng(seed)
+    weights = {
+        # a positive per-layer output scale, as trained checkpoints have
+        k: mx.array(rng.uniform(0.7, 1.2, v.shape), dtype=mx.float32) if k.endswith("layer_scalar") else v
+        for k, v in tree_flatten(model.parameters())
+    }
+    weights = to_gemma4_hf_layout(weights, multimodal="text_config" in cfg)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def zlab_gemma4_draft_config(name: str, hidden: int, vocab: int) -> dict:
+    """z-lab's published Gemma-4 drafter configs (the 31B-it and 26B-A4B-it
+    DFlash drafters), every field as published except the widths, shrunk to
+    ``hidden`` (the tiny target's) and a 2-head attention."""
+    shapes = {
+        "gemma-4-31B-it": dict(num_target_layers=60, target_layer_ids=[1, 12, 23, 35, 46, 57]),
+        "gemma-4-26B-A4B-it": dict(num_target_layers=30, target_layer_ids=[1, 6, 11, 17, 22, 27]),
+    }[name]
+    return dict(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        hidden_size=hidden,
+        num_hidden_layers=5,
+        intermediate_size=2 * hidden,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=vocab,
+        num_target_layers=shapes["num_target_layers"],
+        block_size=16,
+        dflash_config={"target_layer_ids": shapes["target_layer_ids"], "mask_token_id": 4},
+        layer_types=[SLIDING] * 4 + [FULL],
+        sliding_window=2048,
+        use_sliding_window=True,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        attention_bias=False,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+    )

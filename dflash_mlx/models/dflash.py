@@ -37,6 +37,48 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> L
     return [int(round(start + i * step)) for i in range(num_draft_layers)]
 
 
+def draft_rope(cfg: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
+    """(rope_theta, scaling config for ``initialize_rope`` or None).
+
+    RoPE comes as ``rope_theta`` + ``rope_scaling`` or, in transformers 5
+    exports, under ``rope_parameters``, which may be nested per layer type
+    (``{"full_attention": {...}, "sliding_attention": {...}}``); a DFlash
+    drafter applies one RoPE to all its layers.
+    """
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        kinds = list(rope.values())
+        if any(k != kinds[0] for k in kinds):
+            raise DraftConfigError(
+                f"rope_parameters differ between layer types {sorted(rope)}; a DFlash "
+                "drafter applies one RoPE to all its layers"
+            )
+        rope = kinds[0]
+    rope_theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta", 10000.0)
+    if rope is not None and (rope.get("rope_type") or rope.get("type")) in (None, "default"):
+        rope = None  # plain RoPE: nothing for initialize_rope to scale
+    return float(rope_theta), rope
+
+
+def draft_layer_types(cfg: Dict[str, Any], dflash: Dict[str, Any], n_layers: int):
+    """(layer_types, sliding_window) from every variant published configs use."""
+    sliding_window = cfg.get("sliding_window") or dflash.get("swa_window_size")
+    layer_types = list(cfg.get("layer_types") or [])
+    if not layer_types:
+        use_swa = dflash.get("use_swa", cfg.get("use_sliding_window", False))
+        layer_types = [SLIDING if use_swa and sliding_window else FULL] * n_layers
+    elif dflash.get("use_swa") is False:
+        layer_types = [FULL] * n_layers
+    if len(layer_types) != n_layers:
+        raise DraftConfigError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+    unknown = set(layer_types) - {FULL, SLIDING}
+    if unknown:
+        raise DraftConfigError(f"unsupported layer_types {sorted(unknown)}")
+    if SLIDING in layer_types and not sliding_window:
+        raise DraftConfigError("sliding_attention layers need sliding_window")
+    return layer_types, int(sliding_window) if sliding_window else None
+
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -100,28 +142,14 @@ class DFlashConfig:
         mask_id = pick("mask_token_id")
         if mask_id is None:
             raise DraftConfigError("drafter config.json lacks dflash_config.mask_token_id")
-
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
-        rope_theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta", 10000.0)
-        if rope is not None and (rope.get("rope_type") or rope.get("type")) in (None, "default"):
-            rope = None  # plain RoPE: nothing for initialize_rope to scale
-
-        sliding_window = cfg.get("sliding_window") or dflash.get("swa_window_size")
-        layer_types = list(cfg.get("layer_types") or [])
-        if not layer_types:
-            use_swa = dflash.get("use_swa", cfg.get("use_sliding_window", False))
-            layer_types = [SLIDING if use_swa and sliding_window else FULL] * n_layers
-        elif dflash.get("use_swa") is False:
-            layer_types = [FULL] * n_layers
-        if len(layer_types) != n_layers:
+        if not 0 <= int(mask_id) < int(cfg["vocab_size"]):
             raise DraftConfigError(
-                f"layer_types has {len(layer_types)} entries for {n_layers} layers"
+                f"mask_token_id {mask_id} is outside the drafter vocabulary (vocab_size "
+                f"{cfg['vocab_size']})"
             )
-        unknown = set(layer_types) - {FULL, SLIDING}
-        if unknown:
-            raise DraftConfigError(f"unsupported layer_types {sorted(unknown)}")
-        if SLIDING in layer_types and not sliding_window:
-            raise DraftConfigError("sliding_attention layers need sliding_window")
+
+        rope_theta, rope = draft_rope(cfg)
+        layer_types, sliding_window = draft_layer_types(cfg, dflash, n_layers)
 
         is_causal = cfg.get("is_causal")
         if is_causal is None:
@@ -141,14 +169,14 @@ class DFlashConfig:
             mask_token_id=int(mask_id),
             block_size=int(pick("block_size", DEFAULT_BLOCK_SIZE)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rope_scaling=rope,
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
             attention_bias=bool(cfg.get("attention_bias", False)),
             num_target_layers=num_target_layers,
             target_hidden_size=cfg.get("target_hidden_size"),
             layer_types=layer_types,
-            sliding_window=int(sliding_window) if sliding_window else None,
+            sliding_window=sliding_window,
             is_causal=None if is_causal is None else bool(is_causal),
             architecture=arch,
             conv_kernel_size=int(pick("conv_kernel_size", 0) or 0),

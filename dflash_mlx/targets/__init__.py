@@ -11,10 +11,16 @@ forward so upstream drift is caught.
 from typing import Dict, Type
 
 from .base import TargetAdapter, TargetError
+from .gemma4 import Gemma4Target
 from .hybrid import HybridTarget
 from .transformer import TransformerTarget
 
 ADAPTERS: Dict[str, Type[TargetAdapter]] = {
+    "gemma4": Gemma4Target,
+    "gemma4_text": Gemma4Target,
+    # Current MLX exports; mlx-lm loads them as gemma4 and keeps the name.
+    "gemma4_unified": Gemma4Target,
+    "gemma4_unified_text": Gemma4Target,
     "llama": TransformerTarget,
     "qwen2": TransformerTarget,
     "qwen3": TransformerTarget,

@@ -58,13 +58,20 @@ class TargetAdapter:
         if config.vocab_size != self.vocab_size:
             raise TargetError(
                 f"drafter vocab_size {config.vocab_size} != target vocabulary "
-                f"{self.vocab_size}: this drafter was trained for another target"
+                f"{self.vocab_size} ({self.args.model_type} target): this drafter was "
+                f"trained for another target"
             )
         bad = [i for i in config.target_layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise TargetError(
                 f"drafter taps target layers {bad}, but the target has only "
                 f"{self.num_layers} layers (0..{self.num_layers - 1})"
+            )
+        if config.num_target_layers is not None and int(config.num_target_layers) != self.num_layers:
+            raise TargetError(
+                f"drafter was trained on a target of {config.num_target_layers} layers, "
+                f"this {self.args.model_type} target has {self.num_layers}: drafter and "
+                f"target do not match"
             )
         want = len(config.target_layer_ids) * self.hidden_size
         if config.fc_input_size != want:
@@ -73,15 +80,12 @@ class TargetAdapter:
                 f"{len(config.target_layer_ids)} taps x target hidden {self.hidden_size} "
                 f"= {want}: drafter and target do not match"
             )
-        if not 0 <= config.mask_token_id < self.vocab_size:
-            raise TargetError(
-                f"drafter mask_token_id {config.mask_token_id} is outside the "
-                f"target vocabulary (size {self.vocab_size})"
-            )
         self.tap_ids = list(config.target_layer_ids)
 
     # Shared weights for the drafter.
     def embed(self, tokens: mx.array) -> mx.array:
+        """Token embeddings as the target's first layer sees them (Gemma
+        scales them): the drafter embeds its block the same way."""
         return self.backbone.embed_tokens(tokens)
 
     def lm_head(self, hidden: mx.array) -> mx.array:

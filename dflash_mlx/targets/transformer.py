@@ -1,31 +1,29 @@
-"""Plain decoder-only transformers (llama, qwen2, qwen3, qwen3_moe).
+"""Plain decoder-only transformers (llama, qwen2, qwen3, qwen3_moe), with
+sliding-window layers where the model has them (llama's ``layer_types``).
 
-Every layer is ``layer(h, mask, cache)`` over a trimmable KV cache, so
-verification needs no record: rollback is a trim.
+Every layer is ``layer(h, mask, cache)`` over an attention cache, so a
+verify needs no record beyond its length: rollback cuts every cache back to
+the kept prefix (:mod:`.attention`).
 """
 
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import RotatingKVCache
 
-from .base import TargetAdapter, TargetError
+from .attention import layer_masks, rewind_caches
+from .base import TargetAdapter
 
 
 class TransformerTarget(TargetAdapter):
     def __init__(self, model):
-        super().__init__(model, model, model.model)
-        if getattr(self.args, "layer_types", None) and any(
-            t != "full_attention" for t in self.args.layer_types
-        ):
-            raise TargetError(
-                "targets with sliding-window layers keep rotating caches that cannot be "
-                "rolled back; use a full-attention target"
-            )
+        text = getattr(model, "language_model", model)
+        super().__init__(model, text, text.model)
 
     def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True):
         taps = self.tap_ids if taps is None else taps
         h = self.backbone.embed_tokens(tokens)
-        mask = create_attention_mask(h, cache[0])
+        windows = [c.max_size if isinstance(c, RotatingKVCache) else None for c in cache]
+        masks = layer_masks(h, cache, windows)
         captured = {}
-        for i, (layer, c) in enumerate(zip(self.backbone.layers, cache)):
+        for i, (layer, c, mask) in enumerate(zip(self.backbone.layers, cache, masks)):
             h = layer(h, mask, c)
             captured[i] = h
         if record:
@@ -33,8 +31,5 @@ class TransformerTarget(TargetAdapter):
         return self._finish(h, [captured[t] for t in taps], last_logits_only)
 
     def rollback(self, cache, keep):
-        drop = cache.undo - keep
-        if drop > 0:
-            for c in cache:
-                c.trim(drop)
+        rewind_caches(cache, cache.undo, keep)
         cache.undo = None
