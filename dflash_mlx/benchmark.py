@@ -21,11 +21,85 @@ import statistics
 import sys
 import time
 from collections import Counter
-from typing import Dict, List
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List
 
 import mlx.core as mx
 
-from .generate import PhaseTimer, encode_prompt, stream_generate
+from .generate import encode_prompt, stream_generate
+from .sampling import ACCEPTANCE_RULES
+
+
+@dataclass
+class PhaseTimer:
+    """Wall time per phase of the loop. Each timed call runs to completion
+    (a sync per phase), so a timed run is slower than an untimed one."""
+
+    seconds: Dict[str, float] = field(
+        default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "rollback": 0.0, "host": 0.0}
+    )
+    cycles: int = 0
+    started: tuple = (0.0, 0.0)
+
+    def start_cycles(self):
+        self.started = (time.perf_counter(), sum(self.seconds.values()))
+
+    def stop_cycles(self):
+        """Whatever the cycles spent outside the timed phases is host time."""
+        wall, timed = self.started
+        self.seconds["host"] += (time.perf_counter() - wall) - (sum(self.seconds.values()) - timed)
+
+    def run(self, phase: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, computed, its time added to ``phase``."""
+        tic = time.perf_counter()
+        out = fn(*args, **kwargs)
+        mx.eval(out)
+        self.seconds[phase] += time.perf_counter() - tic
+        return out
+
+
+class TimedTarget:
+    """A target adapter whose forwards and rollbacks are timed (the loop
+    itself has no timing code)."""
+
+    def __init__(self, target, timer: PhaseTimer):
+        self.target, self.timer = target, timer
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def forward(self, tokens, cache, **kwargs):
+        phase = "verify" if kwargs.get("record", True) else "prefill"
+        self.timer.cycles += phase == "verify"
+
+        def step():
+            return self.target.forward(tokens, cache, **kwargs), [c.state for c in cache]
+
+        return self.timer.run(phase, step)[0]
+
+    def rollback(self, cache, keep):
+        def step():
+            self.target.rollback(cache, keep)
+            return [c.state for c in cache]
+
+        self.timer.run("rollback", step)
+
+
+class TimedDraft:
+    """A drafter whose proposals are timed, bound to a :class:`TimedTarget`."""
+
+    def __init__(self, draft, timer: PhaseTimer):
+        self.draft, self.timer = draft, timer
+        self.target = TimedTarget(draft.target, timer)
+
+    def __getattr__(self, name):
+        return getattr(self.draft, name)
+
+    def propose(self, *args, **kwargs):
+        return self.timer.run("draft", self.draft.propose, *args, **kwargs)
+
+    def propose_with_probs(self, *args, **kwargs):
+        return self.timer.run("draft", self.draft.propose_with_probs, *args, **kwargs)
 
 
 def repeated_4gram_share(tokens: List[int]) -> float:
@@ -49,20 +123,71 @@ def run_autoregressive(model, tokenizer, prompt, max_tokens):
 
 
 def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=None):
-    """One generation; tok/s counted from the first token, like mlx-lm."""
+    """One generation; tok/s counted from the first token, like mlx-lm.
+    With a ``timer``, the forwards and rollbacks are timed and the rest of
+    each cycle counts as host time."""
+    if timer is not None:
+        draft = TimedDraft(draft, timer)
     tokens, accepted, last = [], [], None
     for i, last in enumerate(
-        stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, timer=timer)
+        stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size)
     ):
         tokens += last.tokens
         if i:  # response 0 is the prefill's token
             accepted.append(last.accepted)
+        elif timer is not None:
+            timer.start_cycles()
+    if timer is not None:
+        timer.stop_cycles()
     return {
         "tokens": tokens,
         "tps": last.generation_tps,
         "accepted": accepted,
         "peak_memory": last.peak_memory,
     }
+
+
+def tokens_per_cycle_by_rule(
+    model,
+    draft,
+    tokenizer,
+    prompts: Iterable,
+    *,
+    temperature: float = 0.7,
+    max_tokens: int = 256,
+    seed: int = 0,
+    **kwargs,
+) -> Dict[str, float]:
+    """Mean tokens committed per verify cycle at ``temperature``, for each
+    acceptance rule, on the same prompts and seeds (the benchmark's and the
+    README's speculative-vs-exact-match comparison).
+
+    Returns ``{"speculative": ..., "exact-match": ...}``. ``kwargs`` go to
+    ``stream_generate`` (``top_p``, ``top_k``, ``min_p``, ``block_size``...).
+    The prefill token is not a cycle and is not counted.
+    """
+    prompts = list(prompts)
+    result = {}
+    for rule in ACCEPTANCE_RULES:
+        committed = cycles = 0
+        for i, prompt in enumerate(prompts):
+            mx.random.seed(seed + i)
+            responses = stream_generate(
+                model,
+                draft,
+                tokenizer,
+                prompt,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                acceptance=rule,
+                **kwargs,
+            )
+            next(responses)  # the prefill token
+            for r in responses:
+                committed += r.committed
+                cycles += 1
+        result[rule] = committed / max(cycles, 1)
+    return result
 
 
 def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=20) -> Dict[str, float]:
@@ -343,8 +468,6 @@ def main(argv=None):
             speculative_baseline(model, ar_draft, tokenizer, prompts, args.max_tokens, ar_runs, args.num_draft_tokens)
         )
     if args.sampling_temp:
-        from .sampling import tokens_per_cycle_by_rule
-
         report["sampling_temperature"] = args.sampling_temp
         report["sampled_tokens_per_cycle"] = tokens_per_cycle_by_rule(
             model, draft, tokenizer, prompts, temperature=args.sampling_temp,
