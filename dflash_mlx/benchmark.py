@@ -195,7 +195,7 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
 
     ``target_1`` is mlx-lm's own forward of one token on its own cache, the
     step the autoregressive baseline runs; ``target_{B}`` is the verify
-    forward (taps kept), the step DFlash runs; the drafter forward injects
+    forward (target_hidden kept), the step DFlash runs; the drafter forward injects
     ``new_context`` positions per call over the prompt's context, as in the
     loop. A forward counts until its logits and the cache it leaves are
     computed: the chunked verify's recurrent state after the block is not on
@@ -213,19 +213,19 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
 
     target = draft.target
     cache = target.make_cache()
-    _, taps = target.forward(prompt_ids[None], cache, last_logits_only=True, record=False)
-    mx.eval(taps, [c.state for c in cache])
+    _, target_hidden = target.forward(prompt_ids[None], cache, last_logits_only=True, record=False)
+    mx.eval(target_hidden, [c.state for c in cache])
     tokens = mx.array([[1] * block_size])
 
     def verify():
-        out, t = target.forward(tokens, cache)
-        mx.eval(out, t, [c.state for c in cache])
+        out, hidden = target.forward(tokens, cache)
+        mx.eval(out, hidden, [c.state for c in cache])
         target.rollback(cache, 0)
 
     block = mx.array([[1] + [draft.mask_token_id] * (block_size - 1)])
     draft_cache = draft.make_cache()
-    mx.eval(draft.propose(block, taps[:, :-new_context], draft_cache))
-    fresh = taps[:, -new_context:]
+    mx.eval(draft.propose(block, target_hidden[:, :-new_context], draft_cache))
+    fresh = target_hidden[:, -new_context:]
 
     def drafter_forward():
         mx.eval(draft.propose(block, fresh, draft_cache))
@@ -256,7 +256,7 @@ def compile_block_lengths(draft, prompt_ids, block_size) -> None:
     """
     target = draft.target
     cache = target.make_cache()
-    _, taps = target.forward(prompt_ids[None], cache, last_logits_only=True, record=False)
+    _, target_hidden = target.forward(prompt_ids[None], cache, last_logits_only=True, record=False)
     draft_cache = draft.make_cache()
     for n in range(1, block_size + 1):
         logits, _ = target.forward(mx.ones((1, n), mx.int32), cache)
@@ -264,7 +264,7 @@ def compile_block_lengths(draft, prompt_ids, block_size) -> None:
         target.rollback(cache, 1)
         if n > 1:
             block = mx.array([[1] + [draft.mask_token_id] * (n - 1)])
-            mx.eval(draft.propose(block, taps[:, -1:], draft_cache))
+            mx.eval(draft.propose(block, target_hidden[:, -1:], draft_cache))
 
 
 def run_speculative(model, ar_draft, tokenizer, prompt, max_tokens, num_draft_tokens):

@@ -180,3 +180,15 @@ def test_generation_stops_when_the_client_disconnects(server, client):
         time.sleep(0.2)
     assert int(m.group(1)) < 3000
     assert client.completions.create(model="default", prompt="x = ", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_stop_words_end_the_text(client, bundled):
+    model, tokenizer = bundled
+    prompt = default_prompts()[1]
+    tokens = [r.token for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=30)]
+    stop = tokenizer.decode(tokens[8:10])
+    assert tokenizer.encode(stop) == tokens[8:10]
+    r = client.completions.create(model="default", prompt=prompt, max_tokens=30, stop=[stop])
+    text = tokenizer.decode(tokens[:8])  # what came before the stop word
+    want = text[: text.find(stop)] if stop in text else text
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want
