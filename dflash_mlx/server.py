@@ -132,7 +132,7 @@ def chat_tokens(tokenizer, body: dict, template_args: dict):
         process_message_content(messages)
     except (ValueError, KeyError, TypeError) as e:
         raise RequestError(f"bad message content: {e}", "messages") from None
-    if not tokenizer.has_chat_template:
+    if not getattr(tokenizer, "chat_template", None):  # set after loading too (--chat-template)
         return tokenizer.encode(convert_chat(messages, body.get("role_mapping"))), []
     kwargs = dict(template_args, **(body.get("chat_template_kwargs") or {}), tools=body.get("tools") or None)
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)

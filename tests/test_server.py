@@ -192,3 +192,49 @@ def test_stop_words_end_the_text(client, bundled):
     text = tokenizer.decode(tokens[:8])  # what came before the stop word
     want = text[: text.find(stop)] if stop in text else text
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want
+
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_hybrid_snapshots_at_message_boundaries(qwen3_5_pair, tmp_path):
+    """A hybrid cache cannot trim: an edited last message reuses the snapshot
+    taken where the previous message ended, and the answer stays exact."""
+    from mlx_lm import load
+
+    from dflash_mlx.server import make_server, setup_arg_parser
+
+    model, tokenizer = load(str(qwen3_5_pair.path))
+    draft_dir = qwen3_5_pair.make_draft(tmp_path / "draft", block_size=4)
+    draft = dflash_mlx.load_draft(draft_dir, model)
+    args = setup_arg_parser().parse_args(["--model", str(qwen3_5_pair.path), "--port", "0", "--chat-template", TEMPLATE])
+    server = make_server(args, model, tokenizer, draft, str(draft_dir))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="x", max_retries=0, timeout=300)
+
+        def chat(messages):
+            r = client.chat.completions.create(model="default", messages=messages, max_tokens=8)
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            assert r.choices[0].message.content == "".join(
+                x.text for x in mlx_lm_stream_generate(model, tokenizer, ids, max_tokens=8)
+            )
+            return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+        head = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"}]
+        first, cached = chat(head)
+        assert cached == 0
+        head.append({"role": "assistant", "content": first})
+        _, cached = chat(head + [{"role": "user", "content": "and g?"}])
+        assert cached >= len(tokenizer.apply_chat_template(head[:2], add_generation_prompt=True))
+        _, cached = chat(head + [{"role": "user", "content": "or h?"}])
+        assert cached == len(tokenizer.apply_chat_template(head, add_generation_prompt=False))
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.generator.stop_and_join()
