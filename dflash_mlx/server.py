@@ -264,8 +264,9 @@ class DFlashResponseGenerator:
         for end in [b for b in boundaries if b > start] + [len(tokens)]:
             if end <= start:
                 continue
-            feed(self.draft.target, cache, tokens[start:end], self.cli_args.prefill_step_size, progress)
-            mx.eval(cache.state)
+            with mx.stream(generation_stream):  # where generate_step runs
+                feed(self.draft.target, cache, tokens[start:end], self.cli_args.prefill_step_size, progress)
+                mx.eval(cache.state)
             self.prompt_cache.insert_cache(self.key, list(cache.tokens), [copy.deepcopy(cache)], cache_type="user")
             start = end
         return start
