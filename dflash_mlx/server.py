@@ -261,9 +261,7 @@ class DFlashResponseGenerator:
         (for caches that cannot trim); returns where the prefill stopped."""
         if cache.is_trimmable():
             return start
-        for end in [b for b in boundaries if b > start] + [len(tokens)]:
-            if end <= start:
-                continue
+        for end in [b for b in boundaries + [len(tokens)] if b > start]:
             with mx.stream(generation_stream):  # where generate_step runs
                 feed(self.draft.target, cache, tokens[start:end], self.cli_args.prefill_step_size, progress)
                 mx.eval(cache.state)
@@ -368,9 +366,12 @@ class DFlashAPIHandler(APIHandler):
         if kind is None:
             return self.send_error_json(404, f"no route {self.path}; use {', '.join(ROUTES)}")
         try:
-            raw = self.rfile.read(int(self.headers.get("Content-Length", "")))
+            length = int(self.headers.get("Content-Length", ""))
+            if length < 0:
+                raise ValueError(length)
         except ValueError:
-            return self.send_error_json(411, "a Content-Length header is required")
+            return self.send_error_json(411, "a valid Content-Length header is required")
+        raw = self.rfile.read(length)
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
