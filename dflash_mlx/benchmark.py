@@ -190,6 +190,28 @@ def tokens_per_cycle_by_rule(
     return result
 
 
+def second_turn_ttft(model, draft, tokenizer, prompts, turn1_tokens: int = 1500) -> Dict[str, float]:
+    """Time to the first token of a conversation's two turns on one prompt
+    cache: turn 1 a ``turn1_tokens``-token prompt (the prompts joined and
+    repeated), turn 2 one short line that only it prefills."""
+    from contextlib import closing
+
+    from .cache import make_prompt_cache
+
+    ids = tokenizer.encode("\n".join(prompts))
+    ids = (ids * (turn1_tokens // max(1, len(ids)) + 1))[:turn1_tokens]
+    list(stream_generate(model, draft, tokenizer, ids[:64], max_tokens=4))  # warm-up
+    cache = make_prompt_cache(model, draft)
+    seconds = []
+    for prompt in (ids, tokenizer.encode("\ndef main():\n")):
+        tic = time.perf_counter()
+        with closing(stream_generate(model, draft, tokenizer, prompt, max_tokens=8, prompt_cache=cache)) as responses:
+            next(responses)
+            seconds.append(time.perf_counter() - tic)
+    return {"turn1_tokens": turn1_tokens, "turn1_ttft_s": seconds[0], "turn2_ttft_s": seconds[1],
+            "turn2_over_turn1": seconds[1] / seconds[0]}
+
+
 def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=20) -> Dict[str, float]:
     """Median ms of the forwards that bound the speedup, warm, after the prompt.
 
@@ -386,6 +408,12 @@ def print_report(r: dict) -> None:
     print(f"repeated 4-gram share    {100 * r['repeated_4gram_share']:.1f}%")
     print(f"outputs identical to AR  {r['outputs_identical']}")
     print(f"peak memory              {r['peak_memory_gb']:.3f} GB")
+    if "second_turn_ttft" in r:
+        t = r["second_turn_ttft"]
+        print(
+            f"time to first token      turn 1 ({t['turn1_tokens']} tokens) {1e3 * t['turn1_ttft_s']:.1f} ms, "
+            f"turn 2 on its cache {1e3 * t['turn2_ttft_s']:.1f} ms (ratio {t['turn2_over_turn1']:.3f})"
+        )
     if "speculative_unavailable" in r:
         print(f"mlx-lm speculative       not available: {r['speculative_unavailable']}")
     if "speculative_tps" in r:
@@ -443,6 +471,7 @@ def setup_arg_parser():
     p.add_argument("--ar-draft-model", default=None, help="also run mlx-lm's classic speculative decoding with this autoregressive drafter")
     p.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens per step for --ar-draft-model")
     p.add_argument("--sampling-temp", type=float, default=None, help="also compare tokens per cycle of rejection sampling vs exact match at this temperature")
+    p.add_argument("--ttft-turn1", type=int, default=None, help="also time the first token of a second turn on the prompt cache after a turn 1 of this many tokens")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG figure here")
     return p
@@ -477,6 +506,8 @@ def main(argv=None):
         from .models.dflash2 import conv_selector_share
 
         report["conv_selector_share"] = conv_selector_share(draft, block_size=report["block_size"])
+    if args.ttft_turn1:
+        report["second_turn_ttft"] = second_turn_ttft(model, draft, tokenizer, prompts, args.ttft_turn1)
     report.update(model=str(args.model), draft_model=str(draft_path), mlx=mx.__version__, device=str(mx.default_device()))
     print_report(report)
     if args.json:

@@ -14,14 +14,13 @@ import threading
 import time
 import urllib.request
 
+import openai
 import pytest
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.server import convert_chat
 
 import dflash_mlx
 from dflash_mlx.pair import DEFAULT_TARGET, default_prompts
-
-openai = pytest.importorskip("openai")  # the test extra: pip install -e ".[test]"
 
 
 @pytest.fixture(scope="module")
