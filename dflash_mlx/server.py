@@ -195,6 +195,7 @@ class DFlashResponseGenerator:
         self.context_length = getattr(draft.target.args, "max_position_embeddings", None)
         self.prompt_cache = LRUPromptCache(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
         self.requests: "queue.Queue" = queue.Queue()
+        self.tokenizer_lock = threading.Lock()  # handler threads tokenize too
         self.failed = self.stopping = False
         self.thread = threading.Thread(target=self.run, name="dflash-generation", daemon=True)
         self.thread.start()
@@ -218,6 +219,11 @@ class DFlashResponseGenerator:
         except Exception:
             logging.exception("the generation thread died")
             self.failed = True
+
+    def prepare(self, body: dict, kind: str) -> Prepared:
+        """Check and tokenize a request (on the handler's thread)."""
+        with self.tokenizer_lock:
+            return prepare(self.tokenizer, body, kind, self.context_length, self.cli_args.chat_template_args)
 
     def generate(self, request, args, progress_callback=None, prepared: Prepared = None):
         """Queue a request; returns its context and an iterator of responses."""
@@ -273,11 +279,12 @@ class DFlashResponseGenerator:
         """One request, start to end; its errors go back to its handler."""
         try:
             tok = self.tokenizer
-            stop_sequences = make_stop_sequences(tok, args.stop_words)
+            with self.tokenizer_lock:
+                stop_sequences = make_stop_sequences(tok, args.stop_words)
+                text_sm = make_text_state_machine(tok, args.stop_words)
             ctx = RequestContext(
                 has_tool_calling=tok.has_tool_calling, has_thinking=tok.has_thinking, tool_parser=tok.tool_parser,
-                text_sm=make_text_state_machine(tok, args.stop_words), initial_state=prepared.initial_state,
-                prompt=prepared.tokens,
+                text_sm=text_sm, initial_state=prepared.initial_state, prompt=prepared.tokens,
             )
             tokens = prepared.tokens
 
@@ -376,8 +383,7 @@ class DFlashAPIHandler(APIHandler):
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise RequestError("the request body must be a JSON object")
-            g = self.generator
-            self.prepared = prepare(g.tokenizer, body, kind, g.context_length, g.cli_args.chat_template_args)
+            self.prepared = self.generator.prepare(body, kind)
         except json.JSONDecodeError as e:
             return self.send_error_json(400, f"invalid JSON in the request body: {e}")
         except RequestError as e:
