@@ -21,11 +21,85 @@ import statistics
 import sys
 import time
 from collections import Counter
-from typing import Dict, List
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List
 
 import mlx.core as mx
 
-from .generate import PhaseTimer, encode_prompt, stream_generate
+from .generate import encode_prompt, stream_generate
+from .sampling import ACCEPTANCE_RULES
+
+
+@dataclass
+class PhaseTimer:
+    """Wall time per phase of the loop. Each timed call runs to completion
+    (a sync per phase), so a timed run is slower than an untimed one."""
+
+    seconds: Dict[str, float] = field(
+        default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "rollback": 0.0, "host": 0.0}
+    )
+    cycles: int = 0
+    started: tuple = (0.0, 0.0)
+
+    def start_cycles(self):
+        self.started = (time.perf_counter(), sum(self.seconds.values()))
+
+    def stop_cycles(self):
+        """Whatever the cycles spent outside the timed phases is host time."""
+        wall, timed = self.started
+        self.seconds["host"] += (time.perf_counter() - wall) - (sum(self.seconds.values()) - timed)
+
+    def run(self, phase: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, computed, its time added to ``phase``."""
+        tic = time.perf_counter()
+        out = fn(*args, **kwargs)
+        mx.eval(out)
+        self.seconds[phase] += time.perf_counter() - tic
+        return out
+
+
+class TimedTarget:
+    """A target adapter whose forwards and rollbacks are timed (the loop
+    itself has no timing code)."""
+
+    def __init__(self, target, timer: PhaseTimer):
+        self.target, self.timer = target, timer
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def forward(self, tokens, cache, **kwargs):
+        phase = "verify" if kwargs.get("record", True) else "prefill"
+        self.timer.cycles += phase == "verify"
+
+        def step():
+            return self.target.forward(tokens, cache, **kwargs), [c.state for c in cache]
+
+        return self.timer.run(phase, step)[0]
+
+    def rollback(self, cache, keep):
+        def step():
+            self.target.rollback(cache, keep)
+            return [c.state for c in cache]
+
+        self.timer.run("rollback", step)
+
+
+class TimedDraft:
+    """A drafter whose proposals are timed, bound to a :class:`TimedTarget`."""
+
+    def __init__(self, draft, timer: PhaseTimer):
+        self.draft, self.timer = draft, timer
+        self.target = TimedTarget(draft.target, timer)
+
+    def __getattr__(self, name):
+        return getattr(self.draft, name)
+
+    def propose(self, *args, **kwargs):
+        return self.timer.run("draft", self.draft.propose, *args, **kwargs)
+
+    def propose_with_probs(self, *args, **kwargs):
+        return self.timer.run("draft", self.draft.propose_with_probs, *args, **kwargs)
 
 
 def repeated_4gram_share(tokens: List[int]) -> float:
@@ -49,14 +123,22 @@ def run_autoregressive(model, tokenizer, prompt, max_tokens):
 
 
 def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=None):
-    """One generation; tok/s counted from the first token, like mlx-lm."""
+    """One generation; tok/s counted from the first token, like mlx-lm.
+    With a ``timer``, the forwards and rollbacks are timed and the rest of
+    each cycle counts as host time."""
+    if timer is not None:
+        draft = TimedDraft(draft, timer)
     tokens, accepted, last = [], [], None
     for i, last in enumerate(
-        stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, timer=timer)
+        stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size)
     ):
         tokens += last.tokens
         if i:  # response 0 is the prefill's token
             accepted.append(last.accepted)
+        elif timer is not None:
+            timer.start_cycles()
+    if timer is not None:
+        timer.stop_cycles()
     return {
         "tokens": tokens,
         "tps": last.generation_tps,
@@ -65,12 +147,77 @@ def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=No
     }
 
 
+def tokens_per_cycle_by_rule(
+    model,
+    draft,
+    tokenizer,
+    prompts: Iterable,
+    *,
+    temperature: float = 0.7,
+    max_tokens: int = 256,
+    seed: int = 0,
+    **kwargs,
+) -> Dict[str, float]:
+    """Mean tokens committed per verify cycle at ``temperature``, for each
+    acceptance rule, on the same prompts and seeds (the benchmark's and the
+    README's speculative-vs-exact-match comparison).
+
+    Returns ``{"speculative": ..., "exact-match": ...}``. ``kwargs`` go to
+    ``stream_generate`` (``top_p``, ``top_k``, ``min_p``, ``block_size``...).
+    The prefill token is not a cycle and is not counted.
+    """
+    prompts = list(prompts)
+    result = {}
+    for rule in ACCEPTANCE_RULES:
+        committed = cycles = 0
+        for i, prompt in enumerate(prompts):
+            mx.random.seed(seed + i)
+            responses = stream_generate(
+                model,
+                draft,
+                tokenizer,
+                prompt,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                acceptance=rule,
+                **kwargs,
+            )
+            next(responses)  # the prefill token
+            for r in responses:
+                committed += r.committed
+                cycles += 1
+        result[rule] = committed / max(cycles, 1)
+    return result
+
+
+def second_turn_ttft(model, draft, tokenizer, prompts, turn1_tokens: int = 1500) -> Dict[str, float]:
+    """Time to the first token of a conversation's two turns on one prompt
+    cache: turn 1 a ``turn1_tokens``-token prompt (the prompts joined and
+    repeated), turn 2 one short line that only it prefills."""
+    from contextlib import closing
+
+    from .cache import make_prompt_cache
+
+    ids = tokenizer.encode("\n".join(prompts))
+    ids = (ids * (turn1_tokens // max(1, len(ids)) + 1))[:turn1_tokens]
+    list(stream_generate(model, draft, tokenizer, ids[:64], max_tokens=4))  # warm-up
+    cache = make_prompt_cache(model, draft)
+    seconds = []
+    for prompt in (ids, tokenizer.encode("\ndef main():\n")):
+        tic = time.perf_counter()
+        with closing(stream_generate(model, draft, tokenizer, prompt, max_tokens=8, prompt_cache=cache)) as responses:
+            next(responses)
+            seconds.append(time.perf_counter() - tic)
+    return {"turn1_tokens": turn1_tokens, "turn1_ttft_s": seconds[0], "turn2_ttft_s": seconds[1],
+            "turn2_over_turn1": seconds[1] / seconds[0]}
+
+
 def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=20) -> Dict[str, float]:
     """Median ms of the forwards that bound the speedup, warm, after the prompt.
 
     ``target_1`` is mlx-lm's own forward of one token on its own cache, the
     step the autoregressive baseline runs; ``target_{B}`` is the verify
-    forward (taps kept), the step DFlash runs; the drafter forward injects
+    forward (target_hidden kept), the step DFlash runs; the drafter forward injects
     ``new_context`` positions per call over the prompt's context, as in the
     loop. A forward counts until its logits and the cache it leaves are
     computed: the chunked verify's recurrent state after the block is not on
@@ -88,19 +235,19 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
 
     target = draft.target
     cache = target.make_cache()
-    _, taps = target.forward(prompt_ids[None], cache, last_logits_only=True, record=False)
-    mx.eval(taps, [c.state for c in cache])
+    _, target_hidden = target.forward(prompt_ids[None], cache, last_logits_only=True, record=False)
+    mx.eval(target_hidden, [c.state for c in cache])
     tokens = mx.array([[1] * block_size])
 
     def verify():
-        out, t = target.forward(tokens, cache)
-        mx.eval(out, t, [c.state for c in cache])
+        out, hidden = target.forward(tokens, cache)
+        mx.eval(out, hidden, [c.state for c in cache])
         target.rollback(cache, 0)
 
     block = mx.array([[1] + [draft.mask_token_id] * (block_size - 1)])
     draft_cache = draft.make_cache()
-    mx.eval(draft.propose(block, taps[:, :-new_context], draft_cache))
-    fresh = taps[:, -new_context:]
+    mx.eval(draft.propose(block, target_hidden[:, :-new_context], draft_cache))
+    fresh = target_hidden[:, -new_context:]
 
     def drafter_forward():
         mx.eval(draft.propose(block, fresh, draft_cache))
@@ -131,7 +278,7 @@ def compile_block_lengths(draft, prompt_ids, block_size) -> None:
     """
     target = draft.target
     cache = target.make_cache()
-    _, taps = target.forward(prompt_ids[None], cache, last_logits_only=True, record=False)
+    _, target_hidden = target.forward(prompt_ids[None], cache, last_logits_only=True, record=False)
     draft_cache = draft.make_cache()
     for n in range(1, block_size + 1):
         logits, _ = target.forward(mx.ones((1, n), mx.int32), cache)
@@ -139,7 +286,7 @@ def compile_block_lengths(draft, prompt_ids, block_size) -> None:
         target.rollback(cache, 1)
         if n > 1:
             block = mx.array([[1] + [draft.mask_token_id] * (n - 1)])
-            mx.eval(draft.propose(block, taps[:, -1:], draft_cache))
+            mx.eval(draft.propose(block, target_hidden[:, -1:], draft_cache))
 
 
 def run_speculative(model, ar_draft, tokenizer, prompt, max_tokens, num_draft_tokens):
@@ -261,6 +408,12 @@ def print_report(r: dict) -> None:
     print(f"repeated 4-gram share    {100 * r['repeated_4gram_share']:.1f}%")
     print(f"outputs identical to AR  {r['outputs_identical']}")
     print(f"peak memory              {r['peak_memory_gb']:.3f} GB")
+    if "second_turn_ttft" in r:
+        t = r["second_turn_ttft"]
+        print(
+            f"time to first token      turn 1 ({t['turn1_tokens']} tokens) {1e3 * t['turn1_ttft_s']:.1f} ms, "
+            f"turn 2 on its cache {1e3 * t['turn2_ttft_s']:.1f} ms (ratio {t['turn2_over_turn1']:.3f})"
+        )
     if "speculative_unavailable" in r:
         print(f"mlx-lm speculative       not available: {r['speculative_unavailable']}")
     if "speculative_tps" in r:
@@ -318,6 +471,7 @@ def setup_arg_parser():
     p.add_argument("--ar-draft-model", default=None, help="also run mlx-lm's classic speculative decoding with this autoregressive drafter")
     p.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens per step for --ar-draft-model")
     p.add_argument("--sampling-temp", type=float, default=None, help="also compare tokens per cycle of rejection sampling vs exact match at this temperature")
+    p.add_argument("--ttft-turn1", type=int, default=None, help="also time the first token of a second turn on the prompt cache after a turn 1 of this many tokens")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG figure here")
     return p
@@ -343,8 +497,6 @@ def main(argv=None):
             speculative_baseline(model, ar_draft, tokenizer, prompts, args.max_tokens, ar_runs, args.num_draft_tokens)
         )
     if args.sampling_temp:
-        from .sampling import tokens_per_cycle_by_rule
-
         report["sampling_temperature"] = args.sampling_temp
         report["sampled_tokens_per_cycle"] = tokens_per_cycle_by_rule(
             model, draft, tokenizer, prompts, temperature=args.sampling_temp,
@@ -354,6 +506,8 @@ def main(argv=None):
         from .timing import conv_selector_share
 
         report["conv_selector_share"] = conv_selector_share(draft, block_size=report["block_size"])
+    if args.ttft_turn1:
+        report["second_turn_ttft"] = second_turn_ttft(model, draft, tokenizer, prompts, args.ttft_turn1)
     report.update(model=str(args.model), draft_model=str(draft_path), mlx=mx.__version__, device=str(mx.default_device()))
     print_report(report)
     if args.json:

@@ -2,13 +2,18 @@
 
     mlx-dflash chat --model Qwen/Qwen3.5-4B --draft-model z-lab/Qwen3.5-4B-DFlash
 
-Type 'q' to quit, 'r' to reset the conversation. Targets without a chat
-template (the bundled code model) continue the running text instead.
+The conversation lives in one prompt cache: each turn prefills only the new
+message, as mlx_lm.chat does. Type 'q' to quit, 'r' to reset the
+conversation. Targets without a chat template (the bundled code model)
+continue the running text instead.
 """
 
 import argparse
 import sys
 
+import mlx.core as mx
+
+from .cache import make_prompt_cache
 from .generate import stream_generate
 
 
@@ -20,9 +25,23 @@ def setup_arg_parser():
     p.add_argument("--draft-model", default=None)
     p.add_argument("--max-tokens", "-m", type=int, default=512)
     p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--system-prompt", default=None)
+    p.add_argument("--prefill-step-size", type=int, default=2048)
     return p
+
+
+def turn_prompt(tokenizer, query: str, system_prompt=None):
+    """The new message alone, templated as mlx_lm.chat templates it (the
+    earlier turns are in the cache); plain text plus a newline without a
+    chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return query + "\n"
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": query})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
 def main(argv=None, input_fn=input):
@@ -34,10 +53,10 @@ def main(argv=None, input_fn=input):
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    mx.random.seed(args.seed)
     templated = bool(getattr(tokenizer, "chat_template", None))
-    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-    messages, transcript = list(system), ""
     print("[q quits, r resets]" + ("" if templated else " [no chat template: text continuation]"))
+    cache = make_prompt_cache(model, draft)
     while True:
         try:
             query = input_fn(">> ")
@@ -46,28 +65,23 @@ def main(argv=None, input_fn=input):
         if query.strip() == "q":
             break
         if query.strip() == "r":
-            messages, transcript = list(system), ""
+            cache = make_prompt_cache(model, draft)
+            print("[conversation reset]")
             continue
-        if templated:
-            messages.append({"role": "user", "content": query})
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        else:
-            transcript += query + "\n"
-            prompt = transcript
-        reply, cycles, committed = "", 0, 0
+        reused, cycles, committed = cache.offset, 0, 0
         for r in stream_generate(
-            model, draft, tokenizer, prompt,
-            block_size=args.block_size, max_tokens=args.max_tokens, temperature=args.temp,
+            model, draft, tokenizer, turn_prompt(tokenizer, query, args.system_prompt),
+            prompt_cache=cache, block_size=args.block_size, max_tokens=args.max_tokens,
+            temperature=args.temp, top_p=args.top_p, prefill_step_size=args.prefill_step_size,
         ):
             print(r.text, end="", flush=True)
-            reply += r.text
             cycles += 1
             committed += r.committed
-        print(f"\n[{r.generation_tps:.1f} tok/s, {(committed - 1) / max(1, cycles - 1):.2f} tokens/cycle]")
-        if templated:
-            messages.append({"role": "assistant", "content": reply})
-        else:
-            transcript += reply
+        # The first response is the prefill's token, not a verify cycle.
+        print(
+            f"\n[{r.generation_tps:.1f} tok/s, {reused} prompt tokens reused, "
+            f"{(committed - 1) / max(1, cycles - 1):.2f} tokens/cycle]"
+        )
     return 0
 
 

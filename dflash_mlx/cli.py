@@ -15,6 +15,7 @@ from .errors import DFlashError
 COMMANDS = {
     "generate": ("dflash_mlx.generate", "stream text from a target with a DFlash drafter"),
     "chat": ("dflash_mlx.chat", "interactive chat with a target + drafter"),
+    "server": ("dflash_mlx.server", "OpenAI-compatible HTTP server (chat/completions, prompt cache)"),
     "convert": ("dflash_mlx.convert", "convert drafters (and targets) to MLX, with dtype/quantization"),
     "train": ("dflash_mlx.train", "train a DFlash drafter for a target"),
     "bench": ("dflash_mlx.benchmark", "DFlash vs autoregressive speed on the same target"),

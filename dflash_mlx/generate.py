@@ -6,14 +6,16 @@
 import argparse
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Generator, List, Optional, Tuple, Union
+from contextlib import closing
+from dataclasses import dataclass
+from typing import Callable, Generator, Iterable, List, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .cache import PromptCache, bound_target, make_prompt_cache
 from .sampling import ACCEPTANCE_RULES, processed_probs, speculative_accept
 
 
@@ -24,9 +26,10 @@ class GenerationResponse:
     Args:
         text: the new text segment.
         tokens: the tokens committed this cycle (eos excluded, as mlx-lm does).
-        accepted: drafted tokens the target accepted this cycle.
-        committed: tokens this cycle committed before any eos / length cut
-            (accepted + 1; the "acceptance length" papers report).
+        accepted: drafted tokens committed this cycle.
+        committed: tokens committed this cycle (accepted + 1, fewer only when
+            eos ends the generation inside the block; the "acceptance
+            length" papers report).
         prompt_tokens, prompt_tps: prompt size and prefill speed.
         generation_tokens, generation_tps: totals so far.
         peak_memory: in GB.
@@ -45,27 +48,6 @@ class GenerationResponse:
     finish_reason: Optional[str] = None
 
 
-@dataclass
-class PhaseTimer:
-    """Wall time per phase, for the benchmark. Timing forces a sync per phase."""
-
-    seconds: Dict[str, float] = field(
-        default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "rollback": 0.0, "host": 0.0}
-    )
-    cycles: int = 0
-    _t: float = 0.0
-
-    def start(self):
-        self._t = time.perf_counter()
-
-    def lap(self, phase: str, *arrays):
-        if arrays:
-            mx.eval(*arrays)
-        now = time.perf_counter()
-        self.seconds[phase] += now - self._t
-        self._t = now
-
-
 def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     """str, token list or mx.array -> 1-D token array (mlx-lm's rule for BOS)."""
     if isinstance(prompt, mx.array):
@@ -73,7 +55,7 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     if isinstance(prompt, str):
         add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
         prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
-    return mx.array(prompt)
+    return mx.array(prompt, dtype=mx.int32)
 
 
 @mx.compile  # a handful of tiny ops, fused: one task instead of seven per cycle
@@ -91,45 +73,102 @@ def accept_greedy(draft_tokens: mx.array, target_tokens: mx.array) -> Tuple[mx.a
     return accepted, mx.take_along_axis(target_tokens, accepted[..., None], axis=-1)[..., 0]
 
 
-def prefill(target, prompt: mx.array, cache, step: int):
-    """Run the prompt through the target; return last logits and all taps.
+def feed(target, cache: PromptCache, tokens: List[int], step: int = 2048, progress=None) -> None:
+    """Run the target over the cache's pending tokens and ``tokens``, all but
+    the last, which stays pending (so the cache can stop at any boundary and
+    still produce that position's logits later).
 
-    Mirrors mlx-lm's generate_step: all but the last token in chunks of
-    ``step``, then the last token alone.
+    Chunks of ``step`` tokens, as mlx-lm's ``generate_step`` prefills; the
+    tap states go to ``cache.target_hidden`` for the drafter.
     """
-    taps = []
-    tokens = prompt[None]
-    n = tokens.shape[1]
-    start = 0
-    while n - start > 1:
-        end = min(start + step, n - 1)
-        _, t = target.forward(tokens[:, start:end], cache, last_logits_only=True, record=False)
-        mx.eval(t, [c.state for c in cache])
-        taps.append(t)
-        start = end
-    logits, t = target.forward(tokens[:, start:], cache, last_logits_only=True, record=False)
-    taps.append(t)
-    return logits[:, -1], mx.concatenate(taps, axis=1)
+    todo = cache.pending + list(tokens)
+    body = todo[:-1]
+    for start in range(0, len(body), step):
+        chunk = body[start : start + step]
+        _, target_hidden = target.forward(mx.array([chunk]), cache.target, last_logits_only=True, record=False)
+        mx.eval(target_hidden, [c.state for c in cache.target])
+        cache.add_hidden(target_hidden)
+        if progress is not None:
+            progress(start + len(chunk), len(todo))
+    cache.pending = todo[-1:]
+    cache.tokens.extend(tokens)
 
 
-def stream_generate(
+def prefill(target, cache: PromptCache, tokens: List[int], step: int, progress=None) -> mx.array:
+    """Feed ``tokens`` and every pending token to the target; the last one
+    runs alone (mlx-lm's order). Returns its logits ``[1, V]``."""
+    feed(target, cache, tokens, step, progress)
+    logits, target_hidden = target.forward(mx.array([cache.pending]), cache.target, last_logits_only=True, record=False)
+    cache.add_hidden(target_hidden)
+    cache.pending = []
+    return logits[:, -1]
+
+
+@dataclass
+class AcceptanceRule:
+    """How a verified block is accepted: greedy, rejection sampling or
+    exact match of the target's samples (see :func:`generate_step`)."""
+
+    sampler: Optional[Callable[[mx.array], mx.array]]
+    sampling: Optional[dict]  # processed_probs' arguments when rejection sampling
+
+    def choose(self, logits):
+        """The target's token(s) for logits ``[..., V]``."""
+        if self.sampler is None:
+            return mx.argmax(logits, axis=-1)
+        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    def accept(self, logits, proposal, q):
+        """Accepted count, the token after them and the proposal, read in one sync."""
+        if q is None:
+            accepted, token = accept_greedy(proposal, self.choose(logits))
+        else:
+            accepted, token = speculative_accept(proposal, processed_probs(logits, **self.sampling), q)
+        outcome = mx.concatenate([accepted[None], token[None], proposal]).astype(mx.int32)
+        accepted, token, *proposed = outcome.tolist()
+        return accepted, token, proposed
+
+
+def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance) -> AcceptanceRule:
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, not {acceptance!r}")
+    sampling = None
+    if sampler is None and temperature > 0:
+        sampler = make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+        if acceptance == "speculative":
+            sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    return AcceptanceRule(sampler, sampling)
+
+
+def generate_step(
+    prompt: Union[List[int], mx.array],
     model,
     draft,
-    tokenizer,
-    prompt: Union[str, List[int], mx.array],
     *,
-    block_size: Optional[int] = None,
+    prompt_cache: Optional[PromptCache] = None,
     max_tokens: int = 256,
+    block_size: Optional[int] = None,
     temperature: float = 0.0,
     top_p: float = 0.0,
     top_k: int = 0,
     min_p: float = 0.0,
     sampler: Optional[Callable[[mx.array], mx.array]] = None,
     acceptance: str = "speculative",
+    eos_token_ids: Iterable[int] = (),
+    logprobs: bool = False,
     prefill_step_size: int = 2048,
-    timer: Optional[PhaseTimer] = None,
-) -> Generator[GenerationResponse, None, None]:
-    """Generate from ``model`` with ``draft`` proposing blocks; yields per cycle.
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    stream=generation_stream,
+) -> Generator[Tuple[int, Optional[mx.array], bool], None, None]:
+    """Yield each committed token as ``(token, logprobs, from_draft)``, like
+    mlx-lm's ``speculative_generate_step``.
+
+    ``prompt`` holds only the tokens new to ``prompt_cache`` (it may be empty
+    when the cache has a pending token). ``logprobs`` (the target's
+    log-probabilities ``[V]`` at the token's position) is None unless asked
+    for. Generation ends after ``max_tokens`` tokens or an eos (yielded, and
+    kept in the cache as mlx-lm keeps it); every yield leaves the cache
+    consistent, so closing the generator at any token is safe.
 
     Greedy (``temperature == 0`` and no ``sampler``) output is token-identical
     to the target's own greedy decode. With ``temperature > 0`` every committed
@@ -151,86 +190,151 @@ def stream_generate(
     ``mx.random`` to reproduce a sampled run. ``block_size`` defaults to the
     drafter's trained size; 1 is plain target decoding.
     """
-    if acceptance not in ACCEPTANCE_RULES:
-        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, not {acceptance!r}")
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
+    rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
     if max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
     block_size = draft.block_size if block_size is None else int(block_size)
     if block_size < 1:
         raise ValueError("block_size must be at least 1")
     draft.check_block_size(block_size)
-    draft.bind(model)
-    target = draft.target
-    speculative = sampler is None and temperature > 0 and acceptance == "speculative"
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-    if sampler is None and temperature > 0:
-        sampler = make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)
-
-    def choose(logits):  # target's token(s) for logits [..., V]
-        if sampler is None:
-            return mx.argmax(logits, axis=-1)
-        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-    def accept(logits, proposal, q):
-        """Accepted count, the token after them and the proposal, read in one sync."""
-        if q is None:
-            accepted, token = accept_greedy(proposal, choose(logits))
-        else:
-            accepted, token = speculative_accept(proposal, processed_probs(logits, **sampling), q)
-        outcome = mx.concatenate([accepted[None], token[None], proposal]).astype(mx.int32)
-        accepted, token, *proposed = outcome.tolist()
-        return accepted, token, proposed
-
-    prompt = encode_prompt(tokenizer, prompt)
-    if prompt.size == 0:
+    target = bound_target(model, draft)
+    cache = make_prompt_cache(model, draft) if prompt_cache is None else prompt_cache
+    prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+    if not prompt and not cache.pending:
         raise ValueError("the prompt is empty")
-    eos = set(tokenizer.eos_token_ids)
-    detok = tokenizer.detokenizer
-    detok.reset()
+    with mx.stream(stream):
+        try:
+            logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
+            yield from decode(target, draft, cache, logits, rule, block_size, max_tokens, set(eos_token_ids), logprobs)
+        finally:
+            if cache.target.undo is not None:  # interrupted inside a cycle
+                target.rollback(cache.target, 0)
+            mx.clear_cache()
 
+
+def decode(target, draft, cache: PromptCache, logits, rule, block_size, max_tokens, eos, want_logprobs):
+    """The cycles: draft, verify, accept, roll back, commit (one host sync each)."""
     # On a GPU the host builds the next graph while the device computes. On
     # the CPU backend that overlap takes cores from the compute threads (on
     # two cores, 1 ms of host work during the draft cost 3 ms), so there each
     # phase runs to completion before the host goes on: 3% faster a cycle.
     settle = mx.async_eval if mx.default_device() == mx.gpu else mx.eval
+    speculative = rule.sampling is not None
 
-    with wired_limit(model, [generation_stream]):
-        cache = target.make_cache()
-        draft_cache = draft.make_cache()
-        tic = time.perf_counter()
-        if timer:
-            timer.start()
-        logits, context = prefill(target, prompt, cache, prefill_step_size)
-        anchor = choose(logits).item()
-        if timer:
-            timer.lap("prefill")
-        prompt_tps = prompt.size / (time.perf_counter() - tic)
-        tic = time.perf_counter()
-        n_out = 0
+    def start_draft(length, target_hidden):
+        """Draft the next ``length``-slot block (done, or queued on a GPU,
+        when this returns). None when the next cycle verifies the anchor
+        alone."""
+        if length < 2:
+            return None
+        block = mx.array([[anchor] + [draft.mask_token_id] * (length - 1)])
+        q = None  # the drafter's distribution, when rejection sampling
+        if speculative:
+            drafted, q = draft.propose_with_probs(block, target_hidden, cache.draft, **rule.sampling)
+            q = q[0]
+        else:
+            drafted = draft.propose(block, target_hidden, cache.draft)
+        settle(drafted)
+        return drafted, q
 
-        def respond(new_tokens, accepted, committed):
-            nonlocal n_out
-            finish = None
-            out = []
-            for t in new_tokens:
-                if t in eos:
-                    finish = "stop"
-                    break
-                out.append(t)
-                detok.add_token(t)
+    token = rule.choose(logits)
+    lp = logits[0] - mx.logsumexp(logits[0]) if want_logprobs else None
+    anchor = token.item()
+    cache.pending = [anchor]
+    cache.tokens.append(anchor)
+    n = 1
+    if n == max_tokens or anchor in eos:
+        yield anchor, lp, False
+        return
+    # Never verify more slots than tokens we may still emit.
+    drafting = start_draft(min(block_size, max_tokens - n), cache.target_hidden)
+    if drafting is not None:
+        cache.target_hidden = None  # injected into the drafter's context
+    yield anchor, lp, False
+    while True:
+        if drafting is None:
+            q, verify_in = None, mx.array([[anchor]])
+        else:
+            drafted, q = drafting
+            verify_in = mx.concatenate([mx.array([[anchor]]), drafted.astype(mx.int32)], axis=1)
+        logits, target_hidden = target.forward(verify_in, cache.target)
+        accepted, bonus, proposed = rule.accept(logits[0], verify_in[0, 1:], q)
+        new_tokens = proposed[:accepted] + [bonus]
+        stop = next((i for i, t in enumerate(new_tokens) if t in eos), None)
+        if stop is not None:
+            new_tokens = new_tokens[: stop + 1]
+        n += len(new_tokens)
+        ends = n >= max_tokens or stop is not None
+        anchor = new_tokens[-1]
+        target_hidden = target_hidden[:, : len(new_tokens)]
+        if cache.target_hidden is not None:  # the drafter skipped a cycle
+            target_hidden = mx.concatenate([cache.target_hidden, target_hidden], axis=1)
+        # The next block needs only the accepted tap states: draft it now.
+        drafting = None if ends else start_draft(min(block_size, max_tokens - n), target_hidden)
+        target.rollback(cache.target, len(new_tokens))
+        cache.target_hidden = None if drafting is not None else target_hidden
+        cache.pending = [anchor]
+        cache.tokens.extend(new_tokens)
+        settle([c.state for c in cache.target], target_hidden)
+        lp = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True) if want_logprobs else None
+        for i, t in enumerate(new_tokens):
+            yield t, None if lp is None else lp[i], i < accepted
+        if ends:
+            return
+
+
+def stream_generate(
+    model,
+    draft,
+    tokenizer,
+    prompt: Union[str, List[int], mx.array],
+    *,
+    max_tokens: int = 256,
+    prompt_cache: Optional[PromptCache] = None,
+    stream=generation_stream,
+    **kwargs,
+) -> Generator[GenerationResponse, None, None]:
+    """Generate from ``model`` with ``draft`` proposing blocks; yields per cycle.
+
+    The text layer over :func:`generate_step` (which documents the sampling
+    options in ``kwargs``): it detokenizes, stops at the tokenizer's eos
+    ids, ends at ``max_tokens`` and keeps the statistics. With
+    ``prompt_cache`` (:func:`dflash_mlx.make_prompt_cache`) ``prompt`` is
+    only the new part of the conversation, as in mlx-lm.
+    """
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    prompt = encode_prompt(tokenizer, prompt)
+    eos = set(tokenizer.eos_token_ids)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    steps = generate_step(
+        prompt, model, draft, prompt_cache=prompt_cache, max_tokens=max_tokens,
+        eos_token_ids=eos, stream=stream, **kwargs,
+    )
+    with wired_limit(model, [stream]), closing(steps):
+        tic = time.perf_counter()
+        n_out, prompt_tps, cycle, accepted = 0, None, [], 0
+        for token, _, from_draft in steps:
+            if prompt_tps is None:
+                prompt_tps = prompt.size / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            cycle.append(token)
+            accepted += from_draft
+            finish = "stop" if token in eos else None
+            if finish is None:
+                detok.add_token(token)
                 n_out += 1
-                if n_out == max_tokens:
-                    finish = "length"
-                    break
+                finish = "length" if n_out == max_tokens else None
+            if from_draft and finish is None:
+                continue
             if finish:
                 detok.finalize()
-            return GenerationResponse(
+            yield GenerationResponse(
                 text=detok.last_segment,
-                tokens=out,
+                tokens=[t for t in cycle if t not in eos],
                 accepted=accepted,
-                committed=committed,
+                committed=len(cycle),
                 prompt_tokens=prompt.size,
                 prompt_tps=prompt_tps,
                 generation_tokens=n_out,
@@ -238,60 +342,9 @@ def stream_generate(
                 peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=finish,
             )
-
-        def start_draft(length):
-            """Draft the next ``length``-slot block (done, or queued on a GPU,
-            when this returns). None when the next cycle verifies the anchor
-            alone."""
-            if length < 2:
-                return None
-            block = mx.array([[anchor] + [draft.mask_token_id] * (length - 1)])
-            q = None  # the drafter's distribution, when rejection sampling
-            if speculative:
-                drafted, q = draft.propose_with_probs(block, context, draft_cache, **sampling)
-                q = q[0]
-            else:
-                drafted = draft.propose(block, context, draft_cache)
-            settle(drafted)
-            if timer:
-                timer.lap("draft", drafted)
-            return drafted, q
-
-        response = respond([anchor], 0, 1)
-        if timer:
-            timer.start()
-        # Never verify more slots than tokens we may still emit.
-        drafting = start_draft(min(block_size, max_tokens - n_out))
-        yield response
-        while response.finish_reason is None:
-            if timer:
-                timer.start()
-            if drafting is None:
-                q, verify_in = None, mx.array([[anchor]])
-            else:
-                drafted, q = drafting
-                verify_in = mx.concatenate([mx.array([[anchor]]), drafted.astype(mx.int32)], axis=1)
-            logits, taps = target.forward(verify_in, cache)
-            accepted, bonus, proposed = accept(logits[0], verify_in[0, 1:], q)
-            if timer:
-                timer.lap("verify", taps, [c.state for c in cache])
-            new_tokens = proposed[:accepted] + [bonus]
-            anchor, context = bonus, taps[:, : accepted + 1]
-            # The next block needs only the accepted taps: draft it now.
-            remaining = max_tokens - n_out - len(new_tokens)
-            ends = remaining < 1 or any(t in eos for t in new_tokens)
-            drafting = None if ends else start_draft(min(block_size, remaining))
-            target.rollback(cache, accepted + 1)
-            restored = [c.state for c in cache]
-            settle(restored, context)
-            if timer:
-                timer.lap("rollback", restored)
-                timer.cycles += 1
-            response = respond(new_tokens, accepted, accepted + 1)
-            if timer:
-                timer.lap("host")
-            yield response
-        mx.clear_cache()
+            if finish:
+                return
+            cycle, accepted = [], 0
 
 
 def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:

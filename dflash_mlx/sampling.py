@@ -15,7 +15,7 @@ then distributed exactly as the target samples it. All randomness is drawn
 from ``mx.random``, so ``mx.random.seed(n)`` reproduces a run.
 """
 
-from typing import Dict, Iterable, Tuple
+from typing import Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -88,48 +88,3 @@ def speculative_accept(
     # Rounding can empty the residual when p == q; p itself is then exact.
     residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p_row)
     return accepted, sample(residual)
-
-
-def tokens_per_cycle_by_rule(
-    model,
-    draft,
-    tokenizer,
-    prompts: Iterable,
-    *,
-    temperature: float = 0.7,
-    max_tokens: int = 256,
-    seed: int = 0,
-    **kwargs,
-) -> Dict[str, float]:
-    """Mean tokens committed per verify cycle at ``temperature``, for each
-    acceptance rule, on the same prompts and seeds (the benchmark's and the
-    README's speculative-vs-exact-match comparison).
-
-    Returns ``{"speculative": ..., "exact-match": ...}``. ``kwargs`` go to
-    ``stream_generate`` (``top_p``, ``top_k``, ``min_p``, ``block_size``...).
-    The prefill token is not a cycle and is not counted.
-    """
-    from .generate import stream_generate  # generate imports this module
-
-    prompts = list(prompts)
-    result = {}
-    for rule in ACCEPTANCE_RULES:
-        committed = cycles = 0
-        for i, prompt in enumerate(prompts):
-            mx.random.seed(seed + i)
-            responses = stream_generate(
-                model,
-                draft,
-                tokenizer,
-                prompt,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                acceptance=rule,
-                **kwargs,
-            )
-            next(responses)  # the prefill token
-            for r in responses:
-                committed += r.committed
-                cycles += 1
-        result[rule] = committed / max(cycles, 1)
-    return result

@@ -37,7 +37,8 @@ from mlx_lm.sample_utils import make_sampler
 
 import dflash_mlx
 import tiny
-from dflash_mlx.sampling import processed_probs, sample, speculative_accept, tokens_per_cycle_by_rule
+from dflash_mlx.benchmark import tokens_per_cycle_by_rule
+from dflash_mlx.sampling import processed_probs, sample, speculative_accept
 from dflash_mlx.targets import adapter_for
 
 V = 16  # small vocabulary: exact joint tables over a few tokens stay small

@@ -239,6 +239,39 @@ class ContextCache:
             return None, None
         return self.keys[..., : self.size, :], self.values[..., : self.size, :]
 
+    @property
+    def state(self):
+        return self.fetch()
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values = v
+        self.size = 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def meta_state(self):
+        return [self.max_size, self.offset, self.start]
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.max_size, self.offset, self.start = v
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.fetch() if a is not None)
+
+    def is_trimmable(self) -> bool:
+        """Trimmable while nothing has slid out of a sliding window (mlx-lm's
+        rule for its ``RotatingKVCache``)."""
+        return self.start == 0
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` injected positions (a prompt cache rewound)."""
+        n = min(self.size, n)
+        self.size -= n
+        self.offset -= n
+        return n
+
 
 def draft_attention_mask(
     ctx_positions: mx.array,

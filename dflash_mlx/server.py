@@ -1,0 +1,499 @@
+"""An OpenAI-compatible HTTP server over the DFlash loop.
+
+    mlx-dflash server --model M --draft-model D --host 127.0.0.1 --port 8080
+
+``POST /v1/chat/completions`` and ``/v1/completions`` (streamed as SSE or
+not), ``GET /v1/models`` and ``GET /health``. The HTTP side is mlx-lm's own
+``APIHandler`` (routes, SSE, usage, tool calls, reasoning, stop words in the
+text); this module gives it a generation side that runs the DFlash loop,
+checks requests up front (one OpenAI-style 4xx error each), and adds the
+DFlash statistics to ``usage.dflash``.
+
+Requests run one at a time on one generation thread (MLX streams and the
+prompt caches belong to it); the others wait in a queue. Prompt caches are
+kept across requests in mlx-lm's ``LRUPromptCache`` (bounded by entries and
+bytes), keyed by the tokens and by the target and drafter: the longest
+common prefix is reused, trimmed where the caches can trim; caches that
+cannot (hybrid targets) are snapshotted at message boundaries and at the end
+of each prompt. The drafter's context is part of each entry, so a hit
+restores it with the target's.
+"""
+
+import argparse
+import copy
+import io
+import json
+import logging
+import queue
+import sys
+import threading
+import time
+from contextlib import closing
+from dataclasses import dataclass, field
+from http.server import ThreadingHTTPServer
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream, make_stop_sequences, make_text_state_machine, wired_limit
+from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.server import APIHandler, GenerationContext, Response, convert_chat, process_message_content
+
+from .cache import make_prompt_cache
+from .generate import feed, generate_step
+
+ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
+
+# mlx-lm request fields the lossless loop cannot honour, with their "off" values.
+UNSUPPORTED = {
+    "repetition_penalty": (0.0, 1.0),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "xtc_probability": (0.0,),
+    "logit_bias": (None, {}),
+    "n": (1,),
+}
+
+
+class RequestError(ValueError):
+    """A bad request: answered with a 4xx OpenAI-style error."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+@dataclass
+class Prepared:
+    """A checked request: its prompt tokens and where its messages end."""
+
+    tokens: List[int]
+    boundaries: List[int]
+    initial_state: str
+
+
+@dataclass
+class RequestContext(GenerationContext):
+    """mlx-lm's per-request context, plus DFlash statistics and a stop flag
+    the generation thread can read."""
+
+    dflash: Dict[str, Any] = field(default_factory=dict)
+    stopped: bool = False
+
+    def stop(self):
+        super().stop()
+        self.stopped = True
+
+
+def check_fields(body: dict) -> None:
+    """Types and ranges of the sampling fields, and the fields DFlash cannot honour."""
+
+    def number(name, lo=None, hi=None, kind=(int, float)):
+        value = body.get(name)
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise RequestError(f"{name} must be a {'integer' if kind is int else 'number'}", name)
+        if lo is not None and value < lo:
+            raise RequestError(f"{name} must be at least {lo}, not {value}", name)
+        if hi is not None and value > hi:
+            raise RequestError(f"{name} must be at most {hi}, not {value}", name)
+
+    number("max_tokens", 1, None, int)
+    number("max_completion_tokens", 1, None, int)
+    number("temperature", 0, None)
+    number("top_p", 0, 1)
+    number("top_k", 0, None, int)
+    number("min_p", 0, 1)
+    number("seed", None, None, int)
+    number("num_draft_tokens", 0, None, int)
+    number("top_logprobs", 0, 11, int)
+    for name in ("stream", "logprobs"):
+        if name in body and not isinstance(body[name], bool):
+            raise RequestError(f"{name} must be true or false", name)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+        isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+    ):
+        raise RequestError("stop must be a string or a list of strings", "stop")
+    for name, off in UNSUPPORTED.items():
+        if body.get(name, off[0]) not in off:
+            raise RequestError(f"{name} is not supported by the DFlash server (it decodes losslessly)", name)
+
+
+def chat_tokens(tokenizer, body: dict, template_args: dict):
+    """Prompt tokens of a chat request and the token counts at which its
+    messages end (the snapshot points for caches that cannot trim)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+    ):
+        raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
+    try:
+        process_message_content(messages)
+    except (ValueError, KeyError, TypeError) as e:
+        raise RequestError(f"bad message content: {e}", "messages") from None
+    if not getattr(tokenizer, "chat_template", None):  # set after loading too (--chat-template)
+        return tokenizer.encode(convert_chat(messages, body.get("role_mapping"))), []
+    kwargs = dict(template_args, **(body.get("chat_template_kwargs") or {}), tools=body.get("tools") or None)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    boundaries = []
+    for i in range(1, len(messages)):
+        head = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=False, tokenize=True, **kwargs)
+        if 0 < len(head) < len(prompt) and prompt[: len(head)] == head:
+            boundaries.append(len(head))
+    return prompt, boundaries
+
+
+def prepare(tokenizer, body: dict, kind: str, context: Optional[int], template_args: dict) -> Prepared:
+    """Check a request and tokenize it, before it is queued."""
+    check_fields(body)
+    if kind == "text":
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            tokens, boundaries = tokenizer.encode(prompt), []
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            tokens, boundaries = list(prompt), []
+        else:
+            raise RequestError("prompt must be a non-empty string or list of token ids", "prompt")
+    else:
+        tokens, boundaries = chat_tokens(tokenizer, body, template_args)
+    if not tokens:
+        raise RequestError("the prompt is empty", "prompt")
+    if context is not None and len(tokens) >= context:
+        raise RequestError(
+            f"the prompt has {len(tokens)} tokens but the model's context is {context}: shorten it",
+            "messages" if kind == "chat" else "prompt",
+        )
+    state = "normal"
+    if kind == "chat" and tokenizer.has_thinking and tokenizer.rfind_think_start(tokens) > tokenizer.rfind_think_end(tokens):
+        state = "reasoning"
+    if kind == "chat":
+        state = tokenizer.response_initial_state or state
+    return Prepared(tokens, boundaries, state)
+
+
+def top_logprobs(logprobs: mx.array, n: int, tokenizer) -> tuple:
+    """The ``n`` most likely tokens at a position, in mlx-lm's format."""
+    if n <= 0:
+        return ()
+    ids = mx.argpartition(-logprobs, kth=n - 1)[:n].tolist()
+    values = logprobs[ids].tolist()
+    return tuple(
+        {"id": i, "token": t, "logprob": v} for i, t, v in zip(ids, tokenizer.convert_ids_to_tokens(ids), values)
+    )
+
+
+class DFlashResponseGenerator:
+    """The generation side mlx-lm's ``APIHandler`` talks to (the interface of
+    mlx-lm's ``ResponseGenerator``: ``generate``, ``cli_args``,
+    ``is_healthy``), serving every request on one thread with DFlash."""
+
+    def __init__(self, model, tokenizer, draft, cli_args, model_id: str, draft_id: str):
+        self.model, self.tokenizer, self.draft, self.cli_args = model, tokenizer, draft, cli_args
+        self.key = (model_id, draft_id)  # cache entries never cross target/drafter pairs
+        self.created = int(time.time())
+        self.context_length = getattr(draft.target.args, "max_position_embeddings", None)
+        self.prompt_cache = LRUPromptCache(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
+        self.requests: "queue.Queue" = queue.Queue()
+        self.tokenizer_lock = threading.Lock()  # handler threads tokenize too
+        self.failed = self.stopping = False
+        self.thread = threading.Thread(target=self.run, name="dflash-generation", daemon=True)
+        self.thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.thread.is_alive() and not self.failed
+
+    def stop_and_join(self):
+        self.stopping = True
+        self.thread.join()
+
+    def run(self):
+        try:
+            while not self.stopping:
+                try:
+                    item = self.requests.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                self.serve(*item)
+        except Exception:
+            logging.exception("the generation thread died")
+            self.failed = True
+
+    def prepare(self, body: dict, kind: str) -> Prepared:
+        """Check and tokenize a request (on the handler's thread)."""
+        with self.tokenizer_lock:
+            return prepare(self.tokenizer, body, kind, self.context_length, self.cli_args.chat_template_args)
+
+    def generate(self, request, args, progress_callback=None, prepared: Prepared = None):
+        """Queue a request; returns its context and an iterator of responses."""
+        if not self.is_healthy:
+            raise RuntimeError("the generation thread died")
+        responses: "queue.Queue" = queue.Queue()
+        self.requests.put((responses, prepared, args))
+
+        def next_item():
+            while True:
+                try:
+                    return responses.get(timeout=1.0)
+                except queue.Empty:
+                    if not self.is_healthy:
+                        raise RuntimeError("the generation thread died") from None
+
+        def stream():
+            while (item := next_item()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                if isinstance(item, tuple):  # prefill progress: keep-alives
+                    if progress_callback is not None:
+                        progress_callback(*item)
+                    continue
+                yield item
+
+        ctx = next_item()
+        if isinstance(ctx, Exception):
+            raise ctx
+        return ctx, stream()
+
+    def restore(self, tokens: List[int]):
+        """The nearest cached state for ``tokens`` (a copy) and how many of
+        the tokens it already holds."""
+        entry, rest = self.prompt_cache.fetch_nearest_cache(self.key, tokens)
+        cache = entry[0] if entry is not None else make_prompt_cache(self.model, self.draft)
+        return cache, len(tokens) - len(rest)
+
+    def snapshot(self, cache, tokens, start, boundaries, progress):
+        """Prefill up to each boundary past ``start`` and keep a copy there
+        (for caches that cannot trim); returns where the prefill stopped."""
+        if cache.is_trimmable():
+            return start
+        for end in [b for b in boundaries + [len(tokens)] if b > start]:
+            with mx.stream(generation_stream):  # where generate_step runs
+                feed(self.draft.target, cache, tokens[start:end], self.cli_args.prefill_step_size, progress)
+                mx.eval(cache.state)
+            self.prompt_cache.insert_cache(self.key, list(cache.tokens), [copy.deepcopy(cache)], cache_type="user")
+            start = end
+        return start
+
+    def serve(self, responses, prepared: Prepared, args):
+        """One request, start to end; its errors go back to its handler."""
+        try:
+            tok = self.tokenizer
+            with self.tokenizer_lock:
+                stop_sequences = make_stop_sequences(tok, args.stop_words)
+                text_sm = make_text_state_machine(tok, args.stop_words)
+            ctx = RequestContext(
+                has_tool_calling=tok.has_tool_calling, has_thinking=tok.has_thinking, tool_parser=tok.tool_parser,
+                text_sm=text_sm, initial_state=prepared.initial_state, prompt=prepared.tokens,
+            )
+            tokens = prepared.tokens
+
+            def progress(done, total):
+                responses.put((done, total))
+
+            cache, ctx.prompt_cache_count = self.restore(tokens)
+            responses.put(ctx)
+            if args.seed is not None:
+                mx.random.seed(args.seed)
+            start = self.snapshot(cache, tokens, ctx.prompt_cache_count, prepared.boundaries, progress)
+            self.decode(cache, tokens[start:], args, ctx, stop_sequences.matcher(), responses, progress)
+            responses.put(None)
+            self.prompt_cache.insert_cache(self.key, list(cache.tokens), [cache])
+        except Exception as e:
+            logging.exception("request failed")
+            responses.put(e)
+
+    def decode(self, cache, tokens, args, ctx, matcher, responses, progress):
+        """Token by token, as mlx-lm's server streams: text, logprobs, finish."""
+        tok, eos = self.tokenizer, set(self.tokenizer.eos_token_ids)
+        want = args.logprobs or args.top_logprobs > 0
+        steps = generate_step(
+            tokens, self.model, self.draft, prompt_cache=cache, max_tokens=args.max_tokens,
+            block_size=args.num_draft_tokens + 1, temperature=args.sampling.temperature,
+            top_p=args.sampling.top_p, top_k=args.sampling.top_k, min_p=args.sampling.min_p,
+            eos_token_ids=eos, logprobs=want, prefill_step_size=self.cli_args.prefill_step_size,
+            prompt_progress_callback=progress,
+        )
+        detok = tok.detokenizer
+        detok.reset()
+        n = yielded = bonus = accepted = 0
+        with wired_limit(self.model, [generation_stream]), closing(steps):
+            for token, logprobs, from_draft in steps:
+                yielded += 1
+                accepted += from_draft
+                bonus += not from_draft
+                finish = "stop" if token in eos else None
+                if finish is None:
+                    detok.add_token(token)
+                    n += 1
+                    finish = "stop" if matcher.advance(token) else ("length" if n == args.max_tokens else None)
+                if finish is not None:
+                    detok.finalize()
+                logprob = logprobs[token].item() if want else 0.0
+                top = top_logprobs(logprobs, args.top_logprobs, tok) if want else ()
+                responses.put(Response(detok.last_segment, token, logprob, finish, top))
+                if finish is not None or ctx.stopped:
+                    break
+        if ctx.stopped:
+            logging.info("request stopped by the client after %d tokens", n)
+        # Each verify cycle ends with the target's own token, unless eos cut
+        # it short; the first token is the prefill's, not a cycle's.
+        cycles = bonus - 1 + from_draft
+        ctx.dflash.update(
+            cycles=cycles, accepted_draft_tokens=accepted, block_size=args.num_draft_tokens + 1,
+            tokens_per_cycle=round((yielded - 1) / max(1, cycles), 3),
+        )
+
+
+class DFlashAPIHandler(APIHandler):
+    """mlx-lm's handler, with requests checked and tokenized before they are
+    queued (OpenAI-style errors), the loaded pair in ``/v1/models`` and the
+    DFlash statistics in ``usage.dflash``."""
+
+    def __init__(self, generator: DFlashResponseGenerator, *args, **kwargs):
+        self.generator, self.prepared, self.context = generator, None, None
+        super().__init__(RequestScope(generator, self), *args, **kwargs)
+
+    def send_json(self, status: int, obj: dict):
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        if "*" in self.generator.cli_args.allowed_origins:
+            self.send_header("Access-Control-Allow-Origin", "*")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def send_error_json(self, status: int, message: str, param: Optional[str] = None):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        self.send_json(status, {"error": {"message": message, "type": kind, "param": param, "code": None}})
+
+    def do_POST(self):
+        kind = ROUTES.get(self.path)
+        if kind is None:
+            return self.send_error_json(404, f"no route {self.path}; use {', '.join(ROUTES)}")
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+            if length < 0:
+                raise ValueError(length)
+        except ValueError:
+            return self.send_error_json(411, "a valid Content-Length header is required")
+        raw = self.rfile.read(length)
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise RequestError("the request body must be a JSON object")
+            self.prepared = self.generator.prepare(body, kind)
+        except json.JSONDecodeError as e:
+            return self.send_error_json(400, f"invalid JSON in the request body: {e}")
+        except RequestError as e:
+            return self.send_error_json(e.status, str(e), e.param)
+        self.rfile = io.BytesIO(raw)  # mlx-lm's handler reads the body again
+        super().do_POST()
+
+    def generate_response(self, *args, **kwargs) -> dict:
+        response = super().generate_response(*args, **kwargs)
+        if "usage" in response:
+            response["usage"]["dflash"] = self.context.dflash
+        return response
+
+    def completion_usage_response(self, *args, **kwargs) -> dict:
+        response = super().completion_usage_response(*args, **kwargs)
+        response["usage"]["dflash"] = self.context.dflash
+        return response
+
+    def handle_models_request(self):
+        """The loaded target (with its drafter), the one model served."""
+        model_id, draft_id = self.generator.key
+        model = {"id": model_id, "object": "model", "created": self.generator.created, "owned_by": "mlx-dflash",
+                 "draft_model": draft_id}
+        self.send_json(200, {"object": "list", "data": [model]})
+
+
+class RequestScope:
+    """The generator as one handler sees it: ``generate`` hands over the
+    request the handler checked, and keeps its context for the usage."""
+
+    def __init__(self, generator: DFlashResponseGenerator, handler: DFlashAPIHandler):
+        self.generator, self.handler = generator, handler
+
+    @property
+    def cli_args(self):
+        return self.generator.cli_args
+
+    @property
+    def is_healthy(self):
+        return self.generator.is_healthy
+
+    def generate(self, request, args, progress_callback=None):
+        ctx, responses = self.generator.generate(request, args, progress_callback, self.handler.prepared)
+        self.handler.context = ctx
+        return ctx, responses
+
+
+def setup_arg_parser():
+    from .pair import DEFAULT_TARGET
+
+    p = argparse.ArgumentParser(description="OpenAI-compatible HTTP server for a target model drafted by DFlash.")
+    p.add_argument("--model", default=str(DEFAULT_TARGET), help="target: local path or Hugging Face id (default: the bundled pair)")
+    p.add_argument("--draft-model", default=None, help="DFlash drafter (default: the bundled pair's when --model is the default)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (0 picks a free one)")
+    p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=["*"], help="comma-separated CORS origins")
+    p.add_argument("--block-size", type=int, default=None, help="verify width (default: the drafter's; a request's num_draft_tokens sets block_size - 1)")
+    p.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of a request")
+    p.add_argument("--temp", type=float, default=0.0, help="default temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="default top_p")
+    p.add_argument("--top-k", type=int, default=0, help="default top_k")
+    p.add_argument("--min-p", type=float, default=0.0, help="default min_p")
+    p.add_argument("--prompt-cache-size", type=int, default=10, help="most prompt caches kept")
+    p.add_argument("--prompt-cache-bytes", type=int, default=1 << 63, help="most bytes of prompt caches kept")
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--chat-template", default=None, help="a chat template to use instead of the tokenizer's")
+    p.add_argument("--use-default-chat-template", action="store_true", help="use the tokenizer's default template when it has none")
+    p.add_argument("--chat-template-args", type=json.loads, default={}, help="JSON arguments for the chat template")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def make_server(args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
+    """The HTTP server and its generation thread, bound but not serving yet."""
+    if args.chat_template:
+        tokenizer.chat_template = args.chat_template
+    elif args.use_default_chat_template and tokenizer.chat_template is None:
+        tokenizer.chat_template = tokenizer.default_chat_template
+    args.num_draft_tokens = (args.block_size or draft.block_size) - 1
+    generator = DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
+    server = ThreadingHTTPServer((args.host, args.port), lambda *a, **kw: DFlashAPIHandler(generator, *a, **kw))
+    server.generator = generator
+    return server
+
+
+def main(argv=None):
+    from .pair import load_pair
+
+    args = setup_arg_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
+    if args.block_size is not None and args.block_size < 1:
+        print("error: --block-size must be at least 1", file=sys.stderr)
+        return 1
+    try:
+        model, tokenizer, draft, draft_id = load_pair(args.model, args.draft_model)
+        server = make_server(args, model, tokenizer, draft, draft_id)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    host, port = server.server_address[:2]
+    print(f"mlx-dflash server listening on http://{host}:{port}", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        server.generator.stop_and_join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""mlx-dflash server, driven by the official openai client on a free port.
+
+One server (the bundled hybrid pair) serves every test of the module; the
+references are mlx-lm's own greedy decodes in this process.
+"""
+
+import http.client
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+from mlx_lm import stream_generate as mlx_lm_stream_generate
+from mlx_lm.server import convert_chat
+
+import dflash_mlx
+from dflash_mlx.pair import DEFAULT_TARGET, default_prompts
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash_mlx", "server", "--port", "0", "--prefill-step-size", "512", "--max-tokens", "32"],
+            stdout=subprocess.DEVNULL, stderr=err,
+        )
+    try:
+        deadline = time.time() + 120
+        while not (m := re.search(r"listening on (http://\S+)", log.read_text())):
+            assert proc.poll() is None and time.time() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield m.group(1), log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="not-needed", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return dflash_mlx.load(str(DEFAULT_TARGET))
+
+
+def mlx_lm_text(bundled, prompt, max_tokens):
+    model, tokenizer = bundled
+    return "".join(r.text for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens))
+
+
+def test_completion_equals_mlx_lm_and_reports_dflash_usage(client, bundled):
+    prompt = default_prompts()[1]
+    r = client.completions.create(model="default", prompt=prompt, max_tokens=40, temperature=0)
+    assert r.choices[0].text == mlx_lm_text(bundled, prompt, 40)
+    assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
+    stats = r.usage.model_extra["dflash"]
+    assert stats["block_size"] == 16 and stats["tokens_per_cycle"] > 1.5
+    assert stats["cycles"] + stats["accepted_draft_tokens"] == 40 - 1
+
+
+def test_chat_stream_deltas_concatenate_to_mlx_lm_text(client, bundled):
+    messages = [{"role": "user", "content": "Write a function that parses a date."}]
+    want = mlx_lm_text(bundled, bundled[1].encode(convert_chat(messages)), 24)
+    whole = client.chat.completions.create(model="default", messages=messages, max_tokens=24)
+    assert whole.choices[0].message.content == want
+    chunks = list(client.chat.completions.create(
+        model="default", messages=messages, max_tokens=24, stream=True, stream_options={"include_usage": True},
+    ))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 24 and usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_two_clients_at_once_are_both_exact(client, bundled):
+    prompts = default_prompts()[2:4]
+    got = {}
+
+    def ask(p):
+        got[p] = client.completions.create(model="default", prompt=p, max_tokens=30).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[p] for p in prompts] == [mlx_lm_text(bundled, p, 30) for p in prompts]
+
+
+def test_long_prefix_is_reused_and_still_exact(server, client, bundled):
+    first = "\n".join(default_prompts()) + "\n"
+    second = first + "# the next function\ndef"
+    tokenizer = bundled[1]
+    n_first = len(tokenizer.encode(first))
+    assert n_first > 2000 and tokenizer.encode(second)[:n_first] == tokenizer.encode(first)
+    # the first request streams raw, to see the keep-alives of its long prefill
+    host, port = server[0].removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": first, "max_tokens": 4, "stream": True}),
+                 {"Content-Type": "application/json"})
+    raw = conn.getresponse().read().decode()
+    assert raw.count(": keepalive") >= 4 and raw.rstrip().endswith("data: [DONE]")
+    answer = {}
+    thread = threading.Thread(target=lambda: answer.update(r=client.completions.create(model="default", prompt=second, max_tokens=12)))
+    thread.start()
+    want = mlx_lm_text(bundled, second, 12)  # computed while the server answers
+    thread.join()
+    r = answer["r"]
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0.8 * n_first
+    assert r.choices[0].text == want
+
+
+def post(server, path, body: bytes):
+    req = urllib.request.Request(server[0] + path, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", b"{not json", None),
+        ("/v1/completions", b"[1, 2]", None),
+        ("/v1/chat/completions", b'{"max_tokens": 5}', "messages"),
+        ("/v1/completions", b'{"prompt": ""}', "prompt"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+        ("/v1/completions", b'{"prompt": "x", "temperature": -1}', "temperature"),
+        ("/v1/completions", b'{"prompt": "x", "top_p": 2}', "top_p"),
+        ("/v1/completions", b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty"),
+        ("/v1/completions", json.dumps({"prompt": "def f():\n    pass\n" * 1200}).encode(), "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client, path, body, param):
+    status, answer = post(server, path, body)
+    assert 400 <= status < 500
+    assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+    assert answer["error"]["param"] == param
+    assert client.completions.create(model="default", prompt="import os\n", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="default", prompt="x", max_tokens=-5)
+
+
+def test_models_and_health(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [str(DEFAULT_TARGET)]
+    assert models[0].model_extra["draft_model"].endswith("draft")
+    with urllib.request.urlopen(server[0] + "/health", timeout=30) as resp:
+        assert json.loads(resp.read()) == {"status": "ok"}
+
+
+def test_generation_stops_when_the_client_disconnects(server, client):
+    host, port = server[0].removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "class A:\n", "max_tokens": 3000, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=300) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )
+        seen = b""
+        while b"data: " not in seen:  # until the first token is out
+            seen += sock.recv(4096)
+    deadline = time.time() + 120
+    while not (m := re.search(r"stopped by the client after (\d+) tokens", server[1].read_text())):
+        assert time.time() < deadline
+        time.sleep(0.2)
+    assert int(m.group(1)) < 3000
+    assert client.completions.create(model="default", prompt="x = ", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_stop_words_end_the_text(client, bundled):
+    model, tokenizer = bundled
+    prompt = default_prompts()[1]
+    tokens = [r.token for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=30)]
+    stop = tokenizer.decode(tokens[8:10])
+    assert tokenizer.encode(stop) == tokens[8:10]
+    r = client.completions.create(model="default", prompt=prompt, max_tokens=30, stop=[stop])
+    text = tokenizer.decode(tokens[:8])  # what came before the stop word
+    want = text[: text.find(stop)] if stop in text else text
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want
+
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_hybrid_snapshots_at_message_boundaries(qwen3_5_pair, tmp_path):
+    """A hybrid cache cannot trim: an edited last message reuses the snapshot
+    taken where the previous message ended, and the answer stays exact."""
+    from mlx_lm import load
+
+    from dflash_mlx.server import make_server, setup_arg_parser
+
+    model, tokenizer = load(str(qwen3_5_pair.path))
+    draft_dir = qwen3_5_pair.make_draft(tmp_path / "draft", block_size=4)
+    draft = dflash_mlx.load_draft(draft_dir, model)
+    args = setup_arg_parser().parse_args(["--model", str(qwen3_5_pair.path), "--port", "0", "--chat-template", TEMPLATE])
+    server = make_server(args, model, tokenizer, draft, str(draft_dir))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="x", max_retries=0, timeout=300)
+
+        def chat(messages):
+            r = client.chat.completions.create(model="default", messages=messages, max_tokens=8)
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            assert r.choices[0].message.content == "".join(
+                x.text for x in mlx_lm_stream_generate(model, tokenizer, ids, max_tokens=8)
+            )
+            return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+        head = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"}]
+        first, cached = chat(head)
+        assert cached == 0
+        head.append({"role": "assistant", "content": first})
+        _, cached = chat(head + [{"role": "user", "content": "and g?"}])
+        assert cached >= len(tokenizer.apply_chat_template(head[:2], add_generation_prompt=True))
+        _, cached = chat(head + [{"role": "user", "content": "or h?"}])
+        assert cached == len(tokenizer.apply_chat_template(head, add_generation_prompt=False))
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.generator.stop_and_join()
