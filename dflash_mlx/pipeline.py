@@ -1,40 +1,28 @@
-"""DFlash on a target split across processes (machines) by layers.
+"""``--pipeline``: DFlash with the target split by layers across processes
+(machines) started by ``mlx.launch``.
 
-mlx-lm pipelines a model over ``mx.distributed``: rank ``r`` of ``n`` runs
-one contiguous slice of the layers (rank ``n - 1`` the first ones, rank 0
-the last), receives its input from rank ``r + 1``, sends its output to rank
-``r - 1``, and an ``all_gather`` hands rank 0's final hidden state to every
-rank (``mlx_lm/models/pipeline.py`` and the families' ``__call__``).
-
-:class:`PipelineTarget` runs a family adapter the same way, and the same
-``all_gather`` also carries the drafter's tap features: every rank puts its
-own layers' taps in their slots (zeros in the others), so summing the
-gathered slots gives every rank all the taps, bit for bit. Every rank then
-holds the same logits and the same taps, runs the same drafter on them and
-the same acceptance, and so rolls its own slice back identically; sampled
-runs draw the same numbers because every rank seeds ``mx.random`` alike
-(:func:`agree_seed`), as ``mlx_lm.chat`` does for its pipelined ranks.
-
-Every rank runs the drafter rather than rank 0 alone: during the draft the
-other ranks would otherwise wait, so on separate machines it adds no time,
-while drafting on one rank would add a message per cycle (the block to the
-rank holding the first layers) to the critical path. The drafter is small,
-so its memory on every rank is too.
+Every rank loads its slice of the target through mlx-lm's ``sharded_load``
+and wraps it in :class:`~.targets.pipeline.PipelineTarget`, which hands every
+rank the whole verify's logits and taps. Every rank also loads and runs the
+drafter rather than rank 0 alone: during the draft the other ranks would
+otherwise wait, so on separate machines it adds no time, while drafting on
+one rank would put a message per cycle (the block, to the rank holding the
+first layers) on the critical path; the drafter is small, so its memory on
+every rank is too. Sampled runs draw the same numbers on every rank because
+every rank seeds ``mx.random`` alike (:func:`agree_seed`), as ``mlx_lm.chat``
+does for its pipelined ranks.
 """
 
 import json
+import re
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
 from .loading import load_draft, resolve_path
-from .targets import ADAPTERS, SUPPORTED_MODEL_TYPES, TargetAdapter, TargetError, adapter_for
-
-# Adapter families whose mlx-lm backbone has ``pipeline(group)`` (checked
-# against mlx-lm by the tests).
-PIPELINE_MODEL_TYPES = ("qwen2", "qwen3_5", "qwen3_5_moe", "qwen3_moe")
+from .targets.pipeline import PIPELINE_MODEL_TYPES, PipelineTarget
 
 INDEX = "model.safetensors.index.json"
 # Everything of a hub checkpoint but its weights (mlx-lm's sharded_load
@@ -59,105 +47,10 @@ def pipeline_group() -> mx.distributed.Group:
     return group
 
 
-class _StageInput:
-    """The embedding as the first layer of this rank's slice sees it: on every
-    rank but the one holding the first layers, the previous rank's output
-    (as in mlx-lm, the embedding then only gives ``recv_like`` its shape and
-    is never computed). Anything else (the tied head's ``as_linear``) is the
-    embedding's own."""
-
-    def __init__(self, embedding, group):
-        self.embedding = embedding
-        self.group = group
-
-    def __call__(self, tokens):
-        h = self.embedding(tokens)
-        rank, size = self.group.rank(), self.group.size()
-        if rank < size - 1:
-            h = mx.distributed.recv_like(h, rank + 1, group=self.group)
-        return h
-
-    def __getattr__(self, name):
-        return getattr(self.embedding, name)
-
-
-class _Stage:
-    """This rank's slice of the backbone as the family adapter sees it: its
-    own layers, so adapter, caches and rollback records all count them
-    locally (mlx-lm's ``fa_idx`` / ``ssm_idx`` are local already)."""
-
-    def __init__(self, backbone, group):
-        self.backbone = backbone
-        self.layers = backbone.pipeline_layers
-        self.embed_tokens = _StageInput(backbone.embed_tokens, group)
-
-    def __getattr__(self, name):
-        return getattr(self.backbone, name)
-
-
-class PipelineTarget(TargetAdapter):
-    """A family adapter over this rank's layer slice (``model.model.pipeline``
-    already applied, as mlx-lm's ``sharded_load`` leaves it).
-
-    ``forward`` returns what the unsplit adapter returns, on every rank;
-    caches, rollback records and ``rollback`` are this rank's slice only.
-    """
-
-    def __init__(self, model, group):
-        stage = adapter_for(model)
-        super().__init__(model, stage.text_model, stage.backbone)
-        self.group = group
-        self.start, self.end = self.backbone.start_idx, self.backbone.end_idx
-        stage.backbone = _Stage(self.backbone, group)
-        self.stage = stage
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.args.num_hidden_layers)
-
-    def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True):
-        taps = self.tap_ids if taps is None else list(taps)
-        local = [t for t in taps if self.start <= t < self.end]
-        # The stage's last layer comes back as one more tap: its output.
-        _, states = self.stage.forward(
-            tokens,
-            cache,
-            taps=[t - self.start for t in local] + [self.end - 1 - self.start],
-            last_logits_only=True,
-            record=record,
-        )
-        width = self.hidden_size
-        h = states[..., -width:]
-        rank, size = self.group.rank(), self.group.size()
-        if rank > 0:
-            h = mx.distributed.send(h, rank - 1, group=self.group)
-        slots = [h] + [
-            states[..., local.index(t) * width : (local.index(t) + 1) * width]
-            if t in local
-            else mx.zeros_like(h)
-            for t in taps
-        ]
-        B = tokens.shape[0]
-        gathered = mx.distributed.all_gather(mx.concatenate(slots, axis=-1), group=self.group)
-        gathered = gathered.reshape(size, B, *gathered.shape[1:])
-        # Rank 0 ran the last layers; each tap slot is non-zero on one rank only.
-        tap_states = gathered[:, ..., width:].sum(axis=0) if taps else None
-        logits, _ = self._finish(gathered[0, ..., :width], [], last_logits_only)
-        return logits, tap_states
-
-    def rollback(self, cache, keep):
-        self.stage.rollback(cache, keep)
-
-
 def check_pipeline_family(model_path: Path) -> None:
     """Fail on every rank alike, before any weights are read."""
     config = json.loads((model_path / "config.json").read_text())
     mtype = config.get("model_type", "?")
-    if mtype not in ADAPTERS:
-        raise TargetError(
-            f"unsupported target model_type {mtype!r}; dflash_mlx supports "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
     if mtype not in PIPELINE_MODEL_TYPES:
         raise PipelineError(
             f"target model_type {mtype!r} cannot be pipelined: mlx-lm splits only "
@@ -180,6 +73,22 @@ def indexed_view(path: Path, into: Path) -> Path:
         (into / f.name).symlink_to(f.resolve())
     (into / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return into
+
+
+def check_local_shards(model: str, target) -> None:
+    """mlx-lm loads a slice without insisting on every tensor, so a shard
+    missing on this machine would leave its layers random: name it instead
+    (each machine needs only the shards of its own layers)."""
+    path = Path(model).expanduser()
+    if not (path / INDEX).exists():
+        return  # a hub snapshot (mlx-lm fetched the slice's shards) or one file
+    start, end = target.model.start_idx, target.model.end_idx
+    for key, name in json.loads((path / INDEX).read_text())["weight_map"].items():
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", key)  # sharded_load's rule
+        if (m is None or start <= int(m.group(1)) < end) and not (path / name).exists():
+            raise FileNotFoundError(
+                f"{path / name} is missing; this rank's layers {start}..{end - 1} need it"
+            )
 
 
 def load_slice(model: str, group) -> Tuple[object, object]:
@@ -230,8 +139,9 @@ def load_pipelined_pair(model: str, draft_model: Optional[str], group, seed: Opt
         error = e
         # sharded_load ends in a barrier, where the ranks that loaded now wait.
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
-    if error is None:
+    if error is None:  # past the barrier: no more collectives until the agreement
         try:
+            check_local_shards(model, target)
             draft = load_draft(draft_model or default_draft_for(model), PipelineTarget(target, group))
         except Exception as e:
             error = e
@@ -249,9 +159,7 @@ def agree_seed(seed: Optional[int], group) -> int:
 
 
 __all__ = [
-    "PIPELINE_MODEL_TYPES",
     "PipelineError",
-    "PipelineTarget",
     "agree_seed",
     "load_pipelined_pair",
     "load_slice",

@@ -16,7 +16,8 @@ import mlx.core as mx
 from mlx_lm import load
 
 from dflash_mlx.generate import stream_generate
-from dflash_mlx.pipeline import PipelineError, PipelineTarget, load_pipelined_pair, load_slice, pipeline_group
+from dflash_mlx.pipeline import PipelineError, load_pipelined_pair, load_slice, pipeline_group
+from dflash_mlx.targets.pipeline import PipelineTarget
 from dflash_mlx.targets import adapter_for
 
 mx.set_default_device(mx.cpu)
@@ -77,12 +78,11 @@ def main():
     result = {"adapter": {name: check_adapter(path, group) for name, path in spec["adapters"].items()}}
     for name, run in spec["runs"].items():
         result[name] = run_pair(run["target"], run["draft"], group, run.get("seed"), **run["kwargs"])
-    # A failure on one rank only: its target, then its drafter.
+    # A failure on one rank only: the shard of its layers, then its drafter.
     good_t, good_d = spec["adapters"]["qwen3_5"], spec["runs"]["sampled"]["draft"]
-    missing = str(out / "missing")
     result["failures"] = [
-        expect_failure(group, missing if rank == 1 else good_t, good_d),
-        expect_failure(group, good_t, missing if rank == 0 else good_d),
+        expect_failure(group, spec["partial"], good_d),
+        expect_failure(group, good_t, str(out / "missing") if rank == 0 else good_d),
     ]
     # Every rank is still in step after the failures.
     result["after"] = mx.distributed.all_sum(mx.array(rank + 1), group=group).item()

@@ -3,6 +3,8 @@ backend, loopback only, every launch bounded in time)."""
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +19,7 @@ from mlx_lm import load
 from dflash_mlx.generate import main as generate_main
 from dflash_mlx import load_draft, stream_generate
 from dflash_mlx.pair import DEFAULT_DRAFT, DEFAULT_TARGET
-from dflash_mlx.pipeline import PIPELINE_MODEL_TYPES
+from dflash_mlx.targets.pipeline import PIPELINE_MODEL_TYPES
 from dflash_mlx.targets import ADAPTERS
 
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -77,6 +79,23 @@ def models(tmp_path_factory):
     return dirs
 
 
+def shard_by_layers(src: Path, dst: Path) -> Path:
+    """``src`` re-saved as two indexed shards: layers 0-1 (rank 1's slice of a
+    4-layer target) in the first file, everything else in the second."""
+    shutil.copytree(src, dst)
+    weights = mx.load(str(dst / "model.safetensors"))
+    (dst / "model.safetensors").unlink()
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    weight_map = {
+        k: names[0] if (m := re.search(r"layers\.(\d+)\.", k)) and int(m.group(1)) < 2 else names[1]
+        for k in weights
+    }
+    for name in names:
+        mx.save_safetensors(str(dst / name), {k: v for k, v in weights.items() if weight_map[k] == name})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
 def generate_args(target, draft, *extra):
     return ["--model", target, "--draft-model", draft, "--prompt", PROMPT,
             "--ignore-chat-template", "--max-tokens", "40", *extra]
@@ -128,8 +147,12 @@ def test_pipeline_families_are_mlx_lms(models, tmp_path):
 def ranks(models, tmp_path_factory):
     """One launch of pipeline_ranks.py; each rank's report."""
     out = tmp_path_factory.mktemp("ranks")
+    sharded = shard_by_layers(Path(models["qwen3_5"][0]), out / "sharded")
+    partial = shard_by_layers(Path(models["qwen3_5"][0]), out / "partial")
+    (partial / "model-00001-of-00002.safetensors").unlink()  # rank 1's layers
     spec = {
-        "adapters": {"qwen3_5": models["qwen3_5"][0], "qwen2": models["qwen2"][0]},
+        "adapters": {"qwen3_5": models["qwen3_5"][0], "qwen2": models["qwen2"][0], "sharded": str(sharded)},
+        "partial": str(partial),
         "runs": {
             "sampled": {"target": models["qwen3_5"][0], "draft": models["qwen3_5"][1], "seed": 5,
                         "kwargs": {"temperature": 1.0, "max_tokens": 40, "block_size": 4}},
@@ -150,9 +173,10 @@ def ranks(models, tmp_path_factory):
 
 def test_each_rank_runs_its_slice_and_matches_the_whole_model(ranks):
     """Every forward after every rollback length gives the unsplit adapter's
-    logits and taps bit for bit, on both ranks, for both families."""
+    logits and taps bit for bit, on both ranks, for both families, from a
+    single-file checkpoint and from an indexed one."""
     for report, layers in zip(ranks, ([2, 4], [0, 2])):
-        for family in ("qwen3_5", "qwen2"):
+        for family in ("qwen3_5", "qwen2", "sharded"):
             assert report["adapter"][family]["local_layers"] == layers
             assert report["adapter"][family]["identical"] == [True] * 6, family
 
@@ -197,10 +221,11 @@ def test_sampled_runs_agree_across_runs_and_ranks(ranks, models, capsys):
 
 
 def test_a_rank_that_fails_to_load_stops_every_rank(ranks):
-    """Rank 1's target, then rank 0's drafter missing: both ranks raise the
-    failing rank's message and stay in step (no rank waits forever)."""
+    """The shard of rank 1's layers missing, then rank 0's drafter: both
+    ranks raise the failing rank's message and stay in step (no rank waits
+    forever)."""
     first, second = ranks[0]["failures"]
     assert all(report["failures"] == [first, second] for report in ranks)
-    assert first.startswith("rank 1: ") and "missing" in first
+    assert first.startswith("rank 1: ") and "model-00001-of-00002.safetensors is missing" in first
     assert second.startswith("rank 0: ") and "missing" in second
     assert [report["after"] for report in ranks] == [3, 3]
