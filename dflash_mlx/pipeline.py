@@ -41,7 +41,7 @@ def pipeline_group() -> mx.distributed.Group:
     if group.size() < 2:
         raise PipelineError(
             "--pipeline needs at least 2 processes; start them with mlx.launch, e.g. "
-            "`mlx.launch --backend ring -n 2 -m dflash_mlx.generate --pipeline ...` "
+            "`mlx.launch --backend ring -n 2 -- -m dflash_mlx.generate --pipeline ...` "
             "(see the README's multi-Mac recipe)"
         )
     return group
