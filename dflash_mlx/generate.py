@@ -351,9 +351,9 @@ def main(argv=None):
     rank = mx.distributed.init().rank() if args.pipeline else 0
     try:
         if args.pipeline:
-            from .pipeline import load_pipelined_pair, pipeline_group
+            from .pipeline import load_pipelined_pair
 
-            model, tokenizer, draft = load_pipelined_pair(args.model, args.draft_model, pipeline_group(), args.seed)
+            model, tokenizer, draft = load_pipelined_pair(args.model, args.draft_model, seed=args.seed)
         else:
             model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
     except (ValueError, FileNotFoundError) as e:

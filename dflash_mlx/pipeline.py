@@ -122,8 +122,9 @@ def raise_if_any_failed(error: Optional[BaseException], group) -> None:
         raise PipelineError(f"rank {rank}: {text}")
 
 
-def load_pipelined_pair(model: str, draft_model: Optional[str], group, seed: Optional[int] = None):
-    """Target slice, tokenizer and bound drafter on every rank of ``group``.
+def load_pipelined_pair(model: str, draft_model: Optional[str], group=None, seed: Optional[int] = None):
+    """Target slice, tokenizer and bound drafter on every rank of ``group``
+    (default: the processes ``mlx.launch`` started, :func:`pipeline_group`).
 
     Whatever fails on any rank (a family mlx-lm cannot pipeline, a missing
     or corrupt file on one machine) makes every rank raise one message, the
@@ -132,6 +133,7 @@ def load_pipelined_pair(model: str, draft_model: Optional[str], group, seed: Opt
     """
     from .pair import default_draft_for
 
+    group = group or pipeline_group()
     error = target = tokenizer = draft = None
     try:
         target, tokenizer = load_slice(model, group)
