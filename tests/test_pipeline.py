@@ -20,7 +20,8 @@ from dflash_mlx.generate import main as generate_main
 from dflash_mlx import load_draft, stream_generate
 from dflash_mlx.pair import DEFAULT_DRAFT, DEFAULT_TARGET
 from dflash_mlx.targets.pipeline import PIPELINE_MODEL_TYPES
-from dflash_mlx.targets import ADAPTERS
+from dflash_mlx.targets import ADAPTERS, TargetError
+from dflash_mlx.targets.pipeline import PipelineTarget
 
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 RANKS = Path(__file__).parent / "pipeline_ranks.py"
@@ -141,6 +142,28 @@ def test_pipeline_families_are_mlx_lms(models, tmp_path):
         model = load(path)[0]
         assert name in ADAPTERS
         assert hasattr(model.model, "pipeline") == (name in PIPELINE_MODEL_TYPES), name
+
+
+class FakeGroup:
+    """Rank and size only: what ``pipeline()`` and the adapter's checks read."""
+
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+def test_pipeline_target_refuses_slices_it_cannot_run(models):
+    model = load(models["qwen3_5"][0])[0]
+    with pytest.raises(TargetError, match="not split over this group of 2 ranks"):
+        PipelineTarget(model, FakeGroup(0, 2))
+    model.model.pipeline(FakeGroup(0, 4))  # rank 0 of 4: layer 3 alone, attention
+    with pytest.raises(TargetError, match="layers 3..3 are all of one kind"):
+        PipelineTarget(model, FakeGroup(0, 4))
 
 
 @pytest.fixture(scope="module")

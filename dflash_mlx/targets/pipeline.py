@@ -78,6 +78,12 @@ class PipelineTarget(TargetAdapter):
             )
         self.group = group
         self.start, self.end = self.backbone.start_idx, self.backbone.end_idx
+        if None in (getattr(self.backbone, "fa_idx", 0), getattr(self.backbone, "ssm_idx", 0)):
+            # The hybrid adapter builds both masks from this rank's caches.
+            raise TargetError(
+                f"this rank's layers {self.start}..{self.end - 1} are all of one kind (attention "
+                "or linear); the hybrid adapter needs both on every rank: use fewer ranks"
+            )
         stage.backbone = _Stage(self.backbone, group)
         self.stage = stage
 
