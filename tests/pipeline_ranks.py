@@ -18,7 +18,7 @@ from mlx_lm import load
 from dflash_mlx.generate import stream_generate
 from dflash_mlx.pipeline import PipelineError, load_pipelined_pair, load_slice, pipeline_group
 from dflash_mlx.targets.pipeline import PipelineTarget
-from dflash_mlx.targets import adapter_for
+from dflash_mlx.targets import TargetError, adapter_for
 
 mx.set_default_device(mx.cpu)
 
@@ -70,6 +70,18 @@ def expect_failure(group, target_dir, draft_dir):
     return None
 
 
+def expect_divergence(group, target_dir, drafts):
+    """Each rank with its own drafter: their blocks differ, which the first
+    rollback must refuse on every rank."""
+    model, tokenizer, draft = load_pipelined_pair(target_dir, drafts[group.rank()], group)
+    try:
+        for _ in stream_generate(model, draft, tokenizer, "def fib(n):", max_tokens=20, block_size=4):
+            pass
+    except TargetError as e:
+        return str(e)
+    return None
+
+
 def main():
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
@@ -84,6 +96,7 @@ def main():
         expect_failure(group, spec["partial"], good_d),
         expect_failure(group, good_t, str(out / "missing") if rank == 0 else good_d),
     ]
+    result["diverged"] = expect_divergence(group, good_t, spec["diverged_drafts"])
     # Every rank is still in step after the failures.
     result["after"] = mx.distributed.all_sum(mx.array(rank + 1), group=group).item()
     (out / f"rank{rank}.json").write_text(json.dumps(result))

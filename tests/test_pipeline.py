@@ -77,6 +77,8 @@ def models(tmp_path_factory):
         # Taps 0 and 1 sit on rank 1's layers, 2 and 3 on rank 0's.
         cfg = tiny.draft_config(base, vocab, block_size=16, taps=[0, 1, 3])
         dirs[name] = (str(target), str(tiny.make_draft(root / f"{name}_draft", cfg)))
+        if name == "qwen3_5":  # another drafter for the same target
+            dirs["qwen3_5_other"] = (str(target), str(tiny.make_draft(root / "other_draft", cfg, seed=2)))
     return dirs
 
 
@@ -136,7 +138,7 @@ def test_pipeline_without_ranks_is_one_clear_error(models, capsys):
 def test_pipeline_families_are_mlx_lms(models, tmp_path):
     """The families named as pipelined are exactly those whose mlx-lm
     backbone has ``pipeline`` (checked for every family tests can build)."""
-    dirs = {name: target for name, (target, _) in models.items()}
+    dirs = {name: models[name][0] for name in ("qwen3_5", "qwen2", "qwen3")}
     dirs["llama"] = str(tiny.make_target(tmp_path / "llama", tiny.LLAMA))
     for name, path in dirs.items():
         model = load(path)[0]
@@ -176,6 +178,7 @@ def ranks(models, tmp_path_factory):
     spec = {
         "adapters": {"qwen3_5": models["qwen3_5"][0], "qwen2": models["qwen2"][0], "sharded": str(sharded)},
         "partial": str(partial),
+        "diverged_drafts": [models["qwen3_5"][1], models["qwen3_5_other"][1]],
         "runs": {
             "sampled": {"target": models["qwen3_5"][0], "draft": models["qwen3_5"][1], "seed": 5,
                         "kwargs": {"temperature": 1.0, "max_tokens": 40, "block_size": 4}},
@@ -252,3 +255,11 @@ def test_a_rank_that_fails_to_load_stops_every_rank(ranks):
     assert first.startswith("rank 1: ") and "model-00001-of-00002.safetensors is missing" in first
     assert second.startswith("rank 0: ") and "missing" in second
     assert [report["after"] for report in ranks] == [3, 3]
+
+
+def test_ranks_that_diverge_stop_before_committing(ranks):
+    """Ranks whose drafts differ (here: different drafters) feed the verify
+    different tokens; every rank refuses at that cycle's rollback, before the
+    cycle's tokens are committed."""
+    assert ranks[0]["diverged"] == ranks[1]["diverged"]
+    assert "drafts or acceptances diverged" in ranks[0]["diverged"]

@@ -11,7 +11,9 @@ rank (``mlx_lm/models/pipeline.py`` and the families' ``__call__``).
 own layers' taps in their slots (zeros in the others), so summing the
 gathered slots gives every rank all the taps, bit for bit. Every rank then
 holds the same logits and taps, so the same drafter and acceptance on every
-rank roll every slice back alike.
+rank roll every slice back alike. The gather also carries a fingerprint of
+what each rank fed the forward (cache offset, tokens); a verify whose ranks
+disagree is refused at its rollback, before its tokens are committed.
 """
 
 import mlx.core as mx
@@ -94,6 +96,7 @@ class PipelineTarget(TargetAdapter):
     def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True):
         taps = self.tap_ids if taps is None else list(taps)
         local = [t for t in taps if self.start <= t < self.end]
+        offset = next(c.offset for c in cache if hasattr(c, "offset"))  # before the stage runs
         # The stage's last layer comes back as one more tap: its output.
         _, states = self.stage.forward(
             tokens,
@@ -107,19 +110,49 @@ class PipelineTarget(TargetAdapter):
         rank, size = self.group.rank(), self.group.size()
         if rank > 0:
             h = mx.distributed.send(h, rank - 1, group=self.group)
-        slots = [h] + [
-            states[..., local.index(t) * width : (local.index(t) + 1) * width]
-            if t in local
-            else mx.zeros_like(h)
-            for t in taps
-        ]
-        B = tokens.shape[0]
-        gathered = mx.distributed.all_gather(mx.concatenate(slots, axis=-1), group=self.group)
-        gathered = gathered.reshape(size, B, *gathered.shape[1:])
+        slots = mx.concatenate(
+            [h]
+            + [
+                states[..., local.index(t) * width : (local.index(t) + 1) * width]
+                if t in local
+                else mx.zeros_like(h)
+                for t in taps
+            ],
+            axis=-1,
+        )
+        # What each rank fed this forward rides along, to catch ranks that diverged.
+        row = mx.concatenate([slots.reshape(-1), fingerprint(tokens, offset, slots.dtype)])
+        gathered = mx.distributed.all_gather(row[None], group=self.group)
+        prints = gathered[:, -FINGERPRINT:]
+        agree = mx.all(prints == prints[0])
+        gathered = gathered[:, :-FINGERPRINT].reshape(size, *slots.shape)
         # Rank 0 ran the last layers; each tap slot is non-zero on one rank only.
         tap_states = gathered[:, ..., width:].sum(axis=0) if taps else None
         logits, _ = self._finish(gathered[0, ..., :width], [], last_logits_only)
-        return logits, tap_states
+        if record:
+            cache.undo = (cache.undo, agree)
+        return mx.depends(logits, agree), tap_states
 
     def rollback(self, cache, keep):
+        undo, agree = cache.undo
+        cache.undo = undo
+        if not agree.item():
+            raise TargetError(
+                "the ranks fed this verify different tokens or positions: their drafts or "
+                "acceptances diverged. Every rank computes them itself, so every machine must "
+                "run the same mlx, mlx-lm and mlx-dflash versions on the same kind of chip"
+            )
         self.stage.rollback(cache, keep)
+
+
+def fingerprint(tokens, offset: int, dtype) -> mx.array:
+    """The cache offset and a digest of ``tokens``, as bytes (exact in any
+    float dtype)."""
+    flat = tokens.astype(mx.uint32).reshape(-1)
+    digest = (flat * (mx.arange(flat.size, dtype=mx.uint32) + 1)).sum()
+    words = mx.stack([mx.array(offset, dtype=mx.uint32), digest])
+    shifts = mx.array([0, 8, 16, 24], dtype=mx.uint32)
+    return ((words[:, None] >> shifts) & 255).reshape(-1).astype(dtype)
+
+
+FINGERPRINT = 8  # two words of four bytes
