@@ -383,6 +383,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="stream text and print statistics")
+    p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started (see the README)")
     return p
 
 
@@ -399,12 +400,20 @@ def main(argv=None):
     from .pair import DEFAULT_TARGET, default_prompt, load_pair
 
     args = setup_arg_parser().parse_args(argv)
+    rank = mx.distributed.init().rank() if args.pipeline else 0
     try:
-        model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
+        if args.pipeline:
+            from .pipeline import load_pipelined_pair
+
+            model, tokenizer, draft = load_pipelined_pair(args.model, args.draft_model, seed=args.seed)
+        else:
+            model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if rank == 0:  # with --pipeline every rank has the same message
+            print(f"error: {e}", file=sys.stderr)
         return 1
-    if str(args.model) == str(DEFAULT_TARGET):
+    args.verbose = args.verbose and rank == 0  # only rank 0 prints
+    if rank == 0 and str(args.model) == str(DEFAULT_TARGET):
         print(f"[bundled default pair: {DEFAULT_TARGET.parent}]", file=sys.stderr)
     prompt = args.prompt if args.prompt is not None else default_prompt()
     if prompt == "-":
