@@ -136,13 +136,13 @@ class PipelineTarget(TargetAdapter):
     def rollback(self, cache, keep):
         undo, agree = cache.undo
         cache.undo = undo
+        self.stage.rollback(cache, keep)  # the cache stays consistent even when we raise
         if not agree.item():
             raise TargetError(
                 "the ranks fed this verify different tokens or positions: their drafts or "
                 "acceptances diverged. Every rank computes them itself, so every machine must "
                 "run the same mlx, mlx-lm and mlx-dflash versions on the same kind of chip"
             )
-        self.stage.rollback(cache, keep)
 
 
 def fingerprint(tokens, offset: int, dtype) -> mx.array:
