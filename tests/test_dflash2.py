@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from test_lossless import dflash_tokens, prompt_of, reference_tokens
+from tiny import prompt_of
 
 import dflash_mlx
 from dflash_mlx.models import dflash2 as d2
@@ -25,29 +25,9 @@ def _np(a):
     return np.array(a.astype(mx.float32))
 
 
-def dflash2_config(pair, block_size=8, layers=2, **dflash):
-    """A tiny config shaped like the published DFlash2 ones."""
-    cfg = pair.draft_config(block_size=block_size, layers=layers)
-    cfg["architectures"] = ["DFlash2DraftModel"]
-    cfg["dflash_config"].update(
-        {
-            "conv_kernel_size": 4,
-            "conv_group_size": 16,
-            "selector_rank": 8,
-            "selector_top_k": 6,
-            "input_embedding_scale": 1.5,
-            "output_multiplier": 0.8,
-            "final_logit_softcapping": 30.0,
-            **dflash,
-        }
-    )
-    cfg.update(is_causal=False, layer_types=["sliding_attention"] * layers, sliding_window=48)
-    return cfg
-
-
 @pytest.fixture(scope="module")
 def draft2(qwen3_pair, tmp_path_factory):
-    path = tiny.make_draft(tmp_path_factory.mktemp("d2"), dflash2_config(qwen3_pair), seed=3)
+    path = tiny.make_draft(tmp_path_factory.mktemp("d2"), qwen3_pair.dflash2_config(), seed=3)
     return path, dflash_mlx.load_draft(path, qwen3_pair.model)
 
 
@@ -301,8 +281,10 @@ def test_draft_logits_and_propose_follow_the_selector(qwen3_pair, draft2):
     hidden = draft.hidden_states(block, ctx, draft.make_cache())
     logits = draft(block, ctx, draft.make_cache())
     assert logits.shape == (2, 8, V)
-    np.testing.assert_allclose(_np(logits), _np(draft.compute_logits(hidden)), rtol=1e-5, atol=1e-5)
-    assert np.abs(_np(logits)).max() <= 30.0  # softcapped
+    # the target's head, then output_multiplier 0.8 and a softcap of 30
+    head = _np(qwen3_pair.model.model.embed_tokens.weight)  # tied
+    want = 30.0 * np.tanh(_np(hidden) @ head.T * 0.8 / 30.0)
+    np.testing.assert_allclose(_np(logits), want, rtol=1e-4, atol=1e-4)
     sel = draft.candidate_selector
     want = ref_selector(
         np.array([65, 66]), _np(hidden[:, 1:]), _np(logits[:, 1:]),
@@ -319,18 +301,24 @@ def test_draft_logits_and_propose_follow_the_selector(qwen3_pair, draft2):
 
 @pytest.mark.parametrize("filters", [{}, {"top_k": 3}, {"top_p": 0.9}])
 def test_sampled_proposal_distribution(qwen3_pair, draft2, filters):
+    """q is the distribution each drafted token was drawn from: n walks of
+    one block at T = 0.5, slot 1 (after the anchor) and slot 2 after the
+    commonest slot-1 token, checked against q by total variation."""
     _, draft = draft2
-    block = mx.array([[70] + [draft.mask_token_id] * 7])
+    n, V = 6000, qwen3_pair.vocab
+    block = mx.broadcast_to(mx.array([[70, draft.mask_token_id, draft.mask_token_id]]), (n, 3))
     ctx = np.random.default_rng(8).standard_normal((1, 5, draft.config.fc_input_size))
-    ctx = mx.array(ctx, mx.float32)
+    ctx = mx.broadcast_to(mx.array(ctx, mx.float32), (n, 5, draft.config.fc_input_size))
     mx.random.seed(1)
-    tokens, q = draft.propose_with_probs(block, ctx, draft.make_cache(), 0.8, **filters)
-    q = _np(q)
-    assert tokens.shape == (1, 7) and q.shape == (1, 7, qwen3_pair.vocab)
+    tokens, q = draft.propose_with_probs(block, ctx, draft.make_cache(), 0.5, **filters)
+    tokens, q = np.array(tokens), _np(q).astype(np.float64)
+    assert tokens.shape == (n, 2) and q.shape == (n, 2, V)
     np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
-    support = (q > 0).sum(-1)
-    assert (support <= filters.get("top_k", draft.config.selector_top_k)).all()
-    assert (np.take_along_axis(q, np.array(tokens)[..., None], -1) > 0).all()
+    assert ((q > 0).sum(-1) <= filters.get("top_k", draft.config.selector_top_k)).all()
+    first = tokens[:, 0] == np.bincount(tokens[:, 0]).argmax()
+    for samples, rows in ((tokens[:, 0], q[:, 0]), (tokens[first, 1], q[first, 1])):
+        np.testing.assert_allclose(rows, rows[:1].repeat(len(rows), 0), rtol=1e-5, atol=1e-7)
+        assert tiny.tv(samples, rows[0]) < tiny.tv_bound(rows[0], samples.size)
 
 
 def test_dtype_cast_keeps_selector_working(qwen3_pair, draft2):
@@ -343,7 +331,7 @@ def test_dtype_cast_keeps_selector_working(qwen3_pair, draft2):
 
 
 def test_bad_dflash2_config_is_explained(qwen3_pair):
-    cfg = DFlashConfig.from_hf(dflash2_config(qwen3_pair, conv_group_size=24))
+    cfg = DFlashConfig.from_hf(qwen3_pair.dflash2_config(conv_group_size=24))
     with pytest.raises(ValueError, match="does not divide hidden_size"):
         d2.DFlash2DraftModel(cfg)
 
@@ -354,13 +342,13 @@ def test_bad_dflash2_config_is_explained(qwen3_pair):
 
 @pytest.mark.parametrize("block_size", [8, 3, 12])  # trained size 8, then others
 def test_greedy_is_lossless(pair, tmp_path, block_size):
-    path = tiny.make_draft(tmp_path / "d2", dflash2_config(pair), seed=5)
+    path = tiny.make_draft(tmp_path / "d2", pair.dflash2_config(), seed=5)
     draft = dflash_mlx.load_draft(path, pair.model)
-    prompt = prompt_of(pair, 30)
-    ref = reference_tokens(pair, prompt, 40)
+    prompt = prompt_of(30)
+    ref = pair.reference(prompt, 40)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got, responses = dflash_tokens(pair, draft, prompt, block_size=block_size, max_tokens=40)
+        got, responses = pair.dflash(draft, prompt, block_size=block_size, max_tokens=40)
     assert got == ref
     off_size = [w for w in caught if "trained for block_size 8" in str(w.message)]
     assert len(off_size) == (block_size != 8)
@@ -370,8 +358,8 @@ def test_greedy_is_lossless(pair, tmp_path, block_size):
 def test_sampling_runs_through_stream_generate(qwen3_pair, draft2):
     _, draft = draft2
     mx.random.seed(0)
-    prompt = prompt_of(qwen3_pair, 9)
-    tokens, _ = dflash_tokens(qwen3_pair, draft, prompt, max_tokens=24, temperature=0.8)
+    prompt = prompt_of(9)
+    tokens, _ = qwen3_pair.dflash(draft, prompt, max_tokens=24, temperature=0.8)
     assert len(tokens) == 24
 
 
