@@ -59,15 +59,17 @@ def test_float32_conversion_is_exact(qwen3_pair, draft_src, tmp_path, capsys):
         assert (dst / name).read_bytes() == (draft_src / name).read_bytes()
 
 
-@pytest.mark.parametrize("dtype,tol", [("float16", 4e-3), ("bfloat16", 3e-2)])
-def test_half_precision_within_its_precision(qwen3_pair, draft_src, tmp_path, capsys, dtype, tol):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_within_its_precision(qwen3_pair, draft_src, tmp_path, capsys, dtype):
+    """Only the weights are rounded (the drafter computes in float32): a few
+    units of the dtype's roundoff."""
     dst = tmp_path / dtype
     assert run(capsys, "--hf-path", draft_src, "--mlx-path", dst, "--dtype", dtype)[0] == 0
     a, _ = logits(draft_src, qwen3_pair)
     b, draft = logits(dst, qwen3_pair)
     assert draft.fc.weight.dtype == getattr(mx, dtype)
     assert json.loads((dst / "config.json").read_text())["torch_dtype"] == dtype
-    assert mx.abs(a - b).max().item() <= tol * mx.abs(a).max().item()
+    assert tiny.scaled_error(b, a) < 16 * tiny.EPS[getattr(mx, dtype)]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -376,6 +376,16 @@ def tv(samples: np.ndarray, exact: np.ndarray) -> float:
     return 0.5 * np.abs(counts / samples.size - exact).sum()
 
 
+# Unit roundoff of each float dtype (half the gap between 1 and the next value).
+EPS = {mx.float32: 2.0**-24, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
+
+
+def scaled_error(got, want) -> float:
+    """Largest difference, in units of the reference's root mean square."""
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    return (mx.abs(got - want).max() / mx.sqrt(mx.mean(want * want))).item()
+
+
 # ---------------------------------------------------------------------------
 # Drafter test doubles
 
