@@ -27,16 +27,6 @@ def gpu_backend():
 
 
 DEVICES = ["cpu"] + (["gpu"] if gpu_backend() else [])
-FAMILIES = {
-    "llama": tiny.LLAMA,
-    "qwen2": tiny.QWEN2,
-    "qwen3": tiny.QWEN3,
-    "qwen3_moe": tiny.QWEN3_MOE,
-    "qwen3_5": tiny.QWEN3_5,
-    "qwen3_5_moe": tiny.QWEN3_5_MOE,
-    "qwen3_5_multimodal": tiny.multimodal(tiny.QWEN3_5),
-    "qwen3_5_moe_multimodal": tiny.multimodal(tiny.QWEN3_5_MOE),
-}
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +36,7 @@ def make_pair(tmp_path_factory):
 
     def get(name):
         if name not in built:
-            built[name] = tiny.Pair(tmp_path_factory.mktemp(name), FAMILIES[name])
+            built[name] = tiny.Pair(tmp_path_factory.mktemp(name), tiny.FAMILIES[name])
         return built[name]
 
     return get
@@ -72,7 +62,7 @@ def pair(request, make_pair):
     return make_pair(request.param)
 
 
-@pytest.fixture(params=list(FAMILIES))
+@pytest.fixture(params=list(tiny.FAMILIES))
 def family_pair(request, make_pair):
     return make_pair(request.param)
 

@@ -113,16 +113,17 @@ def test_chunked_prefill_feeds_the_drafter_every_prompt_position(pair, step):
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_sequential_recurrence_is_lossless(qwen3_5_pair, block_size):
-    """mlx-lm's own recurrence (what Metal runs) with bit-identical replay."""
+def test_sequential_recurrence_is_lossless(qwen3_5_pair, block_size, device, ran):
+    """mlx-lm's own recurrence (its fused kernel on Metal) with bit-identical replay."""
     pair = qwen3_5_pair
     prompt = prompt_of(40)
     ref = pair.reference(prompt, 150 + block_size)
     draft = ScriptedDrafter(ref, prompt, block_size, range(block_size), pair.vocab)
-    draft._target = HybridTarget(pair.model, recurrence="sequential")
-    draft._target.tap_ids = [0]
+    draft.bind(HybridTarget(pair.model, recurrence="sequential"))
     got, _ = pair.dflash(draft, prompt, block_size=block_size, max_tokens=150)
     assert got == ref[:150]
+    if has_fused_recurrence():
+        ran("fused recurrence")
 
 
 @pytest.mark.parametrize(

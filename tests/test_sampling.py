@@ -2,7 +2,7 @@
 as mlx-lm's ``make_sampler`` samples the target, whatever the drafter does.
 
 Statistical checks are seeded (deterministic) and each has a false-failure
-probability below DELTA for a fresh seed; the 12 checks of correct samplers
+probability below DELTA for a fresh seed; the 14 checks of correct samplers
 in this file stay below 1e-4 together (union bound). Each bound is finite-sample, not asymptotic:
 
 * Total variation (TV) of an empirical histogram of n iid draws from a known

@@ -1,28 +1,25 @@
 """Target adapters against mlx-lm's own forward, rollback against fresh decoding,
 and the errors raised before any generation."""
 
-import json
-
 import mlx.core as mx
 import numpy as np
 import pytest
 import tiny
-from conftest import FAMILIES
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 import dflash_mlx
 from dflash_mlx.targets import SUPPORTED_MODEL_TYPES, TargetError, adapter_for
-from dflash_mlx.targets.hybrid import HybridTarget
+from dflash_mlx.targets.hybrid import HybridTarget, has_fused_recurrence
 
-HYBRID = [name for name in FAMILIES if name.startswith("qwen3_5")]
+HYBRID = [name for name in tiny.FAMILIES if name.startswith("qwen3_5")]
 # (family, recurrence): the recurrence choice exists for hybrid targets only
-ADAPTERS = [(name, r) for name in FAMILIES for r in (("sequential", "chunked") if name in HYBRID else ("-",))]
+ADAPTERS = [(name, r) for name in tiny.FAMILIES for r in (("sequential", "chunked") if name in HYBRID else ("-",))]
 
 
 @pytest.fixture(scope="module")
 def targets(make_pair):
-    return {name: make_pair(name).model for name in FAMILIES}
+    return {name: make_pair(name).model for name in tiny.FAMILIES}
 
 
 def make_adapter(model, recurrence):
@@ -58,13 +55,20 @@ def mlx_lm_forward(model, layers, tokens, cache):
     return logits, outputs
 
 
+def note_fused(adapter, ran):
+    if isinstance(adapter, HybridTarget) and not adapter.chunked and has_fused_recurrence():
+        ran("fused recurrence")
+
+
 @pytest.mark.parametrize("name, recurrence", ADAPTERS)
-def test_adapter_forward_and_taps_equal_mlx_lm(targets, name, recurrence):
+def test_adapter_forward_and_taps_equal_mlx_lm(targets, name, recurrence, device, ran):
     """Logits and the taps of every layer, against mlx-lm's forward and its
-    own per-layer hidden states: bit-equal with mlx-lm's recurrence; the
-    WY-form chunked recurrence (the CPU default) agrees to float32 rounding."""
+    own per-layer hidden states: bit-equal with mlx-lm's recurrence (its
+    fused kernel on Metal); the WY-form chunked recurrence (the CPU default)
+    agrees to float32 rounding."""
     model = targets[name]
     adapter = make_adapter(model, recurrence)
+    note_fused(adapter, ran)
     every_layer = list(range(adapter.num_layers))[::-1]  # any order, as asked
     rng = np.random.default_rng(0)
     ours, theirs = adapter.make_cache(), make_prompt_cache(model)
@@ -85,9 +89,10 @@ def test_adapter_forward_and_taps_equal_mlx_lm(targets, name, recurrence):
 
 @pytest.mark.parametrize("name, recurrence", ADAPTERS)
 @pytest.mark.parametrize("keep", [0, 1, 3, 7, 8])
-def test_rollback_equals_decoding_only_the_kept_tokens(targets, name, keep, recurrence):
+def test_rollback_equals_decoding_only_the_kept_tokens(targets, name, keep, recurrence, device, ran):
     model = targets[name]
     adapter = make_adapter(model, recurrence)
+    note_fused(adapter, ran)
     rng = np.random.default_rng(keep)
     prompt = mx.array(rng.integers(0, 256, (1, 9)))
     block = mx.array(rng.integers(0, 256, (1, 8)))
@@ -182,6 +187,11 @@ def test_fc_width_mismatch_is_refused(qwen3_pair, tmp_path):
     path = tiny.make_draft(tmp_path / "d", cfg)
     with pytest.raises(TargetError, match="fc expects 64 input features"):
         dflash_mlx.load_draft(path, qwen3_pair.model)
+
+
+def test_every_supported_family_has_a_tiny_target():
+    """So every adapter runs through the tests above."""
+    assert {cfg["model_type"] for cfg in tiny.FAMILIES.values()} == set(SUPPORTED_MODEL_TYPES)
 
 
 def test_unsupported_family_lists_supported(tmp_path, qwen3_pair):

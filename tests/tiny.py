@@ -123,6 +123,18 @@ def multimodal(base: dict) -> dict:
             "text_config": text, "vision_config": {"depth": 1}}
 
 
+FAMILIES = {  # every family the README lists, the multimodal wrappers too
+    "llama": LLAMA,
+    "qwen2": QWEN2,
+    "qwen3": QWEN3,
+    "qwen3_moe": QWEN3_MOE,
+    "qwen3_5": QWEN3_5,
+    "qwen3_5_moe": QWEN3_5_MOE,
+    "qwen3_5_multimodal": multimodal(QWEN3_5),
+    "qwen3_5_moe_multimodal": multimodal(QWEN3_5_MOE),
+}
+
+
 # ---------------------------------------------------------------------------
 # Checkpoint builders
 
