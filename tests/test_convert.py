@@ -93,9 +93,7 @@ def test_quantized_drafter_stays_lossless(pair, tmp_path, capsys, bits):
     if bits == 8:
         assert (mx.linalg.norm(ref - got) / mx.linalg.norm(ref)).item() < 0.05
     prompt = list(range(40, 90))
-    want = pair.reference(prompt, 40)
-    responses = list(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, prompt, max_tokens=40))
-    assert [t for r in responses for t in r.tokens] == want
+    assert pair.dflash(draft, prompt, max_tokens=40)[0] == pair.reference(prompt, 40)
 
 
 def test_layers_the_group_size_does_not_divide_stay_float(qwen3_pair, draft_src, tmp_path, capsys):
@@ -224,8 +222,8 @@ def test_pair_in_one_go_is_all_or_nothing(qwen3_pair, tmp_path, capsys):
     drafter = dflash_mlx.load_draft(d_dst, target)
     assert isinstance(drafter.fc, nn.QuantizedLinear)
     prompt = list(range(40, 90))
-    responses = list(dflash_mlx.stream_generate(target, drafter, tokenizer, prompt, max_tokens=20))
-    assert [t for r in responses for t in r.tokens] == tiny.reference_tokens(target, tokenizer, prompt, 20)
+    got, _ = tiny.dflash_tokens(target, drafter, tokenizer, prompt, max_tokens=20)
+    assert got == tiny.reference_tokens(target, tokenizer, prompt, 20)
 
 
 def test_dflash2_conversion(qwen3_pair, tmp_path, capsys):
@@ -251,8 +249,7 @@ def test_dflash2_conversion(qwen3_pair, tmp_path, capsys):
     assert stored["candidate_selector.successor_codebook"].dtype == mx.float32
     assert stored["layers.0.attention_conv.base_kernel"].dtype == mx.float16
     prompt = list(range(40, 90))
-    responses = list(dflash_mlx.stream_generate(qwen3_pair.model, draft, qwen3_pair.tokenizer, prompt, max_tokens=40))
-    assert [t for r in responses for t in r.tokens] == qwen3_pair.reference(prompt, 40)
+    assert qwen3_pair.dflash(draft, prompt, max_tokens=40)[0] == qwen3_pair.reference(prompt, 40)
 
 
 def test_quantization_options_need_quantize(draft_src, tmp_path, capsys):

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 from mlx_lm import load
 from mlx_lm.sample_utils import make_sampler
-from tiny import DELTA, DoubleDrafter, EchoDFlash2, reference_tokens, tv, tv_bound
+from tiny import DELTA, DoubleDrafter, EchoDFlash2, dflash_tokens, reference_tokens, tv, tv_bound
 
 import dflash_mlx
 import tiny
@@ -247,8 +247,7 @@ def test_accept_edge_cases():
 
 def generated_tokens(model, draft, tokenizer, seed, max_tokens, **kw):
     mx.random.seed(seed)
-    responses = list(dflash_mlx.stream_generate(model, draft, tokenizer, PROMPT, max_tokens=max_tokens, **kw))
-    return [t for r in responses for t in r.tokens], responses
+    return dflash_tokens(model, draft, tokenizer, PROMPT, max_tokens=max_tokens, **kw)
 
 
 def pit_check(model, runs, setting, rng):
