@@ -134,8 +134,15 @@ def test_gated_delta_state_after_rollback_is_bit_identical(targets):
     adapter.forward(tokens[:, 4:9], b, taps=[])
     linear = [i for i, l in enumerate(adapter.backbone.layers) if l.is_linear]
     assert linear
+    # The projections feeding the replay are bit-identical too wherever a
+    # matmul's rows do not depend on how many rows there are (MLX's own BLAS;
+    # OpenBLAS picks its kernels by shape, and then only rounding differs).
+    proj = adapter.backbone.layers[linear[0]].linear_attn.in_proj_qkv
+    x = mx.random.normal((1, 8, adapter.hidden_size), key=mx.random.key(0))
+    rows_stable = mx.array_equal(proj(x)[:, :5], proj(x[:, :5])).item()
     for i in linear:
-        assert mx.array_equal(a[i][0], b[i][0]) and mx.array_equal(a[i][1], b[i][1])
+        for sa, sb in ((a[i][0], b[i][0]), (a[i][1], b[i][1])):
+            assert mx.array_equal(sa, sb) if rows_stable else mx.allclose(sa, sb, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("keep", [0, 5, 16])
