@@ -8,13 +8,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+# Tests that take no ``device`` run on the CPU: their lossless checks compare
+# float32 arithmetic with mlx-lm's own decode, the same on every machine. Set
+# before mlx-lm is imported: its decode runs on a stream of the device that
+# is the default at import, so mlx-lm's reference is always the CPU's.
+mx.set_default_device(mx.cpu)
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny  # noqa: E402
-
-# Tests that take no ``device`` run on the CPU: their lossless checks compare
-# float32 arithmetic with mlx-lm's own decode, the same on every machine.
-mx.set_default_device(mx.cpu)
 
 
 def gpu_backend():
@@ -84,7 +85,8 @@ def ran(request):
 
 @pytest.fixture(params=DEVICES)
 def device(request, ran):
-    """The default device for this test: the CPU, and the GPU where MLX has one."""
+    """The default device for this test: the CPU, and the GPU where MLX has
+    one (DFlash runs there; mlx-lm's reference decode stays on the CPU)."""
     saved = mx.default_device()
     mx.set_default_device(mx.cpu if request.param == "cpu" else mx.gpu)
     ran("CPU" if request.param == "cpu" else f"GPU ({gpu_backend()})")

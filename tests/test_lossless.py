@@ -84,7 +84,7 @@ def test_prompt_forms_agree(qwen3_pair, tmp_path):
 def test_every_family_is_lossless(family_pair, device, ran, tmp_path):
     """Each family the README lists, the multimodal wrappers included, on
     each device: every acceptance length (so every rollback length), then a
-    real drafter, against mlx-lm's own decode on the same device."""
+    real drafter, against mlx-lm's own decode (float32)."""
     pair = family_pair
     prompt = prompt_of(20)
     ref = pair.reference(prompt, 40 + 8)
