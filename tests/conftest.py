@@ -1,50 +1,115 @@
+"""Fixtures: tiny targets of every supported family, the device a test runs
+on, and a run summary saying which device paths ran."""
+
 import sys
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
+# Tests that take no ``device`` run on the CPU: their lossless checks compare
+# float32 arithmetic with mlx-lm's own decode, the same on every machine. Set
+# before mlx-lm is imported: its decode runs on a stream of the device that
+# is the default at import, so mlx-lm's reference is always the CPU's.
+mx.set_default_device(mx.cpu)
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny  # noqa: E402
 
-# Lossless checks compare float32 arithmetic with mlx-lm's own decode.
-mx.set_default_device(mx.cpu)
+
+def gpu_backend():
+    """"metal", "cuda" or None: the GPU MLX has here."""
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return None
 
 
-class Pair:
-    """A tiny target on disk, loaded through mlx-lm, plus its draft config."""
-
-    def __init__(self, root: Path, base: dict, seed: int = 0):
-        from mlx_lm import load
-
-        self.base = base
-        self.path = tiny.make_target(root / base["model_type"], base, seed=seed)
-        self.model, self.tokenizer = load(str(self.path))
-        self.vocab = self.model.model.embed_tokens.weight.shape[0]
-
-    def draft_config(self, **kw) -> dict:
-        return tiny.draft_config(self.base, self.vocab, **kw)
-
-    def make_draft(self, path: Path, seed: int = 1, **kw) -> Path:
-        return tiny.make_draft(path, self.draft_config(**kw), seed=seed)
+DEVICES = ["cpu"] + (["gpu"] if gpu_backend() else [])
 
 
 @pytest.fixture(scope="session")
-def qwen3_pair(tmp_path_factory):
-    return Pair(tmp_path_factory.mktemp("qwen3"), tiny.QWEN3)
+def make_pair(tmp_path_factory):
+    """name -> tiny.Pair of that family, built once per session."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            built[name] = tiny.Pair(tmp_path_factory.mktemp(name), tiny.FAMILIES[name])
+        return built[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def qwen3_5_pair(tmp_path_factory):
-    return Pair(tmp_path_factory.mktemp("qwen3_5"), tiny.QWEN3_5)
+def qwen3_pair(make_pair):
+    return make_pair("qwen3")
 
 
 @pytest.fixture(scope="session")
-def llama_pair(tmp_path_factory):
-    return Pair(tmp_path_factory.mktemp("llama"), tiny.LLAMA)
+def qwen3_5_pair(make_pair):
+    return make_pair("qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def llama_pair(make_pair):
+    return make_pair("llama")
 
 
 @pytest.fixture(params=["qwen3", "qwen3_5"])
-def pair(request):
-    return request.getfixturevalue(f"{request.param}_pair")
+def pair(request, make_pair):
+    return make_pair(request.param)
+
+
+@pytest.fixture(params=list(tiny.FAMILIES))
+def family_pair(request, make_pair):
+    return make_pair(request.param)
+
+
+# ---------------------------------------------------------------------------
+# Devices and the paths that ran on them
+
+RAN = Counter()
+_NOTED = pytest.StashKey[set]()
+
+
+@pytest.fixture
+def ran(request):
+    """``ran(path)``: note that this test exercised ``path`` (counted in the
+    run summary if the test passes)."""
+    noted = request.node.stash.setdefault(_NOTED, set())
+    return noted.add
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, ran):
+    """The default device for this test: the CPU, and the GPU where MLX has
+    one (DFlash runs there; mlx-lm's reference decode stays on the CPU)."""
+    saved = mx.default_device()
+    mx.set_default_device(mx.cpu if request.param == "cpu" else mx.gpu)
+    ran("CPU" if request.param == "cpu" else f"GPU ({gpu_backend()})")
+    try:
+        yield request.param
+    finally:
+        mx.set_default_device(saved)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.when == "call" and report.passed:
+        RAN.update(item.stash.get(_NOTED, ()))
+
+
+def pytest_terminal_summary(terminalreporter):
+    gpu = gpu_backend()
+    lines = [f"CPU: {RAN['CPU']} device-parametrised tests passed"]
+    gpu_name = f"GPU ({gpu})"
+    lines.append(f"{gpu_name}: {RAN[gpu_name]} passed" if gpu else "GPU: none here (MLX has no Metal or CUDA device)")
+    for path, needs in (("Metal kernels", "Metal"), ("fused recurrence", "Metal (mlx-lm's GatedDeltaNet kernel)")):
+        lines.append(f"{path}: {RAN[path]} passed" if RAN[path] else f"{path}: not run (needs {needs})")
+    terminalreporter.write_sep("-", "dflash_mlx device paths")
+    for line in lines:
+        terminalreporter.write_line(line)

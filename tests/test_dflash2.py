@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from test_lossless import dflash_tokens, prompt_of, reference_tokens
+from tiny import prompt_of
 
 import dflash_mlx
 from dflash_mlx.models import dflash2 as d2
@@ -25,29 +25,9 @@ def _np(a):
     return np.array(a.astype(mx.float32))
 
 
-def dflash2_config(pair, block_size=8, layers=2, **dflash):
-    """A tiny config shaped like the published DFlash2 ones."""
-    cfg = pair.draft_config(block_size=block_size, layers=layers)
-    cfg["architectures"] = ["DFlash2DraftModel"]
-    cfg["dflash_config"].update(
-        {
-            "conv_kernel_size": 4,
-            "conv_group_size": 16,
-            "selector_rank": 8,
-            "selector_top_k": 6,
-            "input_embedding_scale": 1.5,
-            "output_multiplier": 0.8,
-            "final_logit_softcapping": 30.0,
-            **dflash,
-        }
-    )
-    cfg.update(is_causal=False, layer_types=["sliding_attention"] * layers, sliding_window=48)
-    return cfg
-
-
 @pytest.fixture(scope="module")
 def draft2(qwen3_pair, tmp_path_factory):
-    path = tiny.make_draft(tmp_path_factory.mktemp("d2"), dflash2_config(qwen3_pair), seed=3)
+    path = tiny.make_draft(tmp_path_factory.mktemp("d2"), qwen3_pair.dflash2_config(), seed=3)
     return path, dflash_mlx.load_draft(path, qwen3_pair.model)
 
 
@@ -299,8 +279,10 @@ def test_draft_logits_and_propose_follow_the_selector(qwen3_pair, draft2):
     hidden = draft.hidden_states(block, ctx, draft.make_cache())
     logits = draft(block, ctx, draft.make_cache())
     assert logits.shape == (2, 8, V)
-    np.testing.assert_allclose(_np(logits), _np(draft.compute_logits(hidden)), rtol=1e-5, atol=1e-5)
-    assert np.abs(_np(logits)).max() <= 30.0  # softcapped
+    # the target's head, then output_multiplier 0.8 and a softcap of 30
+    head = _np(qwen3_pair.model.model.embed_tokens.weight)  # tied
+    want = 30.0 * np.tanh(_np(hidden) @ head.T * 0.8 / 30.0)
+    np.testing.assert_allclose(_np(logits), want, rtol=1e-4, atol=1e-4)
     sel = draft.candidate_selector
     want = ref_selector(
         np.array([65, 66]), _np(hidden[:, 1:]), _np(logits[:, 1:]),
@@ -317,18 +299,24 @@ def test_draft_logits_and_propose_follow_the_selector(qwen3_pair, draft2):
 
 @pytest.mark.parametrize("filters", [{}, {"top_k": 3}, {"top_p": 0.9}])
 def test_sampled_proposal_distribution(qwen3_pair, draft2, filters):
+    """q is the distribution each drafted token was drawn from: n walks of
+    one block at T = 0.5, slot 1 (after the anchor) and slot 2 after the
+    commonest slot-1 token, checked against q by total variation."""
     _, draft = draft2
-    block = mx.array([[70] + [draft.mask_token_id] * 7])
+    n, V = 6000, qwen3_pair.vocab
+    block = mx.broadcast_to(mx.array([[70, draft.mask_token_id, draft.mask_token_id]]), (n, 3))
     ctx = np.random.default_rng(8).standard_normal((1, 5, draft.config.fc_input_size))
-    ctx = mx.array(ctx, mx.float32)
+    ctx = mx.broadcast_to(mx.array(ctx, mx.float32), (n, 5, draft.config.fc_input_size))
     mx.random.seed(1)
-    tokens, q = draft.propose_with_probs(block, ctx, draft.make_cache(), 0.8, **filters)
-    q = _np(q)
-    assert tokens.shape == (1, 7) and q.shape == (1, 7, qwen3_pair.vocab)
+    tokens, q = draft.propose_with_probs(block, ctx, draft.make_cache(), 0.5, **filters)
+    tokens, q = np.array(tokens), _np(q).astype(np.float64)
+    assert tokens.shape == (n, 2) and q.shape == (n, 2, V)
     np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
-    support = (q > 0).sum(-1)
-    assert (support <= filters.get("top_k", draft.config.selector_top_k)).all()
-    assert (np.take_along_axis(q, np.array(tokens)[..., None], -1) > 0).all()
+    assert ((q > 0).sum(-1) <= filters.get("top_k", draft.config.selector_top_k)).all()
+    first = tokens[:, 0] == np.bincount(tokens[:, 0]).argmax()
+    for samples, rows in ((tokens[:, 0], q[:, 0]), (tokens[first, 1], q[first, 1])):
+        np.testing.assert_allclose(rows, rows[:1].repeat(len(rows), 0), rtol=1e-5, atol=1e-7)
+        assert tiny.tv(samples, rows[0]) < tiny.tv_bound(rows[0], samples.size)
 
 
 def test_dtype_cast_keeps_selector_working(qwen3_pair, draft2):
@@ -341,7 +329,7 @@ def test_dtype_cast_keeps_selector_working(qwen3_pair, draft2):
 
 
 def test_bad_dflash2_config_is_explained(qwen3_pair):
-    cfg = DFlashConfig.from_hf(dflash2_config(qwen3_pair, conv_group_size=24))
+    cfg = DFlashConfig.from_hf(qwen3_pair.dflash2_config(conv_group_size=24))
     with pytest.raises(ValueError, match="does not divide hidden_size"):
         d2.DFlash2DraftModel(cfg)
 
@@ -351,26 +339,22 @@ def test_bad_dflash2_config_is_explained(qwen3_pair):
 
 
 @pytest.mark.parametrize("block_size", [8, 3, 12])  # trained size 8, then others
-def test_greedy_is_lossless(pair, tmp_path, block_size):
-    path = tiny.make_draft(tmp_path / "d2", dflash2_config(pair), seed=5)
+def test_greedy_is_lossless(pair, tmp_path, block_size, device, ran):
+    """On the GPU the drafter runs its Metal kernels where there is Metal."""
+    path = tiny.make_draft(tmp_path / "d2", pair.dflash2_config(), seed=5)
     draft = dflash_mlx.load_draft(path, pair.model)
-    prompt = prompt_of(pair, 30)
-    ref = reference_tokens(pair, prompt, 40)
+    prompt = prompt_of(30)
+    ref = pair.reference(prompt, 40)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got, responses = dflash_tokens(pair, draft, prompt, block_size=block_size, max_tokens=40)
+        got, responses = pair.dflash(draft, prompt, block_size=block_size, max_tokens=40)
     assert got == ref
     off_size = [w for w in caught if "trained for block_size 8" in str(w.message)]
     assert len(off_size) == (block_size != 8)
+    assert not [w for w in caught if "Metal kernel" in str(w.message)]
     assert max(r.committed for r in responses) <= block_size
-
-
-def test_sampling_runs_through_stream_generate(qwen3_pair, draft2):
-    _, draft = draft2
-    mx.random.seed(0)
-    prompt = prompt_of(qwen3_pair, 9)
-    tokens, _ = dflash_tokens(qwen3_pair, draft, prompt, max_tokens=24, temperature=0.8)
-    assert len(tokens) == 24
+    if device == "gpu" and mx.metal.is_available():
+        ran("Metal kernels")
 
 
 def test_implementation_is_per_drafter(qwen3_pair, draft2):
@@ -404,43 +388,82 @@ def test_conv_selector_share_reports_each_implementation(draft2):
 
 
 # ---------------------------------------------------------------------------
-# Metal kernels (macOS)
+# Metal kernels (macOS); their fallback everywhere
+
+# (B, L, H, taps, groups): one slot, fewer slots than taps, the trained
+# block, a long block, groups of one and of many channels, a wide model
+CONV_SHAPES = [(1, 1, 16, 3, 4), (2, 3, 64, 4, 4), (2, 8, 64, 4, 16), (3, 16, 48, 2, 3), (1, 12, 256, 4, 64)]
+
+
+def strided(a: np.ndarray) -> mx.array:
+    """The same values, laid out transposed in memory (a non-contiguous view)."""
+    return mx.array(np.ascontiguousarray(np.swapaxes(a, 0, -1))).swapaxes(0, -1)
 
 
 @metal
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("L", [1, 3, 8])
-def test_conv_kernel_matches_ops(dtype, L):
-    x, base, coef = (mx.array(a).astype(dtype) for a in conv_inputs(B=2, L=L, H=64, taps=4, G=4))
+@pytest.mark.parametrize("shape", CONV_SHAPES)
+def test_conv_kernel_matches_ops(shape, dtype, layout, ran):
+    B, L, H, taps, G = shape
+    make = strided if layout == "strided" else mx.array
+    x, base, coef = (make(a).astype(dtype) for a in conv_inputs(B=B, L=L, H=H, taps=taps, G=G))
     with mx.stream(mx.gpu):
-        got = d2.conv_mix_metal(x, base, coef)
-        want = d2.conv_mix_ops(x, base, coef)
+        got, want = d2.conv_mix_metal(x, base, coef), d2.conv_mix_ops(x, base, coef)
         assert got.dtype == want.dtype == dtype
-        tol = 1e-5 if dtype == mx.float32 else 1e-2
+        # Both accumulate in float32 and round once to the dtype: a float32
+        # result differs by summation order at most, a half one by one rounding.
+        tol = 16 * tiny.EPS[mx.float32] if dtype == mx.float32 else 2 * tiny.EPS[dtype]
         np.testing.assert_allclose(_np(got), _np(want), rtol=tol, atol=tol)
+    ran("Metal kernels")
 
 
 @metal
-def test_walk_kernel_matches_ops():
+@pytest.mark.parametrize("B, N, K", [(1, 2, 1), (1, 2, 4), (4, 7, 8), (3, 15, 16), (2, 3, 32)])
+def test_walk_kernel_matches_ops(B, N, K, ran):
     rng = np.random.default_rng(9)
-    B, N, K = 4, 7, 8
     unary = rng.integers(0, 3, (B, N, K)).astype(np.float32)  # exact ties
     first = rng.integers(0, 2, (B, K)).astype(np.float32)
     pair = rng.integers(0, 2, (B, N - 1, K, K)).astype(np.float32)
     with mx.stream(mx.gpu):
         for noise in (np.zeros((B, N, K), np.float32), rng.gumbel(size=(B, N, K)).astype(np.float32)):
-            args = [mx.array(a) for a in (unary, first, pair, noise)]
-            got, want = d2.walk_metal(*args), d2.walk_ops(*args)
-            np.testing.assert_array_equal(np.array(got[0]), np.array(want[0]))
-            np.testing.assert_array_equal(np.array(got[1]), np.array(want[1]))
+            for make in (mx.array, strided):
+                args = [make(a) for a in (unary, first, pair, noise)]
+                got, want = d2.walk_metal(*args), d2.walk_ops(*args)
+                np.testing.assert_array_equal(np.array(got[0]), np.array(want[0]))
+                np.testing.assert_array_equal(np.array(got[1]), np.array(want[1]))
+    ran("Metal kernels")
 
 
 @metal
-def test_auto_uses_verified_kernels_on_gpu():
+def test_auto_uses_verified_kernels_on_gpu(ran):
     x, base, coef = (mx.array(a) for a in conv_inputs(L=5, H=16, taps=3, G=4))
-    with mx.stream(mx.gpu):
+    with mx.stream(mx.gpu), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a kernel that failed its check would warn
         y = d2.conv_mix(x, base, coef, "auto")
         choice, _ = d2.walk(mx.zeros((1, 3, 4)), mx.zeros((1, 4)), mx.zeros((1, 2, 4, 4)), mx.zeros((1, 3, 4)), "auto")
     np.testing.assert_allclose(_np(y), ref_conv(*map(_np, (x, base, coef))), rtol=1e-5, atol=1e-5)
     assert choice.tolist() == [[0, 0, 0]]
-    assert d2._metal_verdicts and all(d2._metal_verdicts.values())
+    ran("Metal kernels")
+
+
+def test_a_failing_kernel_means_the_ops_and_one_warning():
+    """A kernel that raises (the real Metal one, where there is no Metal) or
+    that computes something else is never used, and says so once."""
+    x, base, coef = (mx.array(a) for a in conv_inputs())
+    ops = lambda: d2.conv_mix_ops(x, base, coef)  # noqa: E731
+    same = lambda a, b: mx.allclose(a, b).item()  # noqa: E731
+
+    def raises():
+        raise RuntimeError("kernel build failed")
+
+    kernels = {"raises": raises, "wrong": lambda: ops() + 1.0}
+    if not mx.metal.is_available():
+        kernels["metal"] = lambda: d2.conv_mix_metal(x, base, coef)
+    for name, kernel in kernels.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            verdicts = [d2.kernel_verified(("test", name), kernel, ops, same) for _ in range(3)]
+        assert verdicts == [False] * 3, name
+        assert len(caught) == 1 and "using the MLX ops instead" in str(caught[0].message), name
+    assert d2.kernel_verified(("test", "right"), ops, ops, same)

@@ -2,7 +2,7 @@
 as mlx-lm's ``make_sampler`` samples the target, whatever the drafter does.
 
 Statistical checks are seeded (deterministic) and each has a false-failure
-probability below DELTA for a fresh seed; the 12 checks of correct samplers
+probability below DELTA for a fresh seed; the 14 checks of correct samplers
 in this file stay below 1e-4 together (union bound). Each bound is finite-sample, not asymptotic:
 
 * Total variation (TV) of an empirical histogram of n iid draws from a known
@@ -32,18 +32,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load
-from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
+from tiny import DELTA, DoubleDrafter, EchoDFlash2, dflash_tokens, reference_tokens, tv, tv_bound
 
 import dflash_mlx
 import tiny
 from dflash_mlx.benchmark import tokens_per_cycle_by_rule
+from dflash_mlx.models.dflash import DFlashConfig
 from dflash_mlx.sampling import processed_probs, sample, speculative_accept
-from dflash_mlx.targets import adapter_for
 
 V = 16  # small vocabulary: exact joint tables over a few tokens stay small
 PROMPT = [1, 5, 3, 7]
-DELTA = 5e-6  # false-failure probability of one statistical check
 TRUNCATED = dict(temperature=0.8, top_p=0.9, top_k=8)
 SETTINGS = [dict(temperature=1.0), TRUNCATED, dict(temperature=0.7, min_p=0.05)]
 
@@ -55,7 +54,7 @@ def small_pair(root, base):
     model, tokenizer = load(str(tiny.make_target(root / "target", base, seed=3, vocab_size=V)))
     cfg = tiny.draft_config(base, V, block_size=4)
     draft = dflash_mlx.load_draft(str(tiny.make_draft(root / "draft", cfg, seed=1)), model)
-    return SimpleNamespace(model=model, tokenizer=tokenizer, draft=draft)
+    return SimpleNamespace(model=model, tokenizer=tokenizer, draft=draft, base=base)
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +65,6 @@ def small(tmp_path_factory):
 def draft_noise():
     """Fixed logit noise that keeps the double drafter's q close to, not equal to, p."""
     return mx.random.normal((V,), key=mx.random.key(7)) * 0.6
-
-
-def tv_bound(exact: np.ndarray, n: int) -> float:
-    return 0.5 * np.sqrt(exact * (1 - exact) / n).sum() + math.sqrt(math.log(1 / DELTA) / (2 * n))
-
-
-def tv(samples: np.ndarray, exact: np.ndarray) -> float:
-    counts = np.bincount(samples, minlength=exact.size)
-    return 0.5 * np.abs(counts / samples.size - exact).sum()
 
 
 # ---------------------------------------------------------------------------
@@ -256,62 +246,9 @@ def test_accept_edge_cases():
 # The real loop: stream_generate end to end
 
 
-class DoubleDrafter:
-    """Test double behind the drafter interface, q close to p: proposes
-    autoregressively from the target itself (recomputed from the committed
-    tokens) with fixed noise on its logits, so long prefixes get accepted."""
-
-    mask_token_id = 0
-    block_size = 4
-
-    def __init__(self, prompt, noise):
-        self.prompt, self.noise, self._target = list(prompt), noise, None
-
-    def bind(self, model):
-        self._target = adapter_for(model)
-        self._target.tap_ids = [0]
-        return self
-
-    @property
-    def target(self):
-        return self._target
-
-    def check_block_size(self, block_size):
-        pass
-
-    def make_cache(self):
-        return {"tokens": list(self.prompt), "last": []}
-
-    def propose(self, block, context, cache):
-        return self._walk(block, context, cache, lambda logits: (mx.argmax(logits), None))[0]
-
-    def propose_with_probs(self, block, context, cache, temperature, top_p=0.0, top_k=0, min_p=0.0):
-        def pick(logits):
-            q = processed_probs(logits, temperature, top_p, top_k, min_p)
-            return sample(q), q
-
-        tokens, qs = self._walk(block, context, cache, pick)
-        return tokens, mx.stack(qs)[None]
-
-    def _walk(self, block, context, cache, pick):
-        # the context rows are the newly committed positions: the previous
-        # anchor and the drafts it accepted (the whole prompt on the first call)
-        if cache["last"]:
-            cache["tokens"] += cache["last"][: context.shape[1]]
-        seq = cache["tokens"] + [block[0, 0].item()]
-        tokens, qs = [], []
-        for _ in range(block.shape[1] - 1):
-            token, q = pick(self._target.model(mx.array([seq + tokens]))[0, -1] + self.noise)
-            tokens.append(token.item())
-            qs.append(q)
-        cache["last"] = [seq[-1]] + tokens
-        return mx.array([tokens]), qs
-
-
 def generated_tokens(model, draft, tokenizer, seed, max_tokens, **kw):
     mx.random.seed(seed)
-    responses = list(dflash_mlx.stream_generate(model, draft, tokenizer, PROMPT, max_tokens=max_tokens, **kw))
-    return [t for r in responses for t in r.tokens], responses
+    return dflash_tokens(model, draft, tokenizer, PROMPT, max_tokens=max_tokens, **kw)
 
 
 def pit_check(model, runs, setting, rng):
@@ -365,16 +302,43 @@ def test_stream_generate_samples_the_target(small, tables, drafter, acceptance, 
     assert outside == 0 and ks < bound
     assert min(accepted) == 0 and max(accepted) >= 2  # rejections and accepted drafts both occurred
     if drafter == "double":
-        assert max(accepted) == DoubleDrafter.block_size - 1
+        assert max(accepted) == draft.block_size - 1
 
 
 def test_hybrid_target_samples_the_target(tmp_path):
     """Qwen3.5: rejections roll GatedDeltaNet state back mid-block."""
     hybrid = small_pair(tmp_path, tiny.QWEN3_5)
-    tokens, accepted = sampled_runs(hybrid, DoubleDrafter(PROMPT, draft_noise()), 2, TRUNCATED)
+    draft = DoubleDrafter(PROMPT, draft_noise())
+    tokens, accepted = sampled_runs(hybrid, draft, 2, TRUNCATED)
     ks, bound, outside = pit_check(hybrid.model, tokens, TRUNCATED, np.random.default_rng(0))
     assert outside == 0 and ks < bound
-    assert len(set(accepted)) == DoubleDrafter.block_size  # every acceptance length 0..3
+    assert len(set(accepted)) == draft.block_size  # every acceptance length 0..3
+
+
+@pytest.fixture(scope="module")
+def sharp(tmp_path_factory):
+    """The small target with its logits three times as far apart, and a
+    DFlash2 drafter whose candidates are its likely tokens. At T = 3 the
+    target's p is spread while the untempered scores are sharp, so a q that
+    misses the temperature is far from the distribution the walk samples."""
+    pair = small_pair(tmp_path_factory.mktemp("sharp"), dict(tiny.QWEN3, tie_word_embeddings=False))
+    pair.model.lm_head.weight = pair.model.lm_head.weight * 3
+    cfg = tiny.dflash2_config(
+        pair.base, V, block_size=4, selector_top_k=12, output_multiplier=1.0, final_logit_softcapping=0.0
+    )
+    pair.draft = EchoDFlash2(DFlashConfig.from_hf(cfg), PROMPT).bind(pair.model)
+    return pair
+
+
+@pytest.mark.parametrize("setting", [dict(temperature=3.0), dict(temperature=3.0, top_p=0.9, top_k=6)],
+                         ids=["plain", "top_p+top_k"])
+def test_dflash2_drafter_samples_the_target(sharp, setting):
+    """DFlash2's selector walk through the real loop, at T != 1, its drafts
+    mostly accepted (with q computed without the temperature this fails)."""
+    tokens, accepted = sampled_runs(sharp, sharp.draft, 8, setting)
+    ks, bound, outside = pit_check(sharp.model, tokens, setting, np.random.default_rng(0))
+    assert outside == 0 and ks < bound
+    assert np.mean(accepted) > 1.5  # the candidates overlap the target's likely tokens
 
 
 def test_stream_generate_check_rejects_a_broken_rule(small, monkeypatch):
@@ -397,7 +361,7 @@ def test_seed_reproduces_a_run(small, acceptance):
 
 
 def test_greedy_is_unchanged(small):
-    ref = [r.token for r in mlx_lm_stream_generate(small.model, small.tokenizer, PROMPT, max_tokens=30)]
+    ref = reference_tokens(small.model, small.tokenizer, PROMPT, 30)
     for acceptance in ("speculative", "exact-match"):
         got, _ = generated_tokens(small.model, small.draft, small.tokenizer, 0, 30, acceptance=acceptance)
         assert got == ref
@@ -412,6 +376,19 @@ def test_custom_sampler_uses_exact_match(small):
         for rule in ("speculative", "exact-match")
     ]
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_custom_sampler_decides_every_token(small, temperature):
+    """A sampler that always returns one token: every committed token is
+    that token, whatever the temperature, as with mlx-lm's own decode."""
+    def always_nine(logprobs):
+        return mx.full(logprobs.shape[:-1], 9, mx.int32)
+
+    got, _ = generated_tokens(small.model, small.draft, small.tokenizer, 0, 20, sampler=always_nine,
+                              temperature=temperature)
+    assert got == [9] * 20
+    assert reference_tokens(small.model, small.tokenizer, PROMPT, 20, sampler=always_nine) == got
 
 
 def test_unknown_acceptance_rule(small):

@@ -1,9 +1,13 @@
-"""Tiny seeded targets and drafters written in real Hugging Face layout.
+"""Test helpers, in one place: tiny seeded targets and drafters written in
+real Hugging Face layout, damaged checkpoints, mlx-lm's reference decode and
+the drafter test doubles.
 
-Tests load them back through the same code users run (mlx_lm.load,
-dflash_mlx.load_draft), so the loaders are exercised, not bypassed.
+Tests load the checkpoints back through the same code users run
+(mlx_lm.load, dflash_mlx.load_draft), so the loaders are exercised, not
+bypassed.
 """
 
+import itertools
 import json
 from pathlib import Path
 
@@ -11,6 +15,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm import load
+from mlx_lm import stream_generate as mlx_lm_stream_generate
+from mlx_lm.utils import load_model
+
+import dflash_mlx
+from dflash_mlx.models.dflash import DFlashConfig
+from dflash_mlx.models.dflash2 import DFlash2DraftModel
+from dflash_mlx.sampling import processed_probs, sample
+from dflash_mlx.targets import adapter_for
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 
@@ -41,59 +54,92 @@ def write_tokenizer(path: Path) -> int:
     return tok.get_vocab_size()
 
 
-QWEN3 = dict(
-    model_type="qwen3",
-    architectures=["Qwen3ForCausalLM"],
+# ---------------------------------------------------------------------------
+# Target configs: one per family the README lists
+
+_DECODER = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=16,
     rms_norm_eps=1e-6,
-    rope_theta=10000.0,
     max_position_embeddings=4096,
+)
+
+QWEN3 = dict(
+    _DECODER,
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    head_dim=16,
+    rope_theta=10000.0,
     tie_word_embeddings=True,
 )
 
+QWEN2 = dict(
+    _DECODER, model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_hidden_layers=3,
+    rope_theta=10000.0, tie_word_embeddings=False,
+)
+
+QWEN3_MOE = dict(
+    QWEN3, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4,
+    num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0], moe_intermediate_size=32,
+    norm_topk_prob=True,
+)
+
 QWEN3_5 = dict(
+    _DECODER,
     model_type="qwen3_5",
     architectures=["Qwen3_5ForConditionalGeneration"],
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=4096,
     tie_word_embeddings=False,
     full_attention_interval=2,
-    # More value heads than key heads, as real Qwen3.5 checkpoints have.
+    # More value heads than key heads, as real Qwen3.5 checkpoints have; key
+    # head dim 32, the smallest mlx-lm's fused GatedDeltaNet kernel takes.
     linear_num_value_heads=4,
     linear_num_key_heads=2,
-    linear_key_head_dim=16,
+    linear_key_head_dim=32,
     linear_value_head_dim=16,
     linear_conv_kernel_dim=4,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
 )
 
+QWEN3_5_MOE = dict(
+    QWEN3_5, model_type="qwen3_5_moe", num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, shared_expert_intermediate_size=32,
+)
+
 LLAMA = dict(
-    model_type="llama",
-    architectures=["LlamaForCausalLM"],
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-6,
-    rope_theta=500000.0,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
+    _DECODER, model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=3,
+    rope_theta=500000.0, tie_word_embeddings=False,
 )
 
 
-def _seeded_init(model: nn.Module, seed: int, scale: float = 1.0):
+def multimodal(base: dict) -> dict:
+    """Qwen3.5 checkpoints nest the text model under text_config."""
+    text = {k: v for k, v in base.items() if k not in ("model_type", "architectures")}
+    text["model_type"] = base["model_type"] + "_text"
+    return {"model_type": base["model_type"], "architectures": base["architectures"],
+            "text_config": text, "vision_config": {"depth": 1}}
+
+
+FAMILIES = {  # every family the README lists, the multimodal wrappers too
+    "llama": LLAMA,
+    "qwen2": QWEN2,
+    "qwen3": QWEN3,
+    "qwen3_moe": QWEN3_MOE,
+    "qwen3_5": QWEN3_5,
+    "qwen3_5_moe": QWEN3_5_MOE,
+    "qwen3_5_multimodal": multimodal(QWEN3_5),
+    "qwen3_5_moe_multimodal": multimodal(QWEN3_5_MOE),
+}
+
+
+# ---------------------------------------------------------------------------
+# Checkpoint builders
+
+
+def seeded_init(model: nn.Module, seed: int, scale: float = 1.0):
     rng = np.random.default_rng(seed)
 
     def init(path, p):
@@ -110,15 +156,20 @@ def _seeded_init(model: nn.Module, seed: int, scale: float = 1.0):
 
 
 def make_target(path: Path, base: dict, seed: int = 0, **overrides) -> Path:
-    """Write a tiny random target (float32) + tokenizer to ``path``."""
-    from mlx_lm.utils import _get_classes as get_model_classes
+    """Write a tiny random target (float32) + tokenizer to ``path``.
 
+    mlx-lm builds the model from the config (its loader, with no weights
+    yet); the seeded weights are then saved under the names HF uses."""
     path = Path(path)
     vocab = write_tokenizer(path)
-    cfg = {**base, "vocab_size": vocab, **overrides}
-    model_cls, args_cls = get_model_classes(cfg)
-    model = model_cls(args_cls.from_dict(cfg))
-    _seeded_init(model, seed, scale=1.5)
+    cfg = {**base, **overrides}
+    if "text_config" in cfg:
+        cfg["text_config"] = {"vocab_size": vocab, **cfg["text_config"]}
+    else:
+        cfg = {"vocab_size": vocab, **cfg}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    model, _ = load_model(path, strict=False)
+    seeded_init(model, seed, scale=1.5)
     weights = dict(tree_flatten(model.parameters()))
     if cfg["model_type"].startswith("qwen3_5"):
         # HF layout: mlx-lm's sanitize maps these names back.
@@ -129,7 +180,6 @@ def make_target(path: Path, base: dict, seed: int = 0, **overrides) -> Path:
             for k, v in weights.items()
         }
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
 
@@ -161,15 +211,34 @@ def draft_config(target_cfg: dict, vocab: int, *, layers=2, taps=None, block_siz
     return cfg
 
 
+def dflash2_config(target_cfg: dict, vocab: int, *, block_size=8, layers=2, **dflash) -> dict:
+    """A tiny DFlash2 config shaped like the published ones."""
+    cfg = draft_config(target_cfg, vocab, block_size=block_size, layers=layers)
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    cfg["dflash_config"].update(
+        {
+            "conv_kernel_size": 4,
+            "conv_group_size": 16,
+            "selector_rank": 8,
+            "selector_top_k": 6,
+            "input_embedding_scale": 1.5,
+            "output_multiplier": 0.8,
+            "final_logit_softcapping": 30.0,
+            **dflash,
+        }
+    )
+    cfg.update(is_causal=False, layer_types=["sliding_attention"] * layers, sliding_window=48)
+    return cfg
+
+
 def make_draft(path: Path, cfg: dict, seed: int = 1, dtype=mx.float32, shards: int = 1) -> Path:
     """Write a random drafter in z-lab layout (no ``model.`` prefix)."""
     from dflash_mlx.loading import build_draft
-    from dflash_mlx.models.dflash import DFlashConfig
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model = build_draft(DFlashConfig.from_hf(cfg))
-    _seeded_init(model, seed)
+    seeded_init(model, seed)
     weights = tree_map(lambda p: p.astype(dtype), dict(tree_flatten(model.parameters())))
     for name in list(weights):  # DFlash2 stores codebooks as bare tensors
         if name.endswith("_codebook.weight"):
@@ -189,6 +258,269 @@ def make_draft(path: Path, cfg: dict, seed: int = 1, dtype=mx.float32, shards: i
         json.dumps({"metadata": {}, "weight_map": weight_map})
     )
     return path
+
+
+class Pair:
+    """A tiny target on disk, loaded through mlx-lm, plus its draft config."""
+
+    def __init__(self, root: Path, base: dict, seed: int = 0):
+        self.base = base.get("text_config", base)  # what the drafter sees
+        self.path = make_target(root / base["model_type"], base, seed=seed)
+        self.model, self.tokenizer = load(str(self.path))
+        self.vocab = adapter_for(self.model).vocab_size
+
+    def draft_config(self, **kw) -> dict:
+        return draft_config(self.base, self.vocab, **kw)
+
+    def dflash2_config(self, **kw) -> dict:
+        return dflash2_config(self.base, self.vocab, **kw)
+
+    def make_draft(self, path: Path, seed: int = 1, **kw) -> Path:
+        return make_draft(path, self.draft_config(**kw), seed=seed)
+
+    def reference(self, prompt, max_tokens, eos_ids=None, **kw):
+        return reference_tokens(self.model, self.tokenizer, prompt, max_tokens, eos_ids, **kw)
+
+    def dflash(self, draft, prompt, eos_ids=None, **kw):
+        return dflash_tokens(self.model, draft, self.tokenizer, prompt, eos_ids, **kw)
+
+
+# ---------------------------------------------------------------------------
+# Damaged drafter checkpoints (one file, as make_draft writes by default)
+
+DAMAGES = ("no-config", "bad-json", "no-weights", "truncated", "missing-tensor", "extra-tensor",
+           "wrong-shape", "wrong-arch")
+MISSING, EXTRA, RESHAPED = "layers.1.mlp.up_proj.weight", "layers.1.mlp.extra_proj.weight", "fc.weight"
+
+
+def damage(path: Path, how: str) -> Path:
+    """Damage the drafter checkpoint at ``path`` in one of DAMAGES' ways."""
+    st, config = path / "model.safetensors", path / "config.json"
+    if how == "no-config":
+        config.unlink()
+    elif how == "bad-json":
+        config.write_text("{")
+    elif how == "no-weights":
+        st.unlink()
+    elif how == "truncated":
+        st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    elif how in ("missing-tensor", "extra-tensor", "wrong-shape"):
+        w = mx.load(str(st))
+        if how == "missing-tensor":
+            w.pop(MISSING)
+        elif how == "extra-tensor":
+            w[EXTRA] = mx.zeros((4, 4))
+        else:
+            w[RESHAPED] = mx.zeros((64, 100))
+        mx.save_safetensors(str(st), w)
+    elif how == "wrong-arch":
+        cfg = json.loads(config.read_text())
+        cfg["architectures"], cfg["model_type"] = ["MysteryDraftModel"], "mystery"
+        config.write_text(json.dumps(cfg))
+    else:
+        raise ValueError(f"unknown damage {how!r}")
+    return path
+
+
+# ---------------------------------------------------------------------------
+# Decoding: mlx-lm's reference and DFlash's, over one tokenizer
+
+
+class eos_set:
+    """Temporarily replace the tokenizer's eos ids (None keeps them)."""
+
+    def __init__(self, tokenizer, eos_ids):
+        self.tokenizer, self.eos_ids = tokenizer, eos_ids
+
+    def __enter__(self):
+        self.saved = set(self.tokenizer.eos_token_ids)
+        if self.eos_ids is not None:
+            self.tokenizer.eos_token_ids = set(self.eos_ids)
+
+    def __exit__(self, *exc):
+        self.tokenizer.eos_token_ids = self.saved
+
+
+def reference_tokens(model, tokenizer, prompt, max_tokens, eos_ids=None, **kw):
+    """mlx-lm's own tokens (eos excluded, as both generators report);
+    ``kw`` go to mlx_lm.stream_generate (a ``sampler``, a ``prefill_step_size``)."""
+    out = []
+    with eos_set(tokenizer, eos_ids):
+        for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kw):
+            if r.finish_reason == "stop":
+                break
+            out.append(r.token)
+    return out
+
+
+def dflash_tokens(model, draft, tokenizer, prompt, eos_ids=None, **kw):
+    """DFlash's tokens and its responses."""
+    with eos_set(tokenizer, eos_ids):
+        responses = list(dflash_mlx.stream_generate(model, draft, tokenizer, prompt, **kw))
+    return [t for r in responses for t in r.tokens], responses
+
+
+def tokens_per_cycle(*runs) -> float:
+    """Mean tokens committed per verify cycle, pooled over runs (each run's
+    responses; the first of them is the prefill's token, not a cycle)."""
+    cycles = [r for responses in runs for r in responses[1:]]
+    return sum(r.committed for r in cycles) / max(len(cycles), 1)
+
+
+def prompt_of(n, seed=0):
+    rng = np.random.default_rng(seed + n)
+    return rng.integers(0, 256, size=n).tolist()
+
+
+# ---------------------------------------------------------------------------
+# Statistics (see tests/test_sampling.py for the bounds)
+
+DELTA = 5e-6  # false-failure probability of one statistical check
+
+
+def tv_bound(exact: np.ndarray, n: int) -> float:
+    """TV of n iid draws from ``exact`` stays below this with probability 1 - DELTA."""
+    return 0.5 * np.sqrt(exact * (1 - exact) / n).sum() + np.sqrt(np.log(1 / DELTA) / (2 * n))
+
+
+def tv(samples: np.ndarray, exact: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=exact.size)
+    return 0.5 * np.abs(counts / samples.size - exact).sum()
+
+
+# Unit roundoff of each float dtype (half the gap between 1 and the next value).
+EPS = {mx.float32: 2.0**-24, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
+
+
+def scaled_error(got, want) -> float:
+    """Largest difference, in units of the reference's root mean square."""
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    return (mx.abs(got - want).max() / mx.sqrt(mx.mean(want * want))).item()
+
+
+# ---------------------------------------------------------------------------
+# Drafter test doubles
+
+
+def committed_sequence(prompt, block, context, cache) -> list:
+    """The committed tokens up to and including the anchor, tracked from what
+    the loop injects: ``context`` holds the taps of the positions committed
+    since the last call (the whole prompt on the first call: any other
+    length is a loop bug, reported here)."""
+    n = context.shape[1]
+    new = list(prompt) if cache["last"] is None else cache["last"][:n]
+    assert n == len(new), f"the drafter was fed {n} context positions, {len(new)} were committed"
+    cache["tokens"] += new
+    return cache["tokens"] + [int(block[0, 0].item())]
+
+
+class FakeDrafter:
+    """Base of the test doubles behind the drafter interface: binds the
+    target's adapter (one tap) and tracks the committed tokens."""
+
+    mask_token_id = 0
+
+    def __init__(self, prompt, block_size):
+        self.prompt, self.block_size, self._target = list(prompt), block_size, None
+
+    def bind(self, model):
+        self._target = adapter_for(model)
+        self._target.tap_ids = [0]
+        return self
+
+    @property
+    def target(self):
+        return self._target
+
+    def check_block_size(self, block_size):
+        pass
+
+    def make_cache(self):
+        return {"tokens": [], "last": None}
+
+    def propose(self, block, context, cache):
+        seq = committed_sequence(self.prompt, block, context, cache)
+        tokens = self.draft(seq, block.shape[1] - 1)
+        cache["last"] = [seq[-1]] + tokens
+        return mx.array([tokens])
+
+
+class ScriptedDrafter(FakeDrafter):
+    """Proposes the target's true greedy continuation with a mistake planted
+    at a chosen slot each cycle, so every acceptance length 0..B-1 (and full
+    blocks) occurs."""
+
+    def __init__(self, reference, prompt, block_size, mistakes, vocab):
+        super().__init__(prompt, block_size)
+        self.reference, self.vocab = list(reference), vocab
+        self.mistakes = itertools.cycle(mistakes)
+
+    def draft(self, seq, n):
+        at = len(seq) - 1 - len(self.prompt)  # index of the anchor in the reference
+        proposal = (self.reference[at + 1 : at + 1 + n] + [0] * n)[:n]
+        slot = next(self.mistakes)
+        if slot < n:
+            proposal[slot] = (proposal[slot] + 1) % self.vocab
+        return proposal
+
+
+class DoubleDrafter(FakeDrafter):
+    """q close to p: proposes autoregressively from the target itself
+    (recomputed from the committed tokens) with fixed noise on its logits,
+    so long prefixes get accepted."""
+
+    def __init__(self, prompt, noise, block_size=4):
+        super().__init__(prompt, block_size)
+        self.noise = noise
+
+    def draft(self, seq, n, pick=lambda logits: (mx.argmax(logits), None)):
+        tokens, self.qs = [], []
+        for _ in range(n):
+            token, q = pick(self._target.model(mx.array([seq + tokens]))[0, -1] + self.noise)
+            tokens.append(token.item())
+            self.qs.append(q)
+        return tokens
+
+    def propose_with_probs(self, block, context, cache, temperature, top_p=0.0, top_k=0, min_p=0.0):
+        def pick(logits):
+            q = processed_probs(logits, temperature, top_p, top_k, min_p)
+            return sample(q), q
+
+        seq = committed_sequence(self.prompt, block, context, cache)
+        tokens = self.draft(seq, block.shape[1] - 1, pick)
+        cache["last"] = [seq[-1]] + tokens
+        return mx.array([tokens]), mx.stack(self.qs)[None]
+
+
+class EchoDFlash2(DFlash2DraftModel):
+    """A real DFlash2 drafter (its selector walk, its ``propose_with_probs``)
+    whose slot states are the target's own final states along the target's
+    greedy path, so its candidates are the tokens the target finds likely
+    (a random drafter's rarely are, and gives a sampling check no power).
+    The selector's pairwise term stays, from the seeded weights."""
+
+    def __init__(self, config: DFlashConfig, prompt, seed=0):
+        super().__init__(config)
+        seeded_init(self, seed, scale=0.3)
+        self.prompt = list(prompt)
+
+    def make_cache(self):
+        return {"tokens": [], "last": None}
+
+    def hidden_states(self, block_tokens, target_hidden, cache):
+        seq = committed_sequence(self.prompt, block_tokens, target_hidden, cache)
+        target, greedy = self.target, []
+        for _ in range(block_tokens.shape[1] - 2):
+            logits, _ = target.forward(mx.array([seq + greedy]), target.make_cache(), taps=[], record=False)
+            greedy.append(int(mx.argmax(logits[0, -1]).item()))
+        _, h = target.forward(mx.array([seq + greedy]), target.make_cache(), taps=[target.num_layers - 1], record=False)
+        states = target.backbone.norm(h[:, -(block_tokens.shape[1] - 1) :])
+        return mx.concatenate([states[:, :1], states], axis=1)  # slot 0's is never read
+
+    def select(self, block_tokens, target_hidden, cache, *args, **kw):
+        walk = super().select(block_tokens, target_hidden, cache, *args, **kw)
+        cache["last"] = [int(block_tokens[0, 0].item())] + walk.tokens[0].tolist()
+        return walk
 
 
 # ---------------------------------------------------------------------------
@@ -279,8 +611,6 @@ def make_gemma4_target(path: Path, base: dict, seed: int = 0, vocab_size=None) -
     ``base`` is a text config (GEMMA4_TEXT) or a multimodal one
     (:func:`gemma4_multimodal`); ``vocab_size`` defaults to the tokenizer's.
     """
-    from mlx_lm.utils import _get_classes as get_model_classes
-
     path = Path(path)
     vocab = vocab_size or write_tokenizer(path)
     if vocab_size:  # a smaller model vocabulary over the same tokenizer
@@ -289,9 +619,9 @@ def make_gemma4_target(path: Path, base: dict, seed: int = 0, vocab_size=None) -
     text = cfg.get("text_config", cfg)
     text.update(vocab_size=vocab, vocab_size_per_layer_input=vocab)
     cfg["vocab_size"] = vocab
-    model_cls, args_cls = get_model_classes(cfg)
-    model = model_cls(args_cls.from_dict(cfg))
-    _seeded_init(model, seed, scale=1.5)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    model, _ = load_model(path, strict=False)
+    seeded_init(model, seed, scale=1.5)
     rng = np.random.default_rng(seed)
     weights = {
         # a positive per-layer output scale, as trained checkpoints have
@@ -300,7 +630,6 @@ def make_gemma4_target(path: Path, base: dict, seed: int = 0, vocab_size=None) -
     }
     weights = to_gemma4_hf_layout(weights, multimodal="text_config" in cfg)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
 

@@ -111,15 +111,19 @@ def _metal_usable(implementation: str) -> bool:
     )
 
 
-def _verified(key: tuple, run_kernel: Callable, run_ops: Callable, same: Callable) -> bool:
-    """Run the kernel against the ops once per ``key``; any failure means ops."""
+def kernel_verified(key: tuple, run_kernel: Callable, run_ops: Callable, same: Callable) -> bool:
+    """Run the kernel against the ops once per ``key``; any failure means
+    the ops from then on, with one warning saying why."""
     if key not in _metal_verdicts:
         try:
             got, want = run_kernel(), run_ops()
             mx.eval(got, want)
-            _metal_verdicts[key] = bool(same(got, want))
-        except Exception:  # a kernel that does not build or run is not used
-            _metal_verdicts[key] = False
+            ok, why = bool(same(got, want)), "differs from the MLX ops"
+        except Exception as e:  # a kernel that does not build or run is not used
+            ok, why = False, f"failed ({type(e).__name__}: {e})"
+        _metal_verdicts[key] = ok
+        if not ok:
+            warnings.warn(f"DFlash2 Metal kernel {key} {why}: using the MLX ops instead", stacklevel=2)
     return _metal_verdicts[key]
 
 
@@ -132,7 +136,7 @@ def conv_mix(x: mx.array, base: mx.array, coef: mx.array, implementation: str = 
     """The conv in ``implementation`` (one of :data:`IMPLEMENTATIONS`)."""
     if _metal_usable(implementation):
         key = ("conv", x.dtype, base.dtype, coef.dtype, *coef.shape[-2:], x.shape[-1])
-        if _verified(
+        if kernel_verified(
             key,
             lambda: conv_mix_metal(x, base, coef),
             lambda: conv_mix_ops(x, base, coef),
@@ -298,7 +302,7 @@ def walk(unary, first, pair, noise, implementation: str = "auto"):
     """The walk in ``implementation`` (one of :data:`IMPLEMENTATIONS`)."""
     if unary.shape[1] > 1 and _metal_usable(implementation):
         args = (unary, first, pair, noise)
-        if _verified(("walk",), lambda: walk_metal(*args), lambda: walk_ops(*args), _walk_same):
+        if kernel_verified(("walk",), lambda: walk_metal(*args), lambda: walk_ops(*args), _walk_same):
             return tuple(walk_metal(*args))
     if implementation == "ops":
         return walk_ops(unary, first, pair, noise)

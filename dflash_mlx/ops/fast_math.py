@@ -74,15 +74,23 @@ silu = mx.compile(lambda x: x * _sigmoid(x))
 swiglu = mx.compile(lambda gate, x: gate * _sigmoid(gate) * x)
 
 
-@lru_cache(maxsize=None)
-def available() -> bool:
-    """Whether the fused functions equal MLX's ops bit for bit here.
+def available(device=None) -> bool:
+    """Whether the fused functions equal MLX's ops bit for bit on ``device``
+    (default: the current default device).
 
-    False off the CPU (MLX's own kernels are fast there) and if any probe
-    input differs, so a different MLX build or compiler falls back to the ops.
+    False off the CPU (MLX's own kernels are fast there, and a GPU refuses
+    the float64 the emulation needs) and if any probe input differs on the
+    CPU, so a different MLX build or compiler falls back to the ops. The
+    answer depends on the device, so it is never carried from one to another.
     """
-    if mx.default_device() != mx.cpu:
-        return False
+    device = mx.default_device() if device is None else device
+    kind = device if isinstance(device, mx.DeviceType) else device.type
+    return kind == mx.DeviceType.cpu and _exact_on_cpu()
+
+
+@lru_cache(maxsize=None)
+def _exact_on_cpu() -> bool:
+    """The probe, run once per process on the CPU."""
     with mx.stream(mx.cpu):
         probe = mx.concatenate(
             [
