@@ -32,6 +32,7 @@ from .defaults import DEFAULT_BENCH_MAX_TOKENS, DEFAULT_MAX_TOKENS
 from .errors import ArgumentError
 from .generate import cycle_lengths, encode_prompt, mean_tokens_per_cycle, stream_generate
 from .sampling import ACCEPTANCE_RULES
+from .timing import conv_selector_share, median_ms
 
 
 @dataclass
@@ -242,20 +243,10 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
     def drafter_forward():
         mx.eval(draft.propose(block, fresh, draft_cache))
 
-    def median_ms(fn):
-        for _ in range(3):
-            fn()
-        samples = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t)
-        return 1e3 * statistics.median(samples)
-
     return {
-        "target_1": median_ms(baseline_step),
-        f"target_{block_size}": median_ms(verify),
-        "drafter": median_ms(drafter_forward),
+        "target_1": median_ms(baseline_step, repeats),
+        f"target_{block_size}": median_ms(verify, repeats),
+        "drafter": median_ms(drafter_forward, repeats),
     }
 
 
@@ -496,8 +487,6 @@ def main(argv=None):
             max_tokens=args.max_tokens, block_size=args.block_size,
         )
     if draft.config.architecture == "DFlash2DraftModel":
-        from .timing import conv_selector_share
-
         report["conv_selector_share"] = conv_selector_share(draft, block_size=report["block_size"])
     if args.ttft_turn1:
         report["second_turn_ttft"] = second_turn_ttft(model, draft, tokenizer, prompts, args.ttft_turn1)
