@@ -192,7 +192,8 @@ def generate_step(
     - ``"speculative"`` (default): the drafter samples its block from its own
       processed distribution q; each draft token survives with probability
       min(1, p/q) against the target's processed p, the first rejected slot
-      is resampled from max(0, p - q) (reference section 6).
+      is resampled from max(0, p - q) (speculative sampling, see
+      :mod:`dflash_mlx.sampling`).
     - ``"exact-match"``: the drafter proposes greedily, the target samples
       every slot, and a draft token survives only if it equals that sample.
       Simpler, accepts less; kept for comparison.
@@ -228,9 +229,9 @@ def generate_step(
 def decode(target, draft, cache: PromptCache, logits, rule, block_size, max_tokens, eos, want_logprobs):
     """The cycles: draft, verify, accept, roll back, commit (one host sync each)."""
     # On a GPU the host builds the next graph while the device computes. On
-    # the CPU backend that overlap takes cores from the compute threads (on
-    # two cores, 1 ms of host work during the draft cost 3 ms), so there each
-    # phase runs to completion before the host goes on: 3% faster a cycle.
+    # the CPU backend that overlap takes cores from the compute threads, so
+    # there each phase runs to completion before the host goes on (measured
+    # in BENCHMARKS.md, "Where the time goes").
     settle = mx.async_eval if mx.default_device() == mx.gpu else mx.eval
     speculative = rule.sampling is not None
 

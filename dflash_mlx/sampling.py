@@ -1,4 +1,5 @@
-"""Exact speculative sampling at temperature > 0 (reference section 6).
+"""Exact speculative sampling at temperature > 0 (Leviathan et al., arXiv
+2211.17192; Chen et al., arXiv 2302.01318).
 
 Rejection sampling needs the target's and the drafter's *processed*
 distributions as explicit vectors, not just a sampled token, so

@@ -196,8 +196,8 @@ class HybridTarget(TargetAdapter):
     def _fused_linear_layer(self, i, layer, h, cache, records):
         """Verify-block forward of GatedDeltaNet layer ``i`` as one compiled
         function. A verify block has fixed shapes, so each layer traces once;
-        fusing its ~100 small ops saves about a fifth of the layer's time on
-        the CPU, bit-identical to running them one by one (tested)."""
+        fusing its many small ops saves per-op dispatch on the CPU (measured
+        in BENCHMARKS.md), bit-identical to running them one by one (tested)."""
         fn = self._compiled_layers.get(i)
         if fn is None:
             fn = mx.compile(partial(linear_layer_block, layer), inputs=layer.state)
