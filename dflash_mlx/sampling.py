@@ -21,6 +21,8 @@ from typing import Tuple
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from .errors import ArgumentError
+
 ACCEPTANCE_RULES = ("speculative", "exact-match")
 
 
@@ -40,7 +42,7 @@ def processed_probs(
     the temperature divides what survives.
     """
     if temperature <= 0:
-        raise ValueError("processed_probs needs temperature > 0 (temperature 0 is argmax)")
+        raise ArgumentError("processed_probs needs temperature > 0 (temperature 0 is argmax)")
     logprobs = logits.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     if 0 < top_p < 1.0:

@@ -21,6 +21,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextRMSNormGated
 
+from ..errors import ArgumentError
 from ..ops import fast_math
 from ..ops.gated_delta import DeltaChunk, chunked_gated_delta, log_decay
 from .base import TargetAdapter
@@ -188,7 +189,7 @@ class HybridTarget(TargetAdapter):
         text = getattr(model, "language_model", model)
         super().__init__(model, text, text.model)
         if recurrence not in ("auto", "chunked", "sequential"):
-            raise ValueError("recurrence must be 'auto', 'chunked' or 'sequential'")
+            raise ArgumentError("recurrence must be 'auto', 'chunked' or 'sequential'")
         self.chunked = recurrence == "chunked" or (recurrence == "auto" and not has_fused_recurrence())
         self.compile_layers = compile_layers
         self._compiled_layers = {}
