@@ -28,7 +28,7 @@ from typing import Dict, Iterable, List
 import mlx.core as mx
 
 from . import cli
-from .defaults import DEFAULT_BENCH_MAX_TOKENS, DEFAULT_MAX_TOKENS
+from .defaults import DEFAULT_BENCH_MAX_TOKENS, DEFAULT_BENCH_REPEATS, DEFAULT_MAX_TOKENS
 from .errors import ArgumentError
 from .generate import cycle_lengths, encode_prompt, mean_tokens_per_cycle, stream_generate
 from .sampling import ACCEPTANCE_RULES
@@ -298,7 +298,10 @@ def speculative_baseline(model, ar_draft, tokenizer, prompts, max_tokens, ar_ref
     }
 
 
-def benchmark(model, draft, tokenizer, prompts: List[str], max_tokens=DEFAULT_BENCH_MAX_TOKENS, block_size=None, repeats=2):
+def benchmark(
+    model, draft, tokenizer, prompts: List[str], max_tokens=DEFAULT_BENCH_MAX_TOKENS, block_size=None,
+    repeats=DEFAULT_BENCH_REPEATS,
+):
     """The report, and mlx-lm's run of each prompt (the reference outputs).
 
     Each prompt's autoregressive and DFlash runs alternate ``repeats``
@@ -443,7 +446,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--num-prompts", type=cli.positive_int, default=None)
     p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_BENCH_MAX_TOKENS)
     cli.add_block_size_argument(p)
-    p.add_argument("--repeats", type=cli.positive_int, default=2, help="timed runs per prompt of each configuration, alternating")
+    p.add_argument("--repeats", type=cli.positive_int, default=DEFAULT_BENCH_REPEATS, help="timed runs per prompt of each configuration, alternating")
     p.add_argument("--ar-draft-model", default=None, help="also run mlx-lm's classic speculative decoding with this autoregressive drafter")
     p.add_argument("--num-draft-tokens", type=cli.positive_int, default=3, help="draft tokens per step for --ar-draft-model")
     p.add_argument("--temp", type=float, default=None, help="also compare tokens per cycle of rejection sampling vs exact match at this temperature")

@@ -434,11 +434,18 @@ class RequestScope:
         return ctx, responses
 
 
+def port_number(text: str) -> int:
+    """argparse ``type`` for ``--port``: 0 (any free port) to 65535."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {text!r}")
+    return int(text)
+
+
 def setup_arg_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(description="OpenAI-compatible HTTP server for a target model drafted by DFlash.")
     cli.add_pair_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080, help="port to listen on (0 picks a free one)")
+    p.add_argument("--port", type=port_number, default=8080, help="port to listen on (0 picks a free one)")
     p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=["*"], help="comma-separated CORS origins")
     p.add_argument("--block-size", type=cli.positive_int, default=None, help="verify width (default: the drafter's; a request's num_draft_tokens sets block_size - 1)")
     p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS, help="default max_tokens of a request")
@@ -453,17 +460,34 @@ def setup_arg_parser() -> cli.ArgumentParser:
     return p
 
 
-def make_server(args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
-    """The HTTP server and its generation thread, bound but not serving yet."""
+def listen(args) -> ThreadingHTTPServer:
+    """The HTTP server bound to ``--host``/``--port``, before any model is
+    loaded (a taken port fails at once); :func:`add_generator` completes it."""
+    try:
+        server = ThreadingHTTPServer(
+            (args.host, args.port), lambda *a, **kw: DFlashAPIHandler(server.generator, *a, **kw)
+        )
+    except OSError as e:  # the address is taken or not ours
+        raise ArgumentError(
+            f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; choose another --host/--port"
+        ) from None
+    return server
+
+
+def add_generator(server: ThreadingHTTPServer, args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
+    """Give a bound server its generation thread over the loaded pair."""
     if args.chat_template:
         tokenizer.chat_template = args.chat_template
     elif args.use_default_chat_template and tokenizer.chat_template is None:
         tokenizer.chat_template = tokenizer.default_chat_template
     args.num_draft_tokens = (args.block_size or draft.block_size) - 1
-    generator = DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
-    server = ThreadingHTTPServer((args.host, args.port), lambda *a, **kw: DFlashAPIHandler(generator, *a, **kw))
-    server.generator = generator
+    server.generator = DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
     return server
+
+
+def make_server(args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
+    """The HTTP server and its generation thread, bound but not serving yet."""
+    return add_generator(listen(args), args, model, tokenizer, draft, draft_id)
 
 
 def main(argv=None):
@@ -471,11 +495,12 @@ def main(argv=None):
 
     args = setup_arg_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
-    model, tokenizer, draft, draft_id = load_pair(args.model, args.draft_model)
+    server = listen(args)
     try:
-        server = make_server(args, model, tokenizer, draft, draft_id)
-    except OSError as e:  # the address is taken or not ours
-        raise ArgumentError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; choose another --host/--port") from None
+        add_generator(server, args, *load_pair(args.model, args.draft_model))
+    except BaseException:
+        server.server_close()
+        raise
     host, port = server.server_address[:2]
     print(f"mlx-dflash server listening on http://{host}:{port}", file=sys.stderr, flush=True)
     try:

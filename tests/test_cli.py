@@ -138,8 +138,31 @@ def test_every_command_rejects_bad_counts_in_one_line(command, args, needles):
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_reports_a_missing_model_in_one_line(command, tmp_path):
     missing = str(tmp_path / "no-such-model")
-    done = run_module(f"dflash_mlx.{command}", "--model", missing, "--draft-model", missing)
+    port = ["--port", "0"] if command == "server" else []  # whatever holds 8080 on this machine
+    done = run_module(f"dflash_mlx.{command}", "--model", missing, "--draft-model", missing, *port)
     assert_one_error_line(done, "no-such-model")
+
+
+def test_server_rejects_a_bad_port_in_one_line():
+    for port in ("-1", "70000", "http"):
+        assert_one_error_line(run_module("dflash_mlx.server", "--port", port), "--port", "0 to 65535")
+
+
+def test_server_reports_a_taken_port_in_one_line_before_loading(tmp_path, capsys):
+    import socket
+
+    from dflash_mlx import server
+
+    missing = str(tmp_path / "no-such-model")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # the port is checked before the (missing) model is loaded
+        rc = cli.run(server.main, ["--model", missing, "--draft-model", missing, "--port", str(port)])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot listen on 127.0.0.1:{port}") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "server"])
