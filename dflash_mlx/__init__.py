@@ -1,5 +1,13 @@
 """dflash_mlx: lossless DFlash / DFlash2 speculative decoding on MLX."""
 
+import warnings
+
+# `python -m dflash_mlx.generate` runs a module this package has imported
+# already (for its API, as mlx_lm's __init__ imports mlx_lm.generate); the
+# module defines and runs nothing at import, so runpy's warning about it is
+# noise on a command's stderr.
+warnings.filterwarnings("ignore", message=r"'dflash_mlx\.generate' found in sys\.modules", category=RuntimeWarning)
+
 from ._version import __version__
 from .cache import PromptCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 from .generate import GenerationResponse, generate, generate_step, stream_generate

@@ -22,12 +22,17 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, Iterable, List
 
 import mlx.core as mx
 
-from .generate import encode_prompt, stream_generate
+from . import cli
+from .defaults import DEFAULT_BENCH_MAX_TOKENS, DEFAULT_BENCH_REPEATS, DEFAULT_MAX_TOKENS
+from .errors import ArgumentError
+from .generate import cycle_lengths, encode_prompt, mean_tokens_per_cycle, stream_generate
 from .sampling import ACCEPTANCE_RULES
+from .timing import conv_selector_share, median_ms
 
 
 @dataclass
@@ -128,22 +133,19 @@ def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=No
     each cycle counts as host time."""
     if timer is not None:
         draft = TimedDraft(draft, timer)
-    tokens, accepted, last = [], [], None
-    for i, last in enumerate(
-        stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size)
-    ):
-        tokens += last.tokens
-        if i:  # response 0 is the prefill's token
-            accepted.append(last.accepted)
-        elif timer is not None:
+    responses = []
+    for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size):
+        if not responses and timer is not None:  # the cycles start after the prefill's token
             timer.start_cycles()
+        responses.append(r)
     if timer is not None:
         timer.stop_cycles()
     return {
-        "tokens": tokens,
-        "tps": last.generation_tps,
-        "accepted": accepted,
-        "peak_memory": last.peak_memory,
+        "tokens": [t for r in responses for t in r.tokens],
+        "tps": responses[-1].generation_tps,
+        "accepted": [r.accepted for r in responses[1:]],
+        "committed": cycle_lengths(responses),
+        "peak_memory": responses[-1].peak_memory,
     }
 
 
@@ -154,7 +156,7 @@ def tokens_per_cycle_by_rule(
     prompts: Iterable,
     *,
     temperature: float = 0.7,
-    max_tokens: int = 256,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     seed: int = 0,
     **kwargs,
 ) -> Dict[str, float]:
@@ -164,29 +166,18 @@ def tokens_per_cycle_by_rule(
 
     Returns ``{"speculative": ..., "exact-match": ...}``. ``kwargs`` go to
     ``stream_generate`` (``top_p``, ``top_k``, ``min_p``, ``block_size``...).
-    The prefill token is not a cycle and is not counted.
     """
     prompts = list(prompts)
     result = {}
     for rule in ACCEPTANCE_RULES:
-        committed = cycles = 0
+        lengths = []
         for i, prompt in enumerate(prompts):
             mx.random.seed(seed + i)
             responses = stream_generate(
-                model,
-                draft,
-                tokenizer,
-                prompt,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                acceptance=rule,
-                **kwargs,
+                model, draft, tokenizer, prompt, max_tokens=max_tokens, temperature=temperature, acceptance=rule, **kwargs
             )
-            next(responses)  # the prefill token
-            for r in responses:
-                committed += r.committed
-                cycles += 1
-        result[rule] = committed / max(cycles, 1)
+            lengths += cycle_lengths(list(responses))
+        result[rule] = mean_tokens_per_cycle(lengths)
     return result
 
 
@@ -252,20 +243,10 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
     def drafter_forward():
         mx.eval(draft.propose(block, fresh, draft_cache))
 
-    def median_ms(fn):
-        for _ in range(3):
-            fn()
-        samples = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t)
-        return 1e3 * statistics.median(samples)
-
     return {
-        "target_1": median_ms(baseline_step),
-        f"target_{block_size}": median_ms(verify),
-        "drafter": median_ms(drafter_forward),
+        "target_1": median_ms(baseline_step, repeats),
+        f"target_{block_size}": median_ms(verify, repeats),
+        "drafter": median_ms(drafter_forward, repeats),
     }
 
 
@@ -317,7 +298,10 @@ def speculative_baseline(model, ar_draft, tokenizer, prompts, max_tokens, ar_ref
     }
 
 
-def benchmark(model, draft, tokenizer, prompts: List[str], max_tokens=128, block_size=None, repeats=2):
+def benchmark(
+    model, draft, tokenizer, prompts: List[str], max_tokens=DEFAULT_BENCH_MAX_TOKENS, block_size=None,
+    repeats=DEFAULT_BENCH_REPEATS,
+):
     """The report, and mlx-lm's run of each prompt (the reference outputs).
 
     Each prompt's autoregressive and DFlash runs alternate ``repeats``
@@ -342,9 +326,9 @@ def benchmark(model, draft, tokenizer, prompts: List[str], max_tokens=128, block
         timed.append(runs)
         # The forwards that bound the speedup, timed right after the runs they
         # bound and at this prompt's context, so that drift on a shared
-        # machine moves both alike; the drafter injects what this run accepted.
-        accepted = runs[1]["accepted"]
-        new_context = round(1 + statistics.mean(accepted)) if accepted else 1
+        # machine moves both alike; the drafter injects what this run committed.
+        committed = runs[1]["committed"]
+        new_context = round(mean_tokens_per_cycle(committed)) if committed else 1
         ids = encode_prompt(tokenizer, prompt)
         timings.append(time_forwards(model, draft, ids, block_size, new_context, repeats=10))
     # Phase timings sync after every phase, so they get their own pass.
@@ -361,9 +345,9 @@ def benchmark(model, draft, tokenizer, prompts: List[str], max_tokens=128, block
     df_tokens = sum(len(r["tokens"]) for r in df_timed)
     ar_time = sum(len(r["tokens"]) / r["tps"] for r in ar_timed)
     df_time = sum(len(r["tokens"]) / r["tps"] for r in df_timed)
-    accepted = [a for r in df for a in r["accepted"]]
-    hist = Counter(a + 1 for a in accepted)
-    tokens_per_cycle = statistics.mean(a + 1 for a in accepted) if accepted else 1.0
+    committed = [c for r in df for c in r["committed"]]
+    hist = Counter(committed)
+    tokens_per_cycle = mean_tokens_per_cycle(committed)
     forwards = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
     ideal = tokens_per_cycle * forwards["target_1"] / (forwards[f"target_{block_size}"] + forwards["drafter"])
     speedup = (df_tokens / df_time) / (ar_tokens / ar_time)
@@ -445,8 +429,6 @@ def plot(r: dict, path: str) -> None:
     ax1.set_title(f"acceptance (mean {r['mean_tokens_per_cycle']:.2f})")
     names = ["autoregressive", "DFlash"]
     values = [r["autoregressive_tps"], r["dflash_tps"]]
-    if "speculative_unavailable" in r:
-        print(f"mlx-lm speculative       not available: {r['speculative_unavailable']}")
     if "speculative_tps" in r:
         names.insert(1, "spec. (mlx-lm)")
         values.insert(1, r["speculative_tps"])
@@ -457,37 +439,42 @@ def plot(r: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def setup_arg_parser():
-    from .pair import DEFAULT_TARGET
-
-    p = argparse.ArgumentParser(description="Benchmark DFlash against autoregressive decoding of the same target.")
-    p.add_argument("--model", default=str(DEFAULT_TARGET))
-    p.add_argument("--draft-model", default=None)
+def setup_arg_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(description="Benchmark DFlash against autoregressive decoding of the same target.")
+    cli.add_pair_arguments(p)
     p.add_argument("--prompts", default=None, help="JSON list of prompts (default: the bundled held-out prompts)")
-    p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per prompt of each configuration, alternating")
+    p.add_argument("--num-prompts", type=cli.positive_int, default=None)
+    p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_BENCH_MAX_TOKENS)
+    cli.add_block_size_argument(p)
+    p.add_argument("--repeats", type=cli.positive_int, default=DEFAULT_BENCH_REPEATS, help="timed runs per prompt of each configuration, alternating")
     p.add_argument("--ar-draft-model", default=None, help="also run mlx-lm's classic speculative decoding with this autoregressive drafter")
-    p.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens per step for --ar-draft-model")
-    p.add_argument("--sampling-temp", type=float, default=None, help="also compare tokens per cycle of rejection sampling vs exact match at this temperature")
-    p.add_argument("--ttft-turn1", type=int, default=None, help="also time the first token of a second turn on the prompt cache after a turn 1 of this many tokens")
+    p.add_argument("--num-draft-tokens", type=cli.positive_int, default=3, help="draft tokens per step for --ar-draft-model")
+    p.add_argument("--temp", type=float, default=None, help="also compare tokens per cycle of rejection sampling vs exact match at this temperature")
+    p.add_argument("--sampling-temp", dest="temp", type=float, help=argparse.SUPPRESS)  # the old spelling
+    p.add_argument("--ttft-turn1", type=cli.positive_int, default=None, help="also time the first token of a second turn on the prompt cache after a turn 1 of this many tokens")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG figure here")
     return p
+
+
+def read_prompts(path) -> List[str]:
+    """The ``--prompts`` file: a JSON list of strings."""
+    prompts = json.loads(open(path).read())
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ArgumentError(f"--prompts {path}: expected a non-empty JSON list of strings")
+    return prompts
 
 
 def main(argv=None):
     from .pair import default_prompts, load_pair
 
     args = setup_arg_parser().parse_args(argv)
-    try:
-        model, tokenizer, draft, draft_path = load_pair(args.model, args.draft_model)
-        prompts = json.loads(open(args.prompts).read()) if args.prompts else default_prompts()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ArgumentError(f"{flag} {path}: its directory does not exist")
+    prompts = read_prompts(args.prompts) if args.prompts else default_prompts()
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    model, tokenizer, draft, draft_path = load_pair(args.model, args.draft_model)
     report, ar_runs = benchmark(model, draft, tokenizer, prompts, args.max_tokens, args.block_size, args.repeats)
     if args.ar_draft_model:
         from mlx_lm import load as mlx_lm_load
@@ -496,15 +483,13 @@ def main(argv=None):
         report.update(
             speculative_baseline(model, ar_draft, tokenizer, prompts, args.max_tokens, ar_runs, args.num_draft_tokens)
         )
-    if args.sampling_temp:
-        report["sampling_temperature"] = args.sampling_temp
+    if args.temp:
+        report["sampling_temperature"] = args.temp
         report["sampled_tokens_per_cycle"] = tokens_per_cycle_by_rule(
-            model, draft, tokenizer, prompts, temperature=args.sampling_temp,
+            model, draft, tokenizer, prompts, temperature=args.temp,
             max_tokens=args.max_tokens, block_size=args.block_size,
         )
     if draft.config.architecture == "DFlash2DraftModel":
-        from .timing import conv_selector_share
-
         report["conv_selector_share"] = conv_selector_share(draft, block_size=report["block_size"])
     if args.ttft_turn1:
         report["second_turn_ttft"] = second_turn_ttft(model, draft, tokenizer, prompts, args.ttft_turn1)
@@ -519,4 +504,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -30,6 +30,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as lm_cache
 
+from .errors import ArgumentError
 from .targets.base import TargetCache
 
 
@@ -133,7 +134,7 @@ def load_prompt_cache(file_name: str, draft, return_metadata: bool = False):
     drafter the cache was made with) builds the drafter's side."""
     arrays, metadata = mx.load(file_name, return_metadata=True)
     if "dflash_mlx" not in metadata:
-        raise ValueError(f"{file_name} is not a dflash_mlx prompt cache (save it with save_prompt_cache)")
+        raise ArgumentError(f"{file_name} is not a dflash_mlx prompt cache (save it with save_prompt_cache)")
     info = json.loads(metadata.pop("dflash_mlx"))
     leaves = sorted({**arrays, **info["scalars"]}.items(), key=lambda kv: [int(p) if p.isdigit() else p for p in kv[0].split(".")])
     tree = tree_unflatten(leaves)
@@ -143,7 +144,7 @@ def load_prompt_cache(file_name: str, draft, return_metadata: bool = False):
     )
     draft_cache = draft.make_cache()
     if len(draft_cache) != len(draft_states):
-        raise ValueError(
+        raise ArgumentError(
             f"{file_name} holds a drafter context of {len(draft_states)} layers, but this "
             f"drafter has {len(draft_cache)}: load it with the drafter it was made with"
         )

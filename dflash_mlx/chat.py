@@ -8,28 +8,25 @@ conversation. Targets without a chat template (the bundled code model)
 continue the running text instead.
 """
 
-import argparse
 import sys
 
 import mlx.core as mx
 
+from . import cli
 from .cache import make_prompt_cache
-from .generate import stream_generate
+from .defaults import DEFAULT_MAX_TOKENS
+from .generate import cycle_lengths, mean_tokens_per_cycle, stream_generate
 
 
-def setup_arg_parser():
-    from .pair import DEFAULT_TARGET
-
-    p = argparse.ArgumentParser(description="Chat with a target model, drafted by DFlash.")
-    p.add_argument("--model", default=str(DEFAULT_TARGET))
-    p.add_argument("--draft-model", default=None)
-    p.add_argument("--max-tokens", "-m", type=int, default=512)
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=0.0)
+def setup_arg_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(description="Chat with a target model, drafted by DFlash.")
+    cli.add_pair_arguments(p)
+    p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS)
+    cli.add_sampling_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="PRNG seed")
-    p.add_argument("--block-size", type=int, default=None)
+    cli.add_block_size_argument(p)
     p.add_argument("--system-prompt", default=None)
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    cli.add_prefill_step_size_argument(p)
     return p
 
 
@@ -48,11 +45,7 @@ def main(argv=None, input_fn=input):
     from .pair import load_pair
 
     args = setup_arg_parser().parse_args(argv)
-    try:
-        model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
     mx.random.seed(args.seed)
     templated = bool(getattr(tokenizer, "chat_template", None))
     print("[q quits, r resets]" + ("" if templated else " [no chat template: text continuation]"))
@@ -68,22 +61,21 @@ def main(argv=None, input_fn=input):
             cache = make_prompt_cache(model, draft)
             print("[conversation reset]")
             continue
-        reused, cycles, committed = cache.offset, 0, 0
+        reused, responses = cache.offset, []
         for r in stream_generate(
             model, draft, tokenizer, turn_prompt(tokenizer, query, args.system_prompt),
             prompt_cache=cache, block_size=args.block_size, max_tokens=args.max_tokens,
-            temperature=args.temp, top_p=args.top_p, prefill_step_size=args.prefill_step_size,
+            temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            prefill_step_size=args.prefill_step_size,
         ):
             print(r.text, end="", flush=True)
-            cycles += 1
-            committed += r.committed
-        # The first response is the prefill's token, not a verify cycle.
+            responses.append(r)
         print(
             f"\n[{r.generation_tps:.1f} tok/s, {reused} prompt tokens reused, "
-            f"{(committed - 1) / max(1, cycles - 1):.2f} tokens/cycle]"
+            f"{mean_tokens_per_cycle(cycle_lengths(responses)):.2f} tokens/cycle]"
         )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

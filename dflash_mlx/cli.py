@@ -10,6 +10,7 @@ import importlib
 import sys
 from typing import Callable, Optional, Sequence
 
+from .defaults import DEFAULT_PREFILL_STEP_SIZE
 from .errors import DFlashError
 
 COMMANDS = {
@@ -58,6 +59,30 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--draft-model``, as every command that loads a pair spells them."""
+    from .pair import DEFAULT_TARGET
+
+    parser.add_argument("--model", default=str(DEFAULT_TARGET), help="target: local path or Hugging Face id (default: the bundled pair)")
+    parser.add_argument("--draft-model", default=None, help="DFlash/DFlash2 drafter: local path or Hugging Face id (default: the bundled pair's when --model is the default)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's sampling flags; 0 turns each one off (greedy at ``--temp 0``)."""
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (0 = off)")
+
+
+def add_block_size_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--block-size", type=positive_int, default=None, help="verify width (default: the drafter's trained block size; 1 = plain decoding)")
+
+
+def add_prefill_step_size_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill-step-size", type=positive_int, default=DEFAULT_PREFILL_STEP_SIZE, help="prompt tokens per prefill forward")
 
 
 def main(argv=None):

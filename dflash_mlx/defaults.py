@@ -6,11 +6,14 @@ from mlx_lm.generate import DEFAULT_PREFILL_STEP_SIZE
 DEFAULT_MAX_TOKENS = 256
 # Tokens per prompt in `mlx-dflash bench`: long enough for steady-state cycles.
 DEFAULT_BENCH_MAX_TOKENS = 128
+# Timed runs per prompt and decoder in `mlx-dflash bench` (alternating).
+DEFAULT_BENCH_REPEATS = 2
 # Verify width of a drafter config that names none (z-lab's drafters use 16).
 DEFAULT_BLOCK_SIZE = 16
 
 __all__ = [
     "DEFAULT_BENCH_MAX_TOKENS",
+    "DEFAULT_BENCH_REPEATS",
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_PREFILL_STEP_SIZE",

@@ -3,19 +3,21 @@
     python -m dflash_mlx.generate --prompt "def fib(n):"
 """
 
-import argparse
 import sys
 import time
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Callable, Generator, Iterable, List, Optional, Tuple, Union
+from typing import Callable, Generator, Iterable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import cli
 from .cache import PromptCache, bound_target, make_prompt_cache
+from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
+from .errors import ArgumentError
 from .sampling import ACCEPTANCE_RULES, processed_probs, speculative_accept
 
 
@@ -48,6 +50,17 @@ class GenerationResponse:
     finish_reason: Optional[str] = None
 
 
+def cycle_lengths(responses: Sequence[GenerationResponse]) -> List[int]:
+    """Tokens committed by each verify cycle of one generation, from its
+    responses: the first response is the prefill's token, not a cycle."""
+    return [r.committed for r in responses[1:]]
+
+
+def mean_tokens_per_cycle(lengths: Sequence[int]) -> float:
+    """Mean of :func:`cycle_lengths` (pooled over generations); 0 without cycles."""
+    return sum(lengths) / max(1, len(lengths))
+
+
 def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     """str, token list or mx.array -> 1-D token array (mlx-lm's rule for BOS)."""
     if isinstance(prompt, mx.array):
@@ -73,7 +86,7 @@ def accept_greedy(draft_tokens: mx.array, target_tokens: mx.array) -> Tuple[mx.a
     return accepted, mx.take_along_axis(target_tokens, accepted[..., None], axis=-1)[..., 0]
 
 
-def feed(target, cache: PromptCache, tokens: List[int], step: int = 2048, progress=None) -> None:
+def feed(target, cache: PromptCache, tokens: List[int], step: int = DEFAULT_PREFILL_STEP_SIZE, progress=None) -> None:
     """Run the target over the cache's pending tokens and ``tokens``, all but
     the last, which stays pending (so the cache can stop at any boundary and
     still produce that position's logits later).
@@ -131,7 +144,7 @@ class AcceptanceRule:
 
 def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance) -> AcceptanceRule:
     if acceptance not in ACCEPTANCE_RULES:
-        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, not {acceptance!r}")
+        raise ArgumentError(f"acceptance must be one of {ACCEPTANCE_RULES}, not {acceptance!r}")
     sampling = None
     if sampler is None and temperature > 0:
         sampler = make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)
@@ -146,7 +159,7 @@ def generate_step(
     draft,
     *,
     prompt_cache: Optional[PromptCache] = None,
-    max_tokens: int = 256,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     block_size: Optional[int] = None,
     temperature: float = 0.0,
     top_p: float = 0.0,
@@ -156,7 +169,7 @@ def generate_step(
     acceptance: str = "speculative",
     eos_token_ids: Iterable[int] = (),
     logprobs: bool = False,
-    prefill_step_size: int = 2048,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stream=generation_stream,
 ) -> Generator[Tuple[int, Optional[mx.array], bool], None, None]:
@@ -179,7 +192,8 @@ def generate_step(
     - ``"speculative"`` (default): the drafter samples its block from its own
       processed distribution q; each draft token survives with probability
       min(1, p/q) against the target's processed p, the first rejected slot
-      is resampled from max(0, p - q) (reference section 6).
+      is resampled from max(0, p - q) (speculative sampling, see
+      :mod:`dflash_mlx.sampling`).
     - ``"exact-match"``: the drafter proposes greedily, the target samples
       every slot, and a draft token survives only if it equals that sample.
       Simpler, accepts less; kept for comparison.
@@ -192,16 +206,16 @@ def generate_step(
     """
     rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
     if max_tokens < 1:
-        raise ValueError("max_tokens must be at least 1")
+        raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
     block_size = draft.block_size if block_size is None else int(block_size)
     if block_size < 1:
-        raise ValueError("block_size must be at least 1")
+        raise ArgumentError(f"block_size must be at least 1, got {block_size}")
     draft.check_block_size(block_size)
     target = bound_target(model, draft)
     cache = make_prompt_cache(model, draft) if prompt_cache is None else prompt_cache
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt and not cache.pending:
-        raise ValueError("the prompt is empty")
+        raise ArgumentError("the prompt is empty")
     with mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
@@ -215,9 +229,9 @@ def generate_step(
 def decode(target, draft, cache: PromptCache, logits, rule, block_size, max_tokens, eos, want_logprobs):
     """The cycles: draft, verify, accept, roll back, commit (one host sync each)."""
     # On a GPU the host builds the next graph while the device computes. On
-    # the CPU backend that overlap takes cores from the compute threads (on
-    # two cores, 1 ms of host work during the draft cost 3 ms), so there each
-    # phase runs to completion before the host goes on: 3% faster a cycle.
+    # the CPU backend that overlap takes cores from the compute threads, so
+    # there each phase runs to completion before the host goes on (measured
+    # in BENCHMARKS.md, "Where the time goes").
     settle = mx.async_eval if mx.default_device() == mx.gpu else mx.eval
     speculative = rule.sampling is not None
 
@@ -289,7 +303,7 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, List[int], mx.array],
     *,
-    max_tokens: int = 256,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     prompt_cache: Optional[PromptCache] = None,
     stream=generation_stream,
     **kwargs,
@@ -359,18 +373,12 @@ def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -
     return text
 
 
-def setup_arg_parser() -> argparse.ArgumentParser:
-    from .pair import DEFAULT_TARGET
-
-    p = argparse.ArgumentParser(description="Generate text with a target model and a DFlash drafter.")
-    p.add_argument("--model", default=str(DEFAULT_TARGET), help="target: local path or Hugging Face id (default: the bundled pair)")
-    p.add_argument("--draft-model", default=None, help="DFlash/DFlash2 drafter: local path or Hugging Face id (default: the bundled pair's when --model is the default)")
+def setup_arg_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(description="Generate text with a target model and a DFlash drafter.")
+    cli.add_pair_arguments(p)
     p.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin; default: a bundled held-out prompt)")
-    p.add_argument("--max-tokens", "-m", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (0 = off)")
+    p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS)
+    cli.add_sampling_arguments(p)
     p.add_argument("--seed", type=int, default=None, help="seed mx.random for a reproducible sampled run")
     p.add_argument(
         "--acceptance",
@@ -378,10 +386,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default="speculative",
         help="rule for drafted tokens at --temp > 0: rejection sampling or exact match (both lossless)",
     )
-    p.add_argument("--block-size", type=int, default=None, help="verify width (default: the drafter's trained block size; 1 = plain decoding)")
+    cli.add_block_size_argument(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is")
     p.add_argument("--system-prompt", default=None)
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    cli.add_prefill_step_size_argument(p)
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="stream text and print statistics")
     p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started (see the README)")
     return p
@@ -401,17 +409,17 @@ def main(argv=None):
 
     args = setup_arg_parser().parse_args(argv)
     rank = mx.distributed.init().rank() if args.pipeline else 0
-    try:
-        if args.pipeline:
-            from .pipeline import load_pipelined_pair
+    if args.pipeline:
+        from .pipeline import load_pipelined_pair
 
+        try:
             model, tokenizer, draft = load_pipelined_pair(args.model, args.draft_model, seed=args.seed)
-        else:
-            model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
-    except (ValueError, FileNotFoundError) as e:
-        if rank == 0:  # with --pipeline every rank has the same message
-            print(f"error: {e}", file=sys.stderr)
-        return 1
+        except cli.USER_ERRORS:
+            if rank == 0:  # every rank has the same message: rank 0 says it
+                raise
+            return 1
+    else:
+        model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
     args.verbose = args.verbose and rank == 0  # only rank 0 prints
     if rank == 0 and str(args.model) == str(DEFAULT_TARGET):
         print(f"[bundled default pair: {DEFAULT_TARGET.parent}]", file=sys.stderr)
@@ -423,9 +431,8 @@ def main(argv=None):
         print(prompt, end="", flush=True)
     if args.seed is not None:
         mx.random.seed(args.seed)
-    cycles, committed = 0, 0
-    last = None
-    for last in stream_generate(
+    responses = []
+    for r in stream_generate(
         model,
         draft,
         tokenizer,
@@ -440,19 +447,18 @@ def main(argv=None):
         prefill_step_size=args.prefill_step_size,
     ):
         if args.verbose:
-            print(last.text, end="", flush=True)
-        cycles += 1
-        committed += last.committed
-    if args.verbose and last is not None:
+            print(r.text, end="", flush=True)
+        responses.append(r)
+    if args.verbose and responses:
+        last, cycles = responses[-1], cycle_lengths(responses)
         print("\n" + "=" * 10)
         print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
         print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
-        # The first response is the prefill's token, not a verify cycle.
-        if cycles > 1:
-            print(f"Mean tokens per cycle: {(committed - 1) / (cycles - 1):.2f} over {cycles - 1} cycles")
+        if cycles:
+            print(f"Mean tokens per cycle: {mean_tokens_per_cycle(cycles):.2f} over {len(cycles)} cycles")
         print(f"Peak memory: {last.peak_memory:.3f} GB")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -1,4 +1,5 @@
-"""Exact speculative sampling at temperature > 0 (reference section 6).
+"""Exact speculative sampling at temperature > 0 (Leviathan et al., arXiv
+2211.17192; Chen et al., arXiv 2302.01318).
 
 Rejection sampling needs the target's and the drafter's *processed*
 distributions as explicit vectors, not just a sampled token, so
@@ -20,6 +21,8 @@ from typing import Tuple
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from .errors import ArgumentError
+
 ACCEPTANCE_RULES = ("speculative", "exact-match")
 
 
@@ -39,7 +42,7 @@ def processed_probs(
     the temperature divides what survives.
     """
     if temperature <= 0:
-        raise ValueError("processed_probs needs temperature > 0 (temperature 0 is argmax)")
+        raise ArgumentError("processed_probs needs temperature > 0 (temperature 0 is argmax)")
     logprobs = logits.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     if 0 < top_p < 1.0:

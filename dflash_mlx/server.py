@@ -38,7 +38,10 @@ from mlx_lm.generate import generation_stream, make_stop_sequences, make_text_st
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import APIHandler, GenerationContext, Response, convert_chat, process_message_content
 
+from . import cli
 from .cache import make_prompt_cache
+from .defaults import DEFAULT_MAX_TOKENS
+from .errors import ArgumentError, DFlashError
 from .generate import feed, generate_step
 
 ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
@@ -54,7 +57,7 @@ UNSUPPORTED = {
 }
 
 
-class RequestError(ValueError):
+class RequestError(DFlashError, ValueError):
     """A bad request: answered with a 4xx OpenAI-style error."""
 
     def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
@@ -431,24 +434,25 @@ class RequestScope:
         return ctx, responses
 
 
-def setup_arg_parser():
-    from .pair import DEFAULT_TARGET
+def port_number(text: str) -> int:
+    """argparse ``type`` for ``--port``: 0 (any free port) to 65535."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {text!r}")
+    return int(text)
 
-    p = argparse.ArgumentParser(description="OpenAI-compatible HTTP server for a target model drafted by DFlash.")
-    p.add_argument("--model", default=str(DEFAULT_TARGET), help="target: local path or Hugging Face id (default: the bundled pair)")
-    p.add_argument("--draft-model", default=None, help="DFlash drafter (default: the bundled pair's when --model is the default)")
+
+def setup_arg_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(description="OpenAI-compatible HTTP server for a target model drafted by DFlash.")
+    cli.add_pair_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080, help="port to listen on (0 picks a free one)")
+    p.add_argument("--port", type=port_number, default=8080, help="port to listen on (0 picks a free one)")
     p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=["*"], help="comma-separated CORS origins")
-    p.add_argument("--block-size", type=int, default=None, help="verify width (default: the drafter's; a request's num_draft_tokens sets block_size - 1)")
-    p.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of a request")
-    p.add_argument("--temp", type=float, default=0.0, help="default temperature")
-    p.add_argument("--top-p", type=float, default=1.0, help="default top_p")
-    p.add_argument("--top-k", type=int, default=0, help="default top_k")
-    p.add_argument("--min-p", type=float, default=0.0, help="default min_p")
-    p.add_argument("--prompt-cache-size", type=int, default=10, help="most prompt caches kept")
-    p.add_argument("--prompt-cache-bytes", type=int, default=1 << 63, help="most bytes of prompt caches kept")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--block-size", type=cli.positive_int, default=None, help="verify width (default: the drafter's; a request's num_draft_tokens sets block_size - 1)")
+    p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS, help="default max_tokens of a request")
+    cli.add_sampling_arguments(p)  # a request's defaults
+    p.add_argument("--prompt-cache-size", type=cli.positive_int, default=10, help="most prompt caches kept")
+    p.add_argument("--prompt-cache-bytes", type=cli.positive_int, default=1 << 63, help="most bytes of prompt caches kept")
+    cli.add_prefill_step_size_argument(p)
     p.add_argument("--chat-template", default=None, help="a chat template to use instead of the tokenizer's")
     p.add_argument("--use-default-chat-template", action="store_true", help="use the tokenizer's default template when it has none")
     p.add_argument("--chat-template-args", type=json.loads, default={}, help="JSON arguments for the chat template")
@@ -456,17 +460,34 @@ def setup_arg_parser():
     return p
 
 
-def make_server(args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
-    """The HTTP server and its generation thread, bound but not serving yet."""
+def listen(args) -> ThreadingHTTPServer:
+    """The HTTP server bound to ``--host``/``--port``, before any model is
+    loaded (a taken port fails at once); :func:`add_generator` completes it."""
+    try:
+        server = ThreadingHTTPServer(
+            (args.host, args.port), lambda *a, **kw: DFlashAPIHandler(server.generator, *a, **kw)
+        )
+    except OSError as e:  # the address is taken or not ours
+        raise ArgumentError(
+            f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; choose another --host/--port"
+        ) from None
+    return server
+
+
+def add_generator(server: ThreadingHTTPServer, args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
+    """Give a bound server its generation thread over the loaded pair."""
     if args.chat_template:
         tokenizer.chat_template = args.chat_template
     elif args.use_default_chat_template and tokenizer.chat_template is None:
         tokenizer.chat_template = tokenizer.default_chat_template
     args.num_draft_tokens = (args.block_size or draft.block_size) - 1
-    generator = DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
-    server = ThreadingHTTPServer((args.host, args.port), lambda *a, **kw: DFlashAPIHandler(generator, *a, **kw))
-    server.generator = generator
+    server.generator = DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
     return server
+
+
+def make_server(args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
+    """The HTTP server and its generation thread, bound but not serving yet."""
+    return add_generator(listen(args), args, model, tokenizer, draft, draft_id)
 
 
 def main(argv=None):
@@ -474,15 +495,12 @@ def main(argv=None):
 
     args = setup_arg_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
-    if args.block_size is not None and args.block_size < 1:
-        print("error: --block-size must be at least 1", file=sys.stderr)
-        return 1
+    server = listen(args)
     try:
-        model, tokenizer, draft, draft_id = load_pair(args.model, args.draft_model)
-        server = make_server(args, model, tokenizer, draft, draft_id)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        add_generator(server, args, *load_pair(args.model, args.draft_model))
+    except BaseException:
+        server.server_close()
+        raise
     host, port = server.server_address[:2]
     print(f"mlx-dflash server listening on http://{host}:{port}", file=sys.stderr, flush=True)
     try:
@@ -496,4 +514,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

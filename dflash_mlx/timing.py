@@ -1,9 +1,11 @@
-"""Timing of drafter parts for ``mlx-dflash bench``.
+"""Timing helpers for ``mlx-dflash bench`` and the examples, and the timing
+of drafter parts.
 
 Kept out of the model files: a model module defines the model, the benchmark
 decides what to time.
 """
 
+import statistics
 import time
 from typing import Callable, Dict, Optional, Sequence
 
@@ -18,6 +20,19 @@ def seconds_per_call(fn: Callable, iters: int, warmup: int) -> float:
     for _ in range(iters):
         mx.eval(fn())
     return (time.perf_counter() - tic) / iters
+
+
+def median_ms(fn: Callable, repeats: int = 20, warmup: int = 3) -> float:
+    """Median wall time of ``fn()`` in ms over ``repeats`` calls, after ``warmup``
+    (``fn`` evaluates what it times)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - tic)
+    return 1e3 * statistics.median(samples)
 
 
 def conv_selector_share(

@@ -11,7 +11,6 @@ list of strings (or of {"prompt": ...} objects), or plain text with one prompt
 per line.
 """
 
-import argparse
 import json
 import sys
 import tempfile
@@ -19,9 +18,11 @@ import time
 from pathlib import Path
 
 import dflash_mlx
+from dflash_mlx import cli
 from dflash_mlx.benchmark import run_dflash
 from dflash_mlx.convert import convert
-from dflash_mlx.generate import build_prompt
+from dflash_mlx.defaults import DEFAULT_MAX_TOKENS
+from dflash_mlx.generate import build_prompt, mean_tokens_per_cycle
 
 
 def read_prompts(path: Path):
@@ -33,27 +34,25 @@ def read_prompts(path: Path):
 
 
 def run_variant(model, tokenizer, draft_dir, prompts, max_tokens):
-    """Greedy DFlash over all prompts: (tokens per prompt, cycles, committed)."""
+    """Greedy DFlash over all prompts: (tokens per prompt, tokens committed by each verify cycle)."""
     draft = dflash_mlx.load_draft(draft_dir, model)
-    outputs, cycles, committed = [], 0, 0
+    outputs, lengths = [], []
     for prompt in prompts:
         run = run_dflash(model, draft, tokenizer, prompt, max_tokens, draft.block_size)
         outputs.append(run["tokens"])
-        # Each verify cycle commits its accepted tokens plus one.
-        cycles += len(run["accepted"])
-        committed += len(run["accepted"]) + sum(run["accepted"])
-    return outputs, cycles, committed
+        lengths += run["committed"]
+    return outputs, lengths
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="target: local path or Hugging Face id")
     p.add_argument("--draft-model", required=True, help="float drafter: local path or Hugging Face id")
     p.add_argument("--prompts", required=True, type=Path, help="JSON list or one prompt per line")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS)
+    p.add_argument("--limit", type=cli.positive_int, default=None, help="use the first N prompts")
     p.add_argument("--bits", type=int, nargs="+", default=[8, 4], help="bit widths to compare (default 8 4)")
-    p.add_argument("--q-group-size", type=int, default=64)
+    p.add_argument("--q-group-size", type=cli.positive_int, default=64)
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompts as they are")
     args = p.parse_args(argv)
 
@@ -69,20 +68,21 @@ def main(argv=None):
                 draft_dir = str(Path(tmp) / f"q{bits}")
                 convert(args.draft_model, draft_dir, kind="draft", quantize=True, q_bits=bits, q_group_size=args.q_group_size)
             tic = time.perf_counter()
-            outputs, cycles, committed = run_variant(model, tokenizer, draft_dir, prompts, args.max_tokens)
+            outputs, lengths = run_variant(model, tokenizer, draft_dir, prompts, args.max_tokens)
             seconds = time.perf_counter() - tic
             if reference is None:
                 reference = outputs
             elif outputs != reference:
                 sys.exit(f"{label}: greedy output differs from the float drafter's (lossless decoding is broken)")
-            rows.append((label, committed / max(cycles, 1), cycles, seconds))
+            rows.append((label, mean_tokens_per_cycle(lengths), len(lengths), seconds))
     base = rows[0][1]
     print(f"\n{len(prompts)} prompts, {sum(map(len, reference))} generated tokens each run")
     print("| drafter | mean tokens/cycle | vs float | cycles | seconds |")
     print("|---|---|---|---|---|")
     for label, mean, cycles, seconds in rows:
         print(f"| {label} | {mean:.3f} | {100 * (mean / base - 1):+.1f}% | {cycles} | {seconds:.1f} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

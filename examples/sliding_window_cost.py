@@ -12,46 +12,32 @@ alone, at the same shapes and dtype. (2) over (1) bounds what a layout that
 appends in place, compacting now and then, could save per cycle.
 """
 
-import argparse
-import statistics
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache
 
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models.cache import RotatingKVCache  # noqa: E402
-
-import dflash_mlx  # noqa: E402
-from dflash_mlx.targets import adapter_for  # noqa: E402
-
-
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(samples)
+import dflash_mlx
+from dflash_mlx import cli
+from dflash_mlx.defaults import DEFAULT_BLOCK_SIZE
+from dflash_mlx.errors import ArgumentError
+from dflash_mlx.targets import adapter_for
+from dflash_mlx.timing import median_ms
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="target with sliding-window layers: local path or Hugging Face id")
-    p.add_argument("--context", type=int, default=4096, help="prompt tokens before the timed cycles")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--context", type=cli.positive_int, default=4096, help="prompt tokens before the timed cycles")
+    p.add_argument("--block-size", type=cli.positive_int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--repeats", type=cli.positive_int, default=20)
     args = p.parse_args(argv)
     model, _ = dflash_mlx.load(args.model)
     target = adapter_for(model)
     cache = target.make_cache()
     rotating = [c for c in cache if isinstance(c, RotatingKVCache)]
     if not rotating:
-        print(f"error: {args.model} has no sliding-window caches", file=sys.stderr)
-        return 1
+        raise ArgumentError(f"{args.model} has no sliding-window caches")
     prompt = mx.random.randint(0, target.vocab_size, (1, args.context))
     target.forward(prompt, cache, last_logits_only=True, record=False)
     mx.eval([c.state for c in cache])
@@ -63,7 +49,7 @@ def main(argv=None) -> int:
         target.rollback(cache, 1)
         mx.eval([c.state for c in cache])
 
-    whole = median_ms(cycle, args.repeats)
+    whole = median_ms(cycle, repeats=args.repeats)
     kept = [(rows, c.max_size - 1) for c in rotating for rows in c.state[:2]]
     new = [mx.zeros((*rows.shape[:2], args.block_size, rows.shape[3]), rows.dtype) for rows, _ in kept]
     mx.eval(new)
@@ -71,7 +57,7 @@ def main(argv=None) -> int:
     def copies():
         mx.eval([mx.concatenate([rows[..., -w:, :], n], axis=2) for (rows, w), n in zip(kept, new)])
 
-    copy = median_ms(copies, args.repeats)
+    copy = median_ms(copies, repeats=args.repeats)
     print(f"{len(rotating)} sliding caches of window {rotating[0].max_size}, context {args.context}, block {args.block_size}")
     print(f"verify + rollback      {whole:8.2f} ms")
     print(f"sliding-cache copies   {copy:8.2f} ms ({100 * copy / whole:.1f}% of the cycle)")
@@ -79,4 +65,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -42,10 +42,10 @@ def test_generate_matches_library_text(tiny_dirs, qwen3_5_pair, capsys):
 
 def test_generate_bad_paths_fail_cleanly(tiny_dirs, tmp_path, capsys):
     model, _ = tiny_dirs
-    assert generate.main(["--model", model, "--draft-model", str(tmp_path / "none")]) == 1
+    assert cli.run(generate.main, ["--model", model, "--draft-model", str(tmp_path / "none")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error:") and "neither an existing directory" in err
-    assert generate.main(["--model", model]) == 1
+    assert cli.run(generate.main, ["--model", model]) == 1
     assert "--draft-model is required" in capsys.readouterr().err
 
 
@@ -64,7 +64,7 @@ def test_bench_json_and_plot(tiny_dirs, tmp_path, capsys):
     rc = benchmark.main([
         "--model", model, "--draft-model", draft, "--prompts", str(prompts), "--max-tokens", "12",
         "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"),
-        "--ar-draft-model", model, "--sampling-temp", "0.7",  # the target drafting itself
+        "--ar-draft-model", model, "--temp", "0.7",  # the target drafting itself
     ])
     assert rc == 0
     report = json.loads((tmp_path / "r.json").read_text())
@@ -100,6 +100,101 @@ def test_speculative_baseline_on_attention_target(qwen3_pair):
 
 # ---------------------------------------------------------------------------
 # One error path for every command (cli.run)
+
+
+COMMANDS = ["generate", "chat", "benchmark", "server"]
+
+
+def run_module(module, *args):
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+
+
+def assert_one_error_line(done, *needles):
+    assert done.returncode == 1, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--max-tokens", "0"], ["--max-tokens", "at least 1, got 0"]),
+        (["--block-size", "0"], ["--block-size", "at least 1, got 0"]),
+        (["--max-tokens", "-5"], ["--max-tokens", "at least 1, got -5"]),
+        (["--block-size", "-2"], ["--block-size", "at least 1, got -2"]),
+        (["--max-tokens", "many"], ["--max-tokens", "expected an integer"]),
+    ],
+)
+def test_every_command_rejects_bad_counts_in_one_line(command, args, needles):
+    """`python -m dflash_mlx.<command>` with a zero or negative count: one
+    `error:` line and exit code 1 (once a traceback, or argparse's exit 2)."""
+    assert_one_error_line(run_module(f"dflash_mlx.{command}", *args), *needles)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_reports_a_missing_model_in_one_line(command, tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    port = ["--port", "0"] if command == "server" else []  # whatever holds 8080 on this machine
+    done = run_module(f"dflash_mlx.{command}", "--model", missing, "--draft-model", missing, *port)
+    assert_one_error_line(done, "no-such-model")
+
+
+def test_server_rejects_a_bad_port_in_one_line():
+    for port in ("-1", "70000", "http"):
+        assert_one_error_line(run_module("dflash_mlx.server", "--port", port), "--port", "0 to 65535")
+
+
+def test_server_reports_a_taken_port_in_one_line_before_loading(tmp_path, capsys):
+    import socket
+
+    from dflash_mlx import server
+
+    missing = str(tmp_path / "no-such-model")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # the port is checked before the (missing) model is loaded
+        rc = cli.run(server.main, ["--model", missing, "--draft-model", missing, "--port", str(port)])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot listen on 127.0.0.1:{port}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "server"])
+def test_prefill_step_size_must_be_positive(command):
+    assert_one_error_line(run_module(f"dflash_mlx.{command}", "--prefill-step-size", "0"), "--prefill-step-size")
+
+
+def test_bench_checks_its_files_before_loading(tmp_path):
+    bad = tmp_path / "p.json"
+    bad.write_text('{"not": "a list"}')
+    assert_one_error_line(run_module("dflash_mlx.benchmark", "--prompts", str(bad)), "JSON list of strings")
+    assert_one_error_line(run_module("dflash_mlx.benchmark", "--prompts", str(tmp_path / "none.json")), "none.json")
+    done = run_module("dflash_mlx.benchmark", "--json", str(tmp_path / "no" / "dir" / "r.json"))
+    assert_one_error_line(done, "--json", "does not exist")
+
+
+def test_bench_temp_and_its_old_spelling():
+    parser = benchmark.setup_arg_parser()
+    assert parser.parse_args(["--temp", "0.5"]).temp == 0.5
+    assert parser.parse_args(["--sampling-temp", "0.6"]).temp == 0.6  # hidden alias
+    assert parser.parse_args([]).temp is None
+    assert "--sampling-temp" not in parser.format_help() and "--temp" in parser.format_help()
+
+
+def test_plot_prints_nothing(tmp_path, capsys):
+    report = {
+        "acceptance_histogram": {"1": 2, "2": 3}, "mean_tokens_per_cycle": 1.6, "autoregressive_tps": 10.0,
+        "dflash_tps": 15.0, "speedup": 1.5, "speculative_unavailable": "cannot trim",
+    }
+    benchmark.plot(report, str(tmp_path / "r.png"))
+    assert capsys.readouterr().out == ""
+    assert (tmp_path / "r.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize("flag", ["--max-tokens", "--block-size"])

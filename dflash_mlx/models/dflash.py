@@ -282,9 +282,10 @@ def draft_attention_mask(
 ) -> Optional[mx.array]:
     """Boolean [L, S+L] visibility of context + block keys for block queries.
 
-    Mirrors the PyTorch reference: causal keeps keys at or before the query;
-    a sliding window hides keys at distance >= window (both directions when
-    non-causal). Returns None when everything is visible.
+    As z-lab/dflash's PyTorch drafter (``dflash/model.py``): causal keeps
+    keys at or before the query; a sliding window hides keys at distance >=
+    window (both directions when non-causal). Returns None when everything
+    is visible.
     """
     if not is_causal and sliding_window is None:
         return None
@@ -310,7 +311,8 @@ class DraftAttention(nn.Module):
         self.scale = hd**-0.5
         sliding = config.layer_types[layer_idx] == SLIDING
         self.sliding_window = config.sliding_window if sliding else None
-        # The reference treats sliding layers as causal unless told otherwise.
+        # z-lab/dflash (dflash/model.py) treats sliding layers as causal
+        # unless the config says otherwise.
         self.is_causal = sliding if config.is_causal is None else config.is_causal
         self.sees_all = not self.is_causal and self.sliding_window is None
         bias = config.attention_bias

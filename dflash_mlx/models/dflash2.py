@@ -24,6 +24,7 @@ from typing import Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import ArgumentError
 from .dflash import DFlashConfig, DFlashDraftModel, DraftConfigError, DraftLayer
 
 # "auto": Metal kernel where available and verified, else compiled ops.
@@ -418,7 +419,7 @@ class DFlash2DraftModel(DFlashDraftModel):
     @implementation.setter
     def implementation(self, name: str) -> None:
         if name not in IMPLEMENTATIONS:
-            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, not {name!r}")
+            raise ArgumentError(f"implementation must be one of {IMPLEMENTATIONS}, not {name!r}")
         for module in self.modules():
             if isinstance(module, (DynamicConv, CandidateSelector)):
                 module.implementation = name

@@ -39,8 +39,10 @@ def model_type_of(model) -> str:
 def adapter_for(model, draft_config=None) -> TargetAdapter:
     """Wrap ``model`` for DFlash, checking it against ``draft_config``.
 
-    The adapter is cached on the model instance (an attribute, not a patch),
-    so binding several drafters to one target shares it.
+    Each call builds a new adapter around the model instance and stores
+    nothing on the model. A drafter keeps the adapter it was bound with
+    (``DFlashDraftModel.bind``), with whatever that adapter compiled;
+    ``draft.target`` is the adapter to share.
     """
     if isinstance(model, TargetAdapter):
         adapter = model

@@ -6,8 +6,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..errors import DFlashError
 
-class TargetError(ValueError):
+
+class TargetError(DFlashError, ValueError):
     """A target that cannot serve a drafter (wrong family, vocab, taps...)."""
 
 

@@ -21,6 +21,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextRMSNormGated
 
+from ..errors import ArgumentError
 from ..ops import fast_math
 from ..ops.gated_delta import DeltaChunk, chunked_gated_delta, log_decay
 from .base import TargetAdapter
@@ -188,7 +189,7 @@ class HybridTarget(TargetAdapter):
         text = getattr(model, "language_model", model)
         super().__init__(model, text, text.model)
         if recurrence not in ("auto", "chunked", "sequential"):
-            raise ValueError("recurrence must be 'auto', 'chunked' or 'sequential'")
+            raise ArgumentError("recurrence must be 'auto', 'chunked' or 'sequential'")
         self.chunked = recurrence == "chunked" or (recurrence == "auto" and not has_fused_recurrence())
         self.compile_layers = compile_layers
         self._compiled_layers = {}
@@ -196,8 +197,8 @@ class HybridTarget(TargetAdapter):
     def _fused_linear_layer(self, i, layer, h, cache, records):
         """Verify-block forward of GatedDeltaNet layer ``i`` as one compiled
         function. A verify block has fixed shapes, so each layer traces once;
-        fusing its ~100 small ops saves about a fifth of the layer's time on
-        the CPU, bit-identical to running them one by one (tested)."""
+        fusing its many small ops saves per-op dispatch on the CPU (measured
+        in BENCHMARKS.md), bit-identical to running them one by one (tested)."""
         fn = self._compiled_layers.get(i)
         if fn is None:
             fn = mx.compile(partial(linear_layer_block, layer), inputs=layer.state)
