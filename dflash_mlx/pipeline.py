@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
+from .errors import DFlashError
 from .loading import load_draft, resolve_path
 from .targets.pipeline import PIPELINE_MODEL_TYPES, PipelineTarget
 
@@ -31,7 +32,7 @@ NON_WEIGHT_PATTERNS = ["*.json", "*.py", "*.txt", "*.jinja", "*.jsonl", "tokeniz
 MAX_ERROR_BYTES = 2048
 
 
-class PipelineError(ValueError):
+class PipelineError(DFlashError, ValueError):
     """A pipelined run that cannot start (on any of its ranks)."""
 
 

@@ -16,6 +16,7 @@ import pytest
 import tiny
 from mlx_lm import load
 
+from dflash_mlx import cli
 from dflash_mlx.generate import main as generate_main
 from dflash_mlx import load_draft, stream_generate
 from dflash_mlx.pair import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -130,7 +131,7 @@ def test_unsupported_family_ends_every_rank_with_one_message(models):
 
 
 def test_pipeline_without_ranks_is_one_clear_error(models, capsys):
-    assert generate_main(["--pipeline", *generate_args(*models["qwen3_5"])]) == 1
+    assert cli.run(generate_main, ["--pipeline", *generate_args(*models["qwen3_5"])]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: --pipeline needs at least 2 processes") and err.count("\n") == 1
 
