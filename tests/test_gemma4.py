@@ -235,15 +235,9 @@ def test_drafter_gemma_glue_matches_float32_reference(targets, tmp_path):
         backbone=SimpleNamespace(embed_tokens=SimpleNamespace(weight=E * 64**0.5)),
         tied=False, text_model=SimpleNamespace(lm_head=SimpleNamespace(weight=E)),
     )
-    rng = np.random.default_rng(3)
-    n_feat = draft.config.fc_input_size
-    contexts = [mx.array(rng.standard_normal((1, s, n_feat)).astype(np.float32)) for s in (9, 3, 1)]
-    blocks = [rng.integers(0, t.vocab, 7).tolist() for _ in contexts]
-    cache = draft.make_cache()
-    got = [draft(mx.array([b]), c, cache)[0] for b, c in zip(blocks, contexts)]
-    want = tiny.reference_logits(draft, stand_in, blocks, contexts)
+    got, want = tiny.drafter_and_reference_logits(draft, stand_in, t.vocab, (9, 3, 1), 7)
     for g, w in zip(got, want):
-        np.testing.assert_allclose(tiny.to_np(g), np.tanh(w / 30.0) * 30.0, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(g, np.tanh(w / 30.0) * 30.0, atol=1e-4, rtol=1e-4)
 
 
 def test_gemma_target_samples_the_target(tmp_path):

@@ -603,6 +603,18 @@ def reference_logits(draft, target, blocks, contexts):
     return outs
 
 
+def drafter_and_reference_logits(draft, target, vocab, context_lengths, block_len, seed=3):
+    """The drafter's logits over successive cycles of random tap contexts
+    (one per length) and random blocks, and :func:`reference_logits`' for them."""
+    rng = np.random.default_rng(seed)
+    n_feat = draft.config.fc_input_size
+    contexts = [mx.array(rng.standard_normal((1, s, n_feat)).astype(np.float32)) for s in context_lengths]
+    blocks = [rng.integers(0, vocab, block_len).tolist() for _ in contexts]
+    cache = draft.make_cache()
+    got = [to_np(draft(mx.array([b]), c, cache)[0]) for b, c in zip(blocks, contexts)]
+    return got, reference_logits(draft, target, blocks, contexts)
+
+
 # ---------------------------------------------------------------------------
 # Drafter test doubles
 
