@@ -521,9 +521,8 @@ def sampled_runs(small, draft, runs, setting, **kw):
     return out, [r.accepted for r in responses]
 
 
-
 # ---------------------------------------------------------------------------
-# The drafter in plain numpy (float32), for the drafter's own tests
+# The DFlash drafter in plain numpy (float32), to check the real one against
 
 
 def to_np(a):
