@@ -5,16 +5,13 @@ import re
 import subprocess
 import sys
 
-from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
+from tiny import reference_text
 
 
 def mlx_lm_replies(pair, turns, max_tokens):
     cache = make_prompt_cache(pair.model)
-    return [
-        "".join(r.text for r in mlx_lm_stream_generate(pair.model, pair.tokenizer, t + "\n", max_tokens=max_tokens, prompt_cache=cache))
-        for t in turns
-    ]
+    return [reference_text(pair.model, pair.tokenizer, t + "\n", max_tokens, prompt_cache=cache) for t in turns]
 
 
 def test_repl_keeps_the_conversation_and_resets(qwen3_5_pair, tmp_path):

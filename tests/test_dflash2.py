@@ -21,10 +21,6 @@ metal = pytest.mark.skipif(
 )
 
 
-def _np(a):
-    return np.array(a.astype(mx.float32))
-
-
 @pytest.fixture(scope="module")
 def draft2(qwen3_pair, tmp_path_factory):
     path = tiny.make_draft(tmp_path_factory.mktemp("d2"), qwen3_pair.dflash2_config(), seed=3)
@@ -63,24 +59,24 @@ def conv_inputs(B=2, L=6, H=8, taps=3, G=4, seed=0):
 def test_conv_matches_loop_reference(impl, L):
     x, base, coef = conv_inputs(L=L)
     y = d2.conv_mix(mx.array(x), mx.array(base), mx.array(coef), impl)
-    np.testing.assert_allclose(_np(y), ref_conv(x, base, coef), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(tiny.to_np(y), ref_conv(x, base, coef), rtol=1e-5, atol=1e-5)
 
 
 def test_conv_mixes_only_earlier_slots_of_the_block():
     x, base, coef = conv_inputs(L=7)
-    y0 = _np(d2.conv_mix(mx.array(x), mx.array(base), mx.array(coef)))
+    y0 = tiny.to_np(d2.conv_mix(mx.array(x), mx.array(base), mx.array(coef)))
     # Slot 0 sees only itself.
     slot0 = (base[0] + np.repeat(coef[:, 0, 0], 2, -1)) * x[:, 0]
     np.testing.assert_allclose(y0[:, 0], slot0, rtol=1e-6)
     x[:, 3] += 1.0
-    y1 = _np(d2.conv_mix(mx.array(x), mx.array(base), mx.array(coef)))
+    y1 = tiny.to_np(d2.conv_mix(mx.array(x), mx.array(base), mx.array(coef)))
     changed = np.abs(y1 - y0).max(axis=(0, 2)) > 0
     assert changed.tolist() == [False, False, False, True, True, True, False]  # slots 3..3+taps-1
 
 
 def test_groups_share_one_dynamic_coefficient():
     x, _, coef = conv_inputs(L=5, H=8, G=2)
-    y = _np(d2.conv_mix(mx.ones(x.shape), mx.zeros((3, 8)), mx.array(coef)))
+    y = tiny.to_np(d2.conv_mix(mx.ones(x.shape), mx.zeros((3, 8)), mx.array(coef)))
     # With unit inputs and no base kernel, y is the coefficient sum: equal
     # across the 4 channels of a group, different between groups.
     groups = y.reshape(2, 5, 2, 4)
@@ -99,10 +95,10 @@ def test_prepare_and_finish_use_the_same_coefficients():
     x = rng.standard_normal((B, L, H)).astype(np.float32)
     h = rng.standard_normal((B, L, H)).astype(np.float32)
     y, coef = conv.prepare(mx.array(x))
-    out = _np(conv.finish(mx.array(h), coef))
+    out = tiny.to_np(conv.finish(mx.array(h), coef))
     cx = (x @ proj.T).reshape(B, L, 2, taps, H // gs)
     ch = (h @ proj.T).reshape(B, L, 2, taps, H // gs)
-    np.testing.assert_allclose(_np(y), ref_conv(x, base[0], cx[:, :, 0]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(tiny.to_np(y), ref_conv(x, base[0], cx[:, :, 0]), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(out, ref_conv(h, base[1], cx[:, :, 1]), rtol=1e-4, atol=1e-5)
     assert not np.allclose(out, ref_conv(h, base[1], ch[:, :, 1]), atol=1e-3)
 
@@ -155,7 +151,7 @@ def test_candidate_order_and_ties(impl):
     ids, values = fn(mx.array(logits), 7)
     want_ids, want_values = ref_candidates(logits, 7)
     np.testing.assert_array_equal(np.array(ids), want_ids)
-    np.testing.assert_array_equal(_np(values), want_values)
+    np.testing.assert_array_equal(tiny.to_np(values), want_values)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -280,21 +276,21 @@ def test_draft_logits_and_propose_follow_the_selector(qwen3_pair, draft2):
     logits = draft(block, ctx, draft.make_cache())
     assert logits.shape == (2, 8, V)
     # the target's head, then output_multiplier 0.8 and a softcap of 30
-    head = _np(qwen3_pair.model.model.embed_tokens.weight)  # tied
-    want = 30.0 * np.tanh(_np(hidden) @ head.T * 0.8 / 30.0)
-    np.testing.assert_allclose(_np(logits), want, rtol=1e-4, atol=1e-4)
+    head = tiny.to_np(qwen3_pair.model.model.embed_tokens.weight)  # tied
+    want = 30.0 * np.tanh(tiny.to_np(hidden) @ head.T * 0.8 / 30.0)
+    np.testing.assert_allclose(tiny.to_np(logits), want, rtol=1e-4, atol=1e-4)
     sel = draft.candidate_selector
     want = ref_selector(
-        np.array([65, 66]), _np(hidden[:, 1:]), _np(logits[:, 1:]),
-        _np(sel.hidden_projection.weight), _np(sel.predecessor_codebook.weight),
-        _np(sel.successor_codebook.weight), sel.top_k,
+        np.array([65, 66]), tiny.to_np(hidden[:, 1:]), tiny.to_np(logits[:, 1:]),
+        tiny.to_np(sel.hidden_projection.weight), tiny.to_np(sel.predecessor_codebook.weight),
+        tiny.to_np(sel.successor_codebook.weight), sel.top_k,
     )
     tokens = draft.propose(block, ctx, draft.make_cache())
     np.testing.assert_array_equal(np.array(tokens), want)
     assert draft.propose(block[:, :2], ctx, draft.make_cache()).shape == (2, 1)  # one slot
     greedy, q = draft.propose_with_probs(block, ctx, draft.make_cache(), 0.0)
     assert greedy.tolist() == tokens.tolist()
-    np.testing.assert_array_equal(_np(q), np.eye(V)[want])
+    np.testing.assert_array_equal(tiny.to_np(q), np.eye(V)[want])
 
 
 @pytest.mark.parametrize("filters", [{}, {"top_k": 3}, {"top_p": 0.9}])
@@ -309,7 +305,7 @@ def test_sampled_proposal_distribution(qwen3_pair, draft2, filters):
     ctx = mx.broadcast_to(mx.array(ctx, mx.float32), (n, 5, draft.config.fc_input_size))
     mx.random.seed(1)
     tokens, q = draft.propose_with_probs(block, ctx, draft.make_cache(), 0.5, **filters)
-    tokens, q = np.array(tokens), _np(q).astype(np.float64)
+    tokens, q = np.array(tokens), tiny.to_np(q).astype(np.float64)
     assert tokens.shape == (n, 2) and q.shape == (n, 2, V)
     np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
     assert ((q > 0).sum(-1) <= filters.get("top_k", draft.config.selector_top_k)).all()
@@ -414,7 +410,7 @@ def test_conv_kernel_matches_ops(shape, dtype, layout, ran):
         # Both accumulate in float32 and round once to the dtype: a float32
         # result differs by summation order at most, a half one by one rounding.
         tol = 16 * tiny.EPS[mx.float32] if dtype == mx.float32 else 2 * tiny.EPS[dtype]
-        np.testing.assert_allclose(_np(got), _np(want), rtol=tol, atol=tol)
+        np.testing.assert_allclose(tiny.to_np(got), tiny.to_np(want), rtol=tol, atol=tol)
     ran("Metal kernels")
 
 
@@ -442,7 +438,7 @@ def test_auto_uses_verified_kernels_on_gpu(ran):
         warnings.simplefilter("error")  # a kernel that failed its check would warn
         y = d2.conv_mix(x, base, coef, "auto")
         choice, _ = d2.walk(mx.zeros((1, 3, 4)), mx.zeros((1, 4)), mx.zeros((1, 2, 4, 4)), mx.zeros((1, 3, 4)), "auto")
-    np.testing.assert_allclose(_np(y), ref_conv(*map(_np, (x, base, coef))), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(tiny.to_np(y), ref_conv(*map(tiny.to_np, (x, base, coef))), rtol=1e-5, atol=1e-5)
     assert choice.tolist() == [[0, 0, 0]]
     ran("Metal kernels")
 

@@ -1,5 +1,5 @@
-"""The drafter against a straightforward float32 reference of reference section 2,
-and the config variants published checkpoints use."""
+"""The drafter against a straightforward float32 numpy forward of it
+(tiny.reference_logits), and the config variants published checkpoints use."""
 
 import json
 
@@ -11,82 +11,6 @@ from mlx.utils import tree_flatten
 
 import dflash_mlx
 from dflash_mlx.models.dflash import DFlashConfig, default_target_layer_ids
-
-
-def _np(a):
-    return np.array(a.astype(mx.float32))
-
-
-def rms(x, w, eps):
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
-
-
-def rope(x, positions, theta):
-    """Non-traditional RoPE (rotate halves) on [..., S, D]."""
-    d = x.shape[-1]
-    inv = theta ** (-np.arange(0, d, 2) / d)
-    ang = positions[:, None] * inv[None]
-    cos, sin = np.cos(ang), np.sin(ang)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-
-def reference_logits(draft, target, blocks, contexts):
-    """Loop-level float32 DFlash forward over successive cycles.
-
-    ``contexts[i]`` holds the tap states injected before block ``i``; the
-    block's anchor sits right after all context injected so far.
-    """
-    cfg = draft.config
-    W = {k: _np(v) for k, v in tree_flatten(draft.parameters())}
-    E = _np(target.backbone.embed_tokens.weight)
-    head = E if target.tied else _np(target.text_model.lm_head.weight)
-    eps, hd = cfg.rms_norm_eps, cfg.head_dim
-    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
-    ctx_feats = np.zeros((0, cfg.hidden_size), np.float32)
-    outs = []
-    for block, ctx in zip(blocks, contexts):
-        fused = rms(_np(ctx)[0] @ W["fc.weight"].T, W["hidden_norm.weight"], eps)
-        ctx_feats = np.concatenate([ctx_feats, fused])
-        S, L = len(ctx_feats), len(block)
-        pos_ctx, pos_blk = np.arange(S), S + np.arange(L)
-        h = E[np.array(block)] * cfg.input_embedding_scale
-        for i in range(cfg.num_hidden_layers):
-            p = f"layers.{i}."
-            x = rms(h, W[p + "input_layernorm.weight"], eps)
-            q = (x @ W[p + "self_attn.q_proj.weight"].T).reshape(L, H, hd)
-            q = rope(rms(q, W[p + "self_attn.q_norm.weight"], eps).transpose(1, 0, 2), pos_blk, cfg.rope_theta)
-            kv_in = np.concatenate([ctx_feats, x])
-            k = (kv_in @ W[p + "self_attn.k_proj.weight"].T).reshape(S + L, KV, hd)
-            k = rope(rms(k, W[p + "self_attn.k_norm.weight"], eps).transpose(1, 0, 2),
-                     np.concatenate([pos_ctx, pos_blk]), cfg.rope_theta)
-            v = (kv_in @ W[p + "self_attn.v_proj.weight"].T).reshape(S + L, KV, hd).transpose(1, 0, 2)
-            layer_type = cfg.layer_types[i]
-            causal = (layer_type == "sliding_attention") if cfg.is_causal is None else cfg.is_causal
-            window = cfg.sliding_window if layer_type == "sliding_attention" else None
-            out = np.zeros((L, H, hd), np.float32)
-            for head_i in range(H):
-                kv_i = head_i // (H // KV)
-                for qi in range(L):
-                    qp = pos_blk[qi]
-                    scores = []
-                    for kj, kp in enumerate(np.concatenate([pos_ctx, pos_blk])):
-                        ok = (not causal or kp <= qp) and (
-                            window is None or (qp - kp < window and (causal or kp - qp < window))
-                        )
-                        scores.append(q[head_i, qi] @ k[kv_i, kj] / np.sqrt(hd) if ok else -np.inf)
-                    scores = np.array(scores)
-                    w = np.exp(scores - scores.max())
-                    w /= w.sum()
-                    out[qi, head_i] = w @ v[kv_i]
-            h = h + out.reshape(L, -1) @ W[p + "self_attn.o_proj.weight"].T
-            x = rms(h, W[p + "post_attention_layernorm.weight"], eps)
-            g = x @ W[p + "mlp.gate_proj.weight"].T
-            u = x @ W[p + "mlp.up_proj.weight"].T
-            h = h + ((g / (1 + np.exp(-g))) * u) @ W[p + "mlp.down_proj.weight"].T
-        h = rms(h, W["norm.weight"], eps)
-        outs.append(h @ head.T)
-    return outs
 
 
 VARIANTS = {
@@ -102,16 +26,9 @@ def test_drafter_logits_match_float32_reference(qwen3_5_pair, tmp_path, variant)
     pair = qwen3_5_pair
     path = pair.make_draft(tmp_path / "d", **VARIANTS[variant])
     draft = dflash_mlx.load_draft(path, pair.model)
-    target = draft.target
-    rng = np.random.default_rng(3)
-    n_feat = draft.config.fc_input_size
-    contexts = [mx.array(rng.standard_normal((1, s, n_feat)).astype(np.float32)) for s in (7, 3, 1)]
-    blocks = [rng.integers(0, pair.vocab, 6).tolist() for _ in contexts]
-    cache = draft.make_cache()
-    got = [draft(mx.array([b]), c, cache)[0] for b, c in zip(blocks, contexts)]
-    want = reference_logits(draft, target, blocks, contexts)
+    got, want = tiny.drafter_and_reference_logits(draft, draft.target, pair.vocab, (7, 3, 1), 6)
     for g, w in zip(got, want):
-        np.testing.assert_allclose(_np(g), w, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
 
 
 def test_propose_is_argmax_of_slots_after_anchor(qwen3_pair, tmp_path):

@@ -13,9 +13,7 @@ import pytest
 import tiny
 from mlx_lm import load
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
-from test_drafter import _np, reference_logits
-from test_lossless import ScriptedDrafter, dflash_tokens, prompt_of, reference_tokens
-from test_sampling import PROMPT, TRUNCATED, V, pit_check, sampled_runs
+from tiny import PROMPT, TRUNCATED, V, ScriptedDrafter, pit_check, prompt_of, sampled_runs
 
 import dflash_mlx
 from dflash_mlx.loading import DraftLoadError
@@ -25,34 +23,16 @@ from dflash_mlx.targets.gemma4 import Gemma4Target
 
 LLAMA_SWA = dict(tiny.LLAMA, layer_types=[tiny.SLIDING, tiny.FULL, tiny.SLIDING], sliding_window=8)
 
-BUILDS = {
-    # name: (config, window); the windows are far shorter than the generations
-    "gemma4_text": (tiny.GEMMA4_TEXT, 8),
-    "gemma4": (tiny.gemma4_multimodal(dict(tiny.GEMMA4_TEXT, sliding_window=16)), 16),
-    "gemma4_moe": (tiny.GEMMA4_MOE, 12),
-    "gemma4_unified": (
-        dict(tiny.gemma4_multimodal(dict(tiny.GEMMA4_TEXT, model_type="gemma4_unified_text")),
-             model_type="gemma4_unified", architectures=["Gemma4UnifiedForConditionalGeneration"]),
-        8,
-    ),
-    "llama_swa": (LLAMA_SWA, 8),
-}
+# Sliding-window targets: the Gemma-4 families of tiny.FAMILIES and two built
+# here; their windows (base["sliding_window"]) are far shorter than the generations.
+BUILDS = {"gemma4_moe": tiny.GEMMA4_MOE, "llama_swa": LLAMA_SWA}
+NAMES = ["gemma4_text", "gemma4", "gemma4_moe", "gemma4_unified", "llama_swa"]
 
 
 @pytest.fixture(scope="module")
-def targets(tmp_path_factory):
+def targets(make_pair, tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma4")
-    out = {}
-    for name, (cfg, window) in BUILDS.items():
-        if name == "llama_swa":
-            path = tiny.make_target(root / name, cfg)
-        else:
-            path = tiny.make_gemma4_target(root / name, cfg)
-        model, tokenizer = load(str(path))
-        vocab = adapter_for(model).vocab_size
-        base = cfg.get("text_config", cfg)  # what a drafter config is sized from
-        out[name] = SimpleNamespace(model=model, tokenizer=tokenizer, vocab=vocab, window=window, base=base)
-    return out
+    return {name: tiny.Pair(root / name, BUILDS[name]) if name in BUILDS else make_pair(name) for name in NAMES}
 
 
 def test_loaded_models_have_the_features_under_test(targets):
@@ -69,7 +49,7 @@ def test_loaded_models_have_the_features_under_test(targets):
     assert kinds.count(RotatingKVCache) == 2
 
 
-@pytest.mark.parametrize("name", list(BUILDS))
+@pytest.mark.parametrize("name", NAMES)
 def test_adapter_forward_equals_mlx_lm_forward(targets, name):
     """Bit-equal logits across several window wraps, one-token and block
     forwards mixed; the last layer's tap through the model's own norm, head
@@ -154,8 +134,9 @@ class OneTokenScriptedDrafter(ScriptedDrafter):
     def propose(self, block, context, cache):
         rolled_back = self.proposed is not None and context.shape[1] < self.proposed + 1
         if next(self.cycle) % self.skip_every == 0:
-            cache[0] += context.shape[1]
-            self.lone_after_rollback += rolled_back and cache[0] > self.window
+            seq = tiny.committed_sequence(self.prompt, block, context, cache)
+            cache["last"] = seq[-1:]
+            self.lone_after_rollback += rolled_back and len(cache["tokens"]) > self.window
             self.proposed = 0
             return mx.zeros((1, 0), mx.int32)
         self.proposed = block.shape[1] - 1
@@ -179,24 +160,25 @@ def test_greedy_is_mlx_lm_greedy(targets, name, prompt_len, block_size):
     wraps (where the window holds enough tokens for them all), one-token
     verify steps right after rollbacks."""
     t = targets[name]
-    prompt = prompt_of(t, prompt_len)
+    window = t.base["sliding_window"]
+    prompt = prompt_of(prompt_len)
     max_tokens = 200
-    ref = reference_tokens(t, prompt, max_tokens + block_size, eos_ids=[])  # never stops early
+    ref = t.reference(prompt, max_tokens + block_size, eos_ids=[])  # never stops early
     draft = OneTokenScriptedDrafter(
-        ref, len(prompt), block_size, range(block_size), t.vocab, skip_every=6, window=t.window
+        ref, prompt, block_size, range(block_size), t.vocab, skip_every=6, window=window
     )
-    got, responses = dflash_tokens(t, draft, prompt, eos_ids=[], block_size=block_size, max_tokens=max_tokens)
+    got, responses = t.dflash(draft, prompt, eos_ids=[], block_size=block_size, max_tokens=max_tokens)
     assert got == ref[:max_tokens] and len(got) == max_tokens
     position = len(prompt) - 1  # cache offset when each cycle's verify starts
     before, after = set(), set()
     for previous, r in zip(responses, responses[1:]):
         position += len(previous.tokens)
-        if position + block_size <= t.window:
+        if position + block_size <= window:
             before.add(r.accepted)
-        elif position >= t.window:
+        elif position >= window:
             after.add(r.accepted)
     assert after >= set(range(block_size))
-    if len(prompt) + block_size * (block_size + 1) // 2 + block_size <= t.window:
+    if len(prompt) + block_size * (block_size + 1) // 2 + block_size <= window:
         assert before >= set(range(block_size))
     assert draft.lone_after_rollback >= 3
 
@@ -204,13 +186,13 @@ def test_greedy_is_mlx_lm_greedy(targets, name, prompt_len, block_size):
 @pytest.mark.parametrize("eos_at", [5, 30])
 def test_eos_inside_a_block(targets, eos_at):
     t = targets["gemma4"]
-    prompt = prompt_of(t, 12)
-    plain = reference_tokens(t, prompt, 60)
+    prompt = prompt_of(12)
+    plain = t.reference(prompt, 60)
     eos = plain[eos_at]
-    ref = reference_tokens(t, prompt, 60, eos_ids=[eos])
+    ref = t.reference(prompt, 60, eos_ids=[eos])
     assert ref == plain[: plain.index(eos)]
-    draft = ScriptedDrafter(plain, len(prompt), 8, [7], t.vocab)  # always full blocks
-    got, responses = dflash_tokens(t, draft, prompt, eos_ids=[eos], block_size=8, max_tokens=60)
+    draft = ScriptedDrafter(plain, prompt, 8, [7], t.vocab)  # always full blocks
+    got, responses = t.dflash(draft, prompt, eos_ids=[eos], block_size=8, max_tokens=60)
     assert got == ref and responses[-1].finish_reason == "stop"
 
 
@@ -227,9 +209,9 @@ def zlab_like_draft_config(t, **kw):
 def test_trained_shape_drafter_is_lossless(targets, tmp_path, name):
     t = targets[name]
     draft = dflash_mlx.load_draft(tiny.make_draft(tmp_path / "d", zlab_like_draft_config(t)), t.model)
-    prompt = prompt_of(t, 29)
-    got, responses = dflash_tokens(t, draft, prompt, max_tokens=60)
-    assert got == reference_tokens(t, prompt, 60)
+    prompt = prompt_of(29)
+    got, responses = t.dflash(draft, prompt, max_tokens=60)
+    assert got == t.reference(prompt, 60)
     assert responses[-1].generation_tokens == 60
 
 
@@ -247,21 +229,15 @@ def test_drafter_gemma_glue_matches_float32_reference(targets, tmp_path):
     E = t.model.model.embed_tokens.weight
     ids = mx.array([[3, 200, 17]])
     assert mx.array_equal(target.embed(ids), E[ids] * 64**0.5)
-    # The float32 reference of test_drafter reads the embedding and head from
+    # The float32 reference (tiny.reference_logits) reads the embedding and head from
     # a target; give it the scaled table and the raw tied head.
     stand_in = SimpleNamespace(
         backbone=SimpleNamespace(embed_tokens=SimpleNamespace(weight=E * 64**0.5)),
         tied=False, text_model=SimpleNamespace(lm_head=SimpleNamespace(weight=E)),
     )
-    rng = np.random.default_rng(3)
-    n_feat = draft.config.fc_input_size
-    contexts = [mx.array(rng.standard_normal((1, s, n_feat)).astype(np.float32)) for s in (9, 3, 1)]
-    blocks = [rng.integers(0, t.vocab, 7).tolist() for _ in contexts]
-    cache = draft.make_cache()
-    got = [draft(mx.array([b]), c, cache)[0] for b, c in zip(blocks, contexts)]
-    want = reference_logits(draft, stand_in, blocks, contexts)
+    got, want = tiny.drafter_and_reference_logits(draft, stand_in, t.vocab, (9, 3, 1), 7)
     for g, w in zip(got, want):
-        np.testing.assert_allclose(_np(g), np.tanh(w / 30.0) * 30.0, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(g, np.tanh(w / 30.0) * 30.0, atol=1e-4, rtol=1e-4)
 
 
 def test_gemma_target_samples_the_target(tmp_path):
@@ -323,9 +299,9 @@ def test_zlab_gemma_drafters_fit_targets_of_their_shape(shaped, tmp_path, name):
     with pytest.raises(TargetError, match="layers"):
         dflash_mlx.load_draft(tmp_path / "d", shaped[other][0])
     if name == "gemma-4-26B-A4B-it":  # the MoE target decodes exactly with it
-        t = SimpleNamespace(model=model, tokenizer=tokenizer)
-        prompt = prompt_of(t, 21)
-        assert dflash_tokens(t, draft, prompt, max_tokens=12)[0] == reference_tokens(t, prompt, 12)
+        prompt = prompt_of(21)
+        got, _ = tiny.dflash_tokens(model, draft, tokenizer, prompt, max_tokens=12)
+        assert got == tiny.reference_tokens(model, tokenizer, prompt, 12)
 
 
 def test_gemma_drafter_on_another_family_is_refused(qwen3_pair, tmp_path):

@@ -1,4 +1,4 @@
-"""House rules checked on the package's own sources.
+"""House rules checked on the package's sources and its tests'.
 
 No module reads another module's underscore attributes: what one module
 needs from another is public, so it can be found, documented and kept.
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_mlx"
+TESTS = Path(__file__).resolve().parent
 
 
 def is_private(name: str) -> bool:
@@ -56,11 +57,13 @@ def foreign_private_reads(source: str) -> list:
     return sorted(set(found))
 
 
-def test_no_module_reads_another_modules_underscore_attributes():
-    sources = sorted(PACKAGE.rglob("*.py"))
-    assert len(sources) > 10  # the package, not an empty glob
+@pytest.mark.parametrize("folder", [PACKAGE, TESTS], ids=["package", "tests"])
+def test_no_module_reads_another_modules_underscore_attributes(folder):
+    """Tests included: they check what the package offers, not its insides."""
+    sources = sorted(folder.rglob("*.py"))
+    assert len(sources) > 10  # the folder, not an empty glob
     violations = [
-        f"{path.relative_to(PACKAGE.parent)}:{line}: {what}"
+        f"{path.relative_to(folder.parent)}:{line}: {what}"
         for path in sources
         for line, what in foreign_private_reads(path.read_text())
     ]

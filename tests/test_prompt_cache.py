@@ -1,48 +1,34 @@
 """Multi-turn decoding on a prompt cache equals mlx-lm's, turn after turn."""
 
-from contextlib import contextmanager
-
+import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
-from test_lossless import ScriptedDrafter
+from tiny import ScriptedDrafter, dflash_tokens, reference_responses
 
 import dflash_mlx
 from dflash_mlx.cache import load_prompt_cache, save_prompt_cache
-
-
-@contextmanager
-def eos_ids(tokenizer, ids):
-    saved = set(tokenizer.eos_token_ids)
-    if ids is not None:
-        tokenizer.eos_token_ids = set(ids)
-    try:
-        yield
-    finally:
-        tokenizer.eos_token_ids = saved
 
 
 def mlx_lm_conversation(model, tokenizer, turns, max_tokens, eos=None):
     """mlx-lm's tokens per turn on its own prompt cache (eos included, as it
     yields it), and the cache's final offset."""
     cache = mlx_lm_make_prompt_cache(model)
-    outs = []
-    with eos_ids(tokenizer, eos):
-        for prompt in turns:
-            outs.append([r.token for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache)])
+    outs = [
+        [r.token for r in reference_responses(model, tokenizer, prompt, max_tokens, eos, prompt_cache=cache)]
+        for prompt in turns
+    ]
     offset = next(c.offset for c in cache if hasattr(c, "offset"))
     return outs, offset
 
 
 def dflash_conversation(model, draft, tokenizer, turns, max_tokens, eos=None, cache=None, **kw):
     cache = dflash_mlx.make_prompt_cache(model, draft) if cache is None else cache
-    outs = []
-    with eos_ids(tokenizer, eos):
-        for prompt in turns:
-            responses = list(dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache, **kw))
-            outs.append(responses)
+    outs = [
+        dflash_tokens(model, draft, tokenizer, prompt, eos, max_tokens=max_tokens, prompt_cache=cache, **kw)[1]
+        for prompt in turns
+    ]
     return outs, cache
 
 
@@ -86,12 +72,29 @@ def test_offset_after_ten_tokens_is_prompt_plus_ten(qwen3_pair, tmp_path):
     assert cache.pending == cache.tokens[-1:]
 
 
+class ConversationDrafter(ScriptedDrafter):
+    """:class:`ScriptedDrafter` over a whole conversation, known in advance:
+    a new turn's prompt reaches the drafter only as context positions, so it
+    finds its place by counting them, and checks the anchor there."""
+
+    def __init__(self, sequence, block_size, vocab):
+        super().__init__(sequence + [0] * block_size, [], block_size, [block_size], vocab)
+
+    def make_cache(self):
+        return {"seen": 0}
+
+    def propose(self, block, context, cache):
+        cache["seen"] += context.shape[1]
+        seq = self.reference[: cache["seen"]] + [int(block[0, 0].item())]
+        assert seq[-1] == self.reference[len(seq) - 1], "the anchor is not the conversation's next token"
+        return mx.array([self.draft(seq, block.shape[1] - 1)])
+
+
 def oracle(pair, turns, max_tokens, block_size, eos=None):
     """A drafter proposing mlx-lm's own continuation (every block accepted)."""
     want, _ = mlx_lm_conversation(pair.model, pair.tokenizer, turns, max_tokens, eos)
     sequence = [t for p, w in zip(turns, want) for t in p + w]
-    draft = ScriptedDrafter(sequence + [0] * block_size, 0, block_size, [block_size], pair.vocab)
-    return draft, want
+    return ConversationDrafter(sequence, block_size, pair.vocab), want
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])

@@ -25,7 +25,6 @@ Power: the same checks must reject deliberately broken acceptance rules.
 
 import importlib
 import itertools
-import math
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -33,7 +32,10 @@ import numpy as np
 import pytest
 from mlx_lm import load
 from mlx_lm.sample_utils import make_sampler
-from tiny import DELTA, DoubleDrafter, EchoDFlash2, dflash_tokens, reference_tokens, tv, tv_bound
+from tiny import (
+    PROMPT, TRUNCATED, V, DoubleDrafter, EchoDFlash2, generated_tokens, pit_check,
+    reference_tokens, sampled_runs, tv, tv_bound,
+)
 
 import dflash_mlx
 import tiny
@@ -41,9 +43,6 @@ from dflash_mlx.benchmark import tokens_per_cycle_by_rule
 from dflash_mlx.models.dflash import DFlashConfig
 from dflash_mlx.sampling import processed_probs, sample, speculative_accept
 
-V = 16  # small vocabulary: exact joint tables over a few tokens stay small
-PROMPT = [1, 5, 3, 7]
-TRUNCATED = dict(temperature=0.8, top_p=0.9, top_k=8)
 SETTINGS = [dict(temperature=1.0), TRUNCATED, dict(temperature=0.7, min_p=0.05)]
 
 
@@ -244,47 +243,6 @@ def test_accept_edge_cases():
 
 # ---------------------------------------------------------------------------
 # The real loop: stream_generate end to end
-
-
-def generated_tokens(model, draft, tokenizer, seed, max_tokens, **kw):
-    mx.random.seed(seed)
-    return dflash_tokens(model, draft, tokenizer, PROMPT, max_tokens=max_tokens, **kw)
-
-
-def pit_check(model, runs, setting, rng):
-    """Randomised PIT of every generated token under the target's exact
-    processed p given its actual prefix (one plain mlx-lm forward per run).
-
-    Returns (KS distance of the PIT values from U(0, 1), its DKW bound,
-    number of tokens committed outside the processed support).
-    """
-    us, outside = [], 0
-    for tokens in runs:
-        logits = model(mx.array([PROMPT + tokens]))[0, len(PROMPT) - 1 : -1]
-        p = np.array(processed_probs(logits, **setting), dtype=np.float64)
-        x = np.array(tokens)
-        p_x = p[np.arange(len(x)), x]
-        outside += int((p_x == 0).sum())
-        ids = np.arange(V)[None]
-        above = (p > p_x[:, None]) | ((p == p_x[:, None]) & (ids < x[:, None]))
-        us.append((p * above).sum(axis=1) + rng.uniform(size=len(x)) * p_x)
-    u = np.sort(np.concatenate(us))
-    n = u.size
-    ks = max((np.arange(1, n + 1) / n - u).max(), (u - np.arange(n) / n).max())
-    return ks, math.sqrt(math.log(2 / DELTA) / (2 * n)), outside
-
-
-def sampled_runs(small, draft, runs, setting, **kw):
-    out, responses = [], []
-    for seed in range(runs):
-        tokens, rs = generated_tokens(small.model, draft, small.tokenizer, seed, REAL_TOKENS, **setting, **kw)
-        assert len(tokens) == REAL_TOKENS
-        out.append(tokens)
-        responses += rs[1:]
-    return out, [r.accepted for r in responses]
-
-
-REAL_TOKENS = 64
 
 
 @pytest.mark.parametrize(

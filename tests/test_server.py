@@ -16,8 +16,8 @@ import urllib.request
 
 import openai
 import pytest
-from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.server import convert_chat
+from tiny import reference_responses, reference_text
 
 import dflash_mlx
 from dflash_mlx.pair import DEFAULT_TARGET, default_prompts
@@ -53,8 +53,7 @@ def bundled():
 
 
 def mlx_lm_text(bundled, prompt, max_tokens):
-    model, tokenizer = bundled
-    return "".join(r.text for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens))
+    return reference_text(*bundled, prompt, max_tokens)
 
 
 def test_completion_equals_mlx_lm_and_reports_dflash_usage(client, bundled):
@@ -184,7 +183,7 @@ def test_generation_stops_when_the_client_disconnects(server, client):
 def test_stop_words_end_the_text(client, bundled):
     model, tokenizer = bundled
     prompt = default_prompts()[1]
-    tokens = [r.token for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=30)]
+    tokens = [r.token for r in reference_responses(model, tokenizer, prompt, 30)]
     stop = tokenizer.decode(tokens[8:10])
     assert tokenizer.encode(stop) == tokens[8:10]
     r = client.completions.create(model="default", prompt=prompt, max_tokens=30, stop=[stop])
@@ -220,9 +219,7 @@ def test_hybrid_snapshots_at_message_boundaries(qwen3_5_pair, tmp_path):
         def chat(messages):
             r = client.chat.completions.create(model="default", messages=messages, max_tokens=8)
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            assert r.choices[0].message.content == "".join(
-                x.text for x in mlx_lm_stream_generate(model, tokenizer, ids, max_tokens=8)
-            )
+            assert r.choices[0].message.content == reference_text(model, tokenizer, ids, 8)
             return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
 
         head = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"}]

@@ -6,20 +6,27 @@ import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 import dflash_mlx
-from dflash_mlx.targets import SUPPORTED_MODEL_TYPES, TargetError, adapter_for
+from dflash_mlx.targets import SUPPORTED_MODEL_TYPES, TargetError, adapter_for, model_type_of
 from dflash_mlx.targets.hybrid import HybridTarget, has_fused_recurrence
 
+# Text models mlx-lm loads only inside their wrapper (no module of their
+# own): the adapter tests run each on its wrapper's text model.
+NESTED = {"gemma4_unified_text": "gemma4_unified"}
 HYBRID = [name for name in tiny.FAMILIES if name.startswith("qwen3_5")]
 # (family, recurrence): the recurrence choice exists for hybrid targets only
-ADAPTERS = [(name, r) for name in tiny.FAMILIES for r in (("sequential", "chunked") if name in HYBRID else ("-",))]
+ADAPTERS = [
+    (name, r) for name in [*tiny.FAMILIES, *NESTED] for r in (("sequential", "chunked") if name in HYBRID else ("-",))
+]
 
 
 @pytest.fixture(scope="module")
 def targets(make_pair):
-    return {name: make_pair(name).model for name in tiny.FAMILIES}
+    models = {name: make_pair(name).model for name in tiny.FAMILIES}
+    models.update({name: models[wrapper].language_model for name, wrapper in NESTED.items()})
+    return models
 
 
 def make_adapter(model, recurrence):
@@ -29,15 +36,16 @@ def make_adapter(model, recurrence):
 
 
 class LayerRecorder:
-    """Stands in for one layer of a model instance: runs it, keeps its output."""
+    """Stands in for one layer of a model instance: runs it, keeps its hidden
+    output (element 0 of the tuple a Gemma-4 layer returns)."""
 
     def __init__(self, layer, outputs):
         self.layer, self.outputs = layer, outputs
 
     def __call__(self, *args, **kwargs):
-        h = self.layer(*args, **kwargs)
-        self.outputs.append(h)
-        return h
+        out = self.layer(*args, **kwargs)
+        self.outputs.append(out[0] if isinstance(out, tuple) else out)
+        return out
 
     def __getattr__(self, name):
         return getattr(self.layer, name)
@@ -108,8 +116,17 @@ def test_rollback_equals_decoding_only_the_kept_tokens(targets, name, keep, recu
 
     a, _ = adapter.forward(probe, rolled, taps=[])
     b, _ = adapter.forward(probe, fresh, taps=[])
-    assert mx.allclose(a, b, atol=1e-5, rtol=1e-5)
+    # Once a sliding window has wrapped, its rotating buffer holds the window
+    # in another order after a rollback than after a fresh decode, so
+    # attention sums in another order: float32 rounding, bounded as in
+    # tests/test_gemma4.py (where mlx-lm's plain trim errs by over 1e-2).
+    wrapped = any(isinstance(c, RotatingKVCache) and c.offset > c.max_size for c in rolled)
+    tol = 1e-4 if wrapped else 1e-5
+    assert mx.allclose(a, b, atol=tol, rtol=tol)
     for ca, cb in zip(rolled, fresh):
+        if isinstance(ca, RotatingKVCache):  # its order is the buffer's: the probe compared the contents
+            assert ca.offset == cb.offset
+            continue
         if hasattr(ca, "offset"):  # attention: same length, same live keys/values
             assert ca.offset == cb.offset
             pairs = [(ca.keys[..., : ca.offset, :], cb.keys[..., : cb.offset, :]),
@@ -160,7 +177,8 @@ def test_compiled_verify_layers_are_bit_identical(targets, keep):
         cache = adapter.make_cache()
         adapter.forward(prompt, cache, taps=[], record=False)
         logits, taps = adapter.forward(block, cache, taps=[0, 1, 2])
-        assert bool(adapter._compiled_layers) == compile_layers
+        linear = sum(layer.is_linear for layer in adapter.backbone.layers)
+        assert linear and adapter.compiled_layers == (linear if compile_layers else 0)
         adapter.rollback(cache, keep)
         after, _ = adapter.forward(block[:, :3], cache, taps=[])
         states = [s for _, s in tree_flatten([c.state for c in cache]) if s is not None]
@@ -196,9 +214,10 @@ def test_fc_width_mismatch_is_refused(qwen3_pair, tmp_path):
         dflash_mlx.load_draft(path, qwen3_pair.model)
 
 
-def test_every_supported_family_has_a_tiny_target():
-    """So every adapter runs through the tests above."""
-    assert {cfg["model_type"] for cfg in tiny.FAMILIES.values()} == set(SUPPORTED_MODEL_TYPES)
+def test_every_supported_family_has_a_tiny_target(targets):
+    """So every adapter runs through the tests above, and every family but
+    the nested text models through tests/test_lossless.py's end to end."""
+    assert {model_type_of(model) for model in targets.values()} == set(SUPPORTED_MODEL_TYPES)
 
 
 def test_unsupported_family_lists_supported(tmp_path, qwen3_pair):

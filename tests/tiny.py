@@ -123,6 +123,68 @@ def multimodal(base: dict) -> dict:
             "text_config": text, "vision_config": {"depth": 1}}
 
 
+# Gemma-4 (mlx-lm gemma4_text / gemma4)
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+GEMMA4_TEXT = dict(
+    _DECODER,
+    model_type="gemma4_text",
+    architectures=["Gemma4ForCausalLM"],
+    intermediate_size=96,
+    num_hidden_layers=6,
+    head_dim=16,
+    global_head_dim=32,  # the full-attention layers' own head size
+    sliding_window=8,
+    layer_types=[SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL],
+    num_kv_shared_layers=2,  # layers 4 and 5 reuse layers 3 and 2
+    use_double_wide_mlp=True,
+    hidden_size_per_layer_input=8,  # per-layer inputs, as E2B/E4B have
+    rope_parameters={
+        FULL: {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+        SLIDING: {"partial_rotary_factor": 1.0, "rope_theta": 10000.0, "rope_type": "default"},
+    },
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+)
+
+# The 26B-A4B's kind of layer: a dense MLP plus routed experts, full layers
+# with K = V and their own kv-head count; no KV sharing, no per-layer inputs.
+GEMMA4_MOE = dict(
+    GEMMA4_TEXT,
+    sliding_window=12,
+    num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    attention_k_eq_v=True,
+    num_global_key_value_heads=1,
+)
+
+
+def gemma4_multimodal(text: dict, **fields) -> dict:
+    """A Gemma-4 checkpoint's config: the text model nested under text_config."""
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    return dict(
+        model_type="gemma4",
+        architectures=["Gemma4ForConditionalGeneration"],
+        text_config=text,
+        vision_config={"model_type": "gemma4_vision", "hidden_size": 8},
+        eos_token_id=[1, 106],
+        **fields,
+    )
+
+
+# The encoder-free export: mlx-lm loads it with its gemma4 model, keeping
+# both model types (the text model's is gemma4_unified_text).
+GEMMA4_UNIFIED = dict(
+    gemma4_multimodal(dict(GEMMA4_TEXT, model_type="gemma4_unified_text")),
+    model_type="gemma4_unified",
+    architectures=["Gemma4UnifiedForConditionalGeneration"],
+)
+
 FAMILIES = {  # every family the README lists, the multimodal wrappers too
     "llama": LLAMA,
     "qwen2": QWEN2,
@@ -132,6 +194,9 @@ FAMILIES = {  # every family the README lists, the multimodal wrappers too
     "qwen3_5_moe": QWEN3_5_MOE,
     "qwen3_5_multimodal": multimodal(QWEN3_5),
     "qwen3_5_moe_multimodal": multimodal(QWEN3_5_MOE),
+    "gemma4_text": GEMMA4_TEXT,
+    "gemma4": gemma4_multimodal(dict(GEMMA4_TEXT, sliding_window=16)),
+    "gemma4_unified": GEMMA4_UNIFIED,
 }
 
 
@@ -265,7 +330,8 @@ class Pair:
 
     def __init__(self, root: Path, base: dict, seed: int = 0):
         self.base = base.get("text_config", base)  # what the drafter sees
-        self.path = make_target(root / base["model_type"], base, seed=seed)
+        build = make_gemma4_target if base["model_type"].startswith("gemma4") else make_target
+        self.path = build(root / base["model_type"], base, seed=seed)
         self.model, self.tokenizer = load(str(self.path))
         self.vocab = adapter_for(self.model).vocab_size
 
@@ -341,16 +407,22 @@ class eos_set:
         self.tokenizer.eos_token_ids = self.saved
 
 
-def reference_tokens(model, tokenizer, prompt, max_tokens, eos_ids=None, **kw):
-    """mlx-lm's own tokens (eos excluded, as both generators report);
-    ``kw`` go to mlx_lm.stream_generate (a ``sampler``, a ``prefill_step_size``)."""
-    out = []
+def reference_responses(model, tokenizer, prompt, max_tokens, eos_ids=None, **kw):
+    """mlx-lm's own decode: its responses, the eos one included; ``kw`` go to
+    mlx_lm.stream_generate (a ``sampler``, a ``prefill_step_size``, a ``prompt_cache``)."""
     with eos_set(tokenizer, eos_ids):
-        for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kw):
-            if r.finish_reason == "stop":
-                break
-            out.append(r.token)
-    return out
+        return list(mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kw))
+
+
+def reference_tokens(model, tokenizer, prompt, max_tokens, eos_ids=None, **kw):
+    """mlx-lm's own tokens (eos excluded, as both generators report)."""
+    responses = reference_responses(model, tokenizer, prompt, max_tokens, eos_ids, **kw)
+    return [r.token for r in responses if r.finish_reason != "stop"]
+
+
+def reference_text(model, tokenizer, prompt, max_tokens, **kw):
+    """mlx-lm's own text."""
+    return "".join(r.text for r in reference_responses(model, tokenizer, prompt, max_tokens, **kw))
 
 
 def dflash_tokens(model, draft, tokenizer, prompt, eos_ids=None, **kw):
@@ -396,6 +468,150 @@ def scaled_error(got, want) -> float:
     """Largest difference, in units of the reference's root mean square."""
     got, want = got.astype(mx.float32), want.astype(mx.float32)
     return (mx.abs(got - want).max() / mx.sqrt(mx.mean(want * want))).item()
+
+
+# ---------------------------------------------------------------------------
+# Sampling checks through the real loop, on a target with a small vocabulary
+# (see tests/test_sampling.py for the bounds)
+
+V = 16  # small vocabulary: exact joint tables over a few tokens stay small
+PROMPT = [1, 5, 3, 7]
+TRUNCATED = dict(temperature=0.8, top_p=0.9, top_k=8)
+REAL_TOKENS = 64
+
+
+def generated_tokens(model, draft, tokenizer, seed, max_tokens, **kw):
+    mx.random.seed(seed)
+    return dflash_tokens(model, draft, tokenizer, PROMPT, max_tokens=max_tokens, **kw)
+
+
+def pit_check(model, runs, setting, rng):
+    """Randomised PIT of every generated token under the target's exact
+    processed p given its actual prefix (one plain mlx-lm forward per run).
+
+    Returns (KS distance of the PIT values from U(0, 1), its DKW bound,
+    number of tokens committed outside the processed support).
+    """
+    us, outside = [], 0
+    for tokens in runs:
+        logits = model(mx.array([PROMPT + tokens]))[0, len(PROMPT) - 1 : -1]
+        p = np.array(processed_probs(logits, **setting), dtype=np.float64)
+        x = np.array(tokens)
+        p_x = p[np.arange(len(x)), x]
+        outside += int((p_x == 0).sum())
+        ids = np.arange(V)[None]
+        above = (p > p_x[:, None]) | ((p == p_x[:, None]) & (ids < x[:, None]))
+        us.append((p * above).sum(axis=1) + rng.uniform(size=len(x)) * p_x)
+    u = np.sort(np.concatenate(us))
+    n = u.size
+    ks = max((np.arange(1, n + 1) / n - u).max(), (u - np.arange(n) / n).max())
+    return ks, np.sqrt(np.log(2 / DELTA) / (2 * n)), outside
+
+
+def sampled_runs(small, draft, runs, setting, **kw):
+    """``runs`` seeded sampled generations of REAL_TOKENS tokens after PROMPT
+    (``small``: a target with a V-token vocabulary, and its tokenizer); the
+    tokens of each, and the accepted count of every verify cycle."""
+    out, responses = [], []
+    for seed in range(runs):
+        tokens, rs = generated_tokens(small.model, draft, small.tokenizer, seed, REAL_TOKENS, **setting, **kw)
+        assert len(tokens) == REAL_TOKENS
+        out.append(tokens)
+        responses += rs[1:]
+    return out, [r.accepted for r in responses]
+
+
+# ---------------------------------------------------------------------------
+# The DFlash drafter in plain numpy (float32), to check the real one against
+
+
+def to_np(a):
+    """An mlx array as a float32 numpy array."""
+    return np.array(a.astype(mx.float32))
+
+
+def rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def rope(x, positions, theta):
+    """Non-traditional RoPE (rotate halves) on [..., S, D]."""
+    d = x.shape[-1]
+    inv = theta ** (-np.arange(0, d, 2) / d)
+    ang = positions[:, None] * inv[None]
+    cos, sin = np.cos(ang), np.sin(ang)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def reference_logits(draft, target, blocks, contexts):
+    """The DFlash drafter's logits, written out in numpy: a loop-level float32 forward over successive cycles.
+
+    ``contexts[i]`` holds the tap states injected before block ``i``; the
+    block's anchor sits right after all context injected so far.
+    """
+    cfg = draft.config
+    W = {k: to_np(v) for k, v in tree_flatten(draft.parameters())}
+    E = to_np(target.backbone.embed_tokens.weight)
+    head = E if target.tied else to_np(target.text_model.lm_head.weight)
+    eps, hd = cfg.rms_norm_eps, cfg.head_dim
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    ctx_feats = np.zeros((0, cfg.hidden_size), np.float32)
+    outs = []
+    for block, ctx in zip(blocks, contexts):
+        fused = rms(to_np(ctx)[0] @ W["fc.weight"].T, W["hidden_norm.weight"], eps)
+        ctx_feats = np.concatenate([ctx_feats, fused])
+        S, L = len(ctx_feats), len(block)
+        pos_ctx, pos_blk = np.arange(S), S + np.arange(L)
+        h = E[np.array(block)] * cfg.input_embedding_scale
+        for i in range(cfg.num_hidden_layers):
+            p = f"layers.{i}."
+            x = rms(h, W[p + "input_layernorm.weight"], eps)
+            q = (x @ W[p + "self_attn.q_proj.weight"].T).reshape(L, H, hd)
+            q = rope(rms(q, W[p + "self_attn.q_norm.weight"], eps).transpose(1, 0, 2), pos_blk, cfg.rope_theta)
+            kv_in = np.concatenate([ctx_feats, x])
+            k = (kv_in @ W[p + "self_attn.k_proj.weight"].T).reshape(S + L, KV, hd)
+            k = rope(rms(k, W[p + "self_attn.k_norm.weight"], eps).transpose(1, 0, 2),
+                     np.concatenate([pos_ctx, pos_blk]), cfg.rope_theta)
+            v = (kv_in @ W[p + "self_attn.v_proj.weight"].T).reshape(S + L, KV, hd).transpose(1, 0, 2)
+            layer_type = cfg.layer_types[i]
+            causal = (layer_type == "sliding_attention") if cfg.is_causal is None else cfg.is_causal
+            window = cfg.sliding_window if layer_type == "sliding_attention" else None
+            out = np.zeros((L, H, hd), np.float32)
+            for head_i in range(H):
+                kv_i = head_i // (H // KV)
+                for qi in range(L):
+                    qp = pos_blk[qi]
+                    scores = []
+                    for kj, kp in enumerate(np.concatenate([pos_ctx, pos_blk])):
+                        ok = (not causal or kp <= qp) and (
+                            window is None or (qp - kp < window and (causal or kp - qp < window))
+                        )
+                        scores.append(q[head_i, qi] @ k[kv_i, kj] / np.sqrt(hd) if ok else -np.inf)
+                    scores = np.array(scores)
+                    w = np.exp(scores - scores.max())
+                    w /= w.sum()
+                    out[qi, head_i] = w @ v[kv_i]
+            h = h + out.reshape(L, -1) @ W[p + "self_attn.o_proj.weight"].T
+            x = rms(h, W[p + "post_attention_layernorm.weight"], eps)
+            g = x @ W[p + "mlp.gate_proj.weight"].T
+            u = x @ W[p + "mlp.up_proj.weight"].T
+            h = h + ((g / (1 + np.exp(-g))) * u) @ W[p + "mlp.down_proj.weight"].T
+        h = rms(h, W["norm.weight"], eps)
+        outs.append(h @ head.T)
+    return outs
+
+
+def drafter_and_reference_logits(draft, target, vocab, context_lengths, block_len, seed=3):
+    """The drafter's logits over successive cycles of random tap contexts
+    (one per length) and random blocks, and :func:`reference_logits`' for them."""
+    rng = np.random.default_rng(seed)
+    n_feat = draft.config.fc_input_size
+    contexts = [mx.array(rng.standard_normal((1, s, n_feat)).astype(np.float32)) for s in context_lengths]
+    blocks = [rng.integers(0, vocab, block_len).tolist() for _ in contexts]
+    cache = draft.make_cache()
+    got = [to_np(draft(mx.array([b]), c, cache)[0]) for b, c in zip(blocks, contexts)]
+    return got, reference_logits(draft, target, blocks, contexts)
 
 
 # ---------------------------------------------------------------------------
@@ -524,62 +740,7 @@ class EchoDFlash2(DFlash2DraftModel):
 
 
 # ---------------------------------------------------------------------------
-# Gemma-4 targets (mlx-lm gemma4_text / gemma4) and their drafters
-
-SLIDING, FULL = "sliding_attention", "full_attention"
-
-GEMMA4_TEXT = dict(
-    model_type="gemma4_text",
-    architectures=["Gemma4ForCausalLM"],
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    global_head_dim=32,  # the full-attention layers' own head size
-    rms_norm_eps=1e-6,
-    sliding_window=8,
-    layer_types=[SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL],
-    num_kv_shared_layers=2,  # layers 4 and 5 reuse layers 3 and 2
-    use_double_wide_mlp=True,
-    hidden_size_per_layer_input=8,  # per-layer inputs, as E2B/E4B have
-    rope_parameters={
-        FULL: {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
-        SLIDING: {"partial_rotary_factor": 1.0, "rope_theta": 10000.0, "rope_type": "default"},
-    },
-    final_logit_softcapping=30.0,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
-
-# The 26B-A4B's kind of layer: a dense MLP plus routed experts, full layers
-# with K = V and their own kv-head count; no KV sharing, no per-layer inputs.
-GEMMA4_MOE = dict(
-    GEMMA4_TEXT,
-    sliding_window=12,
-    num_kv_shared_layers=0,
-    hidden_size_per_layer_input=0,
-    enable_moe_block=True,
-    num_experts=4,
-    top_k_experts=2,
-    moe_intermediate_size=32,
-    attention_k_eq_v=True,
-    num_global_key_value_heads=1,
-)
-
-
-def gemma4_multimodal(text: dict, **fields) -> dict:
-    """A Gemma-4 checkpoint's config: the text model nested under text_config."""
-    text = {k: v for k, v in text.items() if k != "architectures"}
-    return dict(
-        model_type="gemma4",
-        architectures=["Gemma4ForConditionalGeneration"],
-        text_config=text,
-        vision_config={"model_type": "gemma4_vision", "hidden_size": 8},
-        eos_token_id=[1, 106],
-        **fields,
-    )
+# Gemma-4 checkpoints and drafters
 
 
 def to_gemma4_hf_layout(weights: dict, multimodal: bool) -> dict:

@@ -194,6 +194,11 @@ class HybridTarget(TargetAdapter):
         self.compile_layers = compile_layers
         self._compiled_layers = {}
 
+    @property
+    def compiled_layers(self) -> int:
+        """How many GatedDeltaNet layers have run as compiled functions so far."""
+        return len(self._compiled_layers)
+
     def _fused_linear_layer(self, i, layer, h, cache, records):
         """Verify-block forward of GatedDeltaNet layer ``i`` as one compiled
         function. A verify block has fixed shapes, so each layer traces once;
