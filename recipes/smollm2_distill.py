@@ -95,10 +95,10 @@ def main(argv=None):
     log(out, f"start: {len(requests)} requests, {n_shards} shards, model {model_dir}")
     for i in range(n_shards):
         path = out / f"shard-{i:05d}.npz"
-        if path.exists():
-            continue
-        tic = time.perf_counter()
         chunk = requests[i * args.shard_size : (i + 1) * args.shard_size]
+        if path.exists() and len(read_shard(path)[1]) == len(chunk):
+            continue  # done (a shard cut short by an earlier --limit is redone)
+        tic = time.perf_counter()
         rows, prompt_lens = answer(model, tokenizer, chunk, args)
         write_shard(path, rows, prompt_lens)
         mx.clear_cache()
