@@ -486,34 +486,28 @@ def main(argv=None) -> int:
     if args.max_shard_size <= 0:
         print("error: --max-shard-size must be positive", file=sys.stderr)
         return 2
+    options = dict(
+        dtype=args.dtype,
+        quantize=args.quantize,
+        q_bits=args.q_bits or 4,
+        q_group_size=args.q_group_size or 64,
+        force=args.force,
+        max_shard_gb=args.max_shard_size,
+    )
     try:
         if args.gguf is not None:
             if args.kind == "draft" or args.draft_hf_path is not None:
                 print("error: --gguf imports a target model; it takes no drafter options", file=sys.stderr)
                 return 2
-            convert_gguf(
-                args.gguf,
-                args.mlx_path,
-                dtype=args.dtype,
-                quantize=args.quantize,
-                q_bits=args.q_bits or 4,
-                q_group_size=args.q_group_size or 64,
-                force=args.force,
-                max_shard_gb=args.max_shard_size,
-            )
+            convert_gguf(args.gguf, args.mlx_path, **options)
             return 0
         convert(
             args.hf_path,
             args.mlx_path,
             kind=args.kind,
-            dtype=args.dtype,
-            quantize=args.quantize,
-            q_bits=args.q_bits or 4,
-            q_group_size=args.q_group_size or 64,
-            force=args.force,
-            max_shard_gb=args.max_shard_size,
             draft_hf_path=args.draft_hf_path,
             draft_mlx_path=args.draft_mlx_path,
+            **options,
         )
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)

@@ -10,23 +10,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load as mlx_lm_load
 
-from dflash_mlx.cli import main as cli_main
+from test_convert import leftovers, run
 from tiny_gguf import MIXED, make_fixture, reference_dequantized, write_with_gguf_package
 
 
 @pytest.fixture(scope="module")
 def fixture(tmp_path_factory):
     return make_fixture(tmp_path_factory.mktemp("gguf"))
-
-
-def run(capsys, *args):
-    capsys.readouterr()
-    rc = cli_main(["convert", *map(str, args)])
-    return rc, capsys.readouterr().err
-
-
-def leftovers(dst: Path):
-    return [p.name for p in dst.parent.iterdir() if p.name == dst.name or p.name.startswith(f".{dst.name}.")]
 
 
 def logits_of(path: Path, tokens) -> mx.array:
