@@ -525,12 +525,12 @@ def check_args(args) -> None:
         raise TrainError(f"{out} exists and is not empty: pass --resume to continue it, or choose a new --out")
 
 
-def train(args) -> dict:
+def prepare(args):
+    """The target (with its adapter) and the training windows; fills in the
+    defaults that depend on them (taps, mask token, gamma, warmup)."""
     from .loading import load
-    from .pair import draft_config_for_target
     from .targets import adapter_for
 
-    check_args(args)
     try:
         model, tokenizer = load(args.target)
     except ValueError as e:  # mlx-lm: unknown model type, bad config
@@ -566,7 +566,25 @@ def train(args) -> dict:
             f"--cache-target needs data that is only 2-D .npy rows of exactly --seq-len "
             f"{args.seq_len} tokens (each window a whole row)"
         )
+    return model, adapter, docs, data
 
+
+def restore(out: Path, run: dict, draft, optimizer, rng) -> dict:
+    """Weights, optimizer and sampler state of the run saved in ``out``."""
+    saved, arrays = read_state(out)
+    check_resume(saved["run"], run)
+    draft.load_weights([(k[6:], v) for k, v in arrays.items() if k.startswith("model.")], strict=True)
+    optimizer.state = tree_unflatten([(k[10:], v) for k, v in arrays.items() if k.startswith("optimizer.")])
+    rng.bit_generator.state = saved["rng"]
+    print(f"resuming {out} at step {saved['step']}", file=sys.stderr)
+    return saved
+
+
+def train(args) -> dict:
+    from .pair import draft_config_for_target
+
+    check_args(args)
+    model, adapter, docs, data = prepare(args)
     config = draft_config_for_target(
         adapter.args,
         num_layers=args.num_layers,
@@ -587,13 +605,7 @@ def train(args) -> dict:
     run = run_config(args)
     state = {"step": 0, "history": [], "train_seconds": 0.0, "run": run}
     if args.resume:
-        saved, arrays = read_state(out)
-        check_resume(saved["run"], run)
-        draft.load_weights([(k[6:], v) for k, v in arrays.items() if k.startswith("model.")], strict=True)
-        optimizer.state = tree_unflatten([(k[10:], v) for k, v in arrays.items() if k.startswith("optimizer.")])
-        rng.bit_generator.state = saved["rng"]
-        state = saved
-        print(f"resuming {out} at step {state['step']}", file=sys.stderr)
+        state = restore(out, run, draft, optimizer, rng)
     mx.eval(draft.parameters(), optimizer.state)
 
     weights = slot_weights(args.block_size, args.gamma)
