@@ -40,6 +40,20 @@ def test_float32_gguf_gives_the_original_logits(fixture, tmp_path, capsys):
     assert "quantization" not in cfg
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_families(tmp_path, capsys, arch):
+    """Same layout, no Q/K permutation; qwen2's projection biases, qwen3's
+    q/k norms, tied and untied embeddings."""
+    (tmp_path / "fx").mkdir()
+    fx = make_fixture(tmp_path / "fx", arch)
+    dst = tmp_path / "out"
+    rc, err = run(capsys, "--gguf", fx["f32"], "--mlx-path", dst, "--dtype", "float32")
+    assert rc == 0, err
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["model_type"] == arch
+    assert mx.abs(logits_of(dst, TOKENS) - logits_of(fx["src"], TOKENS)).max().item() <= 1e-5
+
+
 def test_qk_rows_really_were_permuted(fixture):
     """The fixture is not trivially symmetric: without the restore, Q differs."""
     src = mx.load(str(fixture["src"] / "model.safetensors"))

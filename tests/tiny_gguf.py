@@ -1,6 +1,6 @@
-"""A tiny llama written as llama.cpp writes GGUF files, for the import tests.
+"""Tiny models written as llama.cpp writes GGUF files, for the import tests.
 
-The model is an HF-layout llama with a trained byte-level BPE tokenizer and a
+The model is an HF-layout llama (or qwen2 / qwen3) with a trained byte-level BPE tokenizer and a
 chat template. Its GGUF has llama.cpp's tensor names and Q/K row permutation
 (mlx-lm's own GGUF exporter functions) and the tokenizer as vocabulary,
 merges and token types. Float32 files go through ``mx.save_gguf``; Q4_0/Q8_0
@@ -59,7 +59,7 @@ def write_fixture_tokenizer(path: Path) -> int:
     return tok.get_vocab_size()
 
 
-def gguf_metadata(src: Path) -> dict:
+def gguf_metadata(src: Path, arch: str = "llama") -> dict:
     """llama.cpp's metadata for the fixture (config + tokenizer)."""
     cfg = json.loads((src / "config.json").read_text())
     spec = json.loads((src / "tokenizer.json").read_text())
@@ -67,18 +67,24 @@ def gguf_metadata(src: Path) -> dict:
     tokens = sorted(vocab, key=vocab.get)
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    model_keys = {
+        "context_length": u32(cfg["max_position_embeddings"]),
+        "embedding_length": u32(cfg["hidden_size"]),
+        "block_count": u32(cfg["num_hidden_layers"]),
+        "feed_forward_length": u32(cfg["intermediate_size"]),
+        "rope.dimension_count": u32(head_dim),
+        "attention.head_count": u32(cfg["num_attention_heads"]),
+        "attention.head_count_kv": u32(cfg["num_key_value_heads"]),
+        "attention.layer_norm_rms_epsilon": mx.array(cfg["rms_norm_eps"], dtype=mx.float32),
+        "rope.freq_base": mx.array(cfg["rope_theta"], dtype=mx.float32),
+    }
+    if arch == "qwen3":
+        model_keys["attention.key_length"] = u32(head_dim)
     return {
-        "general.architecture": "llama",
+        "general.architecture": arch,
         "general.name": "tiny",
-        "llama.context_length": u32(cfg["max_position_embeddings"]),
-        "llama.embedding_length": u32(cfg["hidden_size"]),
-        "llama.block_count": u32(cfg["num_hidden_layers"]),
-        "llama.feed_forward_length": u32(cfg["intermediate_size"]),
-        "llama.rope.dimension_count": u32(cfg["hidden_size"] // cfg["num_attention_heads"]),
-        "llama.attention.head_count": u32(cfg["num_attention_heads"]),
-        "llama.attention.head_count_kv": u32(cfg["num_key_value_heads"]),
-        "llama.attention.layer_norm_rms_epsilon": mx.array(cfg["rms_norm_eps"], dtype=mx.float32),
-        "llama.rope.freq_base": mx.array(cfg["rope_theta"], dtype=mx.float32),
+        **{f"{arch}.{k}": v for k, v in model_keys.items()},
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt2",
         "tokenizer.ggml.tokens": tokens,
@@ -93,17 +99,19 @@ def gguf_metadata(src: Path) -> dict:
     }
 
 
-def llama_cpp_tensors(src: Path) -> dict:
-    """The fixture's weights under llama.cpp's names, Q/K rows permuted."""
+def llama_cpp_tensors(src: Path, permute: bool = True) -> dict:
+    """The fixture's weights under llama.cpp's names, Q/K rows permuted as
+    llama.cpp's converter does for llama (not for the Qwen families)."""
     cfg = json.loads((src / "config.json").read_text())
     weights = mx.load(str(src / "model.safetensors"))
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     out = {}
     for name, w in weights.items():
-        if "self_attn.q_proj" in name:
+        if permute and "self_attn.q_proj.weight" in name:
             w = permute_weights(w, heads, heads)
-        elif "self_attn.k_proj" in name:
+        elif permute and "self_attn.k_proj.weight" in name:
             w = permute_weights(w, heads, kv_heads)
+        name = name.replace("self_attn.q_norm", "attn_q_norm").replace("self_attn.k_norm", "attn_k_norm")
         out[translate_weight_names(name)] = w
     return out
 
@@ -158,16 +166,22 @@ def reference_dequantized(src: Path, dst: Path, qtype: str) -> Path:
     return dst
 
 
-def make_fixture(root: Path) -> dict:
+QWEN2 = dict(
+    tiny.QWEN3, model_type="qwen2", architectures=["Qwen2ForCausalLM"], head_dim=None, tie_word_embeddings=False
+)
+
+
+def make_fixture(root: Path, arch: str = "llama") -> dict:
     """The HF model at root/hf and its float32 GGUF at root/tiny-f32.gguf."""
+    base = {"llama": tiny.LLAMA, "qwen2": QWEN2, "qwen3": tiny.QWEN3}[arch]
     src = root / "hf"
     src.mkdir()
     vocab = write_fixture_tokenizer(src)
-    tiny.make_target(src / "model", tiny.LLAMA, seed=3, vocab_size=vocab)
+    tiny.make_target(src / "model", {k: v for k, v in base.items() if v is not None}, seed=3, vocab_size=vocab)
     for f in ("config.json", "model.safetensors"):
         (src / "model" / f).rename(src / f)
-    md = gguf_metadata(src)
-    tensors = llama_cpp_tensors(src)
+    md = gguf_metadata(src, arch)
+    tensors = llama_cpp_tensors(src, permute=arch == "llama")
     f32 = root / "tiny-f32.gguf"
     mx.save_gguf(str(f32), tensors, md)
     return {"root": root, "src": src, "md": md, "tensors": tensors, "f32": f32, "vocab": vocab}
