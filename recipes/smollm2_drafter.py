@@ -8,8 +8,11 @@ Stages (each resumable; run state lives in ~/.cache/dflash_mlx/smollm2/):
   train     ``mlx-dflash train`` on the rows (self-distillation), target
             outputs cached on disk (--cache-dir), checkpoints every
             --save-every steps, continued with --resume
+  measure   tokens per verify cycle by answer position (0-256, 256-512,
+            512-1024) on held-out requests, for the current checkpoint
   install   the checkpoint into dflash_mlx/smollm2_pair/draft with a model
-            card recording the commands and the time each stage took
+            card recording the commands, the acceptance and the time each
+            stage took
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 nohup nice -n 15 \\
         python recipes/smollm2_drafter.py --stage all > /dev/null 2>&1 &
@@ -72,6 +75,35 @@ def stage_train(args):
         raise SystemExit("drafter training failed")
 
 
+BUCKETS = ((0, 256), (256, 512), (512, 1024))
+
+
+def stage_measure(args):
+    """Tokens committed per verify cycle by position in the answer (greedy,
+    held-out requests, chat template), for the current checkpoint."""
+    from dflash_mlx import load, load_draft, stream_generate
+    from dflash_mlx.pair import named_prompts, prepare_target
+
+    work = Path(args.work_dir)
+    model, tokenizer = load(str(prepare_target("smollm2")))
+    draft = load_draft(work / "drafter_run", model)
+    sums = {b: [0, 0] for b in BUCKETS}  # committed, cycles
+    for request in named_prompts("smollm2")[: args.measure_prompts]:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True)
+        position = None
+        for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=args.measure_tokens):
+            if position is not None:  # the prefill's token is not a cycle
+                for lo, hi in BUCKETS:
+                    if lo <= position < hi:
+                        sums[(lo, hi)][0] += r.committed
+                        sums[(lo, hi)][1] += 1
+            position = r.generation_tokens
+    result = {f"{lo}-{hi}": round(c / n, 3) if n else None for (lo, hi), (c, n) in sums.items()}
+    result["cycles"] = {f"{lo}-{hi}": n for (lo, hi), (_, n) in sums.items()}
+    (work / "acceptance.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
 def stage_install(args):
     import shutil
 
@@ -87,7 +119,8 @@ def stage_install(args):
     for name in ("config.json", "model.safetensors"):
         shutil.copy(run / name, staging.path / name)
     times = json.loads((work / "times.json").read_text())
-    write_card(staging.path, state, times, args)
+    accept = json.loads((work / "acceptance.json").read_text())
+    write_card(staging.path, state, times, accept, args)
     try:
         staging.commit()
     finally:
@@ -95,7 +128,7 @@ def stage_install(args):
     print(f"installed {staging.dst}")
 
 
-def write_card(out: Path, state: dict, times: dict, args):
+def write_card(out: Path, state: dict, times: dict, accept: dict, args):
     cfg = json.loads((out / "config.json").read_text())
     size = (out / "model.safetensors").stat().st_size
     tail = state["history"][-20:]
@@ -121,6 +154,7 @@ mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_conf
 | data | the target's greedy answers to the training requests of `recipes/smollm2_requests.py` (held-out topics excluded), packed into rows of {args.seq_len} tokens |
 | training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row, peak lr {args.lr} |
 | last 20 steps | loss {mean[0]}, slot-1 accuracy {mean[1]}, mean slot accuracy {mean[2]}, accepted-length proxy {mean[3]} |
+| tokens per cycle by answer position ({args.measure_prompts} held-out requests, greedy) | {accept} |
 | wall time (hours, 2-core CPU shared with other work) | {hours} |
 """
     (out / "README.md").write_text(card)
@@ -128,7 +162,9 @@ mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_conf
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stage", choices=("requests", "distill", "rows", "train", "install", "all"), default="all")
+    p.add_argument(
+        "--stage", choices=("requests", "distill", "rows", "train", "measure", "install", "all"), default="all"
+    )
     p.add_argument("--work-dir", default=str(WORK))
     p.add_argument("--pkg-dir", default=str(PKG_DIR), help="where the drafter is installed (a trial build: elsewhere)")
     p.add_argument("--seq-len", type=int, default=1024)
@@ -138,6 +174,8 @@ def main(argv=None):
     p.add_argument("--anchors", type=int, default=16)
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--measure-prompts", type=int, default=16, help="held-out requests the measure stage decodes")
+    p.add_argument("--measure-tokens", type=int, default=1024)
     args = p.parse_args(argv)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -152,6 +190,7 @@ def main(argv=None):
             ["--shards", str(work / "distill"), "--seq-len", str(args.seq_len), "--out", str(work / f"rows-{args.seq_len}.npy")]
         ),
         "train": lambda: stage_train(args),
+        "measure": lambda: stage_measure(args),
         "install": lambda: stage_install(args),
     }
     for name in stages if args.stage == "all" else [args.stage]:
