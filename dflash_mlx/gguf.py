@@ -26,7 +26,9 @@ ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
 }
 PERMUTED_QK = {model_type: permuted for model_type, _, permuted in ARCHITECTURES.values()}
-# The GGUF tensor types mx.load reads (others fail inside MLX).
+# The GGUF tensor types mx.load reads (others fail inside MLX); it gives
+# quantized ones as MLX affine (packed weight, float16 scales and biases) and
+# BF16 as float16.
 READABLE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 # Quantized GGUF types all use blocks of 32 weights.
 GGUF_GROUP_SIZE = 32
@@ -137,9 +139,17 @@ def hf_config(md: dict, arch: str, tensors: Dict[str, mx.array]) -> dict:
 
 def build_tokenizer(md: dict, arch: str):
     """A transformers fast tokenizer rebuilt from the GGUF vocabulary."""
+    import transformers
     from tokenizers import pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    try:
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError as e:
+        raise GGUFError(
+            f"transformers {transformers.__version__} lacks the GGUF tokenizer builders "
+            f"(transformers.integrations.gguf): upgrade it with `pip install -U transformers`"
+        ) from e
 
     spec = {
         name: value(md[f"tokenizer.{k}"])
@@ -163,6 +173,8 @@ def build_tokenizer(md: dict, arch: str):
         if spec.get(f"{role}_token_id") is not None
     }
     extra = {}
+    if f"{arch}.context_length" in md:
+        extra["model_max_length"] = value(md[f"{arch}.context_length"])
     if "tokenizer.chat_template" in md:
         extra["chat_template"] = value(md["tokenizer.chat_template"])
     for flag in ("add_bos_token", "add_eos_token"):
@@ -197,6 +209,11 @@ def group_tensors(tensors: Dict[str, mx.array]) -> Dict[str, Dict[str, mx.array]
     return groups
 
 
+def packed_bits(weight: mx.array, scales: mx.array) -> int:
+    """Bits per weight of a quantized tensor as mx.load returns it."""
+    return weight.shape[-1] * 32 // (scales.shape[-1] * GGUF_GROUP_SIZE)
+
+
 def unit_arrays(parts: Dict[str, mx.array], cfg: dict, base: str, dtype) -> Dict[str, mx.array]:
     """One GGUF tensor's output arrays, by leaf name: dequantized to ``dtype``
     (float32 arithmetic) when one is given, else as stored."""
@@ -205,9 +222,8 @@ def unit_arrays(parts: Dict[str, mx.array], cfg: dict, base: str, dtype) -> Dict
         heads = None
     if "scales" in parts and dtype is not None:
         w, s, b = parts.pop("weight"), parts.pop("scales"), parts.pop("biases")
-        bits = w.shape[-1] * 32 // (s.shape[-1] * GGUF_GROUP_SIZE)
         parts["weight"] = mx.dequantize(
-            w, s.astype(mx.float32), b.astype(mx.float32), group_size=GGUF_GROUP_SIZE, bits=bits
+            w, s.astype(mx.float32), b.astype(mx.float32), group_size=GGUF_GROUP_SIZE, bits=packed_bits(w, s)
         )
     out = {}
     for leaf, arr in parts.items():
@@ -225,8 +241,7 @@ def quantization_config(groups: Dict[str, Dict[str, mx.array]]) -> Optional[dict
     bits = {}
     for base, parts in groups.items():
         if "scales" in parts:
-            in_dims = parts["scales"].shape[-1] * GGUF_GROUP_SIZE
-            bits[hf_name(base)] = parts["weight"].shape[-1] * 32 // in_dims
+            bits[hf_name(base)] = packed_bits(parts["weight"], parts["scales"])
     if not bits:
         return None
     default = max(set(bits.values()), key=list(bits.values()).count)
