@@ -324,12 +324,12 @@ def setup_arg_parser():
 
 
 def main(argv=None):
-    from .pair import default_prompts, load_pair
+    from .pair import benchmark_prompts, load_pair
 
     args = setup_arg_parser().parse_args(argv)
     try:
         model, tokenizer, draft, draft_path = load_pair(args.model, args.draft_model)
-        prompts = json.loads(open(args.prompts).read()) if args.prompts else default_prompts()
+        prompts = json.loads(open(args.prompts).read()) if args.prompts else benchmark_prompts(args.model, tokenizer)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -116,6 +116,17 @@ def named_prompts(name: str) -> List[str]:
     return json.loads((NAMED_PAIRS[name]["dir"] / "prompts.json").read_text())
 
 
+def benchmark_prompts(model_path, tokenizer) -> List[str]:
+    """The benchmark's default prompts: a named pair's held-out requests with
+    the chat template applied, else the bundled pair's held-out code prompts."""
+    if str(model_path) not in NAMED_PAIRS:
+        return default_prompts()
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": r}], add_generation_prompt=True, tokenize=False)
+        for r in named_prompts(str(model_path))
+    ]
+
+
 def draft_config_for_target(
     target_args,
     *,

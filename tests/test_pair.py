@@ -92,6 +92,20 @@ def test_load_pair_by_name_is_lossless(tiny_pair):
         tokenizer.eos_token_ids = saved
     assert got == ref
     assert P.named_prompts("tiny") == ["Write def f(x):"]
+    templated = P.benchmark_prompts("tiny", tokenizer)
+    assert templated == [tokenizer.apply_chat_template([{"role": "user", "content": "Write def f(x):"}],
+                                                       add_generation_prompt=True, tokenize=False)]  # fmt: skip
+    assert templated[0].startswith("<|im_start|>user\n") and P.benchmark_prompts("other", tokenizer) == P.default_prompts()
+
+
+def test_bench_by_name_runs_the_held_out_chat_requests(tiny_pair, tmp_path, capsys):
+    from dflash_mlx.benchmark import main as bench_main
+
+    out = tmp_path / "bench.json"
+    assert bench_main(["--model", "tiny", "--max-tokens", "8", "--repeats", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == "tiny" and Path(report["draft_model"]) == tiny_pair[1]["dir"] / "draft"
+    assert report["prompts"] == 1 and report["outputs_identical"]
 
 
 def test_wrong_file_in_the_wheel_is_refused(tiny_pair, monkeypatch):
