@@ -168,7 +168,7 @@ def main(argv=None):
     p.add_argument("--work-dir", default=str(WORK))
     p.add_argument("--pkg-dir", default=str(PKG_DIR), help="where the drafter is installed (a trial build: elsewhere)")
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=6000)
+    p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--anchors", type=int, default=16)
