@@ -5,6 +5,8 @@ Stages (each resumable; run state lives in ~/.cache/dflash_mlx/smollm2/):
   requests  recipes/smollm2_requests.py: the seeded request set
   distill   recipes/smollm2_distill.py: the target's greedy answers, in shards
   rows      recipes/smollm2_rows.py: shards packed into rows of --seq-len
+            (the first --max-shards, or all finished ones; files are named
+            by that count, so a run on part of the data stays separate)
   train     ``mlx-dflash train`` on the rows (self-distillation), target
             outputs cached on disk (--cache-dir), checkpoints every
             --save-every steps, continued with --resume
@@ -49,15 +51,36 @@ def timed(work: Path, stage: str, fn):
     path.write_text(json.dumps(times, indent=1))
 
 
+def data_name(args) -> str:
+    """``{seq_len}-s{shards}``: which rows a run trains on. Without
+    --max-shards, every finished shard (rows stage) or the largest rows file
+    made so far (later stages)."""
+    work = Path(args.work_dir)
+    n = args.max_shards
+    if n is None and args.stage in ("rows", "all"):
+        n = len(list((work / "distill").glob("shard-*.npz")))
+    if n is None:
+        made = [int(p.stem.rsplit("-s", 1)[1]) for p in work.glob(f"rows-{args.seq_len}-s*.npy")]
+        if not made:
+            raise SystemExit(f"error: no rows-{args.seq_len}-s*.npy in {work}: run --stage rows first")
+        n = max(made)
+    return f"{args.seq_len}-s{n}"
+
+
+def run_dir(args) -> Path:
+    return Path(args.work_dir) / f"drafter_run-{data_name(args)}"
+
+
 def train_argv(args, target: str, mask_id: int) -> list:
     work = Path(args.work_dir)
+    name = data_name(args)
     return [
-        "--target", target, "--data", str(work / f"rows-{args.seq_len}.npy"), "--out", str(work / "drafter_run"),
+        "--target", target, "--data", str(work / f"rows-{name}.npy"), "--out", str(run_dir(args)),
         "--num-layers", str(LAYERS), "--block-size", str(BLOCK), "--taps", TAPS, "--mask-token-id", str(mask_id),
         "--targets", "self-distill", "--steps", str(args.steps), "--learning-rate", str(args.lr),
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--anchors-per-seq", str(args.anchors),
         "--seed", str(args.seed), "--save-every", str(args.save_every), "--target-dtype", "float32",
-        "--cache-target", "--cache-dir", str(work / f"target-outputs-{args.seq_len}"), "--dtype", "float32",
+        "--cache-target", "--cache-dir", str(work / f"target-outputs-{name}"), "--dtype", "float32",
     ]  # fmt: skip
 
 
@@ -70,7 +93,7 @@ def stage_train(args):
     target = str(prepare_target("smollm2"))
     mask_id = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(MASK_TOKEN)
     argv = train_argv(args, target, mask_id)
-    resume = ["--resume"] if (Path(args.work_dir) / "drafter_run" / "training_state").exists() else []
+    resume = ["--resume"] if (run_dir(args) / "training_state").exists() else []
     if dflash_train.main(argv + resume) != 0:
         raise SystemExit("drafter training failed")
 
@@ -84,9 +107,8 @@ def stage_measure(args):
     from dflash_mlx import load, load_draft, stream_generate
     from dflash_mlx.pair import named_prompts, prepare_target
 
-    work = Path(args.work_dir)
     model, tokenizer = load(str(prepare_target("smollm2")))
-    draft = load_draft(work / "drafter_run", model)
+    draft = load_draft(run_dir(args), model)
     sums = {b: [0, 0] for b in BUCKETS}  # committed, cycles
     for request in named_prompts("smollm2")[: args.measure_prompts]:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True)
@@ -100,7 +122,7 @@ def stage_measure(args):
             position = r.generation_tokens
     result = {f"{lo}-{hi}": round(c / n, 3) if n else None for (lo, hi), (c, n) in sums.items()}
     result["cycles"] = {f"{lo}-{hi}": n for (lo, hi), (_, n) in sums.items()}
-    (work / "acceptance.json").write_text(json.dumps(result, indent=1))
+    (run_dir(args) / "acceptance.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
 
@@ -110,7 +132,7 @@ def stage_install(args):
     from dflash_mlx.convert import Staging
 
     work = Path(args.work_dir)
-    run = work / "drafter_run"
+    run = run_dir(args)
     state = json.loads((run / "training_state" / "training_state.json").read_text())
     if state["step"] < args.steps:
         raise SystemExit(f"training is at step {state['step']} of {args.steps}: run --stage train first")
@@ -119,7 +141,7 @@ def stage_install(args):
     for name in ("config.json", "model.safetensors"):
         shutil.copy(run / name, staging.path / name)
     times = json.loads((work / "times.json").read_text())
-    accept = json.loads((work / "acceptance.json").read_text())
+    accept = json.loads((run / "acceptance.json").read_text())
     write_card(staging.path, state, times, accept, args)
     try:
         staging.commit()
@@ -168,6 +190,10 @@ def main(argv=None):
     p.add_argument("--work-dir", default=str(WORK))
     p.add_argument("--pkg-dir", default=str(PKG_DIR), help="where the drafter is installed (a trial build: elsewhere)")
     p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument(
+        "--max-shards", type=int, default=None,
+        help="train on the first N distillation shards (a fixed data set while more are being made)",
+    )
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--batch-size", type=int, default=4)
@@ -187,7 +213,8 @@ def main(argv=None):
              "--max-tokens", "768", "--resume"]  # fmt: skip
         ),
         "rows": lambda: __import__("smollm2_rows").main(
-            ["--shards", str(work / "distill"), "--seq-len", str(args.seq_len), "--out", str(work / f"rows-{args.seq_len}.npy")]
+            ["--shards", str(work / "distill"), "--seq-len", str(args.seq_len), "--out",
+             str(work / f"rows-{data_name(args)}.npy"), "--max-shards", str(int(data_name(args).rsplit("-s", 1)[1]))]
         ),
         "train": lambda: stage_train(args),
         "measure": lambda: stage_measure(args),
