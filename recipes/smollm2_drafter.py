@@ -40,6 +40,17 @@ PKG_DIR = REPO / "dflash_mlx" / "smollm2_pair"
 # the target's 30 layers (the reference rule for 5), mask = <empty_output>,
 # a control token chat text never contains.
 LAYERS, BLOCK, TAPS, MASK_TOKEN = 2, 16, "1,8,14,20,27", "<empty_output>"
+DISTILL_MAX_TOKENS = 768  # answer cap; shorter answers ended their turn
+
+
+def end_of_turn() -> str:
+    """The tokens that close an assistant turn in the target's chat template."""
+    from transformers import AutoTokenizer
+
+    from dflash_mlx.pair import prepare_target
+
+    tok = AutoTokenizer.from_pretrained(str(prepare_target("smollm2")))
+    return ",".join(map(str, tok.encode("<|im_end|>\n", add_special_tokens=False)))
 
 
 def timed(work: Path, stage: str, fn):
@@ -210,11 +221,12 @@ def main(argv=None):
         "requests": lambda: __import__("smollm2_requests").main(["--out", requests, "--seed", str(args.seed)]),
         "distill": lambda: __import__("smollm2_distill").main(
             ["--requests", requests, "--out", str(work / "distill"), "--batch-size", "32", "--shard-size", "128",
-             "--max-tokens", "768", "--resume"]  # fmt: skip
+             "--max-tokens", str(DISTILL_MAX_TOKENS), "--resume"]  # fmt: skip
         ),
         "rows": lambda: __import__("smollm2_rows").main(
             ["--shards", str(work / "distill"), "--seq-len", str(args.seq_len), "--out",
-             str(work / f"rows-{data_name(args)}.npy"), "--max-shards", str(int(data_name(args).rsplit("-s", 1)[1]))]
+             str(work / f"rows-{data_name(args)}.npy"), "--max-shards", str(int(data_name(args).rsplit("-s", 1)[1])),
+             "--max-tokens", str(DISTILL_MAX_TOKENS), "--end-ids", end_of_turn()]  # fmt: skip
         ),
         "train": lambda: stage_train(args),
         "measure": lambda: stage_measure(args),

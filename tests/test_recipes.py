@@ -106,3 +106,10 @@ def test_rows_pack_conversations_back_to_back(tmp_path):
     rows = np.load(out)
     assert rows.shape == (3, 64) and rows.dtype == np.int32
     assert np.array_equal(rows.reshape(-1), np.concatenate(convs)[: 3 * 64])
+    # Answers shorter than the cap (prompt 5 + answer < 80) get their end-of-turn tokens back.
+    smollm2_rows.main(["--shards", str(shards), "--seq-len", "64", "--out", str(out), "--max-tokens", "80",
+                       "--end-ids", "401,402"])  # fmt: skip
+    end = np.array([401, 402], np.int32)
+    closed = [np.concatenate([c, end]) if len(c) - 5 < 80 else c for c in convs]
+    assert [len(c) - 5 < 80 for c in convs] == [True, True, True, False, True]
+    assert np.array_equal(np.load(out).reshape(-1), np.concatenate(closed)[: np.load(out).size])
