@@ -466,15 +466,16 @@ def read_prompts(path) -> List[str]:
 
 
 def main(argv=None):
-    from .pair import default_prompts, load_pair
+    from .pair import benchmark_prompts, load_pair
 
     args = setup_arg_parser().parse_args(argv)
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path and not Path(path).resolve().parent.is_dir():
             raise ArgumentError(f"{flag} {path}: its directory does not exist")
-    prompts = read_prompts(args.prompts) if args.prompts else default_prompts()
-    prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    prompts = read_prompts(args.prompts) if args.prompts else None
     model, tokenizer, draft, draft_path = load_pair(args.model, args.draft_model)
+    prompts = prompts or benchmark_prompts(args.model, tokenizer)
+    prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     report, ar_runs = benchmark(model, draft, tokenizer, prompts, args.max_tokens, args.block_size, args.repeats)
     if args.ar_draft_model:
         from mlx_lm import load as mlx_lm_load

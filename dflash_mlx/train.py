@@ -50,7 +50,7 @@ RUN_KEYS = (
     "target", "data", "num_layers", "block_size", "taps", "steps", "learning_rate",
     "batch_size", "seq_len", "gamma", "anchors_per_seq", "seed", "targets", "warmup",
     "mask_token_id", "intermediate_size", "weight_decay", "grad_clip", "target_dtype",
-    "init_from",
+    "init_from", "cache_dir",
 )
 MASK_NAME = re.compile(r"^<\|?\s*mask\s*\|?>$", re.IGNORECASE)
 
@@ -278,6 +278,66 @@ def sample_batch(rng: np.random.Generator, data, args):
     return starts, windows, anchors.astype(np.int32)
 
 
+class TargetOutputs:
+    """The frozen target's taps and greedy predictions for a batch of windows.
+
+    Without ``--cache-target`` the target runs on every batch. With it each
+    row (a whole window) runs once: kept in memory, or with ``--cache-dir`` in
+    memory-mapped files there (taps as float16), which outlive the run, so a
+    resumed or repeated run over the same rows, target and taps reuses them.
+    A row is marked done only after its data is flushed.
+    """
+
+    def __init__(self, adapter, args, n_rows: int, width: int):
+        self.adapter, self.taps_ids, self.seq_len = adapter, list(args.taps), args.seq_len
+        self.enabled = args.cache_target
+        if not self.enabled:
+            return
+        shapes = {"taps": (n_rows, args.seq_len, width), "greedy": (n_rows, args.seq_len), "done": (n_rows,)}
+        if args.cache_dir is None:
+            dtypes = {"taps": np.float32, "greedy": np.int32, "done": np.bool_}
+            self.arrays = {k: np.zeros(shape, dtypes[k]) for k, shape in shapes.items()}
+            return
+        dtypes = {"taps": np.float16, "greedy": np.int32, "done": np.bool_}
+        root = Path(args.cache_dir)
+        key = {
+            "target": str(Path(args.target).resolve()), "data": [str(Path(d).resolve()) for d in args.data],
+            "taps": self.taps_ids, "seq_len": args.seq_len, "rows": n_rows, "target_dtype": args.target_dtype,
+        }  # fmt: skip
+        meta = root / "cache.json"
+        fresh = not meta.is_file()
+        if not fresh and json.loads(meta.read_text()) != key:
+            saved = json.loads(meta.read_text())
+            diff = ", ".join(k for k in key if saved.get(k) != key[k])
+            raise TrainError(f"--cache-dir {root} holds the target outputs of other data ({diff} differ): choose another")
+        root.mkdir(parents=True, exist_ok=True)
+        self.arrays = {
+            k: np.lib.format.open_memmap(root / f"{k}.npy", "w+" if fresh else "r+", dtypes[k], shape)
+            for k, shape in shapes.items()
+        }
+        if fresh:
+            meta.write_text(json.dumps(key, indent=1))
+
+    def __call__(self, starts: np.ndarray, windows: np.ndarray):
+        if not self.enabled:
+            return target_pass(self.adapter, mx.array(windows), self.taps_ids)
+        rows = starts // self.seq_len  # each row is one window (checked in train)
+        a = self.arrays
+        new = sorted(set(rows[~a["done"][rows]].tolist()))
+        if new:
+            pick = [int(np.flatnonzero(rows == r)[0]) for r in new]
+            taps, greedy = target_pass(self.adapter, mx.array(windows[pick]), self.taps_ids)
+            a["taps"][new] = np.array(taps.astype(mx.float32))
+            a["greedy"][new] = np.array(greedy)
+            for arr in (a["taps"], a["greedy"]):
+                if isinstance(arr, np.memmap):
+                    arr.flush()
+            a["done"][new] = True
+            if isinstance(a["done"], np.memmap):
+                a["done"].flush()
+        return mx.array(a["taps"][rows]).astype(mx.float32), mx.array(a["greedy"][rows])
+
+
 # ----------------------------------------------------------------- checkpoint
 
 
@@ -398,6 +458,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "later epochs skip the target (data: 2-D .npy rows of exactly --seq-len tokens; memory: "
         "rows x seq-len x taps x hidden floats)",
     )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="with --cache-target: keep the target outputs in memory-mapped files here (taps as float16) "
+        "instead of memory, for data larger than memory; reused by --resume and later runs on the same rows",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
@@ -441,6 +507,8 @@ def check_args(args) -> None:
             f"--anchors-per-seq {args.anchors_per_seq} exceeds the {n_valid} anchor positions "
             f"a --seq-len {args.seq_len} window has for block size {args.block_size}"
         )
+    if args.cache_dir is not None and not args.cache_target:
+        raise TrainError("--cache-dir keeps --cache-target's outputs: pass --cache-target too")
     if args.gamma is not None and args.gamma <= 0:
         raise TrainError("--gamma must be positive")
     if args.taps is not None:
@@ -457,12 +525,12 @@ def check_args(args) -> None:
         raise TrainError(f"{out} exists and is not empty: pass --resume to continue it, or choose a new --out")
 
 
-def train(args) -> dict:
+def prepare(args):
+    """The target (with its adapter) and the training windows; fills in the
+    defaults that depend on them (taps, mask token, gamma, warmup)."""
     from .loading import load
-    from .pair import draft_config_for_target
     from .targets import adapter_for
 
-    check_args(args)
     try:
         model, tokenizer = load(args.target)
     except ValueError as e:  # mlx-lm: unknown model type, bad config
@@ -498,7 +566,25 @@ def train(args) -> dict:
             f"--cache-target needs data that is only 2-D .npy rows of exactly --seq-len "
             f"{args.seq_len} tokens (each window a whole row)"
         )
+    return model, adapter, docs, data
 
+
+def restore(out: Path, run: dict, draft, optimizer, rng) -> dict:
+    """Weights, optimizer and sampler state of the run saved in ``out``."""
+    saved, arrays = read_state(out)
+    check_resume(saved["run"], run)
+    draft.load_weights([(k[6:], v) for k, v in arrays.items() if k.startswith("model.")], strict=True)
+    optimizer.state = tree_unflatten([(k[10:], v) for k, v in arrays.items() if k.startswith("optimizer.")])
+    rng.bit_generator.state = saved["rng"]
+    print(f"resuming {out} at step {saved['step']}", file=sys.stderr)
+    return saved
+
+
+def train(args) -> dict:
+    from .pair import draft_config_for_target
+
+    check_args(args)
+    model, adapter, docs, data = prepare(args)
     config = draft_config_for_target(
         adapter.args,
         num_layers=args.num_layers,
@@ -519,36 +605,14 @@ def train(args) -> dict:
     run = run_config(args)
     state = {"step": 0, "history": [], "train_seconds": 0.0, "run": run}
     if args.resume:
-        saved, arrays = read_state(out)
-        check_resume(saved["run"], run)
-        draft.load_weights([(k[6:], v) for k, v in arrays.items() if k.startswith("model.")], strict=True)
-        optimizer.state = tree_unflatten([(k[10:], v) for k, v in arrays.items() if k.startswith("optimizer.")])
-        rng.bit_generator.state = saved["rng"]
-        state = saved
-        print(f"resuming {out} at step {state['step']}", file=sys.stderr)
+        state = restore(out, run, draft, optimizer, rng)
     mx.eval(draft.parameters(), optimizer.state)
 
     weights = slot_weights(args.block_size, args.gamma)
     value_and_grad = nn.value_and_grad(draft, drafter_loss)
     mask_id = args.mask_token_id
 
-    target_cache = {} if args.cache_target else None
-
-    def target_outputs(starts, windows):
-        """The frozen target's taps and predictions, run once per row with --cache-target."""
-        if target_cache is None:
-            return target_pass(adapter, mx.array(windows), args.taps)
-        new = {}
-        for i, s in enumerate(starts.tolist()):
-            if s not in target_cache:
-                new.setdefault(s, i)
-        if new:
-            taps, greedy = target_pass(adapter, mx.array(windows[list(new.values())]), args.taps)
-            mx.eval(taps, greedy)
-            for j, s in enumerate(new):
-                target_cache[s] = (taps[j], greedy[j])
-        rows = [target_cache[s] for s in starts.tolist()]
-        return mx.stack([r[0] for r in rows]), mx.stack([r[1] for r in rows])
+    target_outputs = TargetOutputs(adapter, args, n_rows=len(docs), width=len(args.taps) * adapter.hidden_size)
 
     def step_fn(starts, windows, anchors):
         tokens = mx.array(windows)

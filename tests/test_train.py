@@ -143,6 +143,29 @@ def test_cached_target_trains_identically(qwen3_5_pair, corpus, tmp_path):
     assert T.main(small_run(qwen3_5_pair, corpus, tmp_path / "x", "--cache-target")) == 1
 
 
+def test_disk_cache_of_target_outputs(qwen3_5_pair, corpus, tmp_path):
+    """--cache-dir: float16 taps on disk, written once, reused by a later run;
+    training follows the uncached run closely (taps rounded to float16)."""
+    ids = np.asarray(qwen3_5_pair.tokenizer.encode(corpus.read_text()[:2000]))
+    np.save(tmp_path / "rows.npy", ids[: 6 * 48].reshape(6, 48))
+    cache = tmp_path / "cache"
+    runs = {}
+    for name, extra in (("plain", []), ("disk", ["--cache-target", "--cache-dir", str(cache)]),
+                        ("again", ["--cache-target", "--cache-dir", str(cache)])):  # fmt: skip
+        argv = small_run(qwen3_5_pair, tmp_path / "rows.npy", tmp_path / name, "--steps", "8", *extra)
+        assert T.main(argv) == 0
+        runs[name] = np.array(history(tmp_path / name))
+    taps = np.load(cache / "taps.npy", mmap_mode="r")
+    assert taps.dtype == np.float16 and taps.shape[:2] == (6, 48) and np.load(cache / "done.npy").sum() > 0
+    assert np.array_equal(runs["again"], runs["disk"])
+    assert np.abs(runs["disk"][:, 0] - runs["plain"][:, 0]).max() < 1e-2
+    # The cache belongs to its rows: other data is refused, and --cache-dir needs --cache-target.
+    np.save(tmp_path / "other.npy", ids[48 : 7 * 48].reshape(6, 48))
+    argv = small_run(qwen3_5_pair, tmp_path / "other.npy", tmp_path / "o", "--cache-target", "--cache-dir", str(cache))
+    assert T.main(argv) == 1
+    assert T.main(small_run(qwen3_5_pair, tmp_path / "rows.npy", tmp_path / "p", "--cache-dir", str(cache))) == 1
+
+
 def test_resume_equals_uninterrupted_run(qwen3_pair, corpus, tmp_path, monkeypatch, capsys):
     pair = qwen3_pair
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

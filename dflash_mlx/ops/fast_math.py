@@ -66,12 +66,26 @@ def _sigmoid(x):
     return mx.where(x < 0, y, 1.0 - y)
 
 
+def _with_gradient_of(fused, reference):
+    """``fused``, differentiated as ``reference`` (whose values it equals):
+    ``view`` has no VJP, and a target trained through its adapter needs one."""
+    f = mx.custom_function(fused)
+
+    @f.vjp
+    def _vjp(primals, cotangent, _):
+        args = list(primals) if isinstance(primals, (tuple, list)) else [primals]
+        grads = mx.vjp(reference, args, [cotangent])[1]
+        return tuple(grads) if len(args) > 1 else grads[0]
+
+    return f
+
+
 # Compiled per input shape (``view`` rules out shapeless compilation): the
 # shapes that matter repeat every cycle, so each is traced once.
-exp = mx.compile(_exp)
-sigmoid = mx.compile(_sigmoid)
-silu = mx.compile(lambda x: x * _sigmoid(x))
-swiglu = mx.compile(lambda gate, x: gate * _sigmoid(gate) * x)
+exp = _with_gradient_of(mx.compile(_exp), mx.exp)
+sigmoid = _with_gradient_of(mx.compile(_sigmoid), mx.sigmoid)
+silu = _with_gradient_of(mx.compile(lambda x: x * _sigmoid(x)), nn.silu)
+swiglu = _with_gradient_of(mx.compile(lambda gate, x: gate * _sigmoid(gate) * x), lambda gate, x: nn.silu(gate) * x)
 
 
 def available(device=None) -> bool:

