@@ -30,6 +30,7 @@ def setup_arg_parser():
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started (see the README)")
     return p
 
 
@@ -48,10 +49,18 @@ def main(argv=None, input_fn=input):
     from .pair import load_pair
 
     args = setup_arg_parser().parse_args(argv)
+    group = mx.distributed.init() if args.pipeline else None
     try:
-        model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
+        if group is not None:
+            from .pipeline import load_pipelined_pair, rank0_repl
+
+            model, tokenizer, draft = load_pipelined_pair(args.model, args.draft_model, seed=args.seed)
+            input_fn = rank0_repl(input_fn, group)  # every rank gets rank 0's lines; only rank 0 prints
+        else:
+            model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if group is None or group.rank() == 0:  # with --pipeline every rank has the same message
+            print(f"error: {e}", file=sys.stderr)
         return 1
     mx.random.seed(args.seed)
     templated = bool(getattr(tokenizer, "chat_template", None))

@@ -40,6 +40,7 @@ from mlx_lm.server import APIHandler, GenerationContext, Response, convert_chat,
 
 from .cache import make_prompt_cache
 from .generate import feed, generate_step
+from .pipeline import STOP, agree_flag, share_request
 
 ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
 
@@ -197,6 +198,8 @@ class DFlashResponseGenerator:
         self.requests: "queue.Queue" = queue.Queue()
         self.tokenizer_lock = threading.Lock()  # handler threads tokenize too
         self.failed = self.stopping = False
+        # --pipeline: every rank generates what rank 0 receives (pipeline.share_request).
+        self.group = mx.distributed.init() if cli_args.pipeline else None
         self.thread = threading.Thread(target=self.run, name="dflash-generation", daemon=True)
         self.thread.start()
 
@@ -210,15 +213,23 @@ class DFlashResponseGenerator:
 
     def run(self):
         try:
-            while not self.stopping:
-                try:
-                    item = self.requests.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                self.serve(*item)
+            while (item := self.next_request()) != STOP:
+                if item is not None:
+                    self.serve(*item)
         except Exception:
             logging.exception("the generation thread died")
             self.failed = True
+
+    def next_request(self):
+        """A queued request, ``None`` when there is none yet, or ``STOP``;
+        with ``--pipeline`` rank 0's, on every rank."""
+        item = STOP if self.stopping else None
+        if item is None and (self.group is None or self.group.rank() == 0):
+            try:
+                item = self.requests.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        return item if self.group is None else share_request(item, self.group)
 
     def prepare(self, body: dict, kind: str) -> Prepared:
         """Check and tokenize a request (on the handler's thread)."""
@@ -332,7 +343,7 @@ class DFlashResponseGenerator:
                 logprob = logprobs[token].item() if want else 0.0
                 top = top_logprobs(logprobs, args.top_logprobs, tok) if want else ()
                 responses.put(Response(detok.last_segment, token, logprob, finish, top))
-                if finish is not None or ctx.stopped:
+                if finish is not None or self.client_gone(ctx, from_draft):
                     break
         if ctx.stopped:
             logging.info("request stopped by the client after %d tokens", n)
@@ -343,6 +354,15 @@ class DFlashResponseGenerator:
             cycles=cycles, accepted_draft_tokens=accepted, block_size=args.num_draft_tokens + 1,
             tokens_per_cycle=round((yielded - 1) / max(1, cycles), 3),
         )
+
+
+    def client_gone(self, ctx, from_draft: bool) -> bool:
+        """Whether to stop for a client that went away: with ``--pipeline``
+        decided at the end of each cycle on every rank alike, so every rank
+        stops at the same token and keeps the same prompt cache."""
+        if self.group is None:
+            return ctx.stopped
+        return not from_draft and agree_flag(ctx.stopped, self.group)
 
 
 class DFlashAPIHandler(APIHandler):
@@ -453,17 +473,23 @@ def setup_arg_parser():
     p.add_argument("--use-default-chat-template", action="store_true", help="use the tokenizer's default template when it has none")
     p.add_argument("--chat-template-args", type=json.loads, default={}, help="JSON arguments for the chat template")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started; rank 0 serves HTTP (see the README)")
     return p
 
 
-def make_server(args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
-    """The HTTP server and its generation thread, bound but not serving yet."""
+def make_generator(args, model, tokenizer, draft, draft_id: str) -> DFlashResponseGenerator:
+    """The generation thread, started (with --pipeline, on every rank)."""
     if args.chat_template:
         tokenizer.chat_template = args.chat_template
     elif args.use_default_chat_template and tokenizer.chat_template is None:
         tokenizer.chat_template = tokenizer.default_chat_template
     args.num_draft_tokens = (args.block_size or draft.block_size) - 1
-    generator = DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
+    return DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
+
+
+def make_server(args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
+    """The HTTP server and its generation thread, bound but not serving yet."""
+    generator = make_generator(args, model, tokenizer, draft, draft_id)
     server = ThreadingHTTPServer((args.host, args.port), lambda *a, **kw: DFlashAPIHandler(generator, *a, **kw))
     server.generator = generator
     return server
@@ -477,11 +503,22 @@ def main(argv=None):
     if args.block_size is not None and args.block_size < 1:
         print("error: --block-size must be at least 1", file=sys.stderr)
         return 1
+    rank = mx.distributed.init().rank() if args.pipeline else 0
     try:
-        model, tokenizer, draft, draft_id = load_pair(args.model, args.draft_model)
+        if args.pipeline:
+            from .pair import default_draft_for
+            from .pipeline import follow_rank0, load_pipelined_pair
+
+            model, tokenizer, draft = load_pipelined_pair(args.model, args.draft_model)
+            draft_id = args.draft_model or default_draft_for(args.model)
+            if rank != 0:  # generates what rank 0 receives, until rank 0 stops
+                return follow_rank0(make_generator(args, model, tokenizer, draft, draft_id))
+        else:
+            model, tokenizer, draft, draft_id = load_pair(args.model, args.draft_model)
         server = make_server(args, model, tokenizer, draft, draft_id)
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if rank == 0:  # with --pipeline every rank has the same load error
+            print(f"error: {e}", file=sys.stderr)
         return 1
     host, port = server.server_address[:2]
     print(f"mlx-dflash server listening on http://{host}:{port}", file=sys.stderr, flush=True)
