@@ -14,6 +14,7 @@ does for its pipelined ranks.
 """
 
 import json
+import logging
 import os
 import pickle
 import queue
@@ -221,13 +222,24 @@ def rank0_repl(input_fn, group):
     return read
 
 
-def follow_rank0(generator) -> int:
+def follow_rank0(generator):
     """A pipelined server's rank other than 0: it answers nobody, generates
     every request rank 0 shares and ends when rank 0 shuts down. Ctrl-C
     reaches every local rank; rank 0's decides, so the ranks end together."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     generator.thread.join()
-    return 1 if generator.failed else 0
+    exit_server_rank(1 if generator.failed else 0)
+
+
+def exit_server_rank(code: int):
+    """End a pipelined server's rank now that every rank has stopped: after
+    a thread other than the main one ran collectives on mlx-lm's
+    ``generation_stream``, MLX (0.32) can abort in the interpreter's
+    teardown, which would turn a clean shutdown into a crash report."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 __all__ = [
@@ -235,6 +247,7 @@ __all__ = [
     "STOP",
     "agree_flag",
     "agree_seed",
+    "exit_server_rank",
     "follow_rank0",
     "load_pipelined_pair",
     "load_slice",

@@ -511,8 +511,8 @@ def main(argv=None):
 
             model, tokenizer, draft = load_pipelined_pair(args.model, args.draft_model)
             draft_id = args.draft_model or default_draft_for(args.model)
-            if rank != 0:  # generates what rank 0 receives, until rank 0 stops
-                return follow_rank0(make_generator(args, model, tokenizer, draft, draft_id))
+            if rank != 0:  # generates what rank 0 receives, until rank 0 stops; then exits
+                follow_rank0(make_generator(args, model, tokenizer, draft, draft_id))
         else:
             model, tokenizer, draft, draft_id = load_pair(args.model, args.draft_model)
         server = make_server(args, model, tokenizer, draft, draft_id)
@@ -529,6 +529,10 @@ def main(argv=None):
     finally:
         server.server_close()
         server.generator.stop_and_join()
+    if args.pipeline:  # every rank has stopped with rank 0's generation thread
+        from .pipeline import exit_server_rank
+
+        exit_server_rank(0)
     return 0
 
 

@@ -304,7 +304,7 @@ def test_pipelined_chat_prints_the_single_process_chat_once(models, capsys):
     expected = capsys.readouterr().out
     assert expected.count("[conversation reset]") == 1 and "12 prompt tokens reused" not in expected
     run = launch("-m", "dflash_mlx.chat", "--pipeline", *args, input=CHAT_INPUT)
-    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and "exited with code" not in run.stderr, run.stderr
     assert without_rates(run.stdout) == without_rates(expected)
 
 
@@ -314,10 +314,27 @@ def rank_pids(launcher: int):
     return [int(p) for t in tasks.iterdir() for p in (t / "children").read_text().split()]
 
 
+def disconnect(port: int, log: Path):
+    """A long streamed request dropped after its first token."""
+    body = json.dumps({"prompt": "class A:\n", "max_tokens": 3000, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        seen = b""
+        while b"data: " not in seen:
+            seen += sock.recv(4096)
+    deadline = time.time() + TIMEOUT
+    while not (m := re.search(r"stopped by the client after (\d+) tokens", log.read_text())):
+        assert time.time() < deadline, log.read_text()
+        time.sleep(0.2)
+    assert int(m.group(1)) < 3000
+
+
 def test_pipelined_server_answers_the_single_process_text(models, tmp_path):
-    """Rank 0 serves HTTP and shares each request with rank 1; the answer is
+    """Rank 0 serves HTTP and shares each request with rank 1. A streamed
+    request whose client goes away stops on both ranks; then the answer is
     the single process's text, a repeated prompt is reused from the prompt
-    cache on both ranks, and Ctrl-C ends both ranks."""
+    cache on both ranks (they are still in step), and Ctrl-C ends both."""
     target, draft = models["qwen3_5"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -331,6 +348,7 @@ def test_pipelined_server_answers_the_single_process_text(models, tmp_path):
         while "listening on" not in log.read_text():
             assert proc.poll() is None and time.time() < deadline, log.read_text()
             time.sleep(0.2)
+        disconnect(port, tmp_path / "server.log")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
         model, tokenizer = load(target)
         expected = "".join(r.text for r in mlx_lm_stream_generate(model, tokenizer, PROMPT, max_tokens=24))
@@ -339,9 +357,11 @@ def test_pipelined_server_answers_the_single_process_text(models, tmp_path):
         assert [a.usage.prompt_tokens_details.cached_tokens for a in answers] == [0, len(tokenizer.encode(PROMPT))]
         for pid in rank_pids(proc.pid):
             os.kill(pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
-        assert proc.returncode == 0, log.read_text()
-        assert log.read_text().count("listening on") == 1 and "Traceback" not in log.read_text()
+        proc.communicate(timeout=30)
+        text = log.read_text()
+        # mlx.launch warns of each rank that did not exit with 0.
+        assert proc.returncode == 0 and "exited with code" not in text and "was killed" not in text, text
+        assert text.count("listening on") == 1
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
