@@ -14,7 +14,6 @@ does for its pipelined ranks.
 """
 
 import json
-import logging
 import os
 import pickle
 import queue
@@ -222,24 +221,13 @@ def rank0_repl(input_fn, group):
     return read
 
 
-def follow_rank0(generator):
+def follow_rank0(generator) -> int:
     """A pipelined server's rank other than 0: it answers nobody, generates
     every request rank 0 shares and ends when rank 0 shuts down. Ctrl-C
     reaches every local rank; rank 0's decides, so the ranks end together."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    generator.thread.join()
-    exit_server_rank(1 if generator.failed else 0)
-
-
-def exit_server_rank(code: int):
-    """End a pipelined server's rank now that every rank has stopped: after
-    a thread other than the main one ran collectives on mlx-lm's
-    ``generation_stream``, MLX (0.32) can abort in the interpreter's
-    teardown, which would turn a clean shutdown into a crash report."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    generator.done.wait()
+    return 1 if generator.failed else 0
 
 
 __all__ = [
@@ -247,7 +235,6 @@ __all__ = [
     "STOP",
     "agree_flag",
     "agree_seed",
-    "exit_server_rank",
     "follow_rank0",
     "load_pipelined_pair",
     "load_slice",

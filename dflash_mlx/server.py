@@ -198,6 +198,7 @@ class DFlashResponseGenerator:
         self.requests: "queue.Queue" = queue.Queue()
         self.tokenizer_lock = threading.Lock()  # handler threads tokenize too
         self.failed = self.stopping = False
+        self.done = threading.Event()  # set when the generation thread has ended its work
         # --pipeline: every rank generates what rank 0 receives (pipeline.share_request).
         self.group = mx.distributed.init() if cli_args.pipeline else None
         self.thread = threading.Thread(target=self.run, name="dflash-generation", daemon=True)
@@ -209,7 +210,7 @@ class DFlashResponseGenerator:
 
     def stop_and_join(self):
         self.stopping = True
-        self.thread.join()
+        self.done.wait()
 
     def run(self):
         try:
@@ -219,6 +220,10 @@ class DFlashResponseGenerator:
         except Exception:
             logging.exception("the generation thread died")
             self.failed = True
+        # Ended, but not returning: MLX (0.32) aborts the process in the
+        # teardown of a thread that generated, so this daemon thread stays.
+        self.done.set()
+        threading.Event().wait()
 
     def next_request(self):
         """A queued request, ``None`` when there is none yet, or ``STOP``;
@@ -511,8 +516,8 @@ def main(argv=None):
 
             model, tokenizer, draft = load_pipelined_pair(args.model, args.draft_model)
             draft_id = args.draft_model or default_draft_for(args.model)
-            if rank != 0:  # generates what rank 0 receives, until rank 0 stops; then exits
-                follow_rank0(make_generator(args, model, tokenizer, draft, draft_id))
+            if rank != 0:  # generates what rank 0 receives, until rank 0 stops
+                return follow_rank0(make_generator(args, model, tokenizer, draft, draft_id))
         else:
             model, tokenizer, draft, draft_id = load_pair(args.model, args.draft_model)
         server = make_server(args, model, tokenizer, draft, draft_id)
@@ -529,10 +534,6 @@ def main(argv=None):
     finally:
         server.server_close()
         server.generator.stop_and_join()
-    if args.pipeline:  # every rank has stopped with rank 0's generation thread
-        from .pipeline import exit_server_rank
-
-        exit_server_rank(0)
     return 0
 
 
