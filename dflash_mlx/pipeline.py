@@ -11,6 +11,10 @@ first layers) on the critical path; the drafter is small, so its memory on
 every rank is too. Sampled runs draw the same numbers on every rank because
 every rank seeds ``mx.random`` alike (:func:`agree_seed`), as ``mlx_lm.chat``
 does for its pipelined ranks.
+
+``chat`` and ``server`` run the same turns on every rank: rank 0 reads each
+line or receives each request and shares it (:func:`share`) before any rank
+acts on it; only rank 0 prints or answers.
 """
 
 import json

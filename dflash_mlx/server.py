@@ -360,7 +360,6 @@ class DFlashResponseGenerator:
             tokens_per_cycle=round((yielded - 1) / max(1, cycles), 3),
         )
 
-
     def client_gone(self, ctx, from_draft: bool) -> bool:
         """Whether to stop for a client that went away: with ``--pipeline``
         decided at the end of each cycle on every rank alike, so every rank
