@@ -27,6 +27,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     cli.add_block_size_argument(p)
     p.add_argument("--system-prompt", default=None)
     cli.add_prefill_step_size_argument(p)
+    p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started (see the README)")
     return p
 
 
@@ -45,7 +46,13 @@ def main(argv=None, input_fn=input):
     from .pair import load_pair
 
     args = setup_arg_parser().parse_args(argv)
-    model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
+    if args.pipeline:
+        from .pipeline import load_for_command, rank0_repl
+
+        model, tokenizer, draft = load_for_command(args.model, args.draft_model, seed=args.seed)
+        input_fn = rank0_repl(input_fn, mx.distributed.init())  # every rank gets rank 0's lines; only rank 0 prints
+    else:
+        model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
     mx.random.seed(args.seed)
     templated = bool(getattr(tokenizer, "chat_template", None))
     print("[q quits, r resets]" + ("" if templated else " [no chat template: text continuation]"))

@@ -410,14 +410,9 @@ def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
     rank = mx.distributed.init().rank() if args.pipeline else 0
     if args.pipeline:
-        from .pipeline import load_pipelined_pair
+        from .pipeline import load_for_command
 
-        try:
-            model, tokenizer, draft = load_pipelined_pair(args.model, args.draft_model, seed=args.seed)
-        except cli.USER_ERRORS:
-            if rank == 0:  # every rank has the same message: rank 0 says it
-                raise
-            return 1
+        model, tokenizer, draft = load_for_command(args.model, args.draft_model, seed=args.seed)
     else:
         model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
     args.verbose = args.verbose and rank == 0  # only rank 0 prints

@@ -11,10 +11,19 @@ first layers) on the critical path; the drafter is small, so its memory on
 every rank is too. Sampled runs draw the same numbers on every rank because
 every rank seeds ``mx.random`` alike (:func:`agree_seed`), as ``mlx_lm.chat``
 does for its pipelined ranks.
+
+``chat`` and ``server`` run the same turns on every rank: rank 0 reads each
+line or receives each request and shares it (:func:`share`) before any rank
+acts on it; only rank 0 prints or answers.
 """
 
 import json
+import os
+import pickle
+import queue
 import re
+import signal
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
@@ -123,6 +132,23 @@ def raise_if_any_failed(error: Optional[BaseException], group) -> None:
         raise PipelineError(f"rank {rank}: {text}")
 
 
+def load_for_command(model: str, draft_model: Optional[str], seed: Optional[int] = None):
+    """:func:`load_pipelined_pair` for a command run by ``mlx.launch``.
+
+    Every rank gets the same message for a failure, so rank 0 raises it (one
+    ``error:`` line) and the other ranks exit with status 1 quietly.
+    """
+    from .cli import USER_ERRORS
+
+    rank = mx.distributed.init().rank()
+    try:
+        return load_pipelined_pair(model, draft_model, seed=seed)
+    except USER_ERRORS:
+        if rank == 0:
+            raise
+        raise SystemExit(1)
+
+
 def load_pipelined_pair(model: str, draft_model: Optional[str], group=None, seed: Optional[int] = None):
     """Target slice, tokenizer and bound drafter on every rank of ``group``
     (default: the processes ``mlx.launch`` started, :func:`pipeline_group`).
@@ -161,10 +187,81 @@ def agree_seed(seed: Optional[int], group) -> int:
     return int(mx.distributed.all_sum(mx.array(mine), group=group, stream=mx.cpu).item())
 
 
+STOP = "stop"  # what rank 0's server shares when it shuts down
+
+
+def share(obj, group):
+    """``obj`` (any picklable value, ``None`` too) from rank 0 on every rank:
+    pickled and summed across the ranks, as mlx-lm's server shares its
+    requests with its other ranks."""
+    if group.rank() == 0:
+        data = mx.array(pickle.dumps(obj))
+        mx.eval(mx.distributed.all_sum(data.size, group=group, stream=mx.cpu))
+        mx.eval(mx.distributed.all_sum(data, group=group, stream=mx.cpu))
+        return obj
+    size = mx.distributed.all_sum(0, group=group, stream=mx.cpu).item()
+    data = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8), group=group, stream=mx.cpu)
+    return pickle.loads(data)
+
+
+def share_request(item, group):
+    """A server's next work item on every rank: ``None`` (idle), ``STOP``, or
+    rank 0's ``(responses, request...)`` with the request shared; the other
+    ranks answer nobody, so their responses go to a queue of their own."""
+    shared = share(item[1:] if isinstance(item, tuple) else item, group)
+    if not isinstance(shared, tuple):
+        return shared
+    return (item[0] if group.rank() == 0 else queue.Queue(), *shared)
+
+
+def agree_flag(flag: bool, group) -> bool:
+    """Whether any rank's ``flag`` is set, on every rank alike (a stop that
+    rank 0 alone sees, such as a client that went away)."""
+    return mx.distributed.all_sum(mx.array(int(flag)), group=group, stream=mx.cpu).item() > 0
+
+
+def rank0_repl(input_fn, group):
+    """A REPL's input as rank 0 reads it, on every rank, and output on rank 0
+    alone: mlx.launch copies stdin to every rank but MPI does not, and every
+    rank must run the same turns (each line is shared before it is acted on,
+    'q' and 'r' too). End of input on rank 0 ends every rank's input."""
+    if group.rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+
+    def read(prompt):
+        line = None
+        if group.rank() == 0:
+            try:
+                line = input_fn(prompt)
+            except EOFError:
+                pass
+        line = share(line, group)
+        if line is None:
+            raise EOFError
+        return line
+
+    return read
+
+
+def follow_rank0(generator) -> int:
+    """A pipelined server's rank other than 0: it answers nobody, generates
+    every request rank 0 shares and ends when rank 0 shuts down. Ctrl-C
+    reaches every local rank; rank 0's decides, so the ranks end together."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    generator.done.wait()
+    return 1 if generator.failed else 0
+
+
 __all__ = [
     "PipelineError",
+    "STOP",
+    "agree_flag",
     "agree_seed",
+    "follow_rank0",
     "load_pipelined_pair",
     "load_slice",
     "pipeline_group",
+    "rank0_repl",
+    "share",
+    "share_request",
 ]

@@ -43,6 +43,7 @@ from .cache import make_prompt_cache
 from .defaults import DEFAULT_MAX_TOKENS
 from .errors import ArgumentError, DFlashError
 from .generate import feed, generate_step
+from .pipeline import STOP, agree_flag, share_request
 
 ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
 
@@ -200,6 +201,9 @@ class DFlashResponseGenerator:
         self.requests: "queue.Queue" = queue.Queue()
         self.tokenizer_lock = threading.Lock()  # handler threads tokenize too
         self.failed = self.stopping = False
+        self.done = threading.Event()  # set when the generation thread has ended its work
+        # --pipeline: every rank generates what rank 0 receives (pipeline.share_request).
+        self.group = mx.distributed.init() if cli_args.pipeline else None
         self.thread = threading.Thread(target=self.run, name="dflash-generation", daemon=True)
         self.thread.start()
 
@@ -209,19 +213,31 @@ class DFlashResponseGenerator:
 
     def stop_and_join(self):
         self.stopping = True
-        self.thread.join()
+        self.done.wait()
 
     def run(self):
         try:
-            while not self.stopping:
-                try:
-                    item = self.requests.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                self.serve(*item)
+            while (item := self.next_request()) != STOP:
+                if item is not None:
+                    self.serve(*item)
         except Exception:
             logging.exception("the generation thread died")
             self.failed = True
+        # Ended, but not returning: MLX (0.32) aborts the process in the
+        # teardown of a thread that generated, so this daemon thread stays.
+        self.done.set()
+        threading.Event().wait()
+
+    def next_request(self):
+        """A queued request, ``None`` when there is none yet, or ``STOP``;
+        with ``--pipeline`` rank 0's, on every rank."""
+        item = STOP if self.stopping else None
+        if item is None and (self.group is None or self.group.rank() == 0):
+            try:
+                item = self.requests.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        return item if self.group is None else share_request(item, self.group)
 
     def prepare(self, body: dict, kind: str) -> Prepared:
         """Check and tokenize a request (on the handler's thread)."""
@@ -335,7 +351,7 @@ class DFlashResponseGenerator:
                 logprob = logprobs[token].item() if want else 0.0
                 top = top_logprobs(logprobs, args.top_logprobs, tok) if want else ()
                 responses.put(Response(detok.last_segment, token, logprob, finish, top))
-                if finish is not None or ctx.stopped:
+                if finish is not None or self.client_gone(ctx, from_draft):
                     break
         if ctx.stopped:
             logging.info("request stopped by the client after %d tokens", n)
@@ -346,6 +362,14 @@ class DFlashResponseGenerator:
             cycles=cycles, accepted_draft_tokens=accepted, block_size=args.num_draft_tokens + 1,
             tokens_per_cycle=round((yielded - 1) / max(1, cycles), 3),
         )
+
+    def client_gone(self, ctx, from_draft: bool) -> bool:
+        """Whether to stop for a client that went away: with ``--pipeline``
+        decided at the end of each cycle on every rank alike, so every rank
+        stops at the same token and keeps the same prompt cache."""
+        if self.group is None:
+            return ctx.stopped
+        return not from_draft and agree_flag(ctx.stopped, self.group)
 
 
 class DFlashAPIHandler(APIHandler):
@@ -457,6 +481,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--use-default-chat-template", action="store_true", help="use the tokenizer's default template when it has none")
     p.add_argument("--chat-template-args", type=json.loads, default={}, help="JSON arguments for the chat template")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started; rank 0 serves HTTP (see the README)")
     return p
 
 
@@ -474,14 +499,19 @@ def listen(args) -> ThreadingHTTPServer:
     return server
 
 
-def add_generator(server: ThreadingHTTPServer, args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
-    """Give a bound server its generation thread over the loaded pair."""
+def make_generator(args, model, tokenizer, draft, draft_id: str) -> DFlashResponseGenerator:
+    """The generation thread, started (with --pipeline, on every rank)."""
     if args.chat_template:
         tokenizer.chat_template = args.chat_template
     elif args.use_default_chat_template and tokenizer.chat_template is None:
         tokenizer.chat_template = tokenizer.default_chat_template
     args.num_draft_tokens = (args.block_size or draft.block_size) - 1
-    server.generator = DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
+    return DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
+
+
+def add_generator(server: ThreadingHTTPServer, args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
+    """Give a bound server its generation thread over the loaded pair."""
+    server.generator = make_generator(args, model, tokenizer, draft, draft_id)
     return server
 
 
@@ -495,11 +525,23 @@ def main(argv=None):
 
     args = setup_arg_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
-    server = listen(args)
+    rank = mx.distributed.init().rank() if args.pipeline else 0
+    server = listen(args) if rank == 0 else None
     try:
-        add_generator(server, args, *load_pair(args.model, args.draft_model))
+        if args.pipeline:
+            from .pair import default_draft_for
+            from .pipeline import follow_rank0, load_for_command
+
+            model, tokenizer, draft = load_for_command(args.model, args.draft_model)
+            draft_id = args.draft_model or default_draft_for(args.model)
+            if rank != 0:  # generates what rank 0 receives, until rank 0 stops
+                return follow_rank0(make_generator(args, model, tokenizer, draft, draft_id))
+        else:
+            model, tokenizer, draft, draft_id = load_pair(args.model, args.draft_model)
+        add_generator(server, args, model, tokenizer, draft, draft_id)
     except BaseException:
-        server.server_close()
+        if server is not None:
+            server.server_close()
         raise
     host, port = server.server_address[:2]
     print(f"mlx-dflash server listening on http://{host}:{port}", file=sys.stderr, flush=True)

@@ -9,14 +9,18 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
+import openai
 import pytest
 import tiny
 from mlx_lm import load
+from mlx_lm import stream_generate as mlx_lm_stream_generate
 
 from dflash_mlx import cli
+from dflash_mlx.chat import main as chat_main
 from dflash_mlx.generate import main as generate_main
 from dflash_mlx import load_draft, stream_generate
 from dflash_mlx.pair import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -46,19 +50,25 @@ def free_port_pair() -> int:
     raise RuntimeError("no two adjacent free ports on 127.0.0.1")
 
 
-def launch(*args) -> subprocess.CompletedProcess:
-    """Two ranks on 127.0.0.1; the whole process group dies at the timeout."""
+def start(*args, **popen) -> subprocess.Popen:
+    """Two ranks on 127.0.0.1, in a process group of their own (with Ctrl-C's
+    default action even where the test runner's shell ignores it)."""
     cmd = [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
            "--starting-port", str(free_port_pair()), "--python", sys.executable, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(cmd, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen)
+
+
+def launch(*args, input=None) -> subprocess.CompletedProcess:
+    """Two ranks run to the end; the whole process group dies at the timeout."""
+    proc = start(*args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        out, err = proc.communicate(timeout=TIMEOUT)
+        out, err = proc.communicate(input, timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise AssertionError(f"a rank hung: {' '.join(cmd)} ran past {TIMEOUT} s")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        raise AssertionError(f"a rank hung: {' '.join(proc.args)} ran past {TIMEOUT} s")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def text_of(stdout: str) -> str:
@@ -121,8 +131,11 @@ def test_pipelined_generate_prints_the_single_process_text_once(models, capsys, 
     assert text_of(run.stdout) == text_of(expected)
 
 
-def test_unsupported_family_ends_every_rank_with_one_message(models):
-    run = launch("-m", "dflash_mlx.generate", "--pipeline", *generate_args(*models["qwen3"]))
+@pytest.mark.parametrize("command", ["generate", "chat", "server"])
+def test_unsupported_family_ends_every_rank_with_one_message(models, command):
+    target, draft = models["qwen3"]
+    args = generate_args(target, draft) if command == "generate" else ["--model", target, "--draft-model", draft]
+    run = launch("-m", f"dflash_mlx.{command}", "--pipeline", *args, input="q\n")
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, run.stderr
     assert "'qwen3' cannot be pipelined" in errors[0]
@@ -264,3 +277,93 @@ def test_ranks_that_diverge_stop_before_committing(ranks):
     cycle's tokens are committed."""
     assert ranks[0]["diverged"] == ranks[1]["diverged"]
     assert "drafts or acceptances diverged" in ranks[0]["diverged"]
+
+
+CHAT_INPUT = "def f(x):\n    return x\nr\nimport os\nq\n"
+
+
+def without_rates(text: str) -> str:
+    return re.sub(r"\[[\d.]+ tok/s, ", "[", text)
+
+
+def test_pipelined_chat_prints_the_single_process_chat_once(models, capsys):
+    """Rank 0 reads the lines (a turn, another on the same cache, a reset, a
+    turn, quit) and shares each with rank 1: one transcript, the single
+    process's."""
+    target, draft = models["qwen3_5"]
+    args = ["--model", target, "--draft-model", draft, "-m", "12", "--block-size", "4"]
+    lines = iter(CHAT_INPUT.splitlines())
+
+    def read(prompt):
+        print(prompt, end="")
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    assert chat_main(args, input_fn=read) == 0
+    expected = capsys.readouterr().out
+    assert expected.count("[conversation reset]") == 1 and "12 prompt tokens reused" not in expected
+    run = launch("-m", "dflash_mlx.chat", "--pipeline", *args, input=CHAT_INPUT)
+    assert "Traceback" not in run.stderr and "exited with code" not in run.stderr, run.stderr
+    assert without_rates(run.stdout) == without_rates(expected)
+
+
+def rank_pids(launcher: int):
+    """The ranks mlx.launch started on this machine (its children)."""
+    tasks = Path(f"/proc/{launcher}/task")
+    return [int(p) for t in tasks.iterdir() for p in (t / "children").read_text().split()]
+
+
+def disconnect(port: int, log: Path):
+    """A long streamed request dropped after its first token."""
+    body = json.dumps({"prompt": "class A:\n", "max_tokens": 3000, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        seen = b""
+        while b"data: " not in seen:
+            seen += sock.recv(4096)
+    deadline = time.time() + TIMEOUT
+    while not (m := re.search(r"stopped by the client after (\d+) tokens", log.read_text())):
+        assert time.time() < deadline, log.read_text()
+        time.sleep(0.2)
+    assert int(m.group(1)) < 3000
+
+
+def test_pipelined_server_answers_the_single_process_text(models, tmp_path):
+    """Rank 0 serves HTTP and shares each request with rank 1. A streamed
+    request whose client goes away stops on both ranks; then the answer is
+    the single process's text, a repeated prompt is reused from the prompt
+    cache on both ranks (they are still in step), and Ctrl-C ends both."""
+    target, draft = models["qwen3_5"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "server.log"
+    with open(log, "w") as err:
+        proc = start("-m", "dflash_mlx.server", "--pipeline", "--model", target, "--draft-model", draft,
+                     "--port", str(port), "--block-size", "4", stdout=subprocess.PIPE, stderr=err)
+    try:
+        deadline = time.time() + TIMEOUT
+        while "listening on" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()
+            time.sleep(0.2)
+        disconnect(port, tmp_path / "server.log")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+        model, tokenizer = load(target)
+        expected = "".join(r.text for r in mlx_lm_stream_generate(model, tokenizer, PROMPT, max_tokens=24))
+        answers = [client.completions.create(model="default", prompt=PROMPT, max_tokens=24) for _ in range(2)]
+        assert [a.choices[0].text for a in answers] == [expected, expected]
+        assert [a.usage.prompt_tokens_details.cached_tokens for a in answers] == [0, len(tokenizer.encode(PROMPT))]
+        for pid in rank_pids(proc.pid):
+            os.kill(pid, signal.SIGINT)
+        proc.communicate(timeout=30)
+        text = log.read_text()
+        # mlx.launch warns of each rank that did not exit with 0.
+        assert proc.returncode == 0 and "exited with code" not in text and "was killed" not in text, text
+        assert text.count("listening on") == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
