@@ -89,6 +89,7 @@ def stage_drafter(args) -> None:
     with a model card, to ``dflash_mlx/default_pair/draft``."""
     from tokenizers import Tokenizer
 
+    from dflash_mlx import cli
     from dflash_mlx import train as dflash_train
 
     work = Path(args.work_dir)
@@ -124,7 +125,7 @@ def stage_drafter(args) -> None:
         if not args.drafter_resume:
             shutil.rmtree(run_dir, ignore_errors=True)
         argv = [
-            "--target", str(target), "--data", *map(str, data_files), "--out", str(run_dir),
+            "--model", str(target), "--data", *map(str, data_files), "--draft-model", str(run_dir),
             "--num-layers", str(DRAFTER_LAYERS), "--block-size", str(DRAFTER_BLOCK), "--taps", DRAFTER_TAPS,
             "--mask-token-id", str(tok_meta["mask_token_id"]), "--targets", "self-distill",
             "--steps", str(steps), "--learning-rate", str(lr),
@@ -135,7 +136,7 @@ def stage_drafter(args) -> None:
         if init_from is not None:
             argv += ["--init-from", str(init_from)]
         resume = ["--resume"] if args.drafter_resume and (run_dir / "training_state").exists() else []
-        if dflash_train.main(argv + resume) != 0:
+        if cli.run(dflash_train.main, argv + resume) != 0:
             raise SystemExit("drafter training failed")
         return argv  # the command a fresh build runs
 
