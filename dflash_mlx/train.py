@@ -47,7 +47,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from . import cli
 from .defaults import DTYPES
 from .errors import DFlashError
-from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids, draft_config_for_target
 
 STATE_DIR = "training_state"
 # Settings that change the trained weights: --resume must repeat them.
@@ -626,8 +626,6 @@ def restore(out: Path, run: dict, draft, optimizer, rng) -> dict:
 def train(args: TrainConfig) -> dict:
     """Run (or, with ``resume``, continue) the training run ``args`` describes;
     returns its state (step, loss history, training seconds)."""
-    from .pair import draft_config_for_target
-
     check_args(args)
     model, adapter, docs, data = prepare(args)
     config = draft_config_for_target(
@@ -717,10 +715,8 @@ def main(argv=None) -> int:
         return 130
     hist = state["history"]
     tail = np.mean([h[0] for h in hist[-20:]]) if hist else float("nan")
-    print(
-        f"trained {state['step']} steps in {state['train_seconds']:.0f}s; loss (last 20) {tail:.4f}; "
-        f"checkpoint {config.draft_model}"
-    )
+    summary = f"trained {state['step']} steps in {state['train_seconds']:.0f}s; loss (last 20) {tail:.4f}"
+    print(f"{summary}; checkpoint {config.draft_model}")
     return 0
 
 
