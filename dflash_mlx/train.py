@@ -47,7 +47,13 @@ from mlx.utils import tree_flatten, tree_unflatten
 from . import cli
 from .defaults import DTYPES
 from .errors import DFlashError
-from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids, draft_config_for_target
+from .models.dflash import (
+    DFlashConfig,
+    DFlashDraftModel,
+    default_target_layer_ids,
+    draft_config_for_target,
+    visible_positions,
+)
 
 STATE_DIR = "training_state"
 # Settings that change the trained weights: --resume must repeat them.
@@ -108,19 +114,9 @@ def context_mask(anchors: mx.array, seq_len: int) -> mx.array:
     return mx.arange(seq_len) < anchors[..., None]
 
 
-def _layer_rule(attn, q_pos: mx.array, k_pos: mx.array) -> Optional[mx.array]:
-    """The layer's causal / sliding-window rule, as ``draft_attention_mask``
-    applies it at inference, on broadcastable positions (None: hides nothing)."""
-    if not attn.is_causal and attn.sliding_window is None:
-        return None
-    visible = mx.array(True)
-    if attn.is_causal:
-        visible = visible & (k_pos <= q_pos)
-    if attn.sliding_window is not None:
-        visible = visible & (q_pos - k_pos < attn.sliding_window)
-        if not attn.is_causal:
-            visible = visible & (k_pos - q_pos < attn.sliding_window)
-    return visible
+def layer_visibility(attn, q_pos: mx.array, k_pos: mx.array) -> Optional[mx.array]:
+    """The layer's causal / sliding-window rule on broadcastable positions."""
+    return visible_positions(q_pos, k_pos, is_causal=attn.is_causal, sliding_window=attn.sliding_window)
 
 
 def _rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
@@ -157,11 +153,11 @@ def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask):
     s_blk = q @ k.swapaxes(-1, -2)  # [b, Hk, H/Hk, n, B, B]
     q_pos = positions[:, None, None, :, :, None]
     visible = mask[:, None, None, :, None, :]
-    rule = _layer_rule(attn, q_pos, mx.arange(S))
+    rule = layer_visibility(attn, q_pos, mx.arange(S))
     if rule is not None:
         visible = visible & rule
     s_ctx = mx.where(visible, s_ctx, -mx.inf)
-    rule = _layer_rule(attn, q_pos, positions[:, None, None, :, None, :])
+    rule = layer_visibility(attn, q_pos, positions[:, None, None, :, None, :])
     if rule is not None:
         s_blk = mx.where(rule, s_blk, -mx.inf)
     p = mx.softmax(mx.concatenate([s_ctx, s_blk], axis=-1), axis=-1, precise=True)
@@ -173,18 +169,18 @@ def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask):
 def train_forward(draft: DFlashDraftModel, target_embed, tap_states, blocks, positions, mask):
     """Final drafter states [b, n, B, hidden] of ``n`` blocks per sequence.
 
-    Mirrors ``DFlashDraftModel.hidden_states`` with the drafter's own modules,
-    so training and inference compute the same function: the fused taps of
+    ``DFlashDraftModel.hidden_states`` with the drafter's own modules, so
+    training and inference compute the same function; only the attention
+    differs, since inference runs one block against a context cache and
+    training runs all blocks of a sequence at once, each against the context
+    before its anchor (:func:`_block_attention`). The fused taps of
     all ``S`` positions [b, S, taps*hidden] are projected to K/V once per
     layer (absolute positions ``0..S-1``); block slots ``blocks`` at
     ``positions`` (both [b, n, B]) attend to the context positions ``mask``
     [b, n, S] allows (see :func:`context_mask`) and to their own block, as
     the layer's causal / sliding-window rule allows.
     """
-    h = target_embed(blocks)
-    if draft.config.input_embedding_scale != 1.0:
-        h = h * draft.config.input_embedding_scale
-    context = draft.fuse(tap_states.astype(h.dtype))
+    h, context = draft.layer_inputs(blocks, tap_states, target_embed)
     for layer in draft.layers:
         attn = layer.self_attn
         ctx_k, ctx_v = attn.project_kv(context, draft.rope, 0)
