@@ -29,11 +29,8 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -392,29 +389,28 @@ def find_mask_token(tokenizer) -> int:
 
 
 def write_checkpoint(out: Path, config: dict, draft, optimizer, state: dict, dtype) -> None:
-    """Write the z-lab layout + training state into a temp dir, then swap it
-    in, so a crash never leaves a half-written checkpoint at ``out``."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    params = dict(tree_flatten(draft.parameters()))
-    mx.save_safetensors(
-        str(tmp / "model.safetensors"),
-        {k: v.astype(dtype) for k, v in params.items()},
-        metadata={"format": "pt"},
-    )
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (tmp / STATE_DIR).mkdir()
-    arrays = {f"model.{k}": v for k, v in params.items()}
-    arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
-    mx.save_safetensors(str(tmp / STATE_DIR / "training_state.safetensors"), arrays)
-    (tmp / STATE_DIR / "training_state.json").write_text(json.dumps(state, indent=1) + "\n")
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.rename(out, old)
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old)
+    """Write the z-lab layout + training state beside ``out``, then swap it
+    in (``convert.Staging``), so a crash never leaves a half-written checkpoint."""
+    from .convert import Staging
+
+    staging = Staging(out, force=True)
+    try:
+        tmp = staging.path
+        (tmp / STATE_DIR).mkdir(parents=True)
+        params = dict(tree_flatten(draft.parameters()))
+        mx.save_safetensors(
+            str(tmp / "model.safetensors"),
+            {k: v.astype(dtype) for k, v in params.items()},
+            metadata={"format": "pt"},
+        )
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        arrays = {f"model.{k}": v for k, v in params.items()}
+        arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
+        mx.save_safetensors(str(tmp / STATE_DIR / "training_state.safetensors"), arrays)
+        (tmp / STATE_DIR / "training_state.json").write_text(json.dumps(state, indent=1) + "\n")
+        staging.commit()
+    finally:
+        staging.discard()
 
 
 def read_state(out: Path):
