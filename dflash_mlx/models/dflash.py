@@ -521,9 +521,15 @@ class DFlashDraftModel(nn.Module):
         """Sampled tokens for slots 1..L-1 and the distribution ``q`` they were
         drawn from, ``([B, L-1], [B, L-1, V])``: what speculative sampling
         needs to verify them. ``q`` is processed like the target's ``p``.
+        Drafters differ only in how they draw (:meth:`draw`).
         """
-        logits = self.slot_logits(block_tokens, target_hidden, cache)
-        q = processed_probs(logits, temperature, top_p, top_k, min_p)
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+        return self.draw(block_tokens, target_hidden, cache, sampling)
+
+    def draw(self, block_tokens, target_hidden, cache, sampling: dict) -> Tuple[mx.array, mx.array]:
+        """:meth:`propose_with_probs` with ``sampling`` holding
+        :func:`processed_probs`' settings: each slot independently."""
+        q = processed_probs(self.slot_logits(block_tokens, target_hidden, cache), **sampling)
         return sample(q), q
 
 
