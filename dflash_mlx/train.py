@@ -516,7 +516,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--target-dtype",
         choices=tuple(DTYPES),
         default=None,
-        help="run the frozen target in this dtype (default: as stored; float32 is faster "
+        help="run the frozen target in this dtype (default: as stored; float32 is "
         "faster on CPU for a bf16 checkpoint, its taps differ from bf16 inference by rounding only)",
     )
     return p
