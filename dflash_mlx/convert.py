@@ -298,18 +298,9 @@ def check_options(dtype: Optional[str], quantize: bool, q_bits: int, q_group_siz
         raise ConvertError(f"quantization needs bits in {Q_BITS} and group size in {Q_GROUP_SIZES}")
 
 
-def convert_gguf(
-    gguf_path: str,
-    mlx_path: str,
-    *,
-    dtype: Optional[str] = None,
-    quantize: bool = False,
-    q_bits: int = 4,
-    q_group_size: int = 64,
-    force: bool = False,
-    max_shard_gb: float = DEFAULT_SHARD_GB,
-) -> dict:
-    """Import a llama.cpp GGUF model (see ``dflash_mlx.gguf``), all or nothing.
+def import_gguf(gguf_path: str, mlx_path: str, options: dict, force: bool, max_shard_gb: float) -> dict:
+    """Import a llama.cpp GGUF model (see ``dflash_mlx.gguf``), all or nothing;
+    ``options`` are :func:`convert`'s dtype / quantization options.
 
     By default the GGUF's quantized tensors stay quantized, bit for bit.
     ``dtype`` dequantizes everything to that type (in float32 arithmetic:
@@ -318,7 +309,7 @@ def convert_gguf(
     """
     from .gguf import read_gguf, write_gguf_model
 
-    check_options(dtype, quantize, q_bits, q_group_size)
+    dtype, quantize = options["dtype"], options["quantize"]
     src = Path(gguf_path).expanduser()
     loaded = read_gguf(src)  # refuses a bad file before anything is created
     staging = Staging(mlx_path, force)
@@ -329,11 +320,10 @@ def convert_gguf(
         if quantize:
             floats = staging.root / "float32"
             write_gguf_model(src, loaded, floats, dtype="float32", max_shard_bytes=shard_bytes)
-            stats = write_target(str(floats), staging.path, dtype=dtype, quantize=True, q_bits=q_bits,
-                                 q_group_size=q_group_size)
+            stats = write_target(str(floats), staging.path, **options)
         else:
             stats = write_gguf_model(src, loaded, staging.path, dtype=dtype, max_shard_bytes=shard_bytes)
-        q = {"group_size": q_group_size, "bits": q_bits} if quantize else None
+        q = {"group_size": options["q_group_size"], "bits": options["q_bits"]} if quantize else None
         line = summary_line("target", staging.dst, stats, time.perf_counter() - tic, q)
         staging.commit()
     finally:
@@ -358,12 +348,17 @@ def convert(
 ) -> List[dict]:
     """Convert one checkpoint, or a target + drafter pair, all or nothing.
 
-    ``kind`` is "draft", "target" or "auto" (from config.json's
-    architectures). Every destination is checked before any work starts and
+    ``kind`` is "draft", "target", "auto" (from config.json's
+    architectures) or "gguf" (``hf_path`` is a llama.cpp model file). Every destination is checked before any work starts and
     filled only after every conversion succeeded; on failure none is touched.
     Returns the per-checkpoint statistics.
     """
     check_options(dtype, quantize, q_bits, q_group_size)
+    options = dict(dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size)
+    if kind == "gguf":
+        if draft_hf_path is not None:
+            raise ConvertError("a GGUF import converts a target model; it takes no drafter options")
+        return [import_gguf(hf_path, mlx_path, options, force, max_shard_gb)]
     if (draft_hf_path is None) != (draft_mlx_path is None):
         raise ConvertError("--draft-hf-path and --draft-mlx-path go together")
     jobs = [(hf_path, mlx_path, kind)]
@@ -372,7 +367,6 @@ def convert(
     dsts = [Path(d).expanduser().absolute() for _, d, _ in jobs]
     if len(set(dsts)) != len(dsts):
         raise ConvertError("the target and the drafter need different destinations")
-    options = dict(dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size)
     q = {"group_size": q_group_size, "bits": q_bits} if quantize else None
 
     resolved = []
@@ -471,11 +465,9 @@ def main(argv=None) -> int:
         max_shard_gb=args.max_shard_size,
     )
     try:
-        if args.gguf is not None:
-            convert_gguf(args.gguf, args.mlx_path, **options)
-        else:
-            convert(args.hf_path, args.mlx_path, kind=args.kind, draft_hf_path=args.draft_hf_path,
-                    draft_mlx_path=args.draft_mlx_path, **options)  # fmt: skip
+        source, kind = (args.gguf, "gguf") if args.gguf is not None else (args.hf_path, args.kind)
+        convert(source, args.mlx_path, kind=kind, draft_hf_path=args.draft_hf_path,
+                draft_mlx_path=args.draft_mlx_path, **options)  # fmt: skip
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130

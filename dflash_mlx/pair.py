@@ -78,7 +78,7 @@ def prepare_target(name: str) -> Path:
     4-bit weights where Metal is available."""
     import mlx.core as mx
 
-    from .convert import ConvertError, convert_gguf
+    from .convert import ConvertError, convert
 
     spec = NAMED_PAIRS[name]
     metal = mx.metal.is_available()
@@ -91,7 +91,7 @@ def prepare_target(name: str) -> Path:
         gguf = fetch_gguf(spec, Path(work))
         try:
             with contextlib.redirect_stdout(sys.stderr):  # stdout is for the paths
-                convert_gguf(str(gguf), str(dst), dtype=None if metal else "float32")
+                convert(str(gguf), str(dst), kind="gguf", dtype=None if metal else "float32")
         except ConvertError:
             if not (dst / "config.json").is_file():  # else another process prepared it meanwhile
                 raise
