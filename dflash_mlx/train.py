@@ -42,7 +42,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import cli
-from .defaults import DTYPES
+from .defaults import DEFAULT_BLOCK_SIZE, DTYPES
 from .errors import DFlashError
 from .models.dflash import (
     DFlashConfig,
@@ -76,29 +76,35 @@ class TrainConfig:
     model: str  # the frozen target: local path or Hugging Face id
     draft_model: str  # the drafter checkpoint directory written
     data: List[str] = dataclasses.field(default_factory=list)
+    # The drafter: its shape, the target layers it reads, its mask token.
     num_layers: int = 2
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     taps: Optional[List[int]] = None
     intermediate_size: Optional[int] = None
     mask_token_id: Optional[int] = None
+    # What each slot learns, and how much a later slot counts.
     targets: str = "self-distill"
+    gamma: Optional[float] = None
+    # The optimisation.
     steps: int = 1000
     learning_rate: float = 6e-4
     warmup: Optional[int] = None
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    seed: int = 0
+    # The batches: windows of seq_len tokens, anchors_per_seq blocks each.
     batch_size: int = 4
     seq_len: int = 512
     anchors_per_seq: int = 32
-    gamma: Optional[float] = None
+    # The frozen target's outputs: its dtype, and whether they are kept.
+    target_dtype: Optional[str] = None
     cache_target: bool = False
     cache_dir: Optional[str] = None
-    seed: int = 0
+    # The checkpoints.
     save_every: int = 200
     resume: bool = False
     init_from: Optional[str] = None
     dtype: str = "float32"
-    target_dtype: Optional[str] = None
 
 
 # ------------------------------------------------------------------ the math
