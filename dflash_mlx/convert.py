@@ -24,18 +24,24 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import cli
+from .defaults import DTYPES
+from .errors import DFlashError
 from .loading import (
     DRAFT_ARCHITECTURES,
     build_draft,
+    casts_to,
     check_draft_architecture,
     check_weights,
+    draft_architecture,
     normalize_tensor_names,
+    read_config,
     read_safetensors,
     resolve_path,
+    stored_tensor_name,
 )
 from .models.dflash import DFlashConfig, DraftConfigError
 
-DTYPES = ("float16", "bfloat16", "float32")
 Q_BITS = (2, 3, 4, 5, 6, 8)
 Q_GROUP_SIZES = (32, 64, 128)
 DEFAULT_SHARD_GB = 2.0
@@ -45,28 +51,8 @@ COPIED_SUFFIXES = {".json", ".md", ".txt", ".jinja", ".model", ".tiktoken", ".py
 SOURCE_WEIGHT_FILES = {"config.json", "model.safetensors.index.json"}
 
 
-class ConvertError(ValueError):
+class ConvertError(DFlashError, ValueError):
     """A conversion that cannot proceed; the message is shown as is."""
-
-
-def source_config(hf_path: str) -> Tuple[Path, dict]:
-    """config.json of a local directory or a hub id (fetching nothing else)."""
-    src = resolve_path(hf_path, allow_patterns=["config.json"])
-    cfg_file = src / "config.json"
-    if not cfg_file.is_file():
-        raise ConvertError(f"{hf_path} has no config.json: not a Hugging Face checkpoint")
-    try:
-        return src, json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConvertError(f"{cfg_file} is not valid JSON: {e}") from e
-
-
-def detect_kind(cfg: dict) -> str:
-    """'draft' for DFlash / DFlash2 architectures, anything else is a target."""
-    arch = (cfg.get("architectures") or [None])[0]
-    if arch in DRAFT_ARCHITECTURES or (arch is None and "dflash_config" in cfg):
-        return "draft"
-    return "target"
 
 
 class Staging:
@@ -118,11 +104,6 @@ def quantizable(group_size: int):
     return lambda path, module: isinstance(module, nn.Linear) and module.weight.shape[-1] % group_size == 0
 
 
-def zlab_name(name: str) -> str:
-    """Model parameter name -> z-lab tensor name (codebooks are bare there)."""
-    return name[: -len(".weight")] if name.endswith("_codebook.weight") else name
-
-
 def plan_draft_tensors(model: nn.Module, weights: Dict[str, mx.array], dtype, q) -> List[list]:
     """Lazy output tensors, grouped into units that are evaluated together.
 
@@ -136,19 +117,13 @@ def plan_draft_tensors(model: nn.Module, weights: Dict[str, mx.array], dtype, q)
         if prefix in quantized and leaf in ("scales", "biases"):
             continue  # emitted with the weight
         value = weights.pop(name)
-        # Codebooks keep their stored precision unless float32 is asked for,
-        # as load_draft does: selector scores are sums of their products.
-        if (
-            dtype is not None
-            and mx.issubdtype(value.dtype, mx.floating)
-            and ("codebook" not in name or dtype == mx.float32)
-        ):
+        if dtype is not None and casts_to(name, value, dtype):
             value = value.astype(dtype)
         if prefix in quantized and leaf == "weight":
             w, scales, biases = mx.quantize(value, q["group_size"], q["bits"])
             units.append([(name, w), (f"{prefix}.scales", scales), (f"{prefix}.biases", biases)])
         else:
-            units.append([(zlab_name(name), value)])
+            units.append([(stored_tensor_name(name), value)])
     return units
 
 
@@ -233,7 +208,7 @@ def write_draft(
     check_weights(model, weights, src)
     size_before = sum(v.nbytes for v in weights.values())
     n_before = len(weights)
-    mx_dtype = getattr(mx, dtype) if dtype else None
+    mx_dtype = DTYPES[dtype] if dtype else None
     q = {"group_size": q_group_size, "bits": q_bits, "mode": "affine"} if quantize else None
     kept_float = []
     if q:
@@ -323,18 +298,9 @@ def check_options(dtype: Optional[str], quantize: bool, q_bits: int, q_group_siz
         raise ConvertError(f"quantization needs bits in {Q_BITS} and group size in {Q_GROUP_SIZES}")
 
 
-def convert_gguf(
-    gguf_path: str,
-    mlx_path: str,
-    *,
-    dtype: Optional[str] = None,
-    quantize: bool = False,
-    q_bits: int = 4,
-    q_group_size: int = 64,
-    force: bool = False,
-    max_shard_gb: float = DEFAULT_SHARD_GB,
-) -> dict:
-    """Import a llama.cpp GGUF model (see ``dflash_mlx.gguf``), all or nothing.
+def import_gguf(gguf_path: str, mlx_path: str, options: dict, force: bool, max_shard_gb: float) -> dict:
+    """Import a llama.cpp GGUF model (see ``dflash_mlx.gguf``), all or nothing;
+    ``options`` are :func:`convert`'s dtype / quantization options.
 
     By default the GGUF's quantized tensors stay quantized, bit for bit.
     ``dtype`` dequantizes everything to that type (in float32 arithmetic:
@@ -343,7 +309,7 @@ def convert_gguf(
     """
     from .gguf import read_gguf, write_gguf_model
 
-    check_options(dtype, quantize, q_bits, q_group_size)
+    dtype, quantize = options["dtype"], options["quantize"]
     src = Path(gguf_path).expanduser()
     loaded = read_gguf(src)  # refuses a bad file before anything is created
     staging = Staging(mlx_path, force)
@@ -354,11 +320,10 @@ def convert_gguf(
         if quantize:
             floats = staging.root / "float32"
             write_gguf_model(src, loaded, floats, dtype="float32", max_shard_bytes=shard_bytes)
-            stats = write_target(str(floats), staging.path, dtype=dtype, quantize=True, q_bits=q_bits,
-                                 q_group_size=q_group_size)
+            stats = write_target(str(floats), staging.path, **options)
         else:
             stats = write_gguf_model(src, loaded, staging.path, dtype=dtype, max_shard_bytes=shard_bytes)
-        q = {"group_size": q_group_size, "bits": q_bits} if quantize else None
+        q = {"group_size": options["q_group_size"], "bits": options["q_bits"]} if quantize else None
         line = summary_line("target", staging.dst, stats, time.perf_counter() - tic, q)
         staging.commit()
     finally:
@@ -383,12 +348,17 @@ def convert(
 ) -> List[dict]:
     """Convert one checkpoint, or a target + drafter pair, all or nothing.
 
-    ``kind`` is "draft", "target" or "auto" (from config.json's
-    architectures). Every destination is checked before any work starts and
+    ``kind`` is "draft", "target", "auto" (from config.json's
+    architectures) or "gguf" (``hf_path`` is a llama.cpp model file). Every destination is checked before any work starts and
     filled only after every conversion succeeded; on failure none is touched.
     Returns the per-checkpoint statistics.
     """
     check_options(dtype, quantize, q_bits, q_group_size)
+    options = dict(dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size)
+    if kind == "gguf":
+        if draft_hf_path is not None:
+            raise ConvertError("a GGUF import converts a target model; it takes no drafter options")
+        return [import_gguf(hf_path, mlx_path, options, force, max_shard_gb)]
     if (draft_hf_path is None) != (draft_mlx_path is None):
         raise ConvertError("--draft-hf-path and --draft-mlx-path go together")
     jobs = [(hf_path, mlx_path, kind)]
@@ -397,13 +367,13 @@ def convert(
     dsts = [Path(d).expanduser().absolute() for _, d, _ in jobs]
     if len(set(dsts)) != len(dsts):
         raise ConvertError("the target and the drafter need different destinations")
-    options = dict(dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size)
     q = {"group_size": q_group_size, "bits": q_bits} if quantize else None
 
     resolved = []
     for src, dst, job_kind in jobs:
-        src_dir, cfg = source_config(src)
-        found = detect_kind(cfg)
+        src_dir = resolve_path(src, allow_patterns=["config.json"])  # fetching nothing else yet
+        cfg = read_config(src_dir)
+        found = "draft" if draft_architecture(cfg) else "target"
         if job_kind == "auto":
             job_kind = found
         elif job_kind == "draft" and found != "draft":
@@ -440,7 +410,7 @@ def convert(
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="mlx-dflash convert",
         description="Convert a Hugging Face DFlash/DFlash2 drafter or its target model to MLX "
         "(drafters natively, targets through mlx-lm's converter).",
@@ -461,7 +431,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="what --hf-path is (default: from config.json's architectures; "
         f"{' / '.join(DRAFT_ARCHITECTURES)} are drafters, anything else a target)",
     )
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="type of the float tensors (default: as stored)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="type of the float tensors (default: as stored)")
     p.add_argument("-q", "--quantize", action="store_true", help="quantize the linear layers")
     p.add_argument("--q-bits", type=int, choices=Q_BITS, default=None, help="bits per weight (default 4)")
     p.add_argument("--q-group-size", type=int, choices=Q_GROUP_SIZES, default=None, help="group size (default 64)")
@@ -481,11 +451,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
     if not args.quantize and (args.q_bits is not None or args.q_group_size is not None):
-        print("error: --q-bits / --q-group-size need -q/--quantize", file=sys.stderr)
-        return 2
+        raise ConvertError("--q-bits / --q-group-size need -q/--quantize")
     if args.max_shard_size <= 0:
-        print("error: --max-shard-size must be positive", file=sys.stderr)
-        return 2
+        raise ConvertError("--max-shard-size must be positive")
+    if args.gguf is not None and (args.kind == "draft" or args.draft_hf_path is not None):
+        raise ConvertError("--gguf imports a target model; it takes no drafter options")
     options = dict(
         dtype=args.dtype,
         quantize=args.quantize,
@@ -495,31 +465,18 @@ def main(argv=None) -> int:
         max_shard_gb=args.max_shard_size,
     )
     try:
-        if args.gguf is not None:
-            if args.kind == "draft" or args.draft_hf_path is not None:
-                print("error: --gguf imports a target model; it takes no drafter options", file=sys.stderr)
-                return 2
-            convert_gguf(args.gguf, args.mlx_path, **options)
-            return 0
-        convert(
-            args.hf_path,
-            args.mlx_path,
-            kind=args.kind,
-            draft_hf_path=args.draft_hf_path,
-            draft_mlx_path=args.draft_mlx_path,
-            **options,
-        )
+        source, kind = (args.gguf, "gguf") if args.gguf is not None else (args.hf_path, args.kind)
+        convert(source, args.mlx_path, kind=kind, draft_hf_path=args.draft_hf_path,
+                draft_mlx_path=args.draft_mlx_path, **options)  # fmt: skip
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130
-    except ValueError as e:  # ConvertError, DraftLoadError and mlx-lm's own checks
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # mlx file errors, OS errors: one line, not a traceback
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    except cli.USER_ERRORS:
+        raise
+    except (OSError, RuntimeError) as e:  # disk, permissions, mlx file errors: one line, not a traceback
+        raise ConvertError(f"{type(e).__name__}: {e}") from e
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -1,5 +1,6 @@
 """Defaults shared by the API and the CLIs, so a signature and its flag agree."""
 
+import mlx.core as mx
 from mlx_lm.generate import DEFAULT_PREFILL_STEP_SIZE
 
 # Tokens generated when the caller names no limit (generate, chat, server).
@@ -10,6 +11,8 @@ DEFAULT_BENCH_MAX_TOKENS = 128
 DEFAULT_BENCH_REPEATS = 2
 # Verify width of a drafter config that names none (z-lab's drafters use 16).
 DEFAULT_BLOCK_SIZE = 16
+# The float types a checkpoint can be written in (convert --dtype, train --dtype).
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 __all__ = [
     "DEFAULT_BENCH_MAX_TOKENS",
@@ -17,4 +20,5 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_PREFILL_STEP_SIZE",
+    "DTYPES",
 ]

@@ -19,6 +19,8 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
+from .defaults import DTYPES
+
 # llama.cpp architecture -> (mlx-lm model_type, HF class, Q/K permuted by llama.cpp)
 ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM", True),
@@ -281,7 +283,7 @@ def write_gguf_model(path: Path, loaded, out: Path, *, dtype: Optional[str], max
     cfg = hf_config(md, arch, tensors)
     tokenizer = build_tokenizer(md, arch)
     groups = group_tensors(tensors)
-    mx_dtype = getattr(mx, dtype) if dtype else None
+    mx_dtype = DTYPES[dtype] if dtype else None
     if mx_dtype is None:
         q = quantization_config(groups)
         if q:

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 PAIR_DIR = Path(__file__).parent / "default_pair"
 DEFAULT_TARGET = PAIR_DIR / "target"
@@ -78,7 +78,7 @@ def prepare_target(name: str) -> Path:
     4-bit weights where Metal is available."""
     import mlx.core as mx
 
-    from .convert import ConvertError, convert_gguf
+    from .convert import ConvertError, convert
 
     spec = NAMED_PAIRS[name]
     metal = mx.metal.is_available()
@@ -91,7 +91,7 @@ def prepare_target(name: str) -> Path:
         gguf = fetch_gguf(spec, Path(work))
         try:
             with contextlib.redirect_stdout(sys.stderr):  # stdout is for the paths
-                convert_gguf(str(gguf), str(dst), dtype=None if metal else "float32")
+                convert(str(gguf), str(dst), kind="gguf", dtype=None if metal else "float32")
         except ConvertError:
             if not (dst / "config.json").is_file():  # else another process prepared it meanwhile
                 raise
@@ -125,44 +125,6 @@ def benchmark_prompts(model_path, tokenizer) -> List[str]:
         tokenizer.apply_chat_template([{"role": "user", "content": r}], add_generation_prompt=True, tokenize=False)
         for r in named_prompts(str(model_path))
     ]
-
-
-def draft_config_for_target(
-    target_args,
-    *,
-    num_layers: int = 2,
-    block_size: int = 16,
-    target_layer_ids: Optional[List[int]] = None,
-    mask_token_id: int,
-    intermediate_size: Optional[int] = None,
-) -> dict:
-    """A z-lab style drafter config.json sized to ``target_args`` (mlx-lm args)."""
-    from .models.dflash import default_target_layer_ids
-
-    hidden = int(target_args.hidden_size)
-    n_target = int(target_args.num_hidden_layers)
-    heads = int(target_args.num_attention_heads)
-    head_dim = int(getattr(target_args, "head_dim", None) or hidden // heads)
-    taps = target_layer_ids or default_target_layer_ids(n_target, num_layers)
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": hidden,
-        "intermediate_size": intermediate_size or int(target_args.intermediate_size),
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(getattr(target_args, "num_key_value_heads", heads)),
-        "head_dim": head_dim,
-        "vocab_size": int(target_args.vocab_size),
-        "rms_norm_eps": float(target_args.rms_norm_eps),
-        "rope_theta": 10000.0,
-        "max_position_embeddings": int(getattr(target_args, "max_position_embeddings", 4096)),
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "num_target_layers": n_target,
-        "block_size": block_size,
-        "dflash_config": {"target_layer_ids": list(taps), "mask_token_id": int(mask_token_id)},
-    }
 
 
 def default_draft_for(model_path) -> str:

@@ -1,10 +1,12 @@
 """Train a DFlash drafter for a frozen target, mlx-lm style.
 
-    mlx-dflash train --target PATH --data corpus.txt --out my-draft
-    python -m dflash_mlx.train --target PATH --data tokens.npy --out my-draft --resume
+    mlx-dflash train --model PATH --data corpus.txt --draft-model my-draft
+    python -m dflash_mlx.train --model PATH --data tokens.npy --draft-model my-draft --resume
 
-The recipe (reference section 8): the target is frozen and run once per
-training sequence, giving the tap hidden states of every position and, for
+From Python, ``train(TrainConfig(model=..., data=[...], draft_model=...))``.
+
+The recipe follows the DFlash paper (arXiv 2602.06036): the target is
+frozen and run once per training sequence, giving the tap hidden states of every position and, for
 self-distillation, its own greedy prediction at every position. Random anchor
 positions ``a`` are drawn per sequence; each anchor becomes a block
 ``[token at a, MASK x (B-1)]`` at positions ``a..a+B-1``. All blocks of a
@@ -24,13 +26,11 @@ continue bit-identically.
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
-import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -41,13 +41,21 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from . import cli
+from .defaults import DEFAULT_BLOCK_SIZE, DTYPES
+from .errors import DFlashError
+from .models.dflash import (
+    DFlashConfig,
+    DFlashDraftModel,
+    default_target_layer_ids,
+    draft_config_for_target,
+    visible_positions,
+)
 
 STATE_DIR = "training_state"
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-# Arguments that change the trained weights: --resume must repeat them.
+# Settings that change the trained weights: --resume must repeat them.
 RUN_KEYS = (
-    "target", "data", "num_layers", "block_size", "taps", "steps", "learning_rate",
+    "model", "data", "num_layers", "block_size", "taps", "steps", "learning_rate",
     "batch_size", "seq_len", "gamma", "anchors_per_seq", "seed", "targets", "warmup",
     "mask_token_id", "intermediate_size", "weight_decay", "grad_clip", "target_dtype",
     "init_from", "cache_dir",
@@ -55,8 +63,48 @@ RUN_KEYS = (
 MASK_NAME = re.compile(r"^<\|?\s*mask\s*\|?>$", re.IGNORECASE)
 
 
-class TrainError(ValueError):
+class TrainError(DFlashError, ValueError):
     """Bad input to the trainer: reported as one line, no traceback."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """One training run's settings; the ``train`` CLI builds it from its flags
+    (same names), and ``--resume`` compares the saved run's with it. ``None``
+    means a default that depends on the target or on other settings."""
+
+    model: str  # the frozen target: local path or Hugging Face id
+    draft_model: str  # the drafter checkpoint directory written
+    data: List[str] = dataclasses.field(default_factory=list)
+    # The drafter: its shape, the target layers it reads, its mask token.
+    num_layers: int = 2
+    block_size: int = DEFAULT_BLOCK_SIZE
+    taps: Optional[List[int]] = None
+    intermediate_size: Optional[int] = None
+    mask_token_id: Optional[int] = None
+    # What each slot learns, and how much a later slot counts.
+    targets: str = "self-distill"
+    gamma: Optional[float] = None
+    # The optimisation.
+    steps: int = 1000
+    learning_rate: float = 6e-4
+    warmup: Optional[int] = None
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    # The batches: windows of seq_len tokens, anchors_per_seq blocks each.
+    batch_size: int = 4
+    seq_len: int = 512
+    anchors_per_seq: int = 32
+    # The frozen target's outputs: its dtype, and whether they are kept.
+    target_dtype: Optional[str] = None
+    cache_target: bool = False
+    cache_dir: Optional[str] = None
+    # The checkpoints.
+    save_every: int = 200
+    resume: bool = False
+    init_from: Optional[str] = None
+    dtype: str = "float32"
 
 
 # ------------------------------------------------------------------ the math
@@ -69,19 +117,9 @@ def context_mask(anchors: mx.array, seq_len: int) -> mx.array:
     return mx.arange(seq_len) < anchors[..., None]
 
 
-def _layer_rule(attn, q_pos: mx.array, k_pos: mx.array) -> Optional[mx.array]:
-    """The layer's causal / sliding-window rule, as ``draft_attention_mask``
-    applies it at inference, on broadcastable positions (None: hides nothing)."""
-    if not attn.is_causal and attn.sliding_window is None:
-        return None
-    visible = mx.array(True)
-    if attn.is_causal:
-        visible = visible & (k_pos <= q_pos)
-    if attn.sliding_window is not None:
-        visible = visible & (q_pos - k_pos < attn.sliding_window)
-        if not attn.is_causal:
-            visible = visible & (k_pos - q_pos < attn.sliding_window)
-    return visible
+def layer_visibility(attn, q_pos: mx.array, k_pos: mx.array) -> Optional[mx.array]:
+    """The layer's causal / sliding-window rule on broadcastable positions."""
+    return visible_positions(q_pos, k_pos, is_causal=attn.is_causal, sliding_window=attn.sliding_window)
 
 
 def _rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
@@ -118,11 +156,11 @@ def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask):
     s_blk = q @ k.swapaxes(-1, -2)  # [b, Hk, H/Hk, n, B, B]
     q_pos = positions[:, None, None, :, :, None]
     visible = mask[:, None, None, :, None, :]
-    rule = _layer_rule(attn, q_pos, mx.arange(S))
+    rule = layer_visibility(attn, q_pos, mx.arange(S))
     if rule is not None:
         visible = visible & rule
     s_ctx = mx.where(visible, s_ctx, -mx.inf)
-    rule = _layer_rule(attn, q_pos, positions[:, None, None, :, None, :])
+    rule = layer_visibility(attn, q_pos, positions[:, None, None, :, None, :])
     if rule is not None:
         s_blk = mx.where(rule, s_blk, -mx.inf)
     p = mx.softmax(mx.concatenate([s_ctx, s_blk], axis=-1), axis=-1, precise=True)
@@ -134,18 +172,18 @@ def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask):
 def train_forward(draft: DFlashDraftModel, target_embed, tap_states, blocks, positions, mask):
     """Final drafter states [b, n, B, hidden] of ``n`` blocks per sequence.
 
-    Mirrors ``DFlashDraftModel.hidden_states`` with the drafter's own modules,
-    so training and inference compute the same function: the fused taps of
+    ``DFlashDraftModel.hidden_states`` with the drafter's own modules, so
+    training and inference compute the same function; only the attention
+    differs, since inference runs one block against a context cache and
+    training runs all blocks of a sequence at once, each against the context
+    before its anchor (:func:`_block_attention`). The fused taps of
     all ``S`` positions [b, S, taps*hidden] are projected to K/V once per
     layer (absolute positions ``0..S-1``); block slots ``blocks`` at
     ``positions`` (both [b, n, B]) attend to the context positions ``mask``
     [b, n, S] allows (see :func:`context_mask`) and to their own block, as
     the layer's causal / sliding-window rule allows.
     """
-    h = target_embed(blocks)
-    if draft.config.input_embedding_scale != 1.0:
-        h = h * draft.config.input_embedding_scale
-    context = draft.fuse(tap_states.astype(h.dtype))
+    h, context = draft.layer_inputs(blocks, tap_states, target_embed)
     for layer in draft.layers:
         attn = layer.self_attn
         ctx_k, ctx_v = attn.project_kv(context, draft.rope, 0)
@@ -301,7 +339,7 @@ class TargetOutputs:
         dtypes = {"taps": np.float16, "greedy": np.int32, "done": np.bool_}
         root = Path(args.cache_dir)
         key = {
-            "target": str(Path(args.target).resolve()), "data": [str(Path(d).resolve()) for d in args.data],
+            "target": str(Path(args.model).resolve()), "data": [str(Path(d).resolve()) for d in args.data],
             "taps": self.taps_ids, "seq_len": args.seq_len, "rows": n_rows, "target_dtype": args.target_dtype,
         }  # fmt: skip
         meta = root / "cache.json"
@@ -357,29 +395,28 @@ def find_mask_token(tokenizer) -> int:
 
 
 def write_checkpoint(out: Path, config: dict, draft, optimizer, state: dict, dtype) -> None:
-    """Write the z-lab layout + training state into a temp dir, then swap it
-    in, so a crash never leaves a half-written checkpoint at ``out``."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    params = dict(tree_flatten(draft.parameters()))
-    mx.save_safetensors(
-        str(tmp / "model.safetensors"),
-        {k: v.astype(dtype) for k, v in params.items()},
-        metadata={"format": "pt"},
-    )
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (tmp / STATE_DIR).mkdir()
-    arrays = {f"model.{k}": v for k, v in params.items()}
-    arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
-    mx.save_safetensors(str(tmp / STATE_DIR / "training_state.safetensors"), arrays)
-    (tmp / STATE_DIR / "training_state.json").write_text(json.dumps(state, indent=1) + "\n")
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.rename(out, old)
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old)
+    """Write the z-lab layout + training state beside ``out``, then swap it
+    in (``convert.Staging``), so a crash never leaves a half-written checkpoint."""
+    from .convert import Staging
+
+    staging = Staging(out, force=True)
+    try:
+        tmp = staging.path
+        (tmp / STATE_DIR).mkdir(parents=True)
+        params = dict(tree_flatten(draft.parameters()))
+        mx.save_safetensors(
+            str(tmp / "model.safetensors"),
+            {k: v.astype(dtype) for k, v in params.items()},
+            metadata={"format": "pt"},
+        )
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        arrays = {f"model.{k}": v for k, v in params.items()}
+        arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
+        mx.save_safetensors(str(tmp / STATE_DIR / "training_state.safetensors"), arrays)
+        (tmp / STATE_DIR / "training_state.json").write_text(json.dumps(state, indent=1) + "\n")
+        staging.commit()
+    finally:
+        staging.discard()
 
 
 def read_state(out: Path):
@@ -409,9 +446,11 @@ def init_weights(draft: DFlashDraftModel, path: Path) -> None:
     draft.load_weights(list(weights.items()), strict=True)
 
 
-def run_config(args) -> dict:
-    cfg = {k: getattr(args, k) for k in RUN_KEYS}
-    cfg["target"] = str(Path(args.target).resolve()) if Path(args.target).exists() else args.target
+def run_config(args: TrainConfig) -> dict:
+    """The settings ``--resume`` compares; the target is saved as ``target``,
+    the name runs were saved under before the flag became ``--model``."""
+    cfg = {k: getattr(args, k) for k in RUN_KEYS if k != "model"}
+    cfg["target"] = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     cfg["data"] = [str(Path(p).resolve()) for p in args.data]
     if args.init_from is not None:
         cfg["init_from"] = str(Path(args.init_from).resolve())
@@ -419,7 +458,7 @@ def run_config(args) -> dict:
 
 
 def check_resume(saved: dict, current: dict) -> None:
-    diff = [k for k in RUN_KEYS if saved.get(k) != current.get(k)]
+    diff = [k for k in current if saved.get(k) != current.get(k)]
     if diff:
         detail = ", ".join(f"--{k.replace('_', '-')} {current[k]!r} (saved {saved.get(k)!r})" for k in diff)
         raise TrainError(f"--resume must repeat the original run's arguments; differs: {detail}")
@@ -429,27 +468,32 @@ def check_resume(saved: dict, current: dict) -> None:
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    """The flags of :class:`TrainConfig`, with mlx-lm's names for the target
+    and the output (``--target`` / ``--out`` still work, unlisted)."""
+    d = TrainConfig
+    p = cli.ArgumentParser(
         prog="mlx-dflash train",
         description="Train a DFlash drafter for a frozen target (z-lab checkpoint layout).",
     )
-    p.add_argument("--target", required=True, help="target model: local path or Hugging Face id")
+    p.add_argument("--model", default=None, help="target model: local path or Hugging Face id")
+    p.add_argument("--target", dest="model", help=argparse.SUPPRESS)
     p.add_argument("--data", nargs="+", default=[], help="text files (tokenised with the target's tokenizer) or .npy token arrays")
-    p.add_argument("--out", required=True, help="output checkpoint directory")
-    p.add_argument("--num-layers", type=int, default=2, help="drafter layers")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--draft-model", default=None, help="output drafter checkpoint directory")
+    p.add_argument("--out", dest="draft_model", help=argparse.SUPPRESS)
+    p.add_argument("--num-layers", type=cli.positive_int, default=d.num_layers, help="drafter layers")
+    p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--taps", default=None, help="comma list of target layers to tap (default: the reference rule, one per drafter layer)")
     p.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: the target's)")
     p.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's <|mask|>-like token")
-    p.add_argument("--targets", choices=("self-distill", "data"), default="self-distill", help="labels: the target's own greedy predictions, or the data tokens")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--learning-rate", type=float, default=6e-4)
+    p.add_argument("--targets", choices=("self-distill", "data"), default=d.targets, help="labels: the target's own greedy predictions, or the data tokens")
+    p.add_argument("--steps", type=cli.positive_int, default=d.steps)
+    p.add_argument("--learning-rate", type=float, default=d.learning_rate)
     p.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: 5%% of --steps), then cosine to 10%%")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--anchors-per-seq", type=int, default=32)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global gradient-norm clip")
+    p.add_argument("--batch-size", type=cli.positive_int, default=d.batch_size)
+    p.add_argument("--seq-len", type=cli.positive_int, default=d.seq_len)
+    p.add_argument("--anchors-per-seq", type=cli.positive_int, default=d.anchors_per_seq)
     p.add_argument("--gamma", type=float, default=None, help="slot loss decay exp(-(j-1)/gamma) (default: block-size / 2, i.e. the public 4 for block 8)")
     p.add_argument(
         "--cache-target",
@@ -464,28 +508,30 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="with --cache-target: keep the target outputs in memory-mapped files here (taps as float16) "
         "instead of memory, for data larger than memory; reused by --resume and later runs on the same rows",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--save-every", type=cli.positive_int, default=d.save_every, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --draft-model")
     p.add_argument(
         "--init-from",
         default=None,
         help="start from this drafter's weights (a checkpoint of the same shape, e.g. an earlier "
-        "run's --out) instead of a random initialisation; a fresh schedule and optimizer",
+        "run's --draft-model) instead of a random initialisation; a fresh schedule and optimizer",
     )
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of the saved model.safetensors (training is float32)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype, help="dtype of the saved model.safetensors (training is float32)")
     p.add_argument(
         "--target-dtype",
         choices=tuple(DTYPES),
         default=None,
-        help="run the frozen target in this dtype (default: as stored; float32 is several times "
+        help="run the frozen target in this dtype (default: as stored; float32 is "
         "faster on CPU for a bf16 checkpoint, its taps differ from bf16 inference by rounding only)",
     )
     return p
 
 
-def check_args(args) -> None:
+def check_args(args: TrainConfig) -> None:
     """Everything that can be checked before loading the target."""
+    if not args.model or not args.draft_model:
+        raise TrainError("training needs a target (--model) and an output directory (--draft-model)")
     if not args.data:
         raise TrainError("no --data files given")
     missing = [p for p in args.data if not Path(p).is_file()]
@@ -511,30 +557,25 @@ def check_args(args) -> None:
         raise TrainError("--cache-dir keeps --cache-target's outputs: pass --cache-target too")
     if args.gamma is not None and args.gamma <= 0:
         raise TrainError("--gamma must be positive")
-    if args.taps is not None:
-        try:
-            args.taps = [int(t) for t in args.taps.split(",") if t.strip()]
-        except ValueError:
-            raise TrainError(f"--taps must be a comma list of layer indices, not {args.taps!r}") from None
-        if not args.taps:
-            raise TrainError("--taps is empty")
+    if args.taps is not None and not args.taps:
+        raise TrainError("--taps is empty")
     if args.init_from is not None and not (Path(args.init_from) / "config.json").is_file():
         raise TrainError(f"--init-from {args.init_from} holds no drafter checkpoint (config.json)")
-    out = Path(args.out)
+    out = Path(args.draft_model)
     if not args.resume and out.exists() and any(out.iterdir()):
-        raise TrainError(f"{out} exists and is not empty: pass --resume to continue it, or choose a new --out")
+        raise TrainError(f"{out} exists and is not empty: pass --resume to continue it, or choose a new --draft-model")
 
 
-def prepare(args):
+def prepare(args: TrainConfig):
     """The target (with its adapter) and the training windows; fills in the
     defaults that depend on them (taps, mask token, gamma, warmup)."""
     from .loading import load
     from .targets import adapter_for
 
     try:
-        model, tokenizer = load(args.target)
+        model, tokenizer = load(args.model)
     except ValueError as e:  # mlx-lm: unknown model type, bad config
-        raise TrainError(f"cannot load target {args.target}: {e}") from None
+        raise TrainError(f"cannot load target {args.model}: {e}") from None
     if args.target_dtype is not None:
         model.set_dtype(DTYPES[args.target_dtype])
     adapter = adapter_for(model)
@@ -580,9 +621,9 @@ def restore(out: Path, run: dict, draft, optimizer, rng) -> dict:
     return saved
 
 
-def train(args) -> dict:
-    from .pair import draft_config_for_target
-
+def train(args: TrainConfig) -> dict:
+    """Run (or, with ``resume``, continue) the training run ``args`` describes;
+    returns its state (step, loss history, training seconds)."""
     check_args(args)
     model, adapter, docs, data = prepare(args)
     config = draft_config_for_target(
@@ -601,7 +642,7 @@ def train(args) -> dict:
     optimizer = optim.AdamW(learning_rate=lr_at(0, args.steps, args.learning_rate, args.warmup), weight_decay=args.weight_decay)
     optimizer.init(draft.trainable_parameters())
     rng = np.random.default_rng(args.seed)
-    out = Path(args.out)
+    out = Path(args.draft_model)
     run = run_config(args)
     state = {"step": 0, "history": [], "train_seconds": 0.0, "run": run}
     if args.resume:
@@ -651,27 +692,31 @@ def train(args) -> dict:
     return state
 
 
-def main(argv=None) -> int:
-    from .loading import DraftLoadError
-    from .targets import TargetError
-
-    args = setup_arg_parser().parse_args(argv)
+def parse_taps(text: Optional[str]) -> Optional[List[int]]:
+    """``--taps 1,2,4`` -> ``[1, 2, 4]``."""
+    if text is None:
+        return None
     try:
-        state = train(args)
-    except (TrainError, TargetError, DraftLoadError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise TrainError(f"--taps must be a comma list of layer indices, not {text!r}") from None
+
+
+def main(argv=None) -> int:
+    args = vars(setup_arg_parser().parse_args(argv))
+    args["taps"] = parse_taps(args["taps"])
+    config = TrainConfig(**args)
+    try:
+        state = train(config)
     except KeyboardInterrupt:
-        print(f"\ninterrupted; the last checkpoint in {args.out} resumes with --resume", file=sys.stderr)
+        print(f"\ninterrupted; the last checkpoint in {config.draft_model} resumes with --resume", file=sys.stderr)
         return 130
     hist = state["history"]
     tail = np.mean([h[0] for h in hist[-20:]]) if hist else float("nan")
-    print(
-        f"trained {state['step']} steps in {state['train_seconds']:.0f}s; loss (last 20) {tail:.4f}; "
-        f"checkpoint {args.out}"
-    )
+    summary = f"trained {state['step']} steps in {state['train_seconds']:.0f}s; loss (last 20) {tail:.4f}"
+    print(f"{summary}; checkpoint {config.draft_model}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -86,7 +86,7 @@ def train_argv(args, target: str, mask_id: int) -> list:
     work = Path(args.work_dir)
     name = data_name(args)
     return [
-        "--target", target, "--data", str(work / f"rows-{name}.npy"), "--out", str(run_dir(args)),
+        "--model", target, "--data", str(work / f"rows-{name}.npy"), "--draft-model", str(run_dir(args)),
         "--num-layers", str(LAYERS), "--block-size", str(BLOCK), "--taps", TAPS, "--mask-token-id", str(mask_id),
         "--targets", "self-distill", "--steps", str(args.steps), "--learning-rate", str(args.lr),
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--anchors-per-seq", str(args.anchors),
@@ -98,6 +98,7 @@ def train_argv(args, target: str, mask_id: int) -> list:
 def stage_train(args):
     from transformers import AutoTokenizer
 
+    from dflash_mlx import cli
     from dflash_mlx import train as dflash_train
     from dflash_mlx.pair import prepare_target
 
@@ -105,7 +106,7 @@ def stage_train(args):
     mask_id = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(MASK_TOKEN)
     argv = train_argv(args, target, mask_id)
     resume = ["--resume"] if (run_dir(args) / "training_state").exists() else []
-    if dflash_train.main(argv + resume) != 0:
+    if cli.run(dflash_train.main, argv + resume) != 0:
         raise SystemExit("drafter training failed")
 
 

@@ -254,5 +254,5 @@ def test_dflash2_conversion(qwen3_pair, tmp_path, capsys):
 
 def test_quantization_options_need_quantize(draft_src, tmp_path, capsys):
     rc, err = run(capsys, "--hf-path", draft_src, "--mlx-path", tmp_path / "out", "--q-bits", 8)
-    assert rc == 2 and err.strip() == "error: --q-bits / --q-group-size need -q/--quantize"
+    assert rc == 1 and err.strip() == "error: --q-bits / --q-group-size need -q/--quantize"
     assert leftovers(tmp_path / "out") == []

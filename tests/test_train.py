@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import dflash_mlx
+from dflash_mlx import cli
 from dflash_mlx import train as T
 from dflash_mlx.models.dflash import DFlashConfig, DFlashDraftModel
 
@@ -33,10 +34,15 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
+def train_cli(argv):
+    """``mlx-dflash train`` as the dispatcher runs it: user errors end as exit code 1."""
+    return cli.run(T.main, argv)
+
+
 def small_run(pair, corpus, out, *extra):
     """argv of a CI-sized run (block 8, 2 drafter layers, byte tokens)."""
     return [
-        "--target", str(pair.path), "--data", str(corpus), "--out", str(out),
+        "--model", str(pair.path), "--data", str(corpus), "--draft-model", str(out),
         "--block-size", "8", "--seq-len", "48", "--batch-size", "2", "--anchors-per-seq", "6",
         "--learning-rate", "3e-3", "--warmup", "2", "--intermediate-size", "96", *extra,
     ]  # fmt: skip
@@ -102,7 +108,7 @@ def test_windows_never_cross_a_row():
 
 def test_training_learns_and_checkpoint_decodes_losslessly(qwen3_5_pair, corpus, tmp_path):
     pair, out = qwen3_5_pair, tmp_path / "draft"
-    assert T.main(small_run(pair, corpus, out, "--steps", "40", "--save-every", "100")) == 0
+    assert train_cli(small_run(pair, corpus, out, "--steps", "40", "--save-every", "100")) == 0
     losses = [h[0] for h in history(out)]
     assert len(losses) == 40
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3, losses
@@ -122,7 +128,7 @@ def test_data_targets_npy_and_bf16_checkpoint(qwen3_pair, corpus, tmp_path):
     out = tmp_path / "draft"
     argv = small_run(pair, tmp_path / "tokens.npy", out, "--steps", "3", "--targets", "data",
                      "--dtype", "bfloat16", "--taps", "1,2", "--num-layers", "1")  # fmt: skip
-    assert T.main(argv) == 0
+    assert train_cli(argv) == 0
     assert all(v.dtype == mx.bfloat16 for v in mx.load(str(out / "model.safetensors")).values())
     draft = dflash_mlx.load_draft(out, pair.model)
     assert draft.config.target_layer_ids == [1, 2] and draft.config.num_hidden_layers == 1
@@ -137,10 +143,10 @@ def test_cached_target_trains_identically(qwen3_5_pair, corpus, tmp_path):
     for name, extra in (("plain", []), ("cached", ["--cache-target"])):
         out = tmp_path / name
         argv = small_run(qwen3_5_pair, tmp_path / "rows.npy", out, "--steps", "8", *extra)
-        assert T.main(argv) == 0
+        assert train_cli(argv) == 0
         runs[name] = history(out)
     assert runs["cached"] == runs["plain"]
-    assert T.main(small_run(qwen3_5_pair, corpus, tmp_path / "x", "--cache-target")) == 1
+    assert train_cli(small_run(qwen3_5_pair, corpus, tmp_path / "x", "--cache-target")) == 1
 
 
 def test_disk_cache_of_target_outputs(qwen3_5_pair, corpus, tmp_path):
@@ -153,7 +159,7 @@ def test_disk_cache_of_target_outputs(qwen3_5_pair, corpus, tmp_path):
     for name, extra in (("plain", []), ("disk", ["--cache-target", "--cache-dir", str(cache)]),
                         ("again", ["--cache-target", "--cache-dir", str(cache)])):  # fmt: skip
         argv = small_run(qwen3_5_pair, tmp_path / "rows.npy", tmp_path / name, "--steps", "8", *extra)
-        assert T.main(argv) == 0
+        assert train_cli(argv) == 0
         runs[name] = np.array(history(tmp_path / name))
     taps = np.load(cache / "taps.npy", mmap_mode="r")
     assert taps.dtype == np.float16 and taps.shape[:2] == (6, 48) and np.load(cache / "done.npy").sum() > 0
@@ -162,14 +168,14 @@ def test_disk_cache_of_target_outputs(qwen3_5_pair, corpus, tmp_path):
     # The cache belongs to its rows: other data is refused, and --cache-dir needs --cache-target.
     np.save(tmp_path / "other.npy", ids[48 : 7 * 48].reshape(6, 48))
     argv = small_run(qwen3_5_pair, tmp_path / "other.npy", tmp_path / "o", "--cache-target", "--cache-dir", str(cache))
-    assert T.main(argv) == 1
-    assert T.main(small_run(qwen3_5_pair, tmp_path / "rows.npy", tmp_path / "p", "--cache-dir", str(cache))) == 1
+    assert train_cli(argv) == 1
+    assert train_cli(small_run(qwen3_5_pair, tmp_path / "rows.npy", tmp_path / "p", "--cache-dir", str(cache))) == 1
 
 
 def test_resume_equals_uninterrupted_run(qwen3_pair, corpus, tmp_path, monkeypatch, capsys):
     pair = qwen3_pair
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert T.main(small_run(pair, corpus, straight, "--steps", "8", "--save-every", "3")) == 0
+    assert train_cli(small_run(pair, corpus, straight, "--steps", "8", "--save-every", "3")) == 0
 
     # Interrupt (Ctrl-C) while sampling step 5's batch: the checkpoint of step 3 survives.
     real = T.sample_batch
@@ -183,17 +189,17 @@ def test_resume_equals_uninterrupted_run(qwen3_pair, corpus, tmp_path, monkeypat
 
     monkeypatch.setattr(T, "sample_batch", interrupted)
     argv = small_run(pair, corpus, resumed, "--steps", "8", "--save-every", "3")
-    assert T.main(argv) == 130
+    assert train_cli(argv) == 130
     assert "--resume" in capsys.readouterr().err
     assert len(history(resumed)) == 3
     monkeypatch.setattr(T, "sample_batch", real)
-    assert T.main(argv + ["--resume"]) == 0
+    assert train_cli(argv + ["--resume"]) == 0
 
     assert history(resumed) == history(straight)
     a, b = mx.load(str(straight / "model.safetensors")), mx.load(str(resumed / "model.safetensors"))
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
     # Changing what the run trains on is refused rather than silently mixed in.
-    assert T.main(argv + ["--resume", "--learning-rate", "1e-3"]) == 1
+    assert train_cli(argv + ["--resume", "--learning-rate", "1e-3"]) == 1
     assert "--learning-rate" in capsys.readouterr().err
 
 
@@ -203,15 +209,15 @@ def test_init_from_starts_at_the_checkpoint(qwen3_pair, corpus, tmp_path, capsys
     level, not a random drafter's. A drafter of another shape is refused."""
     pair = qwen3_pair
     first, second = tmp_path / "first", tmp_path / "second"
-    assert T.main(small_run(pair, corpus, first, "--steps", "30")) == 0
+    assert train_cli(small_run(pair, corpus, first, "--steps", "30")) == 0
     argv = small_run(pair, corpus, second, "--steps", "2", "--init-from", str(first))
     argv[argv.index("--learning-rate") + 1] = "0"
-    assert T.main(argv) == 0
+    assert train_cli(argv) == 0
     a, b = mx.load(str(first / "model.safetensors")), mx.load(str(second / "model.safetensors"))
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
     assert history(second)[0][0] < np.mean([h[0] for h in history(first)[:3]]) - 0.3
     other = small_run(pair, corpus, tmp_path / "third", "--steps", "2", "--num-layers", "1", "--init-from", str(first))
-    assert T.main(other) == 1
+    assert train_cli(other) == 1
     err = capsys.readouterr().err
     assert "different drafter" in err and "num_hidden_layers" in err
 
@@ -235,9 +241,9 @@ BAD = {  # case: (arguments after the common ones, words the message must hold)
     "init from nothing": (lambda p, d, t: ["--data", str(d), "--init-from", str(t)], "no drafter checkpoint"),
     "mask id out of vocab": (lambda p, d, t: ["--data", str(d), "--mask-token-id", "9999"], "outside"),
     "npy outside vocab": (lambda p, d, t: ["--data", str(t / "big.npy")], "outside the target"),
-    "no mask token": (lambda p, d, t: ["--data", str(d), "--target", str(_no_mask_target(p, t))], "--mask-token-id"),
-    "unsupported target": (lambda p, d, t: ["--data", str(d), "--target", str(t / "mistral")], "unsupported target"),
-    "missing target": (lambda p, d, t: ["--data", str(d), "--target", str(t / "absent")], "absent"),
+    "no mask token": (lambda p, d, t: ["--data", str(d), "--model", str(_no_mask_target(p, t))], "--mask-token-id"),
+    "unsupported target": (lambda p, d, t: ["--data", str(d), "--model", str(t / "mistral")], "unsupported target"),
+    "missing target": (lambda p, d, t: ["--data", str(d), "--model", str(t / "absent")], "absent"),
     "nothing to resume": (lambda p, d, t: ["--data", str(d), "--resume"], "no training state"),
 }
 
@@ -249,10 +255,10 @@ def test_bad_input_fails_with_one_line(case, qwen3_pair, corpus, tmp_path, capsy
     if case == "unsupported target":
         tiny.make_target(tmp_path / "mistral", tiny.LLAMA, model_type="mistral")
     extra, words = BAD[case]
-    # A later --target replaces this one (argparse keeps the last).
-    argv = ["--target", str(qwen3_pair.path), "--out", str(tmp_path / "out"), "--block-size", "8",
+    # A later --model replaces this one (argparse keeps the last).
+    argv = ["--model", str(qwen3_pair.path), "--draft-model", str(tmp_path / "out"), "--block-size", "8",
             "--seq-len", "48", "--steps", "1", *extra(qwen3_pair, corpus, tmp_path)]  # fmt: skip
-    assert T.main(argv) == 1
+    assert train_cli(argv) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and words in err, err
     assert not (tmp_path / "out").exists()
@@ -266,3 +272,31 @@ def test_cli_entry_points_report_errors_without_traceback(tmp_path):
         )  # fmt: skip
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert "not found" in r.stderr
+
+
+def test_old_flag_names_are_hidden_aliases(qwen3_pair, corpus, tmp_path, capsys):
+    """``--target`` / ``--out`` still name the target and the output, as
+    ``--model`` / ``--draft-model`` do, but --help lists only mlx-lm's names."""
+    help_text = T.setup_arg_parser().format_help()
+    assert "--model" in help_text and "--draft-model" in help_text
+    assert "--target " not in help_text and "--out" not in help_text
+    new = vars(T.setup_arg_parser().parse_args(["--model", "a", "--draft-model", "b"]))
+    old = vars(T.setup_arg_parser().parse_args(["--target", "a", "--out", "b"]))
+    assert new == old and new["model"] == "a" and new["draft_model"] == "b"
+    assert train_cli(["--data", str(corpus)]) == 1
+    assert "--model" in capsys.readouterr().err
+
+
+def test_train_config_api_equals_the_cli(qwen3_pair, corpus, tmp_path):
+    """``train(TrainConfig(...))`` writes the checkpoint the CLI writes from the same settings."""
+    argv = small_run(qwen3_pair, corpus, tmp_path / "cli", "--steps", "2")
+    assert train_cli(argv) == 0
+    config = T.TrainConfig(
+        model=str(qwen3_pair.path), draft_model=str(tmp_path / "api"), data=[str(corpus)], steps=2,
+        block_size=8, seq_len=48, batch_size=2, anchors_per_seq=6, learning_rate=3e-3, warmup=2,
+        intermediate_size=96,
+    )  # fmt: skip
+    state = T.train(config)
+    assert state["step"] == 2 and state["history"] == history(tmp_path / "cli")
+    a, b = mx.load(str(tmp_path / "cli" / "model.safetensors")), mx.load(str(tmp_path / "api" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)

@@ -273,25 +273,19 @@ class ContextCache:
         return n
 
 
-def draft_attention_mask(
-    ctx_positions: mx.array,
-    block_positions: mx.array,
-    *,
-    is_causal: bool,
-    sliding_window: Optional[int],
+def visible_positions(
+    queries: mx.array, keys: mx.array, *, is_causal: bool, sliding_window: Optional[int]
 ) -> Optional[mx.array]:
-    """Boolean [L, S+L] visibility of context + block keys for block queries.
+    """Whether a query at position ``queries`` sees a key at ``keys``
+    (broadcast against each other); None when everything is visible.
 
     As z-lab/dflash's PyTorch drafter (``dflash/model.py``): causal keeps
     keys at or before the query; a sliding window hides keys at distance >=
-    window (both directions when non-causal). Returns None when everything
-    is visible.
+    window (both directions when non-causal).
     """
     if not is_causal and sliding_window is None:
         return None
-    keys = mx.concatenate([ctx_positions, block_positions])[None, :]
-    queries = block_positions[:, None]
-    visible = mx.ones((queries.shape[0], keys.shape[1]), dtype=mx.bool_)
+    visible = mx.array(True)
     if is_causal:
         visible = visible & (keys <= queries)
     if sliding_window is not None:
@@ -299,6 +293,19 @@ def draft_attention_mask(
         if not is_causal:
             visible = visible & (keys - queries < sliding_window)
     return visible
+
+
+def draft_attention_mask(
+    ctx_positions: mx.array,
+    block_positions: mx.array,
+    *,
+    is_causal: bool,
+    sliding_window: Optional[int],
+) -> Optional[mx.array]:
+    """Boolean [L, S+L] visibility of context + block keys for block queries
+    (:func:`visible_positions`); None when everything is visible."""
+    keys = mx.concatenate([ctx_positions, block_positions])[None, :]
+    return visible_positions(block_positions[:, None], keys, is_causal=is_causal, sliding_window=sliding_window)
 
 
 class DraftAttention(nn.Module):
@@ -465,12 +472,17 @@ class DFlashDraftModel(nn.Module):
         """Feature fusion: concatenated taps -> one drafter-width vector."""
         return self.hidden_norm(self.fc(target_hidden))
 
-    def hidden_states(self, block_tokens, target_hidden, cache) -> mx.array:
-        """Final (normed) drafter states of every block slot."""
-        h = self.target.embed(block_tokens)
+    def layer_inputs(self, block_tokens, target_hidden, embed=None) -> Tuple[mx.array, mx.array]:
+        """(block slot states, fused context) that the first layer reads;
+        ``embed`` defaults to the bound target's (training passes its own)."""
+        h = (self.target.embed if embed is None else embed)(block_tokens)
         if self.config.input_embedding_scale != 1.0:
             h = h * self.config.input_embedding_scale
-        context = self.fuse(target_hidden.astype(h.dtype))
+        return h, self.fuse(target_hidden.astype(h.dtype))
+
+    def hidden_states(self, block_tokens, target_hidden, cache) -> mx.array:
+        """Final (normed) drafter states of every block slot."""
+        h, context = self.layer_inputs(block_tokens, target_hidden)
         for layer, c in zip(self.layers, cache):
             h = layer(h, context, self.rope, c)
         return self.norm(h)
@@ -509,9 +521,15 @@ class DFlashDraftModel(nn.Module):
         """Sampled tokens for slots 1..L-1 and the distribution ``q`` they were
         drawn from, ``([B, L-1], [B, L-1, V])``: what speculative sampling
         needs to verify them. ``q`` is processed like the target's ``p``.
+        Drafters differ only in how they draw (:meth:`draw`).
         """
-        logits = self.slot_logits(block_tokens, target_hidden, cache)
-        q = processed_probs(logits, temperature, top_p, top_k, min_p)
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+        return self.draw(block_tokens, target_hidden, cache, sampling)
+
+    def draw(self, block_tokens, target_hidden, cache, sampling: dict) -> Tuple[mx.array, mx.array]:
+        """:meth:`propose_with_probs` with ``sampling`` holding
+        :func:`processed_probs`' settings: each slot independently."""
+        q = processed_probs(self.slot_logits(block_tokens, target_hidden, cache), **sampling)
         return sample(q), q
 
 

@@ -447,16 +447,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         uses :meth:`propose_with_probs`)."""
         return self.select(block_tokens, target_hidden, cache).tokens
 
-    def propose_with_probs(
-        self,
-        block_tokens,
-        target_hidden,
-        cache,
-        temperature: float,
-        top_p: float = 0.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-    ) -> Tuple[mx.array, mx.array]:
+    def draw(self, block_tokens, target_hidden, cache, sampling: dict) -> Tuple[mx.array, mx.array]:
         """(tokens [B, L-1], q [B, L-1, vocab]): the walk and the distribution
         each token was drawn from, for speculative sampling.
 
@@ -465,6 +456,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         that row as mlx-lm's sampler filters the target's. Temperature 0 is
         the greedy walk with a point mass q.
         """
+        temperature, top_p, top_k, min_p = (sampling[k] for k in ("temperature", "top_p", "top_k", "min_p"))
         vocab = self.config.vocab_size
         if temperature <= 0:
             w = self.select(block_tokens, target_hidden, cache)

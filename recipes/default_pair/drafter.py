@@ -29,11 +29,11 @@ def target_continuations(target_dir: Path, prompts: list[list[int]], row_len: in
 
     At inference the drafter reads (and must predict) the target's own output,
     which for this tiny target is far more repetitive than the stdlib; the
-    drafter trained on these rows accepts about twice as many tokens per
-    cycle on held-out prompts as one trained as long on raw stdlib windows
-    (measured). Prompts are sorted by length and cut to the shortest of their
-    batch, so a batch decodes in lockstep without padding; the target runs in
-    float32 (several times faster than bf16 on the CPU).
+    drafter trained on these rows accepts more tokens per cycle on held-out
+    prompts than one trained as long on raw stdlib windows (BENCHMARKS.md).
+    Prompts are sorted by length and cut to the shortest of their batch, so a
+    batch decodes in lockstep without padding; the target runs in float32
+    (faster than bf16 on the CPU, BENCHMARKS.md).
     """
     import mlx.core as mx
     from mlx_lm import load
@@ -89,6 +89,7 @@ def stage_drafter(args) -> None:
     with a model card, to ``dflash_mlx/default_pair/draft``."""
     from tokenizers import Tokenizer
 
+    from dflash_mlx import cli
     from dflash_mlx import train as dflash_train
 
     work = Path(args.work_dir)
@@ -124,7 +125,7 @@ def stage_drafter(args) -> None:
         if not args.drafter_resume:
             shutil.rmtree(run_dir, ignore_errors=True)
         argv = [
-            "--target", str(target), "--data", *map(str, data_files), "--out", str(run_dir),
+            "--model", str(target), "--data", *map(str, data_files), "--draft-model", str(run_dir),
             "--num-layers", str(DRAFTER_LAYERS), "--block-size", str(DRAFTER_BLOCK), "--taps", DRAFTER_TAPS,
             "--mask-token-id", str(tok_meta["mask_token_id"]), "--targets", "self-distill",
             "--steps", str(steps), "--learning-rate", str(lr),
@@ -135,7 +136,7 @@ def stage_drafter(args) -> None:
         if init_from is not None:
             argv += ["--init-from", str(init_from)]
         resume = ["--resume"] if args.drafter_resume and (run_dir / "training_state").exists() else []
-        if dflash_train.main(argv + resume) != 0:
+        if cli.run(dflash_train.main, argv + resume) != 0:
             raise SystemExit("drafter training failed")
         return argv  # the command a fresh build runs
 
