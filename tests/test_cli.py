@@ -25,7 +25,7 @@ def test_generate_streams_and_reports(tiny_dirs, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert out.startswith("def f(x):")
-    for line in ("Prompt:", "Generation: 24 tokens", "Mean tokens per cycle:", "Peak memory:"):
+    for line in ("Prompt:", "Generation: 24 tokens", "Mean tokens per cycle:", "Block sizes", "Peak memory:"):
         assert line in out
 
 
@@ -70,7 +70,11 @@ def test_bench_json_and_plot(tiny_dirs, tmp_path, capsys):
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["outputs_identical"] is True and report["repeats"] == 2
     assert set(report["phase_ms_per_cycle"]) == {"draft", "verify", "rollback", "host"}
-    assert sum(report["acceptance_histogram"].values()) > 0
+    cycles = sum(report["acceptance_histogram"].values())
+    assert cycles > 0 and sum(report["block_size_histogram"].values()) == cycles
+    assert report["adaptive"] and report["fixed_block_tps"] > 0 and report["fixed_block_speedup"] > 0
+    assert len(report["trace"]["committed"]) == len(report["trace"]["block_size"]) > 0
+    assert report["phase_ms_per_cycle"]["verify"] > 0  # the timed drafter times its target
     assert (tmp_path / "r.png").stat().st_size > 1000
     assert "trimmable" in report["speculative_unavailable"]  # mlx-lm cannot for hybrid targets
     assert set(report["sampled_tokens_per_cycle"]) == {"speculative", "exact-match"}
