@@ -161,6 +161,18 @@ def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance) -> Ac
     return AcceptanceRule(sampler, sampling)
 
 
+def max_block_size(draft, block_size: Optional[int], sizer: Optional[BlockSizer]) -> int:
+    """The largest block a generation verifies: the fixed ``block_size``,
+    the ``sizer``'s ``max_block`` or (adaptive) the drafter's trained size."""
+    if sizer is not None and block_size is not None:
+        raise ArgumentError("pass block_size or sizer, not both (a sizer's max_block is its largest block)")
+    max_block = draft.block_size if block_size is None and sizer is None else sizer.max_block if sizer else int(block_size)
+    if max_block < 1:
+        raise ArgumentError(f"block_size must be at least 1, got {max_block}")
+    draft.check_block_size(max_block)
+    return max_block
+
+
 def generate_step(
     prompt: Union[List[int], mx.array],
     model,
@@ -212,24 +224,17 @@ def generate_step(
     ``temperature`` and the truncation arguments) only yields tokens, not the
     p that rejection sampling needs, so it always uses exact match.
 
-    By default (``block_size=None``) each cycle verifies the length, up to
-    the drafter's trained size, that maximises expected committed tokens per
-    second from measured costs and the recent acceptance (1: plain decoding);
-    see :mod:`dflash_mlx.adaptive`. The choices follow measured speed, so a
-    seeded (``mx.random``) sampled run repeats exactly only with a fixed
-    size. An integer ``block_size`` fixes it (1 is plain target decoding);
-    ``sizer`` (a :class:`~dflash_mlx.adaptive.BlockSizer`, e.g. over a fixed
-    cost table) makes the choices instead, up to its ``max_block``.
+    By default each cycle verifies the length (up to the drafter's trained
+    size; 1: plain decoding) that maximises expected committed tokens per
+    second (:mod:`dflash_mlx.adaptive`). It follows measured speed, so a
+    seeded (``mx.random``) sampled run repeats only with a fixed
+    ``block_size``; a ``sizer`` (:class:`~dflash_mlx.adaptive.BlockSizer`)
+    makes the choices instead, up to its ``max_block``.
     """
     rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
     if max_tokens < 1:
         raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
-    if sizer is not None and block_size is not None:
-        raise ArgumentError("pass block_size or sizer, not both (a sizer's max_block is its largest block)")
-    max_block = draft.block_size if block_size is None and sizer is None else sizer.max_block if sizer else int(block_size)
-    if max_block < 1:
-        raise ArgumentError(f"block_size must be at least 1, got {max_block}")
-    draft.check_block_size(max_block)
+    max_block = max_block_size(draft, block_size, sizer)
     target = bound_target(model, draft)
     cache = make_prompt_cache(model, draft) if prompt_cache is None else prompt_cache
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
@@ -238,15 +243,11 @@ def generate_step(
     with mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-            # Measured once per process (the live cache is left as it was):
-            # cycle costs, and whether overlapping the phases beats running
-            # each to completion, which depends on the backend and machine.
+            # once per process: cycle costs and the evaluation strategy
             calibration = calibrate(target, draft, cache.target, cache.target_hidden, max_block)
-            if sizer is None:
-                sizer = BlockSizer(max_block, CycleCosts(calibration.costs), fixed=block_size is not None)
-            yield from decode(
-                target, draft, cache, logits, rule, sizer, calibration.settle, max_tokens, set(eos_token_ids), logprobs
-            )
+            sizer = sizer or BlockSizer(max_block, CycleCosts(calibration.costs), fixed=block_size is not None)
+            eos = set(eos_token_ids)
+            yield from decode(target, draft, cache, logits, rule, sizer, calibration.settle, max_tokens, eos, logprobs)
         finally:
             if cache.target.undo is not None:  # interrupted inside a cycle
                 target.rollback(cache.target, 0)

@@ -195,6 +195,7 @@ def test_plot_prints_nothing(tmp_path, capsys):
     report = {
         "acceptance_histogram": {"1": 2, "2": 3}, "mean_tokens_per_cycle": 1.6, "autoregressive_tps": 10.0,
         "dflash_tps": 15.0, "speedup": 1.5, "speculative_unavailable": "cannot trim",
+        "trace": {"committed": [1, 2, 2, 1, 2], "block_size": [2, 2, 4, 1, 2]},
     }
     benchmark.plot(report, str(tmp_path / "r.png"))
     assert capsys.readouterr().out == ""
