@@ -134,10 +134,6 @@ class CycleCosts:
             self.table = [c * scale[i > 0] if m is None else m for i, (m, c) in pairs]
         return self.table[:n]
 
-    def estimate(self, blocks: List[int]) -> np.ndarray:
-        table = self.upto(len(self.base))
-        return np.array([table[b - 1] for b in blocks])
-
 
 class BlockSizer:
     """Chooses each cycle's block length; ``fixed`` pins it (``--block-size``).

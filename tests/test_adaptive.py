@@ -54,13 +54,13 @@ def test_unseen_slots_lean_on_the_slots_before_them():
 def test_costs_rescale_calibration_to_measurements():
     costs = CycleCosts({1: 1.0, 2: 1.5, 16: 3.0})
     costs.observe(16, 100.0)  # a length's first cycle may include compiling it: not counted
-    assert costs.estimate([16])[0] == 3.0
+    assert costs.upto(16)[16 - 1] == 3.0
     costs.observe(16, 6.0)  # the live context makes cycles twice as slow as calibrated
-    est = costs.estimate([2, 9, 16])
-    assert est[2] == 6.0
-    assert est[0] == pytest.approx(3.0)
-    assert est[1] == pytest.approx(2 * np.interp(9, [1, 2, 16], [1.0, 1.5, 3.0]))
-    assert costs.estimate([1])[0] == 1.0  # plain steps are scaled only by plain steps
+    table = costs.upto(16)  # index b - 1
+    assert table[16 - 1] == 6.0
+    assert table[2 - 1] == pytest.approx(3.0)
+    assert table[9 - 1] == pytest.approx(2 * np.interp(9, [1, 2, 16], [1.0, 1.5, 3.0]))
+    assert table[0] == 1.0  # plain steps are scaled only by plain steps
 
 
 def test_high_acceptance_grows_the_block_to_the_maximum():
