@@ -203,11 +203,12 @@ class Calibration:
 def cycle_seconds(target, draft, cache, context: mx.array, block: int, settle: Callable, cycles: int = 1) -> float:
     """Seconds per cycle of a mock decoding cycle at ``block``: draft (for
     ``block > 1``), verify, one host read of the outcome, roll back; on the
-    live ``cache`` (left as it was) and a scratch drafter cache."""
-    scratch = draft.make_cache()
+    live ``cache`` (left as it was) and a fresh scratch drafter cache per
+    cycle, each fed one context position."""
+    scratches = [draft.make_cache() for _ in range(cycles)]
     head = mx.zeros((1, 1), dtype=mx.int32)
     tic = time.perf_counter()
-    for _ in range(cycles):
+    for scratch in scratches:
         verify_in = head
         if block > 1:
             drafted = draft.propose(mx.array([[0] + [draft.mask_token_id] * (block - 1)]), context, scratch)

@@ -68,6 +68,16 @@ def test_completion_equals_mlx_lm_and_reports_dflash_usage(client, bundled):
     assert stats["cycles"] + stats["accepted_draft_tokens"] == 40 - 1
 
 
+def test_num_draft_tokens_fixes_the_block(client, bundled):
+    """The server is adaptive unless a request (or --block-size) fixes the block."""
+    prompt = default_prompts()[2]
+    r = client.completions.create(model="default", prompt=prompt, max_tokens=30, temperature=0,
+                                  extra_body={"num_draft_tokens": 3})
+    assert r.choices[0].text == mlx_lm_text(bundled, prompt, 30)
+    sizes = {int(b): k for b, k in r.usage.model_extra["dflash"]["block_sizes"].items()}
+    assert max(sizes) == 4 and sizes[4] >= sum(sizes.values()) - 3  # only the last cycles cut to the tokens left
+
+
 def test_chat_stream_deltas_concatenate_to_mlx_lm_text(client, bundled):
     messages = [{"role": "user", "content": "Write a function that parses a date."}]
     want = mlx_lm_text(bundled, bundled[1].encode(convert_chat(messages)), 24)
