@@ -73,6 +73,7 @@ class Prepared:
     tokens: List[int]
     boundaries: List[int]
     initial_state: str
+    block_size: Optional[int] = None  # fixed by the request's num_draft_tokens
 
 
 @dataclass
@@ -173,7 +174,8 @@ def prepare(tokenizer, body: dict, kind: str, context: Optional[int], template_a
         state = "reasoning"
     if kind == "chat":
         state = tokenizer.response_initial_state or state
-    return Prepared(tokens, boundaries, state)
+    draft_tokens = body.get("num_draft_tokens")
+    return Prepared(tokens, boundaries, state, None if draft_tokens is None else draft_tokens + 1)
 
 
 def top_logprobs(logprobs: mx.array, n: int, tokenizer) -> tuple:
@@ -300,20 +302,21 @@ class DFlashResponseGenerator:
             if args.seed is not None:
                 mx.random.seed(args.seed)
             start = self.snapshot(cache, tokens, ctx.prompt_cache_count, prepared.boundaries, progress)
-            self.decode(cache, tokens[start:], args, ctx, stop_sequences.matcher(), responses, progress)
+            block_size = prepared.block_size or self.cli_args.block_size  # None: adaptive
+            self.decode(cache, tokens[start:], block_size, args, ctx, stop_sequences.matcher(), responses, progress)
             responses.put(None)
             self.prompt_cache.insert_cache(self.key, list(cache.tokens), [cache])
         except Exception as e:
             logging.exception("request failed")
             responses.put(e)
 
-    def decode(self, cache, tokens, args, ctx, matcher, responses, progress):
+    def decode(self, cache, tokens, block_size, args, ctx, matcher, responses, progress):
         """Token by token, as mlx-lm's server streams: text, logprobs, finish."""
         tok, eos = self.tokenizer, set(self.tokenizer.eos_token_ids)
         want = args.logprobs or args.top_logprobs > 0
         steps = generate_step(
             tokens, self.model, self.draft, prompt_cache=cache, max_tokens=args.max_tokens,
-            block_size=None if args.num_draft_tokens is None else args.num_draft_tokens + 1, temperature=args.sampling.temperature,
+            block_size=block_size, temperature=args.sampling.temperature,
             top_p=args.sampling.top_p, top_k=args.sampling.top_k, min_p=args.sampling.min_p,
             eos_token_ids=eos, logprobs=want, prefill_step_size=self.cli_args.prefill_step_size,
             prompt_progress_callback=progress,
@@ -482,8 +485,7 @@ def add_generator(server: ThreadingHTTPServer, args, model, tokenizer, draft, dr
         tokenizer.chat_template = args.chat_template
     elif args.use_default_chat_template and tokenizer.chat_template is None:
         tokenizer.chat_template = tokenizer.default_chat_template
-    # None: adaptive block size, unless a request sets num_draft_tokens
-    args.num_draft_tokens = None if args.block_size is None else args.block_size - 1
+    args.num_draft_tokens = (args.block_size or draft.block_size) - 1  # mlx-lm's default for requests
     server.generator = DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
     return server
 
