@@ -258,3 +258,18 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibr
     overlap = np.median(timings[mx.async_eval]) < np.median(timings[mx.eval])
     saved[key] = Calibration(costs, bool(overlap))
     return saved[key]
+
+
+def plan(target, draft, cache, context: mx.array, max_block: int, fixed: bool, sizer=None):
+    """The generation's block sizer and how it evaluates each phase.
+
+    A fixed block (``fixed``, no ``sizer``) is not calibrated: nothing is
+    chosen, and pipelined ranks, whose fixed blocks must agree, would each
+    time their own cycles. Its phases overlap on a GPU and run in turn on
+    the CPU backend, where overlapping host work takes cores from the
+    compute.
+    """
+    if fixed and sizer is None:
+        return BlockSizer(max_block, None, fixed=True), mx.async_eval if mx.default_device() == mx.gpu else mx.eval
+    calibration = calibrate(target, draft, cache, context, max_block)
+    return sizer or BlockSizer(max_block, CycleCosts(calibration.costs)), calibration.settle

@@ -16,7 +16,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import cli
-from .adaptive import BlockSizer, CycleCosts, calibrate
+from .adaptive import BlockSizer, plan
 from .cache import PromptCache, bound_target, make_prompt_cache
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
@@ -243,11 +243,10 @@ def generate_step(
     with mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-            # once per process: cycle costs and the evaluation strategy
-            calibration = calibrate(target, draft, cache.target, cache.target_hidden, max_block)
-            sizer = sizer or BlockSizer(max_block, CycleCosts(calibration.costs), fixed=block_size is not None)
+            fixed = block_size is not None
+            sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, fixed, sizer)
             eos = set(eos_token_ids)
-            yield from decode(target, draft, cache, logits, rule, sizer, calibration.settle, max_tokens, eos, logprobs)
+            yield from decode(target, draft, cache, logits, rule, sizer, settle, max_tokens, eos, logprobs)
         finally:
             if cache.target.undo is not None:  # interrupted inside a cycle
                 target.rollback(cache.target, 0)
