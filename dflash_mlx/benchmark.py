@@ -3,7 +3,12 @@
     mlx-dflash bench                      # the bundled pair, its held-out prompts
     mlx-dflash bench --model T --draft-model D --prompts prompts.json --json out.json --plot out.png
 
+By default DFlash chooses its block size each cycle (adaptive, up to the
+drafter's trained size); the fixed trained size runs in the same pass, so the
+report compares both. ``--block-size N`` fixes it instead.
+
 Reports tok/s and speedup, mean tokens per cycle and the acceptance histogram,
+the chosen block sizes (histogram, and per cycle for the figure),
 per-phase timings (draft / verify / rollback / host), the forward costs that
 bound the speedup (T1: mlx-lm's target forward on 1 token, T16: the
 verify forward on a block, Tdraft: the drafter as the loop runs it; each
@@ -16,6 +21,7 @@ before timing starts.
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -46,6 +52,10 @@ class PhaseTimer:
     cycles: int = 0
     started: tuple = (0.0, 0.0)
 
+    def reset(self):
+        self.seconds = {k: 0.0 for k in self.seconds}
+        self.cycles = 0
+
     def start_cycles(self):
         self.started = (time.perf_counter(), sum(self.seconds.values()))
 
@@ -74,7 +84,7 @@ class TimedTarget:
         return getattr(self.target, name)
 
     def forward(self, tokens, cache, **kwargs):
-        phase = "verify" if kwargs.get("record", True) else "prefill"
+        phase = "prefill" if kwargs.get("last_logits_only") else "verify"  # a plain cycle records nothing
         self.timer.cycles += phase == "verify"
 
         def step():
@@ -99,6 +109,11 @@ class TimedDraft:
 
     def __getattr__(self, name):
         return getattr(self.draft, name)
+
+    def bind(self, model):
+        """Bound, it stays the timed drafter (with its timed target)."""
+        self.draft.bind(model)
+        return self
 
     def propose(self, *args, **kwargs):
         return self.timer.run("draft", self.draft.propose, *args, **kwargs)
@@ -128,11 +143,10 @@ def run_autoregressive(model, tokenizer, prompt, max_tokens):
 
 
 def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=None):
-    """One generation; tok/s counted from the first token, like mlx-lm.
-    With a ``timer``, the forwards and rollbacks are timed and the rest of
-    each cycle counts as host time."""
-    if timer is not None:
-        draft = TimedDraft(draft, timer)
+    """One generation (``block_size=None``: adaptive); tok/s counted from the
+    first token, like mlx-lm. With a ``timer`` (``draft`` a :class:`TimedDraft`
+    on it), the forwards and rollbacks are timed and the rest of each cycle
+    counts as host time."""
     responses = []
     for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size):
         if not responses and timer is not None:  # the cycles start after the prefill's token
@@ -145,6 +159,7 @@ def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=No
         "tps": responses[-1].generation_tps,
         "accepted": [r.accepted for r in responses[1:]],
         "committed": cycle_lengths(responses),
+        "block_sizes": [r.block_size for r in responses[1:]],
         "peak_memory": responses[-1].peak_memory,
     }
 
@@ -298,88 +313,134 @@ def speculative_baseline(model, ar_draft, tokenizer, prompts, max_tokens, ar_ref
     }
 
 
+def pooled_tps(runs: List[dict]) -> float:
+    """Tokens over seconds, pooled over ``runs``."""
+    return sum(len(r["tokens"]) for r in runs) / sum(len(r["tokens"]) / r["tps"] for r in runs)
+
+
+def cycle_summary(runs: List[dict], max_block: int) -> dict:
+    """Tokens per cycle and the chosen block sizes of DFlash ``runs``."""
+    committed = [c for r in runs for c in r["committed"]]
+    blocks = [b for r in runs for b in r["block_sizes"]]
+    hist, chosen = Counter(committed), Counter(blocks)
+    return {
+        "mean_tokens_per_cycle": mean_tokens_per_cycle(committed),
+        "acceptance_histogram": {str(k): hist.get(k, 0) for k in range(1, max_block + 1)},
+        "block_size_histogram": {str(k): chosen.get(k, 0) for k in range(1, max_block + 1)},
+        "mean_block_size": statistics.mean(blocks) if blocks else 1.0,
+    }
+
+
+def timed_runs(model, draft, tokenizer, prompts, max_tokens, configs: Dict[str, object], repeats):
+    """Per prompt: ``{"autoregressive": [...], name: [...]}`` over ``repeats``
+    rounds in which every configuration runs once, alternating; and the
+    forward timings taken right after each prompt's runs."""
+    per_prompt, timings = [], []
+    max_block = max(b or draft.block_size for b in configs.values())
+    for prompt in prompts:
+        runs = {"autoregressive": [], **{name: [] for name in configs}}
+        for _ in range(repeats):
+            runs["autoregressive"].append(run_autoregressive(model, tokenizer, prompt, max_tokens))
+            for name, block_size in configs.items():
+                runs[name].append(run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size))
+        per_prompt.append(runs)
+        # The forwards that bound the speedup, timed right after the runs they
+        # bound and at this prompt's context, so that drift on a shared
+        # machine moves both alike; the drafter injects what this run committed.
+        committed = runs["dflash"][0]["committed"]
+        new_context = round(mean_tokens_per_cycle(committed)) if committed else 1
+        ids = encode_prompt(tokenizer, prompt)
+        timings.append(time_forwards(model, draft, ids, max_block, new_context, repeats=10))
+    return per_prompt, timings
+
+
+def phase_timings(model, draft, tokenizer, prompts, max_tokens, block_size) -> Dict[str, float]:
+    """ms per cycle of each phase, in a pass of its own (every phase syncs).
+    A warm-up run first, not counted: the timed drafter is calibrated anew."""
+    timer = PhaseTimer()
+    timed = TimedDraft(draft, timer)
+    run_dflash(model, timed, tokenizer, prompts[0], 16, block_size)
+    timer.reset()
+    for prompt in prompts:
+        run_dflash(model, timed, tokenizer, prompt, max_tokens, block_size, timer=timer)
+    return {k: 1e3 * v / max(1, timer.cycles) for k, v in timer.seconds.items() if k != "prefill"}
+
+
 def benchmark(
     model, draft, tokenizer, prompts: List[str], max_tokens=DEFAULT_BENCH_MAX_TOKENS, block_size=None,
     repeats=DEFAULT_BENCH_REPEATS,
 ):
     """The report, and mlx-lm's run of each prompt (the reference outputs).
 
-    Each prompt's autoregressive and DFlash runs alternate ``repeats``
+    ``block_size=None`` benchmarks the adaptive loop and, in the same pass,
+    the fixed trained block size. Each prompt's runs alternate ``repeats``
     times; tok/s pools every timed run, which steadies the speedup on a
-    shared machine. Outputs and acceptance are deterministic, so they come
-    from the first run of each.
+    shared machine. Outputs and acceptance come from the first run of each.
     """
-    block_size = block_size or draft.block_size
+    max_block = block_size or draft.block_size
+    configs = {"dflash": block_size} if block_size else {"dflash": None, "fixed": max_block}
     draft.bind(model)
     warm = prompts[0]
     run_autoregressive(model, tokenizer, warm, 16)
-    run_dflash(model, draft, tokenizer, warm, 16, block_size)
-    compile_block_lengths(draft, encode_prompt(tokenizer, warm), block_size)
+    for b in configs.values():
+        run_dflash(model, draft, tokenizer, warm, 16, b)
+    compile_block_lengths(draft, encode_prompt(tokenizer, warm), max_block)
+    timed, timings = timed_runs(model, draft, tokenizer, prompts, max_tokens, configs, repeats)
 
-    timed, timings = [], []  # per prompt: its runs, AR and DFlash alternating
-    timer = PhaseTimer()
-    for prompt in prompts:
-        runs = []
-        for _ in range(repeats):
-            runs.append(run_autoregressive(model, tokenizer, prompt, max_tokens))
-            runs.append(run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size))
-        timed.append(runs)
-        # The forwards that bound the speedup, timed right after the runs they
-        # bound and at this prompt's context, so that drift on a shared
-        # machine moves both alike; the drafter injects what this run committed.
-        committed = runs[1]["committed"]
-        new_context = round(mean_tokens_per_cycle(committed)) if committed else 1
-        ids = encode_prompt(tokenizer, prompt)
-        timings.append(time_forwards(model, draft, ids, block_size, new_context, repeats=10))
-    # Phase timings sync after every phase, so they get their own pass.
-    for prompt in prompts:
-        run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=timer)
-
-    # Every run of a prompt, either decoder, must give mlx-lm's first output.
-    mismatches = sum(any(r["tokens"] != runs[0]["tokens"] for r in runs) for runs in timed)
-    ar = [runs[0] for runs in timed]
-    df = [runs[1] for runs in timed]
-    ar_timed = [r for runs in timed for r in runs[0::2]]
-    df_timed = [r for runs in timed for r in runs[1::2]]
-    ar_tokens = sum(len(r["tokens"]) for r in ar_timed)
-    df_tokens = sum(len(r["tokens"]) for r in df_timed)
-    ar_time = sum(len(r["tokens"]) / r["tps"] for r in ar_timed)
-    df_time = sum(len(r["tokens"]) / r["tps"] for r in df_timed)
-    committed = [c for r in df for c in r["committed"]]
-    hist = Counter(committed)
-    tokens_per_cycle = mean_tokens_per_cycle(committed)
+    # Every run of a prompt, any decoder, must give mlx-lm's first output.
+    reference = [runs["autoregressive"][0]["tokens"] for runs in timed]
+    mismatches = sum(
+        any(r["tokens"] != ref for rs in runs.values() for r in rs) for runs, ref in zip(timed, reference)
+    )
+    pooled = {name: pooled_tps([r for runs in timed for r in runs[name]]) for name in timed[0]}
+    first = {name: [runs[name][0] for runs in timed] for name in timed[0]}
+    summary = cycle_summary(first["dflash"], max_block)
+    at_max = cycle_summary(first.get("fixed", first["dflash"]), max_block)["mean_tokens_per_cycle"]
     forwards = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
-    ideal = tokens_per_cycle * forwards["target_1"] / (forwards[f"target_{block_size}"] + forwards["drafter"])
-    speedup = (df_tokens / df_time) / (ar_tokens / ar_time)
-    phases = {k: 1e3 * v / max(1, timer.cycles) for k, v in timer.seconds.items() if k != "prefill"}
+    ideal = at_max * forwards["target_1"] / (forwards[f"target_{max_block}"] + forwards["drafter"])
+    speedup = pooled["dflash"] / pooled["autoregressive"]
+    trace = first["dflash"][0]
     report = {
         "prompts": len(prompts),
         "max_tokens": max_tokens,
-        "block_size": block_size,
+        "block_size": max_block,
+        "adaptive": block_size is None,
         "repeats": repeats,
-        "autoregressive_tps": ar_tokens / ar_time,
-        "dflash_tps": df_tokens / df_time,
+        "autoregressive_tps": pooled["autoregressive"],
+        "dflash_tps": pooled["dflash"],
         "speedup": speedup,
-        "mean_tokens_per_cycle": tokens_per_cycle,
-        "acceptance_histogram": {str(k): hist.get(k, 0) for k in range(1, block_size + 1)},
-        "phase_ms_per_cycle": phases,
+        **summary,
+        "phase_ms_per_cycle": phase_timings(model, draft, tokenizer, prompts, max_tokens, block_size),
         "forward_ms": forwards,
         "ideal_speedup": ideal,
         "fraction_of_ideal": speedup / ideal,
-        "repeated_4gram_share": statistics.mean(repeated_4gram_share(r["tokens"]) for r in df),
+        "trace": {"committed": trace["committed"], "block_size": trace["block_sizes"]},
+        "repeated_4gram_share": statistics.mean(repeated_4gram_share(r["tokens"]) for r in first["dflash"]),
         "outputs_identical": mismatches == 0,
         "mismatched_prompts": mismatches,
-        "peak_memory_gb": max(r["peak_memory"] for r in ar_timed + df_timed),
+        "peak_memory_gb": max(r["peak_memory"] for runs in timed for rs in runs.values() for r in rs),
     }
-    return report, ar
+    if "fixed" in pooled:
+        report["fixed_block_tps"] = pooled["fixed"]
+        report["fixed_block_speedup"] = pooled["fixed"] / pooled["autoregressive"]
+        report["fixed_block_tokens_per_cycle"] = at_max
+    return report, first["autoregressive"]
 
 
 def print_report(r: dict) -> None:
     B = r["block_size"]
-    print(f"prompts {r['prompts']}, max tokens {r['max_tokens']}, block size {B}")
+    mode = f"adaptive, up to {B}" if r["adaptive"] else f"fixed {B}"
+    print(f"prompts {r['prompts']}, max tokens {r['max_tokens']}, block size {mode}")
     print(f"autoregressive (mlx-lm)  {r['autoregressive_tps']:8.1f} tok/s")
     print(f"DFlash                   {r['dflash_tps']:8.1f} tok/s   speedup {r['speedup']:.2f}x")
+    if "fixed_block_tps" in r:
+        print(
+            f"DFlash, fixed block {B:<4} {r['fixed_block_tps']:8.1f} tok/s   speedup {r['fixed_block_speedup']:.2f}x"
+            f"   ({r['fixed_block_tokens_per_cycle']:.2f} tokens per cycle)"
+        )
     print(f"mean tokens per cycle    {r['mean_tokens_per_cycle']:.2f}")
+    chosen = " ".join(f"{k}:{v}" for k, v in r["block_size_histogram"].items() if v)
+    print(f"chosen block sizes       {chosen}  (mean {r['mean_block_size']:.2f})")
     print(
         f"forwards (ms)            target x1 {r['forward_ms']['target_1']:.2f}, "
         f"target x{B} {r['forward_ms'][f'target_{B}']:.2f}, drafter {r['forward_ms']['drafter']:.2f}"
@@ -421,7 +482,7 @@ def plot(r: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     hist = r["acceptance_histogram"]
     ax1.bar([int(k) for k in hist], list(hist.values()), color="#4C72B0")
     ax1.set_xlabel("tokens committed per cycle")
@@ -429,14 +490,29 @@ def plot(r: dict, path: str) -> None:
     ax1.set_title(f"acceptance (mean {r['mean_tokens_per_cycle']:.2f})")
     names = ["autoregressive", "DFlash"]
     values = [r["autoregressive_tps"], r["dflash_tps"]]
+    if "fixed_block_tps" in r:
+        names.append(f"fixed {r['block_size']}")
+        values.append(r["fixed_block_tps"])
     if "speculative_tps" in r:
         names.insert(1, "spec. (mlx-lm)")
         values.insert(1, r["speculative_tps"])
-    ax2.bar(names, values, color=["#999999", "#DD8452", "#55A868"][-len(names):])
+    ax2.bar(names, values, color=["#999999", "#DD8452", "#55A868", "#C44E52"][: len(names)])
     ax2.set_ylabel("tokens / s")
     ax2.set_title(f"speedup {r['speedup']:.2f}x")
+    plot_trace(ax3, r["trace"])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot_trace(ax, trace: dict) -> None:
+    """Tokens committed and block size chosen per cycle, over the first prompt's generation."""
+    position = list(itertools.accumulate([0] + trace["committed"][:-1]))
+    ax.step(position, trace["block_size"], where="post", color="#C44E52", label="block size")
+    ax.plot(position, trace["committed"], ".", color="#4C72B0", label="tokens committed")
+    ax.set_xlabel("tokens generated")
+    ax.set_ylabel("per cycle")
+    ax.set_title("first prompt, cycle by cycle")
+    ax.legend()
 
 
 def setup_arg_parser() -> cli.ArgumentParser:

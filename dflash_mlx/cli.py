@@ -78,7 +78,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_block_size_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--block-size", type=positive_int, default=None, help="verify width (default: the drafter's trained block size; 1 = plain decoding)")
+    parser.add_argument("--block-size", type=positive_int, default=None, help="fix the verify width (default: adaptive, chosen each cycle up to the drafter's trained block size; 1 = plain decoding)")
 
 
 def add_prefill_step_size_argument(parser: argparse.ArgumentParser) -> None:

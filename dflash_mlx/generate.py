@@ -5,6 +5,7 @@
 
 import sys
 import time
+from collections import Counter
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Callable, Generator, Iterable, List, Optional, Sequence, Tuple, Union
@@ -15,6 +16,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import cli
+from .adaptive import BlockSizer, plan
 from .cache import PromptCache, bound_target, make_prompt_cache
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
@@ -36,6 +38,9 @@ class GenerationResponse:
         generation_tokens, generation_tps: totals so far.
         peak_memory: in GB.
         finish_reason: "stop" (eos), "length" (max_tokens) or None.
+        block_size: tokens verified this cycle (1: plain decoding, no draft;
+            0: the prefill's response). Varies from cycle to cycle unless
+            ``block_size`` was fixed.
     """
 
     text: str
@@ -48,6 +53,7 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float
     finish_reason: Optional[str] = None
+    block_size: int = 0
 
 
 def cycle_lengths(responses: Sequence[GenerationResponse]) -> List[int]:
@@ -133,6 +139,8 @@ class AcceptanceRule:
 
     def accept(self, logits, proposal, q):
         """Accepted count, the token after them and the proposal, read in one sync."""
+        if proposal.size == 0:  # a plain cycle: the target's own token
+            return 0, self.choose(logits).item(), []
         if q is None:
             accepted, token = accept_greedy(proposal, self.choose(logits))
         else:
@@ -153,6 +161,18 @@ def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance) -> Ac
     return AcceptanceRule(sampler, sampling)
 
 
+def max_block_size(draft, block_size: Optional[int], sizer: Optional[BlockSizer]) -> int:
+    """The largest block a generation verifies: the fixed ``block_size``,
+    the ``sizer``'s ``max_block`` or (adaptive) the drafter's trained size."""
+    if sizer is not None and block_size is not None:
+        raise ArgumentError("pass block_size or sizer, not both (a sizer's max_block is its largest block)")
+    max_block = draft.block_size if block_size is None and sizer is None else sizer.max_block if sizer else int(block_size)
+    if max_block < 1:
+        raise ArgumentError(f"block_size must be at least 1, got {max_block}")
+    draft.check_block_size(max_block)
+    return max_block
+
+
 def generate_step(
     prompt: Union[List[int], mx.array],
     model,
@@ -161,6 +181,7 @@ def generate_step(
     prompt_cache: Optional[PromptCache] = None,
     max_tokens: int = DEFAULT_MAX_TOKENS,
     block_size: Optional[int] = None,
+    sizer: Optional[BlockSizer] = None,
     temperature: float = 0.0,
     top_p: float = 0.0,
     top_k: int = 0,
@@ -172,9 +193,10 @@ def generate_step(
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stream=generation_stream,
-) -> Generator[Tuple[int, Optional[mx.array], bool], None, None]:
-    """Yield each committed token as ``(token, logprobs, from_draft)``, like
-    mlx-lm's ``speculative_generate_step``.
+) -> Generator[Tuple[int, Optional[mx.array], bool, int], None, None]:
+    """Yield each committed token as ``(token, logprobs, from_draft, block)``,
+    like mlx-lm's ``speculative_generate_step`` plus the length of the block
+    its cycle verified (0 for the prefill's token).
 
     ``prompt`` holds only the tokens new to ``prompt_cache`` (it may be empty
     when the cache has a pending token). ``logprobs`` (the target's
@@ -200,17 +222,19 @@ def generate_step(
 
     A custom ``sampler`` (mlx-lm style, fed log-probabilities; it overrides
     ``temperature`` and the truncation arguments) only yields tokens, not the
-    p that rejection sampling needs, so it always uses exact match. Seed
-    ``mx.random`` to reproduce a sampled run. ``block_size`` defaults to the
-    drafter's trained size; 1 is plain target decoding.
+    p that rejection sampling needs, so it always uses exact match.
+
+    By default each cycle verifies the length (up to the drafter's trained
+    size; 1: plain decoding) that maximises expected committed tokens per
+    second (:mod:`dflash_mlx.adaptive`). It follows measured speed, so a
+    seeded (``mx.random``) sampled run repeats only with a fixed
+    ``block_size``; a ``sizer`` (:class:`~dflash_mlx.adaptive.BlockSizer`)
+    makes the choices instead, up to its ``max_block``.
     """
     rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
     if max_tokens < 1:
         raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
-    block_size = draft.block_size if block_size is None else int(block_size)
-    if block_size < 1:
-        raise ArgumentError(f"block_size must be at least 1, got {block_size}")
-    draft.check_block_size(block_size)
+    max_block = max_block_size(draft, block_size, sizer)
     target = bound_target(model, draft)
     cache = make_prompt_cache(model, draft) if prompt_cache is None else prompt_cache
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
@@ -219,35 +243,36 @@ def generate_step(
     with mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-            yield from decode(target, draft, cache, logits, rule, block_size, max_tokens, set(eos_token_ids), logprobs)
+            fixed = block_size is not None or (sizer is None and not target.adaptive_block)
+            sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, fixed, sizer)
+            eos = set(eos_token_ids)
+            yield from decode(target, draft, cache, logits, rule, sizer, settle, max_tokens, eos, logprobs)
         finally:
             if cache.target.undo is not None:  # interrupted inside a cycle
                 target.rollback(cache.target, 0)
             mx.clear_cache()
 
 
-def decode(target, draft, cache: PromptCache, logits, rule, block_size, max_tokens, eos, want_logprobs):
-    """The cycles: draft, verify, accept, roll back, commit (one host sync each)."""
-    # On a GPU the host builds the next graph while the device computes. On
-    # the CPU backend that overlap takes cores from the compute threads, so
-    # there each phase runs to completion before the host goes on (measured
-    # in BENCHMARKS.md, "Where the time goes").
-    settle = mx.async_eval if mx.default_device() == mx.gpu else mx.eval
+def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_tokens, eos, want_logprobs):
+    """The cycles: draft, verify, accept, roll back, commit (one host sync
+    each). ``sizer`` chooses each block from the cycles before it; ``settle``
+    evaluates a phase (``mx.eval``, or ``mx.async_eval`` to overlap)."""
     speculative = rule.sampling is not None
 
-    def start_draft(length, target_hidden):
-        """Draft the next ``length``-slot block (done, or queued on a GPU,
-        when this returns). None when the next cycle verifies the anchor
-        alone."""
+    def start_draft(length):
+        """Draft the next ``length``-slot block from the tap states the
+        drafter has not seen (done, or queued, when this returns). None when
+        the next cycle verifies the anchor alone (plain decoding)."""
         if length < 2:
             return None
         block = mx.array([[anchor] + [draft.mask_token_id] * (length - 1)])
         q = None  # the drafter's distribution, when rejection sampling
         if speculative:
-            drafted, q = draft.propose_with_probs(block, target_hidden, cache.draft, **rule.sampling)
+            drafted, q = draft.propose_with_probs(block, cache.target_hidden, cache.draft, **rule.sampling)
             q = q[0]
         else:
-            drafted = draft.propose(block, target_hidden, cache.draft)
+            drafted = draft.propose(block, cache.target_hidden, cache.draft)
+        cache.target_hidden = None  # injected into the drafter's context
         settle(drafted)
         return drafted, q
 
@@ -258,21 +283,24 @@ def decode(target, draft, cache: PromptCache, logits, rule, block_size, max_toke
     cache.tokens.append(anchor)
     n = 1
     if n == max_tokens or anchor in eos:
-        yield anchor, lp, False
+        yield anchor, lp, False, 0
         return
-    # Never verify more slots than tokens we may still emit.
-    drafting = start_draft(min(block_size, max_tokens - n), cache.target_hidden)
-    if drafting is not None:
-        cache.target_hidden = None  # injected into the drafter's context
-    yield anchor, lp, False
+    tic = time.perf_counter()
+    drafting = start_draft(sizer.choose(max_tokens - n))  # never more slots than tokens left
+    spent = time.perf_counter() - tic  # this cycle's time outside the verify
+    yield anchor, lp, False, 0
     while True:
-        if drafting is None:
+        tic = time.perf_counter()
+        plain = drafting is None  # the anchor alone: nothing to record or roll back
+        if plain:
             q, verify_in = None, mx.array([[anchor]])
         else:
             drafted, q = drafting
             verify_in = mx.concatenate([mx.array([[anchor]]), drafted.astype(mx.int32)], axis=1)
-        logits, target_hidden = target.forward(verify_in, cache.target)
+        logits, target_hidden = target.forward(verify_in, cache.target, record=not plain)
         accepted, bonus, proposed = rule.accept(logits[0], verify_in[0, 1:], q)
+        block = verify_in.shape[1]
+        sizer.observe(block, accepted, spent + time.perf_counter() - tic)  # before the next choice
         new_tokens = proposed[:accepted] + [bonus]
         stop = next((i for i, t in enumerate(new_tokens) if t in eos), None)
         if stop is not None:
@@ -280,19 +308,19 @@ def decode(target, draft, cache: PromptCache, logits, rule, block_size, max_toke
         n += len(new_tokens)
         ends = n >= max_tokens or stop is not None
         anchor = new_tokens[-1]
-        target_hidden = target_hidden[:, : len(new_tokens)]
-        if cache.target_hidden is not None:  # the drafter skipped a cycle
-            target_hidden = mx.concatenate([cache.target_hidden, target_hidden], axis=1)
+        cache.add_hidden(target_hidden[:, : len(new_tokens)])
+        tic = time.perf_counter()
         # The next block needs only the accepted tap states: draft it now.
-        drafting = None if ends else start_draft(min(block_size, max_tokens - n), target_hidden)
-        target.rollback(cache.target, len(new_tokens))
-        cache.target_hidden = None if drafting is not None else target_hidden
+        drafting = None if ends else start_draft(sizer.choose(max_tokens - n))
+        if not plain:
+            target.rollback(cache.target, len(new_tokens))
         cache.pending = [anchor]
         cache.tokens.extend(new_tokens)
-        settle([c.state for c in cache.target], target_hidden)
+        settle([c.state for c in cache.target], cache.target_hidden)
+        spent = time.perf_counter() - tic
         lp = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True) if want_logprobs else None
         for i, t in enumerate(new_tokens):
-            yield t, None if lp is None else lp[i], i < accepted
+            yield t, None if lp is None else lp[i], i < accepted, block
         if ends:
             return
 
@@ -329,7 +357,7 @@ def stream_generate(
     with wired_limit(model, [stream]), closing(steps):
         tic = time.perf_counter()
         n_out, prompt_tps, cycle, accepted = 0, None, [], 0
-        for token, _, from_draft in steps:
+        for token, _, from_draft, block in steps:
             if prompt_tps is None:
                 prompt_tps = prompt.size / (time.perf_counter() - tic)
                 tic = time.perf_counter()
@@ -355,6 +383,7 @@ def stream_generate(
                 generation_tps=n_out / max(time.perf_counter() - tic, 1e-9),
                 peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=finish,
+                block_size=block,
             )
             if finish:
                 return
@@ -379,7 +408,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin; default: a bundled held-out prompt)")
     p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS)
     cli.add_sampling_arguments(p)
-    p.add_argument("--seed", type=int, default=None, help="seed mx.random for a reproducible sampled run")
+    p.add_argument("--seed", type=int, default=None, help="seed mx.random; a sampled run repeats exactly only with a fixed --block-size (the adaptive default follows measured speed)")
     p.add_argument(
         "--acceptance",
         choices=ACCEPTANCE_RULES,
@@ -426,6 +455,8 @@ def main(argv=None):
         print(prompt, end="", flush=True)
     if args.seed is not None:
         mx.random.seed(args.seed)
+    # Pipelined ranks each time their own cycles, so adaptive sizes could
+    # differ between them: the block is fixed there.
     responses = []
     for r in stream_generate(
         model,
@@ -451,6 +482,8 @@ def main(argv=None):
         print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
         if cycles:
             print(f"Mean tokens per cycle: {mean_tokens_per_cycle(cycles):.2f} over {len(cycles)} cycles")
+            sizes = Counter(r.block_size for r in responses[1:])
+            print("Block sizes (size:cycles): " + " ".join(f"{b}:{k}" for b, k in sorted(sizes.items())))
         print(f"Peak memory: {last.peak_memory:.3f} GB")
     return 0
 

@@ -28,6 +28,7 @@ import queue
 import sys
 import threading
 import time
+from collections import Counter
 from contextlib import closing
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
@@ -73,6 +74,7 @@ class Prepared:
     tokens: List[int]
     boundaries: List[int]
     initial_state: str
+    block_size: Optional[int] = None  # fixed by the request's num_draft_tokens
 
 
 @dataclass
@@ -173,7 +175,8 @@ def prepare(tokenizer, body: dict, kind: str, context: Optional[int], template_a
         state = "reasoning"
     if kind == "chat":
         state = tokenizer.response_initial_state or state
-    return Prepared(tokens, boundaries, state)
+    draft_tokens = body.get("num_draft_tokens")
+    return Prepared(tokens, boundaries, state, None if draft_tokens is None else draft_tokens + 1)
 
 
 def top_logprobs(logprobs: mx.array, n: int, tokenizer) -> tuple:
@@ -315,32 +318,35 @@ class DFlashResponseGenerator:
             if args.seed is not None:
                 mx.random.seed(args.seed)
             start = self.snapshot(cache, tokens, ctx.prompt_cache_count, prepared.boundaries, progress)
-            self.decode(cache, tokens[start:], args, ctx, stop_sequences.matcher(), responses, progress)
+            block_size = prepared.block_size or self.cli_args.block_size  # None: adaptive
+            self.decode(cache, tokens[start:], block_size, args, ctx, stop_sequences.matcher(), responses, progress)
             responses.put(None)
             self.prompt_cache.insert_cache(self.key, list(cache.tokens), [cache])
         except Exception as e:
             logging.exception("request failed")
             responses.put(e)
 
-    def decode(self, cache, tokens, args, ctx, matcher, responses, progress):
+    def decode(self, cache, tokens, block_size, args, ctx, matcher, responses, progress):
         """Token by token, as mlx-lm's server streams: text, logprobs, finish."""
         tok, eos = self.tokenizer, set(self.tokenizer.eos_token_ids)
         want = args.logprobs or args.top_logprobs > 0
         steps = generate_step(
             tokens, self.model, self.draft, prompt_cache=cache, max_tokens=args.max_tokens,
-            block_size=args.num_draft_tokens + 1, temperature=args.sampling.temperature,
+            block_size=block_size, temperature=args.sampling.temperature,
             top_p=args.sampling.top_p, top_k=args.sampling.top_k, min_p=args.sampling.min_p,
             eos_token_ids=eos, logprobs=want, prefill_step_size=self.cli_args.prefill_step_size,
             prompt_progress_callback=progress,
         )
         detok = tok.detokenizer
         detok.reset()
-        n = yielded = bonus = accepted = 0
+        n = yielded = accepted = 0
+        sizes, cycle_starts = Counter(), False  # verified block lengths; the prefill's token is no cycle
         with wired_limit(self.model, [generation_stream]), closing(steps):
-            for token, logprobs, from_draft in steps:
+            for token, logprobs, from_draft, block in steps:
                 yielded += 1
                 accepted += from_draft
-                bonus += not from_draft
+                sizes[block] += cycle_starts
+                cycle_starts = not from_draft  # each cycle ends with the target's own token
                 finish = "stop" if token in eos else None
                 if finish is None:
                     detok.add_token(token)
@@ -355,11 +361,10 @@ class DFlashResponseGenerator:
                     break
         if ctx.stopped:
             logging.info("request stopped by the client after %d tokens", n)
-        # Each verify cycle ends with the target's own token, unless eos cut
-        # it short; the first token is the prefill's, not a cycle's.
-        cycles = bonus - 1 + from_draft
+        cycles = sum(sizes.values())
         ctx.dflash.update(
-            cycles=cycles, accepted_draft_tokens=accepted, block_size=args.num_draft_tokens + 1,
+            cycles=cycles, accepted_draft_tokens=accepted,
+            block_sizes={b: k for b, k in sorted(sizes.items()) if k},
             tokens_per_cycle=round((yielded - 1) / max(1, cycles), 3),
         )
 
@@ -471,7 +476,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8080, help="port to listen on (0 picks a free one)")
     p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=["*"], help="comma-separated CORS origins")
-    p.add_argument("--block-size", type=cli.positive_int, default=None, help="verify width (default: the drafter's; a request's num_draft_tokens sets block_size - 1)")
+    p.add_argument("--block-size", type=cli.positive_int, default=None, help="fix the verify width (default: adaptive, up to the drafter's trained size; a request's num_draft_tokens fixes block_size - 1)")
     p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS, help="default max_tokens of a request")
     cli.add_sampling_arguments(p)  # a request's defaults
     p.add_argument("--prompt-cache-size", type=cli.positive_int, default=10, help="most prompt caches kept")
@@ -505,7 +510,7 @@ def make_generator(args, model, tokenizer, draft, draft_id: str) -> DFlashRespon
         tokenizer.chat_template = args.chat_template
     elif args.use_default_chat_template and tokenizer.chat_template is None:
         tokenizer.chat_template = tokenizer.default_chat_template
-    args.num_draft_tokens = (args.block_size or draft.block_size) - 1
+    args.num_draft_tokens = (args.block_size or draft.block_size) - 1  # mlx-lm's default for requests
     return DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
 
 

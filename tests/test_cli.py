@@ -25,7 +25,7 @@ def test_generate_streams_and_reports(tiny_dirs, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert out.startswith("def f(x):")
-    for line in ("Prompt:", "Generation: 24 tokens", "Mean tokens per cycle:", "Peak memory:"):
+    for line in ("Prompt:", "Generation: 24 tokens", "Mean tokens per cycle:", "Block sizes", "Peak memory:"):
         assert line in out
 
 
@@ -70,7 +70,11 @@ def test_bench_json_and_plot(tiny_dirs, tmp_path, capsys):
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["outputs_identical"] is True and report["repeats"] == 2
     assert set(report["phase_ms_per_cycle"]) == {"draft", "verify", "rollback", "host"}
-    assert sum(report["acceptance_histogram"].values()) > 0
+    cycles = sum(report["acceptance_histogram"].values())
+    assert cycles > 0 and sum(report["block_size_histogram"].values()) == cycles
+    assert report["adaptive"] and report["fixed_block_tps"] > 0 and report["fixed_block_speedup"] > 0
+    assert len(report["trace"]["committed"]) == len(report["trace"]["block_size"]) > 0
+    assert report["phase_ms_per_cycle"]["verify"] > 0  # the timed drafter times its target
     assert (tmp_path / "r.png").stat().st_size > 1000
     assert "trimmable" in report["speculative_unavailable"]  # mlx-lm cannot for hybrid targets
     assert set(report["sampled_tokens_per_cycle"]) == {"speculative", "exact-match"}
@@ -191,6 +195,7 @@ def test_plot_prints_nothing(tmp_path, capsys):
     report = {
         "acceptance_histogram": {"1": 2, "2": 3}, "mean_tokens_per_cycle": 1.6, "autoregressive_tps": 10.0,
         "dflash_tps": 15.0, "speedup": 1.5, "speculative_unavailable": "cannot trim",
+        "trace": {"committed": [1, 2, 2, 1, 2], "block_size": [2, 2, 4, 1, 2]},
     }
     benchmark.plot(report, str(tmp_path / "r.png"))
     assert capsys.readouterr().out == ""

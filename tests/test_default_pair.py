@@ -26,12 +26,15 @@ def test_pair_ships_with_cards_and_fits_budget():
 
 
 def bundled_runs(bundled, **kw):
-    """The first three held-out prompts, 64 tokens each: DFlash's responses,
-    every run checked token for token against mlx-lm's decode."""
+    """The first three held-out prompts, 64 tokens each, at the trained block
+    size (tokens per cycle of whole blocks): DFlash's responses, every run
+    checked token for token against mlx-lm's decode."""
     model, tokenizer, draft = bundled
     runs = []
     for prompt in default_prompts()[:3]:
-        got, responses = tiny.dflash_tokens(model, draft, tokenizer, prompt, max_tokens=64, **kw)
+        got, responses = tiny.dflash_tokens(
+            model, draft, tokenizer, prompt, max_tokens=64, block_size=draft.block_size, **kw
+        )
         assert got == tiny.reference_tokens(model, tokenizer, prompt, 64, **kw)
         runs.append(responses)
     return runs

@@ -248,7 +248,7 @@ def test_gemma_target_samples_the_target(tmp_path):
     cfg = tiny.draft_config(tiny.GEMMA4_TEXT, V, block_size=4, final_logit_softcapping=30.0)
     draft = dflash_mlx.load_draft(str(tiny.make_draft(tmp_path / "draft", cfg, seed=1)), model)
     small = SimpleNamespace(model=model, tokenizer=tokenizer, draft=draft)
-    tokens, accepted = sampled_runs(small, draft, 4, TRUNCATED)
+    tokens, accepted = sampled_runs(small, draft, 4, TRUNCATED, block_size=4)
     ks, bound, outside = pit_check(model, tokens, TRUNCATED, np.random.default_rng(0))
     assert outside == 0 and ks < bound
     assert min(accepted) == 0 and max(accepted) >= 2

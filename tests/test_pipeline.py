@@ -197,7 +197,7 @@ def ranks(models, tmp_path_factory):
             "sampled": {"target": models["qwen3_5"][0], "draft": models["qwen3_5"][1], "seed": 5,
                         "kwargs": {"temperature": 1.0, "max_tokens": 40, "block_size": 4}},
             "default": {"target": str(DEFAULT_TARGET), "draft": str(DEFAULT_DRAFT),
-                        "kwargs": {"max_tokens": 48}},
+                        "kwargs": {"max_tokens": 48, "block_size": 16}},  # pipelined: a fixed block
             "qwen3_5": {"target": models["qwen3_5"][0], "draft": models["qwen3_5"][1],
                         "kwargs": {"max_tokens": 40, "block_size": 16}},
             "qwen2": {"target": models["qwen2"][0], "draft": models["qwen2"][1],
@@ -231,7 +231,7 @@ def single_run(target, draft, **kwargs):
 
 
 def test_trained_pair_pipelined_commits_the_single_process_tokens(ranks):
-    expected = single_run(DEFAULT_TARGET, DEFAULT_DRAFT, max_tokens=48)
+    expected = single_run(DEFAULT_TARGET, DEFAULT_DRAFT, max_tokens=48, block_size=16)
     assert sum(expected["accepted"]) > 0  # partly accepted blocks are rolled back
     assert [report["default"] for report in ranks] == [expected, expected]
 

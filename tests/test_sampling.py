@@ -255,7 +255,7 @@ def test_accept_edge_cases():
 )
 def test_stream_generate_samples_the_target(small, tables, drafter, acceptance, setting, runs):
     draft = small.draft if drafter == "random" else DoubleDrafter(PROMPT, tables.noise)
-    tokens, accepted = sampled_runs(small, draft, runs, setting, acceptance=acceptance)
+    tokens, accepted = sampled_runs(small, draft, runs, setting, acceptance=acceptance, block_size=4)
     ks, bound, outside = pit_check(small.model, tokens, setting, np.random.default_rng(0))
     assert outside == 0 and ks < bound
     assert min(accepted) == 0 and max(accepted) >= 2  # rejections and accepted drafts both occurred
@@ -267,10 +267,23 @@ def test_hybrid_target_samples_the_target(tmp_path):
     """Qwen3.5: rejections roll GatedDeltaNet state back mid-block."""
     hybrid = small_pair(tmp_path, tiny.QWEN3_5)
     draft = DoubleDrafter(PROMPT, draft_noise())
-    tokens, accepted = sampled_runs(hybrid, draft, 2, TRUNCATED)
+    tokens, accepted = sampled_runs(hybrid, draft, 2, TRUNCATED, block_size=4)
     ks, bound, outside = pit_check(hybrid.model, tokens, TRUNCATED, np.random.default_rng(0))
     assert outside == 0 and ks < bound
     assert len(set(accepted)) == draft.block_size  # every acceptance length 0..3
+
+
+def test_sampling_stays_exact_when_the_block_changes(small):
+    """Scripted block changes, plain cycles included, then the default
+    (timing-driven) choice: whatever is chosen, the target's distribution."""
+    sizer = tiny.ScriptedSizer([4, 1, 2, 3, 1, 1, 4], max_block=4)
+    tokens, accepted = sampled_runs(small, small.draft, 5, TRUNCATED, sizer=sizer)
+    ks, bound, outside = pit_check(small.model, tokens, TRUNCATED, np.random.default_rng(1))
+    assert outside == 0 and ks < bound
+    assert max(accepted) >= 1 and {1, 2, 3, 4} <= set(sizer.asked)
+    tokens, _ = sampled_runs(small, small.draft, 4, TRUNCATED)
+    ks, bound, outside = pit_check(small.model, tokens, TRUNCATED, np.random.default_rng(2))
+    assert outside == 0 and ks < bound
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +306,7 @@ def sharp(tmp_path_factory):
 def test_dflash2_drafter_samples_the_target(sharp, setting):
     """DFlash2's selector walk through the real loop, at T != 1, its drafts
     mostly accepted (with q computed without the temperature this fails)."""
-    tokens, accepted = sampled_runs(sharp, sharp.draft, 8, setting)
+    tokens, accepted = sampled_runs(sharp, sharp.draft, 8, setting, block_size=4)
     ks, bound, outside = pit_check(sharp.model, tokens, setting, np.random.default_rng(0))
     assert outside == 0 and ks < bound
     assert np.mean(accepted) > 1.5  # the candidates overlap the target's likely tokens
@@ -304,14 +317,14 @@ def test_stream_generate_check_rejects_a_broken_rule(small, monkeypatch):
     generate_module = importlib.import_module("dflash_mlx.generate")  # the package exports a function of that name
     monkeypatch.setattr(generate_module, "speculative_accept", accept_always)
     setting = dict(temperature=1.0)  # no truncation: the PIT check alone must catch it
-    tokens, _ = sampled_runs(small, small.draft, 3, setting)
+    tokens, _ = sampled_runs(small, small.draft, 3, setting, block_size=4)
     ks, bound, outside = pit_check(small.model, tokens, setting, np.random.default_rng(0))
     assert ks > bound
 
 
 @pytest.mark.parametrize("acceptance", ["speculative", "exact-match"])
 def test_seed_reproduces_a_run(small, acceptance):
-    kw = dict(acceptance=acceptance, temperature=1.0, top_k=12)
+    kw = dict(acceptance=acceptance, temperature=1.0, top_k=12, block_size=4)  # adaptive choices follow timing
     run = lambda seed: generated_tokens(small.model, small.draft, small.tokenizer, seed, 24, **kw)[0]  # noqa: E731
     first = run(5)
     assert run(5) == first
@@ -329,7 +342,7 @@ def test_custom_sampler_uses_exact_match(small):
     """An opaque sampler gives no p: the acceptance switch must not matter."""
     outs = [
         generated_tokens(
-            small.model, small.draft, small.tokenizer, 3, 24, sampler=make_sampler(0.9), acceptance=rule
+            small.model, small.draft, small.tokenizer, 3, 24, sampler=make_sampler(0.9), acceptance=rule, block_size=4
         )[0]
         for rule in ("speculative", "exact-match")
     ]

@@ -58,12 +58,28 @@ def mlx_lm_text(bundled, prompt, max_tokens):
 
 def test_completion_equals_mlx_lm_and_reports_dflash_usage(client, bundled):
     prompt = default_prompts()[1]
-    r = client.completions.create(model="default", prompt=prompt, max_tokens=40, temperature=0)
+    r = client.completions.create(model="default", prompt=prompt, max_tokens=40, temperature=0,
+                                  extra_body={"num_draft_tokens": 15})  # the trained block, fixed
     assert r.choices[0].text == mlx_lm_text(bundled, prompt, 40)
     assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
     stats = r.usage.model_extra["dflash"]
-    assert stats["block_size"] == 16 and stats["tokens_per_cycle"] > 1.5
+    sizes = {int(b): k for b, k in stats["block_sizes"].items()}
+    assert max(sizes) == 16 and sum(sizes.values()) == stats["cycles"] and stats["tokens_per_cycle"] > 1.5
     assert stats["cycles"] + stats["accepted_draft_tokens"] == 40 - 1
+
+
+def test_num_draft_tokens_fixes_the_block(client, bundled):
+    """The server is adaptive unless a request (or --block-size) fixes the block."""
+    prompt = default_prompts()[2]
+    r = client.completions.create(model="default", prompt=prompt, max_tokens=30, temperature=0)
+    assert r.choices[0].text == mlx_lm_text(bundled, prompt, 30)
+    stats = r.usage.model_extra["dflash"]
+    assert max(int(b) for b in stats["block_sizes"]) <= 16 and sum(stats["block_sizes"].values()) == stats["cycles"]
+    r = client.completions.create(model="default", prompt=prompt, max_tokens=30, temperature=0,
+                                  extra_body={"num_draft_tokens": 3})
+    assert r.choices[0].text == mlx_lm_text(bundled, prompt, 30)
+    sizes = {int(b): k for b, k in r.usage.model_extra["dflash"]["block_sizes"].items()}
+    assert max(sizes) == 4 and sizes[4] >= sum(sizes.values()) - 3  # only the last cycles cut to the tokens left
 
 
 def test_chat_stream_deltas_concatenate_to_mlx_lm_text(client, bundled):

@@ -618,16 +618,35 @@ def drafter_and_reference_logits(draft, target, vocab, context_lengths, block_le
 # Drafter test doubles
 
 
-def committed_sequence(prompt, block, context, cache) -> list:
+def committed_sequence(prompt, block, context, cache, reference=None) -> list:
     """The committed tokens up to and including the anchor, tracked from what
     the loop injects: ``context`` holds the taps of the positions committed
     since the last call (the whole prompt on the first call: any other
-    length is a loop bug, reported here)."""
+    length is a loop bug, reported here).
+
+    With ``reference`` (the greedy continuation: every committed token is
+    its) the positions of plain cycles between two drafts (the adaptive
+    block size) are tracked too, and the anchor must be the reference's
+    token right after them."""
     n = context.shape[1]
-    new = list(prompt) if cache["last"] is None else cache["last"][:n]
+    anchor = int(block[0, 0].item())
+    if cache["last"] is None and n == 1 < len(prompt):
+        # dflash_mlx.adaptive.calibrate's timing probe: a fresh scratch cache
+        # fed one context position; nothing of the sequence to track (with a
+        # one-token prompt it reads as a first call, which is as harmless)
+        cache["probe"] = True
+        return [anchor]
+    if reference is not None and cache["last"] is not None:
+        start = len(cache["tokens"]) - len(prompt)
+        new = list(reference[start : start + n])
+        assert new[:1] == cache["last"][:1] and reference[start + n : start + n + 1] == [anchor], (
+            f"the drafter was fed {n} context positions, but the anchor is not the token after them"
+        )
+    else:
+        new = list(prompt) if cache["last"] is None else cache["last"][:n]
     assert n == len(new), f"the drafter was fed {n} context positions, {len(new)} were committed"
     cache["tokens"] += new
-    return cache["tokens"] + [int(block[0, 0].item())]
+    return cache["tokens"] + [anchor]
 
 
 class FakeDrafter:
@@ -655,7 +674,9 @@ class FakeDrafter:
         return {"tokens": [], "last": None}
 
     def propose(self, block, context, cache):
-        seq = committed_sequence(self.prompt, block, context, cache)
+        seq = committed_sequence(self.prompt, block, context, cache, getattr(self, "reference", None))
+        if cache.get("probe"):
+            return mx.zeros((1, block.shape[1] - 1), dtype=mx.int32)
         tokens = self.draft(seq, block.shape[1] - 1)
         cache["last"] = [seq[-1]] + tokens
         return mx.array([tokens])
@@ -678,6 +699,21 @@ class ScriptedDrafter(FakeDrafter):
         if slot < n:
             proposal[slot] = (proposal[slot] + 1) % self.vocab
         return proposal
+
+
+class ScriptedSizer:
+    """Block sizer test double: chooses the lengths of a script (cycled),
+    whatever the cycles show (``stream_generate(sizer=...)``)."""
+
+    def __init__(self, script, max_block=16):
+        self.script, self.max_block, self.asked = itertools.cycle(script), max_block, []
+
+    def choose(self, remaining):
+        self.asked.append(min(next(self.script), remaining))
+        return self.asked[-1]
+
+    def observe(self, block, accepted, seconds):
+        pass
 
 
 class DoubleDrafter(FakeDrafter):

@@ -32,6 +32,10 @@ class TargetAdapter:
     only the first ``keep`` tokens of that forward in every cache.
     """
 
+    # Whether the loop may choose each block from this process's own timings
+    # (the adaptive default); ranks that share one generation must choose alike.
+    adaptive_block = True
+
     def __init__(self, model: nn.Module, text_model: nn.Module, backbone: nn.Module):
         self.model = model
         self.text_model = text_model  # owns lm_head / args

@@ -70,6 +70,8 @@ class PipelineTarget(TargetAdapter):
     caches, rollback records and ``rollback`` are this rank's slice only.
     """
 
+    adaptive_block = False  # each rank would time its own cycles and choose differently
+
     def __init__(self, model, group):
         stage = adapter_for(model)
         super().__init__(model, stage.text_model, stage.backbone)

@@ -1,0 +1,275 @@
+"""Adaptive block size: each cycle verify the block length that maximises
+expected committed tokens per second.
+
+A cycle that drafts ``b - 1`` slots and verifies ``b`` tokens commits
+``E(b) = 1 + sum_{i<b} prod_{j<=i} a_j`` tokens on average, where ``a_j`` is
+the probability that slot ``j`` is accepted given that the slots before it
+were. It costs ``C(b)``: a verify of ``b`` tokens, plus a draft when
+``b > 1`` (``b = 1`` is plain decoding). The loop picks
+``argmax_b E(b) / C(b)``, with ``a_j`` estimated from recent cycles and
+``C(b)`` measured (:class:`CycleCosts`). The choice changes only the speed:
+greedy output and the sampled distribution do not depend on it, since it is
+made from past cycles only, before the block is drafted.
+
+At ``b = 1`` nothing is drafted, so nothing is learnt about acceptance; the
+sizer then probes with a small block now and then, backing off while the
+drafter keeps failing, so drafting comes back when acceptance recovers.
+
+How each phase is evaluated (``mx.eval``, so the host waits, or
+``mx.async_eval``, so the host builds the next graph meanwhile) is measured
+too, once per process with the costs (:func:`calibrate`): which is faster
+depends on the backend and the machine.
+"""
+
+import statistics
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import ArgumentError
+
+
+@dataclass
+class SlotAcceptance:
+    """Running estimate of each slot's conditional acceptance ``a_j``.
+
+    Counts decay by ``decay`` per observation, so the estimate follows the
+    recent text; the slots a cycle did not reach (past the first rejection,
+    or past the block) decay by ``decay`` once more, so what they showed
+    before a collapse does not outlive it. A slot seen rarely leans on the
+    slot before it (prior strength ``prior_weight``): drafting deeper is
+    judged by how the shallower slots did, not by a fixed guess.
+    """
+
+    max_block: int
+    prior: float = 0.8
+    prior_weight: float = 0.5
+    decay: float = 0.8
+    hits: List[float] = field(init=False)
+    seen: List[float] = field(init=False)
+
+    def __post_init__(self):
+        # plain Python lists: a handful of slots, updated once per cycle
+        self.hits = [0.0] * max(self.max_block - 1, 0)
+        self.seen = [0.0] * len(self.hits)
+        self.expected = self.expected_tokens()
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A cycle drafted ``drafted`` slots and the target accepted the first ``accepted``."""
+        if drafted < 1:
+            return
+        reached = min(accepted + 1, drafted)
+        d, dd = self.decay, self.decay * self.decay
+        for j in range(len(self.hits)):
+            f = d if j < reached else dd
+            self.hits[j] = self.hits[j] * f + (j < accepted)
+            self.seen[j] = self.seen[j] * f + (j < reached)
+        self.expected = self.expected_tokens()
+
+    def rates(self) -> List[float]:
+        """``a_j`` for slots 1..max_block-1."""
+        out, prior, w = [], self.prior, self.prior_weight
+        for hits, seen in zip(self.hits, self.seen):
+            prior = (hits + w * prior) / (seen + w)
+            out.append(prior)
+        return out
+
+    def expected_tokens(self) -> List[float]:
+        """``E(b)`` for b = 1..max_block (index b - 1)."""
+        out, reach = [1.0], 1.0
+        for a in self.rates():
+            reach *= a
+            out.append(out[-1] + reach)
+        return out
+
+
+class CycleCosts:
+    """Seconds per cycle at each block length, measured.
+
+    Seeded by a calibration (see :func:`calibrate`) and then followed
+    online: each cycle's measured time updates a running average for its
+    length, and a length not used lately is taken from the calibration,
+    scaled by how the measured lengths compare with theirs. A generation's
+    first cycle at a length is not counted: it may include compiling that
+    length's graphs. ``follow=False`` keeps the table as given, so that the
+    choices depend on acceptance alone (tests, simulations).
+    """
+
+    def __init__(self, calibrated: Dict[int, float], smoothing: float = 0.2, follow: bool = True):
+        known = sorted(calibrated)
+        # index b - 1; between calibrated lengths the cost is linear in b
+        self.base = np.interp(np.arange(1, known[-1] + 1), known, [calibrated[k] for k in known]).tolist()
+        self.measured: List[Optional[float]] = [None] * len(self.base)
+        self.smoothing = smoothing
+        self.follow = follow
+        self.warm = set()
+        self.table = list(self.base)
+
+    def observe(self, block: int, seconds: float) -> None:
+        if not self.follow:
+            return
+        if block not in self.warm:
+            self.warm.add(block)
+            return
+        old = self.measured[block - 1]
+        self.measured[block - 1] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self.table = None
+
+    def scale(self, drafting: bool) -> float:
+        """Median ratio measured / calibrated over the lengths measured so far."""
+        pairs = zip(self.measured, self.base)
+        ratios = [m / c for b, (m, c) in enumerate(pairs, 1) if m is not None and (b > 1) == drafting]
+        return statistics.median(ratios) if ratios else 1.0
+
+    def upto(self, n: int) -> List[float]:
+        """Seconds per cycle at b = 1..n: measured where known, else the
+        calibration scaled; kept between observations (one per cycle)."""
+        if self.table is None:
+            scale = (self.scale(False), self.scale(True))
+            pairs = enumerate(zip(self.measured, self.base))
+            self.table = [c * scale[i > 0] if m is None else m for i, (m, c) in pairs]
+        return self.table[:n]
+
+
+class BlockSizer:
+    """Chooses each cycle's block length; ``fixed`` pins it (``--block-size``).
+
+    The loop calls :meth:`choose` before drafting and :meth:`observe` after
+    the cycle; ``chosen`` counts the lengths chosen (a histogram). Anything
+    with these two methods and ``max_block`` can stand in for it.
+    """
+
+    def __init__(self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False, probe_block: int = 2):
+        if costs is not None and len(costs.base) < max_block:
+            raise ArgumentError(f"the cost table stops at block {len(costs.base)}; it must reach max_block {max_block}")
+        self.max_block = max_block
+        self.costs = costs
+        self.fixed = fixed or max_block == 1 or costs is None
+        self.acceptance = SlotAcceptance(max_block)
+        self.probe_block = min(probe_block, max_block)
+        self.patience = 4  # plain cycles before the next probe; doubles on each failed probe
+        self.plain_run = 0
+        self.chosen: Dict[int, int] = {}
+
+    def choose(self, remaining: int) -> int:
+        """Block length for the next cycle, at most ``remaining`` tokens."""
+        cap = max(1, min(self.max_block, remaining))
+        if self.fixed:
+            block = cap
+        else:
+            rate = [e / c for e, c in zip(self.acceptance.expected[:cap], self.costs.upto(cap))]
+            block = rate.index(max(rate)) + 1
+            if block == 1:
+                self.plain_run += 1
+                if self.plain_run >= self.patience:
+                    block = min(self.probe_block, cap)
+        self.chosen[block] = self.chosen.get(block, 0) + 1
+        return block
+
+    def observe(self, block: int, accepted: int, seconds: float) -> None:
+        """The cycle at ``block`` accepted ``accepted`` drafted tokens in ``seconds``."""
+        if self.fixed:
+            return
+        self.costs.observe(block, seconds)
+        self.acceptance.observe(block - 1, accepted)
+        if block > 1 and self.plain_run >= self.patience:  # that was a probe
+            self.plain_run = 0
+            # a success probes again at once; a failure waits twice as long
+            self.patience = 1 if accepted else min(max(self.patience, 4) * 2, 64)
+        elif block > 1:
+            self.plain_run = 0
+            self.patience = 4
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate` measured: seconds per cycle at a few block
+    lengths, and whether overlapping the phases (``mx.async_eval``) beat
+    evaluating each in turn (``mx.eval``)."""
+
+    costs: Dict[int, float]
+    overlap: bool
+
+    @property
+    def settle(self) -> Callable:
+        """How the loop evaluates each phase."""
+        return mx.async_eval if self.overlap else mx.eval
+
+
+def cycle_seconds(target, draft, cache, context: mx.array, block: int, settle: Callable, cycles: int = 1) -> float:
+    """Seconds per cycle of a mock decoding cycle at ``block``: draft (for
+    ``block > 1``), verify, one host read of the outcome, roll back; on the
+    live ``cache`` (left as it was) and a fresh scratch drafter cache per
+    cycle, each fed one context position."""
+    scratches = [draft.make_cache() for _ in range(cycles)]
+    head = mx.zeros((1, 1), dtype=mx.int32)
+    tic = time.perf_counter()
+    for scratch in scratches:
+        verify_in = head
+        if block > 1:
+            drafted = draft.propose(mx.array([[0] + [draft.mask_token_id] * (block - 1)]), context, scratch)
+            settle(drafted)
+            verify_in = mx.concatenate([head, drafted.astype(mx.int32)], axis=1)
+        logits, taps = target.forward(verify_in, cache)
+        mx.argmax(logits[0], axis=-1).tolist()
+        target.rollback(cache, 0)
+        settle([c.state for c in cache], taps)
+    mx.eval([c.state for c in cache])
+    return (time.perf_counter() - tic) / cycles
+
+
+def median_seconds(fn: Callable[[], float], repeats: int = 3) -> float:
+    """Median of ``fn()``'s own timings after one untimed call (which compiles)."""
+    fn()
+    return float(np.median([fn() for _ in range(repeats)]))
+
+
+_calibrations: Dict[int, dict] = {}  # id(drafter) -> {(target id, device, max block): Calibration}
+
+
+def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibration:
+    """Measure cycle costs at a few block lengths up to ``max_block``, and
+    the faster evaluation strategy (cycles at ``max_block``, the two
+    strategies alternating).
+
+    Runs on the live cache (each verify is rolled back), once per process
+    for each drafter, target, device and maximum block: the costs are
+    properties of the models and the backend, and the online measurements
+    rescale them to the current context.
+    """
+    key = (id(target.model), str(mx.default_device()), max_block)
+    saved = _calibrations.get(id(draft))
+    if saved is None:  # modules are dicts, so unhashable: key by id, forget on collection
+        saved = _calibrations[id(draft)] = {}
+        weakref.finalize(draft, _calibrations.pop, id(draft), None)
+    if key in saved:
+        return saved[key]
+    context = context[:, -1:]
+    grid = sorted({1, 2, max(2, max_block // 2), max_block} & set(range(1, max_block + 1)))
+    costs = {b: median_seconds(lambda: cycle_seconds(target, draft, cache, context, b, mx.eval)) for b in grid}
+    timings = {mx.eval: [], mx.async_eval: []}
+    for _ in range(3):
+        for settle in timings:
+            timings[settle].append(cycle_seconds(target, draft, cache, context, max_block, settle, cycles=3))
+    overlap = np.median(timings[mx.async_eval]) < np.median(timings[mx.eval])
+    saved[key] = Calibration(costs, bool(overlap))
+    return saved[key]
+
+
+def plan(target, draft, cache, context: mx.array, max_block: int, fixed: bool, sizer=None):
+    """The generation's block sizer and how it evaluates each phase.
+
+    A fixed block (``fixed``, no ``sizer``) is not calibrated: nothing is
+    chosen, and pipelined ranks, whose fixed blocks must agree, would each
+    time their own cycles. Its phases overlap on a GPU and run in turn on
+    the CPU backend, where overlapping host work takes cores from the
+    compute.
+    """
+    if fixed and sizer is None:
+        return BlockSizer(max_block, None, fixed=True), mx.async_eval if mx.default_device() == mx.gpu else mx.eval
+    calibration = calibrate(target, draft, cache, context, max_block)
+    return sizer or BlockSizer(max_block, CycleCosts(calibration.costs)), calibration.settle

@@ -1,0 +1,160 @@
+"""Never slower than plain decoding: DFlash with its adaptive block size
+against mlx-lm's greedy decode and against z-lab's reference MLX runtime, all
+in one process, the decoders alternating, medians over ``--repeats`` rounds.
+
+    export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+    python examples/never_slower.py --json never_slower.json
+    python examples/never_slower.py --repeats 1 --random-tokens 32 --long-tokens 64 \\
+        --num-prompts 2 --bench-tokens 16                      # a quick end-to-end check
+
+Scenarios, each with the bar it is held to:
+
+1. ``never_agreeing``: tiny random qwen3 and qwen3_5 targets, each with a
+   random drafter (written by :mod:`dflash_mlx.random_pair`), 256 new tokens:
+   DFlash >= 0.9x mlx-lm.
+2. ``long``: the bundled pair at 2048 new tokens: >= 0.95x mlx-lm.
+3. ``bench``: the bundled pair at 128 new tokens on its held-out prompts
+   (``mlx-dflash bench``): the adaptive speedup within 3% of the fixed
+   trained block's, and >= 0.85 of the ideal.
+4. ``zlab``: against z-lab's ``dflash`` 0.1.0 (``dflash.model_mlx.stream_generate``)
+   on the never-agreeing qwen3 pair (>= 1.0x) and the bundled pair (>= 1.1x).
+
+z-lab's runtime is a pure-Python wheel, imported from its own directory and
+never a dependency of this package::
+
+    pip download --no-deps dflash==0.1.0
+    pip install --no-deps --target ~/.cache/dflash_mlx/zlab dflash-0.1.0-py3-none-any.whl
+
+It patches the target instance it is given, so it gets its own copy of each
+target. Its drafter loader fetches through ``snapshot_download``; here that
+name in its module is pointed at the local directory, so it loads offline.
+Without the directory the scenario is skipped and says so. Greedy throughout;
+every run's tokens are checked against mlx-lm's.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Dict
+
+import dflash_mlx
+from dflash_mlx.benchmark import benchmark, compile_block_lengths, run_autoregressive, run_dflash
+from dflash_mlx.generate import encode_prompt
+from dflash_mlx.pair import DEFAULT_DRAFT, DEFAULT_TARGET, default_prompts
+from dflash_mlx.random_pair import write_random_pair
+
+ZLAB_DIR = Path.home() / ".cache" / "dflash_mlx" / "zlab"
+
+
+def alternate(runners: Dict[str, Callable[[], dict]], repeats: int) -> dict:
+    """One untimed run of each, then ``repeats`` rounds of each in turn:
+    median tok/s per runner and whether every run gave the first's tokens."""
+    reference = None
+    for run in runners.values():
+        tokens = run()["tokens"]
+        reference = reference if reference is not None else tokens
+    tps = {name: [] for name in runners}
+    identical = True
+    for _ in range(repeats):
+        for name, run in runners.items():
+            r = run()
+            tps[name].append(r["tps"])
+            identical &= r["tokens"] == reference
+    out = {f"{name}_tps": statistics.median(v) for name, v in tps.items()}
+    out["identical"] = identical
+    return out
+
+
+def load_zlab(zlab_dir: Path):
+    """z-lab's MLX runtime module, loading drafters from local directories."""
+    sys.path.insert(0, str(zlab_dir))
+    from dflash import model_mlx
+
+    model_mlx.snapshot_download = lambda repo_id, **_: repo_id  # a local dir: no download
+    return model_mlx
+
+
+def zlab_runner(zlab, target_path: Path, draft_path: Path, prompt, max_tokens: int):
+    """A runner for z-lab's stream_generate on its own target instance."""
+    model, tokenizer = zlab.load(str(target_path))
+    draft = zlab.load_draft(str(draft_path))
+
+    def run():
+        tokens, last = [], None
+        for last in zlab.stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens):
+            tokens += [t for t in last.tokens if t not in tokenizer.eos_token_ids]
+        return {"tokens": tokens[:max_tokens], "tps": last.generation_tps}
+
+    return run
+
+
+def pair_runners(target_path: Path, draft_path: Path, prompt, max_tokens: int, zlab=None):
+    """mlx-lm, DFlash (adaptive) and, given z-lab's module, z-lab's runtime."""
+    model, tokenizer = dflash_mlx.load(str(target_path))
+    draft = dflash_mlx.load_draft(str(draft_path), model)
+    # each block length's graphs compile once per process: not decoding speed
+    compile_block_lengths(draft, encode_prompt(tokenizer, prompt), draft.block_size)
+    runners = {
+        "mlx_lm": lambda: run_autoregressive(model, tokenizer, prompt, max_tokens),
+        "dflash": lambda: run_dflash(model, draft, tokenizer, prompt, max_tokens, None),
+    }
+    if zlab is not None:
+        runners["zlab"] = zlab_runner(zlab, target_path, draft_path, prompt, max_tokens)
+    return runners
+
+
+def ratios(result: dict) -> dict:
+    result["vs_mlx_lm"] = result["dflash_tps"] / result["mlx_lm_tps"]
+    if "zlab_tps" in result:
+        result["vs_zlab"] = result["dflash_tps"] / result["zlab_tps"]
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per scenario")
+    p.add_argument("--random-tokens", type=int, default=256, help="new tokens, never-agreeing pairs")
+    p.add_argument("--long-tokens", type=int, default=2048, help="new tokens, the bundled pair's long run")
+    p.add_argument("--bench-tokens", type=int, default=128, help="new tokens, the bundled pair's bench")
+    p.add_argument("--num-prompts", type=int, default=None, help="bench prompts (default: all)")
+    p.add_argument("--zlab-dir", type=Path, default=ZLAB_DIR, help="where z-lab's dflash 0.1.0 is installed")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    zlab = load_zlab(args.zlab_dir) if (args.zlab_dir / "dflash" / "model_mlx.py").exists() else None
+    prompt = default_prompts()[0]
+    results = {"never_agreeing": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in ("qwen3", "qwen3_5"):
+            target, draft = write_random_pair(Path(tmp), family)
+            with_zlab = zlab if family == "qwen3" else None
+            runners = pair_runners(target, draft, prompt, args.random_tokens, with_zlab)
+            results["never_agreeing"][family] = ratios(alternate(runners, args.repeats))
+            print(family, "never agreeing:", json.dumps(results["never_agreeing"][family]), flush=True)
+    runners = pair_runners(DEFAULT_TARGET, DEFAULT_DRAFT, prompt, args.long_tokens)
+    results["long"] = ratios(alternate(runners, args.repeats))
+    print("bundled pair, long:", json.dumps(results["long"]), flush=True)
+    if zlab is not None:
+        runners = pair_runners(DEFAULT_TARGET, DEFAULT_DRAFT, prompt, args.bench_tokens, zlab)
+        results["zlab_bundled"] = ratios(alternate(runners, args.repeats))
+        print("bundled pair vs z-lab:", json.dumps(results["zlab_bundled"]), flush=True)
+    else:
+        results["zlab_skipped"] = f"z-lab's dflash 0.1.0 not found under {args.zlab_dir}"
+        print(results["zlab_skipped"], file=sys.stderr)
+    model, tokenizer = dflash_mlx.load(str(DEFAULT_TARGET))
+    draft = dflash_mlx.load_draft(DEFAULT_DRAFT, model)
+    prompts = default_prompts()[: args.num_prompts]
+    report, _ = benchmark(model, draft, tokenizer, prompts, args.bench_tokens, None, max(1, args.repeats // 2))
+    results["bench"] = {k: report[k] for k in ("speedup", "fixed_block_speedup", "fraction_of_ideal",
+                                               "mean_tokens_per_cycle", "block_size_histogram", "outputs_identical")}
+    results["bench"]["adaptive_vs_fixed"] = report["speedup"] / report["fixed_block_speedup"]
+    print("bundled pair, bench:", json.dumps(results["bench"]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

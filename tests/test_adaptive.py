@@ -1,0 +1,227 @@
+"""The adaptive block size: the policy on scripted acceptance and costs, and
+the real loop when the block changes from cycle to cycle."""
+
+import itertools
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny import ScriptedDrafter, ScriptedSizer, prompt_of
+
+import dflash_mlx
+from dflash_mlx.adaptive import BlockSizer, CycleCosts, SlotAcceptance, calibrate
+from dflash_mlx.errors import ArgumentError
+from dflash_mlx.generate import prefill
+
+# A verify of b tokens plus its draft: a 16-token cycle costs 2.4 one-token steps.
+LINEAR = {1: 1.0, 2: 1.5, 8: 1.9, 16: 2.4}
+
+
+def run(sizer, accept_prob, cycles, rng, costs=LINEAR):
+    """Drive ``sizer`` with i.i.d. per-slot acceptance ``accept_prob``; return the chosen blocks."""
+    chosen = []
+    for _ in range(cycles):
+        b = sizer.choose(10_000)
+        accepted = 0
+        while accepted < b - 1 and rng.random() < accept_prob:
+            accepted += 1
+        sizer.observe(b, accepted, float(np.interp(b, list(costs), list(costs.values()))))
+        chosen.append(b)
+    return chosen
+
+
+def test_expected_tokens_follow_the_observed_acceptance():
+    acc = SlotAcceptance(8)
+    for _ in range(200):
+        acc.observe(7, 7)
+    assert acc.expected_tokens()[-1] == pytest.approx(8.0, rel=0.05)
+    for _ in range(200):
+        acc.observe(7, 0)
+    assert acc.rates()[0] < 0.1  # the prior (weight 0.5 against about 5 decayed cycles) keeps a floor
+    assert acc.expected_tokens()[-1] < 1.2
+
+
+def test_unseen_slots_lean_on_the_slots_before_them():
+    acc = SlotAcceptance(16)
+    for _ in range(50):
+        acc.observe(3, 3)  # slots 1-3 always accepted, deeper slots never drafted
+    rates = acc.rates()
+    assert min(rates[:3]) > 0.95
+    assert rates[3] > 0.9  # optimistic about depth, so the block can grow
+
+
+def test_costs_rescale_calibration_to_measurements():
+    costs = CycleCosts({1: 1.0, 2: 1.5, 16: 3.0})
+    costs.observe(16, 100.0)  # a length's first cycle may include compiling it: not counted
+    assert costs.upto(16)[16 - 1] == 3.0
+    costs.observe(16, 6.0)  # the live context makes cycles twice as slow as calibrated
+    table = costs.upto(16)  # index b - 1
+    assert table[16 - 1] == 6.0
+    assert table[2 - 1] == pytest.approx(3.0)
+    assert table[9 - 1] == pytest.approx(2 * np.interp(9, [1, 2, 16], [1.0, 1.5, 3.0]))
+    assert table[0] == 1.0  # plain steps are scaled only by plain steps
+
+
+def test_high_acceptance_grows_the_block_to_the_maximum():
+    sizer = BlockSizer(16, CycleCosts(LINEAR))
+    chosen = run(sizer, 0.97, 60, np.random.default_rng(0))
+    assert chosen[-20:] == [16] * 20
+
+
+def test_a_drafter_that_never_agrees_falls_back_to_plain_decoding_and_probes_rarely():
+    sizer = BlockSizer(16, CycleCosts(LINEAR))
+    chosen = run(sizer, 0.0, 400, np.random.default_rng(0))
+    assert chosen[-1] in (1, 2)
+    drafted = [b for b in chosen[50:] if b > 1]
+    assert set(drafted) <= {2}  # only probes
+    assert len(drafted) <= 10  # backed off
+
+
+def test_drafting_returns_when_acceptance_recovers():
+    sizer = BlockSizer(16, CycleCosts(LINEAR))
+    rng = np.random.default_rng(1)
+    run(sizer, 0.0, 100, rng)
+    sizer.patience = 4  # a recovery is detected by the next probe
+    chosen = run(sizer, 0.95, 150, rng)
+    assert max(chosen[-30:]) >= 12
+
+
+def test_medium_acceptance_picks_an_intermediate_block():
+    sizer = BlockSizer(16, CycleCosts({1: 1.0, 2: 1.3, 16: 4.0}))
+    chosen = run(sizer, 0.6, 300, np.random.default_rng(2))
+    tail = chosen[-100:]
+    assert 2 <= np.median(tail) <= 8
+
+
+def test_fixed_size_and_remaining_tokens_cap_the_block():
+    sizer = BlockSizer(16, CycleCosts(LINEAR), fixed=True)
+    assert [sizer.choose(r) for r in (100, 5, 1)] == [16, 5, 1]
+    assert sizer.chosen == {16: 1, 5: 1, 1: 1}
+
+
+def test_a_fixed_cost_table_ignores_measured_times():
+    costs = CycleCosts(LINEAR, follow=False)
+    for _ in range(3):
+        costs.observe(16, 50.0)
+    assert costs.upto(16)[-1] == 2.4
+
+
+def test_failed_probes_back_off_and_a_successful_probe_probes_again():
+    sizer = BlockSizer(16, CycleCosts(LINEAR))
+    run(sizer, 0.0, 400, np.random.default_rng(0))  # the drafter never agrees: plain decoding
+    assert sizer.patience == 64
+    while sizer.choose(10_000) == 1:
+        sizer.observe(1, 0, 1.0)
+    sizer.observe(2, 1, 1.5)  # the probe's slot was accepted
+    assert sizer.patience == 1
+
+
+def test_a_cost_table_must_reach_the_largest_block():
+    with pytest.raises(ValueError, match="max_block 32"):
+        BlockSizer(32, CycleCosts(LINEAR))
+
+
+def test_calibration_leaves_the_cache_as_it_was_and_runs_once(pair, tmp_path):
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=8), pair.model)
+    target, prompt = draft.target, prompt_of(9)
+    cache, fresh = (dflash_mlx.make_prompt_cache(pair.model, draft) for _ in range(2))
+    for c in (cache, fresh):
+        prefill(target, c, prompt, 2048)
+    taps = cache.target_hidden
+    calibration = calibrate(target, draft, cache.target, taps, 8)
+    assert cache.target.undo is None and cache.target_hidden is taps and cache.pending == []
+    step = mx.array([[3, 1, 4]])  # what the calibrated cache gives next is what a fresh one gives
+    assert mx.array_equal(target.forward(step, cache.target)[0], target.forward(step, fresh.target)[0])
+    assert sorted(calibration.costs) == [1, 2, 4, 8] and min(calibration.costs.values()) > 0
+    assert calibration.settle in (mx.eval, mx.async_eval)
+    assert calibrate(target, draft, cache.target, taps, 8) is calibration  # once per process
+
+
+# ---------------------------------------------------------------------------
+# The loop with a changing block
+
+SCRIPT = [16, 1, 1, 3, 1, 8, 2, 1, 16, 5, 1, 1, 1, 4, 16, 16]
+
+
+def test_greedy_is_exact_when_the_block_changes(pair, tmp_path):
+    prompt = prompt_of(23)
+    ref = pair.reference(prompt, 216)
+    mistakes = range(17)
+    scripted = ScriptedDrafter(ref, prompt, 16, mistakes, pair.vocab)
+    sizer = ScriptedSizer(SCRIPT)
+    got, responses = pair.dflash(scripted, prompt, sizer=sizer, max_tokens=200)
+    assert got == ref[:200]
+    blocks = [r.block_size for r in responses[1:]]
+    assert blocks == sizer.asked[: len(blocks)] and {1, 2, 16} <= set(blocks)
+    # After plain cycles the drafter still sees every committed position (the
+    # scripted drafter checks it): each drafted block is accepted exactly up
+    # to the mistake planted in it.
+    drafted = [r for r in responses[1:] if r.block_size > 1]
+    planted = [min(slot, r.block_size - 1) for slot, r in zip(itertools.cycle(mistakes), drafted)]
+    assert [r.accepted for r in drafted] == planted
+    assert 0 in planted and len(set(planted)) >= 6
+
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=16), pair.model)
+    got, _ = pair.dflash(draft, prompt, sizer=ScriptedSizer(SCRIPT[3:]), max_tokens=200)
+    assert got == ref[:200]
+
+
+class CollapsingDrafter(ScriptedDrafter):
+    """Proposes the target's greedy continuation, except a wrong token at
+    each position in ``bad``: acceptance collapses there and recovers after."""
+
+    def __init__(self, reference, prompt, bad, vocab):
+        super().__init__(reference, prompt, 16, [16], vocab)  # no planted mistakes
+        self.bad = bad
+
+    def draft(self, seq, n):
+        at = len(seq) - 1 - len(self.prompt)  # the anchor's index in the reference
+        truth = super().draft(seq, n)
+        return [(t + 1) % self.vocab if at + 1 + i in self.bad else t for i, t in enumerate(truth)]
+
+
+def test_the_block_shrinks_when_acceptance_collapses_and_grows_when_it_recovers(qwen3_pair):
+    pair = qwen3_pair
+    prompt = prompt_of(11)
+    ref = pair.reference(prompt, 516)
+    drafter = CollapsingDrafter(ref, prompt, range(150, 250), pair.vocab)
+    sizer = BlockSizer(16, CycleCosts(LINEAR, follow=False))  # costs fixed: no timing noise
+    got, responses = pair.dflash(drafter, prompt, sizer=sizer, max_tokens=500)
+    assert got == ref[:500]
+    starts = np.cumsum([0] + [len(r.tokens) for r in responses])[1:-1]  # tokens before each cycle
+    phase = lambda lo, hi: [r.block_size for s, r in zip(starts, responses[1:]) if lo <= s < hi]  # noqa: E731
+    assert phase(20, 140) and min(phase(20, 140)) == 16  # the drafter agrees: whole blocks
+    collapsed = phase(180, 250)
+    assert max(collapsed) <= 2 and collapsed.count(1) > 0.8 * len(collapsed)  # plain decoding, rare probes
+    assert max(phase(400, 500)) == 16  # drafting came back and grew
+    assert sizer.chosen == Counter(r.block_size for r in responses[1:])
+
+
+def test_block_size_and_sizer_together_are_refused(qwen3_pair, tmp_path):
+    draft = dflash_mlx.load_draft(qwen3_pair.make_draft(tmp_path / "d"), qwen3_pair.model)
+    with pytest.raises(ArgumentError, match="block_size or sizer"):
+        next(dflash_mlx.stream_generate(
+            qwen3_pair.model, draft, qwen3_pair.tokenizer, "x", block_size=4, sizer=ScriptedSizer([2])
+        ))
+
+
+def test_a_fixed_block_is_reported_every_cycle_and_cut_at_the_end(qwen3_pair, tmp_path):
+    draft = dflash_mlx.load_draft(qwen3_pair.make_draft(tmp_path / "d"), qwen3_pair.model)
+    pair = qwen3_pair
+    responses = list(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, "x", block_size=4, max_tokens=9))
+    blocks = [r.block_size for r in responses]
+    emitted = np.cumsum([len(r.tokens) for r in responses])
+    assert blocks[0] == 0  # the prefill's token
+    assert all(b == min(4, 9 - n) for b, n in zip(blocks[1:], emitted[:-1]))
+
+
+def test_plain_cycles_record_nothing_to_roll_back(qwen3_pair, tmp_path):
+    """b = 1 is mlx-lm's own step: the target keeps its one token, no rollback record."""
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft)
+    steps = dflash_mlx.generate_step(prompt_of(5), pair.model, draft, prompt_cache=cache, block_size=1, max_tokens=6)
+    for token, _, from_draft, block in steps:
+        assert cache.target.undo is None and not from_draft and block in (0, 1)
+        assert cache.target[0].offset == cache.offset - 1  # all but the pending token ran
