@@ -455,8 +455,6 @@ def main(argv=None):
         print(prompt, end="", flush=True)
     if args.seed is not None:
         mx.random.seed(args.seed)
-    # Pipelined ranks each time their own cycles, so adaptive sizes could
-    # differ between them: the block is fixed there.
     responses = []
     for r in stream_generate(
         model,
