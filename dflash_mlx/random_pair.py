@@ -6,7 +6,6 @@ The tests build their models with these, and the benchmarks use a random
 drafter as the worst case: one that never agrees with its target.
 """
 
-import importlib
 import json
 from pathlib import Path
 from typing import Tuple
@@ -15,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm.utils import load_model
 
 from .errors import ArgumentError
 
@@ -47,55 +47,45 @@ def write_tokenizer(path: Path) -> int:
     return tok.get_vocab_size()
 
 
-QWEN3 = dict(
-    model_type="qwen3",
-    architectures=["Qwen3ForCausalLM"],
+DECODER = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=16,
     rms_norm_eps=1e-6,
-    rope_theta=10000.0,
     max_position_embeddings=4096,
+)
+
+QWEN3 = dict(
+    DECODER,
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    head_dim=16,
+    rope_theta=10000.0,
     tie_word_embeddings=True,
 )
 
 QWEN3_5 = dict(
+    DECODER,
     model_type="qwen3_5",
     architectures=["Qwen3_5ForConditionalGeneration"],
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=4096,
     tie_word_embeddings=False,
     full_attention_interval=2,
-    # More value heads than key heads, as real Qwen3.5 checkpoints have.
+    # More value heads than key heads, as real Qwen3.5 checkpoints have; key
+    # head dim 32, the smallest mlx-lm's fused GatedDeltaNet kernel takes.
     linear_num_value_heads=4,
     linear_num_key_heads=2,
-    linear_key_head_dim=16,
+    linear_key_head_dim=32,
     linear_value_head_dim=16,
     linear_conv_kernel_dim=4,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
 )
 
 LLAMA = dict(
-    model_type="llama",
-    architectures=["LlamaForCausalLM"],
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-6,
-    rope_theta=500000.0,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
+    DECODER, model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=3,
+    rope_theta=500000.0, tie_word_embeddings=False,
 )
 
 FAMILIES = {"qwen3": QWEN3, "qwen3_5": QWEN3_5, "llama": LLAMA}
@@ -118,22 +108,20 @@ def seeded_init(model: nn.Module, seed: int, scale: float = 1.0):
     model.load_weights([(k, init(k, v)) for k, v in flat])
 
 
-def model_classes(config: dict):
-    """mlx-lm's Model and ModelArgs for a config's model_type (mistral is llama, as in mlx-lm)."""
-    from mlx_lm.utils import MODEL_REMAPPING
-
-    model_type = MODEL_REMAPPING.get(config["model_type"], config["model_type"])
-    module = importlib.import_module(f"mlx_lm.models.{model_type}")
-    return module.Model, module.ModelArgs
-
-
 def make_target(path: Path, base: dict, seed: int = 0, **overrides) -> Path:
-    """Write a tiny random target (float32) + tokenizer to ``path``."""
+    """Write a tiny random target (float32) + tokenizer to ``path``.
+
+    mlx-lm builds the model from the config (its loader, with no weights
+    yet); the seeded weights are then saved under the names HF uses."""
     path = Path(path)
     vocab = write_tokenizer(path)
-    cfg = {**base, "vocab_size": vocab, **overrides}
-    model_cls, args_cls = model_classes(cfg)
-    model = model_cls(args_cls.from_dict(cfg))
+    cfg = {**base, **overrides}
+    if "text_config" in cfg:
+        cfg["text_config"] = {"vocab_size": vocab, **cfg["text_config"]}
+    else:
+        cfg = {"vocab_size": vocab, **cfg}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    model, _ = load_model(path, strict=False)
     seeded_init(model, seed, scale=1.5)
     weights = dict(tree_flatten(model.parameters()))
     if cfg["model_type"].startswith("qwen3_5"):
@@ -145,7 +133,6 @@ def make_target(path: Path, base: dict, seed: int = 0, **overrides) -> Path:
             for k, v in weights.items()
         }
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
 

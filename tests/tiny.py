@@ -12,72 +12,36 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.utils import load_model
 
 import dflash_mlx
+from dflash_mlx.random_pair import (  # the builders the package ships, for benchmarks too
+    DECODER,
+    LLAMA,
+    MASK,
+    QWEN3,
+    QWEN3_5,
+    draft_config,
+    make_draft,
+    make_target,
+    seeded_init,
+    write_tokenizer,
+)
 from dflash_mlx.models.dflash import DFlashConfig
 from dflash_mlx.models.dflash2 import DFlash2DraftModel
 from dflash_mlx.sampling import processed_probs, sample
 from dflash_mlx.targets import adapter_for
 
-EOS, MASK = "<|endoftext|>", "<|mask|>"
-
-
-def write_tokenizer(path: Path) -> int:
-    """Byte-level BPE with no merges: 256 byte tokens + eos + mask."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    alphabet = ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([EOS, MASK])
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": EOS,
-                "pad_token": EOS,
-                "model_max_length": 4096,
-            }
-        )
-    )
-    return tok.get_vocab_size()
-
-
 # ---------------------------------------------------------------------------
-# Target configs: one per family the README lists
-
-_DECODER = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=4096,
-)
-
-QWEN3 = dict(
-    _DECODER,
-    model_type="qwen3",
-    architectures=["Qwen3ForCausalLM"],
-    head_dim=16,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-)
+# Target configs: one per family the README lists (qwen3, qwen3_5 and llama
+# are dflash_mlx.random_pair's)
 
 QWEN2 = dict(
-    _DECODER, model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_hidden_layers=3,
+    DECODER, model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_hidden_layers=3,
     rope_theta=10000.0, tie_word_embeddings=False,
 )
 
@@ -87,31 +51,9 @@ QWEN3_MOE = dict(
     norm_topk_prob=True,
 )
 
-QWEN3_5 = dict(
-    _DECODER,
-    model_type="qwen3_5",
-    architectures=["Qwen3_5ForConditionalGeneration"],
-    head_dim=16,
-    tie_word_embeddings=False,
-    full_attention_interval=2,
-    # More value heads than key heads, as real Qwen3.5 checkpoints have; key
-    # head dim 32, the smallest mlx-lm's fused GatedDeltaNet kernel takes.
-    linear_num_value_heads=4,
-    linear_num_key_heads=2,
-    linear_key_head_dim=32,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-)
-
 QWEN3_5_MOE = dict(
     QWEN3_5, model_type="qwen3_5_moe", num_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32, shared_expert_intermediate_size=32,
-)
-
-LLAMA = dict(
-    _DECODER, model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=3,
-    rope_theta=500000.0, tie_word_embeddings=False,
 )
 
 
@@ -128,7 +70,7 @@ def multimodal(base: dict) -> dict:
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 GEMMA4_TEXT = dict(
-    _DECODER,
+    DECODER,
     model_type="gemma4_text",
     architectures=["Gemma4ForCausalLM"],
     intermediate_size=96,
@@ -204,78 +146,6 @@ FAMILIES = {  # every family the README lists, the multimodal wrappers too
 # Checkpoint builders
 
 
-def seeded_init(model: nn.Module, seed: int, scale: float = 1.0):
-    rng = np.random.default_rng(seed)
-
-    def init(path, p):
-        if path.endswith("norm.weight"):
-            return mx.ones(p.shape) + 0.1 * mx.array(rng.standard_normal(p.shape), dtype=mx.float32)
-        if "A_log" in path or "dt_bias" in path:
-            return mx.array(rng.uniform(-1, 1, p.shape), dtype=mx.float32)
-        fan_in = p.shape[-1] if p.ndim > 1 else 1
-        std = scale / np.sqrt(fan_in)
-        return mx.array(rng.standard_normal(p.shape) * std, dtype=mx.float32)
-
-    flat = tree_flatten(model.parameters())
-    model.load_weights([(k, init(k, v)) for k, v in flat])
-
-
-def make_target(path: Path, base: dict, seed: int = 0, **overrides) -> Path:
-    """Write a tiny random target (float32) + tokenizer to ``path``.
-
-    mlx-lm builds the model from the config (its loader, with no weights
-    yet); the seeded weights are then saved under the names HF uses."""
-    path = Path(path)
-    vocab = write_tokenizer(path)
-    cfg = {**base, **overrides}
-    if "text_config" in cfg:
-        cfg["text_config"] = {"vocab_size": vocab, **cfg["text_config"]}
-    else:
-        cfg = {"vocab_size": vocab, **cfg}
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    model, _ = load_model(path, strict=False)
-    seeded_init(model, seed, scale=1.5)
-    weights = dict(tree_flatten(model.parameters()))
-    if cfg["model_type"].startswith("qwen3_5"):
-        # HF layout: mlx-lm's sanitize maps these names back.
-        weights = {
-            k.replace("language_model.model.", "model.language_model.").replace(
-                "language_model.lm_head", "lm_head"
-            ): v
-            for k, v in weights.items()
-        }
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    return path
-
-
-def draft_config(target_cfg: dict, vocab: int, *, layers=2, taps=None, block_size=8, **extra) -> dict:
-    n_target = target_cfg["num_hidden_layers"]
-    cfg = dict(
-        architectures=["DFlashDraftModel"],
-        model_type="qwen3",
-        hidden_size=target_cfg["hidden_size"],
-        intermediate_size=96,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=vocab,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=4096,
-        attention_bias=False,
-        tie_word_embeddings=False,
-        num_target_layers=n_target,
-        block_size=block_size,
-        dflash_config={
-            "target_layer_ids": taps if taps is not None else [0, n_target - 1],
-            "mask_token_id": vocab - 1,
-        },
-    )
-    cfg.update(extra)
-    return cfg
-
-
 def dflash2_config(target_cfg: dict, vocab: int, *, block_size=8, layers=2, **dflash) -> dict:
     """A tiny DFlash2 config shaped like the published ones."""
     cfg = draft_config(target_cfg, vocab, block_size=block_size, layers=layers)
@@ -294,35 +164,6 @@ def dflash2_config(target_cfg: dict, vocab: int, *, block_size=8, layers=2, **df
     )
     cfg.update(is_causal=False, layer_types=["sliding_attention"] * layers, sliding_window=48)
     return cfg
-
-
-def make_draft(path: Path, cfg: dict, seed: int = 1, dtype=mx.float32, shards: int = 1) -> Path:
-    """Write a random drafter in z-lab layout (no ``model.`` prefix)."""
-    from dflash_mlx.loading import build_draft
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model = build_draft(DFlashConfig.from_hf(cfg))
-    seeded_init(model, seed)
-    weights = tree_map(lambda p: p.astype(dtype), dict(tree_flatten(model.parameters())))
-    for name in list(weights):  # DFlash2 stores codebooks as bare tensors
-        if name.endswith("_codebook.weight"):
-            weights[name[: -len(".weight")]] = weights.pop(name)
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    if shards == 1:
-        mx.save_safetensors(str(path / "model.safetensors"), weights)
-        return path
-    names = sorted(weights)
-    weight_map = {}
-    for s in range(shards):
-        part = names[s::shards]
-        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        mx.save_safetensors(str(path / fname), {k: weights[k] for k in part})
-        weight_map.update({k: fname for k in part})
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map})
-    )
-    return path
 
 
 class Pair:
