@@ -35,48 +35,43 @@ from .errors import ArgumentError
 
 @dataclass
 class SlotAcceptance:
-    """Running estimate of each slot's conditional acceptance ``a_j``.
+    """Running estimate of the drafter's per-slot acceptance ``a``.
 
-    Counts decay by ``decay`` per observation, so the estimate follows the
-    recent text; the slots a cycle did not reach (past the first rejection,
-    or past the block) decay by ``decay`` once more, so what they showed
-    before a collapse does not outlive it. A slot seen rarely leans on the
-    slot before it (prior strength ``prior_weight``): drafting deeper is
-    judged by how the shallower slots did, not by a fixed guess.
+    Each slot is taken to be accepted with the same probability ``a`` given
+    the slots before it, so a cycle that drafted ``d`` slots and had ``k``
+    accepted shows ``k`` acceptances and (if ``k < d``) one rejection; ``a``
+    is their ratio, counts decaying by ``decay`` per cycle so that it follows
+    the recent text, with a prior of ``prior`` worth ``prior_weight`` cycles'
+    observations. One ratio learns from every drafted slot at once, so a
+    collapse or a recovery shows within a few cycles, and no slot is ever
+    judged from old, unrepresentative cycles.
     """
 
     max_block: int
     prior: float = 0.8
-    prior_weight: float = 0.5
-    decay: float = 0.8
-    hits: List[float] = field(init=False)
-    seen: List[float] = field(init=False)
+    prior_weight: float = 2.0
+    decay: float = 0.9
+    hits: float = 0.0
+    misses: float = 0.0
 
     def __post_init__(self):
-        # plain Python lists: a handful of slots, updated once per cycle
-        self.hits = [0.0] * max(self.max_block - 1, 0)
-        self.seen = [0.0] * len(self.hits)
         self.expected = self.expected_tokens()
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A cycle drafted ``drafted`` slots and the target accepted the first ``accepted``."""
         if drafted < 1:
             return
-        reached = min(accepted + 1, drafted)
-        d, dd = self.decay, self.decay * self.decay
-        for j in range(len(self.hits)):
-            f = d if j < reached else dd
-            self.hits[j] = self.hits[j] * f + (j < accepted)
-            self.seen[j] = self.seen[j] * f + (j < reached)
+        self.hits = self.hits * self.decay + accepted
+        self.misses = self.misses * self.decay + (accepted < drafted)
         self.expected = self.expected_tokens()
+
+    def rate(self) -> float:
+        w = self.prior_weight
+        return (self.hits + w * self.prior) / (self.hits + self.misses + w)
 
     def rates(self) -> List[float]:
         """``a_j`` for slots 1..max_block-1."""
-        out, prior, w = [], self.prior, self.prior_weight
-        for hits, seen in zip(self.hits, self.seen):
-            prior = (hits + w * prior) / (seen + w)
-            out.append(prior)
-        return out
+        return [self.rate()] * max(self.max_block - 1, 0)
 
     def expected_tokens(self) -> List[float]:
         """``E(b)`` for b = 1..max_block (index b - 1)."""
@@ -143,14 +138,16 @@ class BlockSizer:
     with these two methods and ``max_block`` can stand in for it.
     """
 
-    def __init__(self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False, probe_block: int = 2):
+    def __init__(self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False, probe_block: Optional[int] = None):
         if costs is not None and len(costs.base) < max_block:
             raise ArgumentError(f"the cost table stops at block {len(costs.base)}; it must reach max_block {max_block}")
         self.max_block = max_block
         self.costs = costs
         self.fixed = fixed or max_block == 1 or costs is None
         self.acceptance = SlotAcceptance(max_block)
-        self.probe_block = min(probe_block, max_block)
+        # A probe drafts a whole block: a drafter's acceptance comes in runs,
+        # and one probe of every slot tells more than one of the first slot.
+        self.probe_block = max_block if probe_block is None else min(probe_block, max_block)
         self.patience = 4  # plain cycles before the next probe; doubles on each failed probe
         self.plain_run = 0
         self.chosen: Dict[int, int] = {}
@@ -249,7 +246,7 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibr
     if key in saved:
         return saved[key]
     context = context[:, -1:]
-    grid = sorted({1, 2, max(2, max_block // 2), max_block} & set(range(1, max_block + 1)))
+    grid = sorted({1, max_block})
     costs = {b: median_seconds(lambda: cycle_seconds(target, draft, cache, context, b, mx.eval)) for b in grid}
     timings = {mx.eval: [], mx.async_eval: []}
     for _ in range(3):
@@ -272,4 +269,18 @@ def plan(target, draft, cache, context: mx.array, max_block: int, fixed: bool, s
     if fixed and sizer is None:
         return BlockSizer(max_block, None, fixed=True), mx.async_eval if mx.default_device() == mx.gpu else mx.eval
     calibration = calibrate(target, draft, cache, context, max_block)
-    return sizer or BlockSizer(max_block, CycleCosts(calibration.costs)), calibration.settle
+    return sizer or BlockSizer(max_block, CycleCosts(seed_costs(calibration.costs, max_block))), calibration.settle
+
+
+def seed_costs(calibrated: Dict[int, float], max_block: int) -> Dict[int, float]:
+    """The cost table a generation starts from: plain steps at their
+    calibrated cost, every drafting length at the largest block's.
+
+    A draft is one forward whatever its length and a verify of a few
+    tokens is bound by per-op overhead rather than by arithmetic, so a
+    shorter block saves little; seeding shorter lengths as cheaper would
+    pull the choice below the block that commits the most per second. The
+    online measurements then correct each length the loop uses.
+    """
+    top = calibrated[max_block]
+    return {1: calibrated[1], **({2: top} if max_block > 2 else {}), max_block: top}

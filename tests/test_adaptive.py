@@ -38,11 +38,11 @@ def test_expected_tokens_follow_the_observed_acceptance():
     assert acc.expected_tokens()[-1] == pytest.approx(8.0, rel=0.05)
     for _ in range(200):
         acc.observe(7, 0)
-    assert acc.rates()[0] < 0.1  # the prior (weight 0.5 against about 5 decayed cycles) keeps a floor
-    assert acc.expected_tokens()[-1] < 1.2
+    assert acc.rates()[0] < 0.2  # the prior (2 cycles against about 7 decayed ones) keeps a floor
+    assert acc.expected_tokens()[-1] < 1.3
 
 
-def test_unseen_slots_lean_on_the_slots_before_them():
+def test_slots_never_drafted_take_the_observed_rate():
     acc = SlotAcceptance(16)
     for _ in range(50):
         acc.observe(3, 3)  # slots 1-3 always accepted, deeper slots never drafted
@@ -72,9 +72,9 @@ def test_high_acceptance_grows_the_block_to_the_maximum():
 def test_a_drafter_that_never_agrees_falls_back_to_plain_decoding_and_probes_rarely():
     sizer = BlockSizer(16, CycleCosts(LINEAR))
     chosen = run(sizer, 0.0, 400, np.random.default_rng(0))
-    assert chosen[-1] in (1, 2)
+    assert chosen[-1] in (1, 16)
     drafted = [b for b in chosen[50:] if b > 1]
-    assert set(drafted) <= {2}  # only probes
+    assert set(drafted) <= {16}  # only probes, each of a whole block
     assert len(drafted) <= 10  # backed off
 
 
@@ -113,7 +113,7 @@ def test_failed_probes_back_off_and_a_successful_probe_probes_again():
     assert sizer.patience == 64
     while sizer.choose(10_000) == 1:
         sizer.observe(1, 0, 1.0)
-    sizer.observe(2, 1, 1.5)  # the probe's slot was accepted
+    sizer.observe(16, 1, 2.4)  # the probe's first slot was accepted
     assert sizer.patience == 1
 
 
@@ -133,7 +133,7 @@ def test_calibration_leaves_the_cache_as_it_was_and_runs_once(pair, tmp_path):
     assert cache.target.undo is None and cache.target_hidden is taps and cache.pending == []
     step = mx.array([[3, 1, 4]])  # what the calibrated cache gives next is what a fresh one gives
     assert mx.array_equal(target.forward(step, cache.target)[0], target.forward(step, fresh.target)[0])
-    assert sorted(calibration.costs) == [1, 2, 4, 8] and min(calibration.costs.values()) > 0
+    assert sorted(calibration.costs) == [1, 8] and min(calibration.costs.values()) > 0
     assert calibration.settle in (mx.eval, mx.async_eval)
     assert calibrate(target, draft, cache.target, taps, 8) is calibration  # once per process
 
@@ -193,7 +193,7 @@ def test_the_block_shrinks_when_acceptance_collapses_and_grows_when_it_recovers(
     phase = lambda lo, hi: [r.block_size for s, r in zip(starts, responses[1:]) if lo <= s < hi]  # noqa: E731
     assert phase(20, 140) and min(phase(20, 140)) == 16  # the drafter agrees: whole blocks
     collapsed = phase(180, 250)
-    assert max(collapsed) <= 2 and collapsed.count(1) > 0.8 * len(collapsed)  # plain decoding, rare probes
+    assert set(collapsed) <= {1, 16} and collapsed.count(1) > 0.8 * len(collapsed)  # plain decoding, rare probes
     assert max(phase(400, 500)) == 16  # drafting came back and grew
     assert sizer.chosen == Counter(r.block_size for r in responses[1:])
 
