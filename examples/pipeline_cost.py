@@ -1,27 +1,22 @@
 """What splitting the target over ranks costs per verify cycle.
 
-    python examples/pipeline_cost.py                        # one process
-    mlx.launch --backend ring -n 2 examples/pipeline_cost.py   # two ranks
+    python examples/pipeline_cost.py                                          # one process
+    mlx.launch --backend ring -n 2 --python "$(which python)" examples/pipeline_cost.py   # two ranks
 
 Runs greedy DFlash on the bundled pair (or --model/--draft-model) over the
 first --prompts bundled prompts with each phase synced and timed
-(``PhaseTimer``: draft, verify, rollback, host) and prints, on rank 0, the
+(``benchmark.phase_timings``: draft, verify, rollback, host) and prints, on rank 0, the
 milliseconds per cycle of each phase. The committed tokens must be the same
 either way; run both commands on the same machine and compare.
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from dflash_mlx.benchmark import run_dflash  # noqa: E402
-from dflash_mlx.generate import PhaseTimer  # noqa: E402
-from dflash_mlx.pair import DEFAULT_TARGET, default_prompts, load_pair  # noqa: E402
-from dflash_mlx.pipeline import load_pipelined_pair  # noqa: E402
+from dflash_mlx.benchmark import phase_timings
+from dflash_mlx.pair import DEFAULT_TARGET, default_prompts, load_pair
+from dflash_mlx.pipeline import load_pipelined_pair
 
 
 def main():
@@ -37,17 +32,11 @@ def main():
     else:
         model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
     prompts = default_prompts()[: args.prompts]
-    block = draft.block_size
-    run_dflash(model, draft, tokenizer, prompts[0], 16, block)  # warm-up: compiled layers, allocator
-    timer = PhaseTimer()
-    runs = [run_dflash(model, draft, tokenizer, p, args.max_tokens, block, timer=timer) for p in prompts]
-    tokens = sum(len(r["tokens"]) for r in runs)
+    # a fixed block, as pipelined runs keep one
+    per_cycle = phase_timings(model, draft, tokenizer, prompts, args.max_tokens, draft.block_size)
     if group.rank() == 0:
-        per_cycle = {k: 1e3 * v / timer.cycles for k, v in timer.seconds.items() if k != "prefill"}
-        print(f"ranks {group.size()}: {timer.cycles} cycles, {tokens} tokens")
-        print("ms per cycle: " + ", ".join(f"{k} {v:.2f}" for k, v in per_cycle.items())
+        print(f"ranks {group.size()}: ms per cycle: " + ", ".join(f"{k} {v:.2f}" for k, v in per_cycle.items())
               + f", total {sum(per_cycle.values()):.2f}")
-
 
 if __name__ == "__main__":
     main()
