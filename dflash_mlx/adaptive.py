@@ -21,6 +21,7 @@ too, once per process with the costs (:func:`calibrate`): which is faster
 depends on the backend and the machine.
 """
 
+import math
 import statistics
 import time
 import weakref
@@ -65,19 +66,33 @@ class SlotAcceptance:
         self.misses = self.misses * self.decay + (accepted < drafted)
         self.expected = self.expected_tokens()
 
-    def rate(self) -> float:
+    def counts(self):
+        """``(alpha, beta)``: accepted and rejected slots, prior included."""
         w = self.prior_weight
-        return (self.hits + w * self.prior) / (self.hits + self.misses + w)
+        return self.hits + w * self.prior, self.misses + w * (1 - self.prior)
+
+    def rate(self) -> float:
+        alpha, beta = self.counts()
+        return alpha / (alpha + beta)
 
     def rates(self) -> List[float]:
         """``a_j`` for slots 1..max_block-1."""
         return [self.rate()] * max(self.max_block - 1, 0)
 
     def expected_tokens(self) -> List[float]:
-        """``E(b)`` for b = 1..max_block (index b - 1)."""
+        """``E(b)`` for b = 1..max_block (index b - 1), averaged over what
+        the counts leave open about ``a``.
+
+        With ``a ~ Beta(alpha, beta)`` the chance of reaching slot ``k`` is
+        ``E[a^k] = prod_{i<k} (alpha + i) / (alpha + beta + i)``, more than
+        ``rate() ** k`` while the counts are few: one rejected cycle does not
+        yet outweigh the long runs a drafter may still produce, and the
+        loop keeps drafting until the evidence against it is firm.
+        """
+        alpha, beta = self.counts()
         out, reach = [1.0], 1.0
-        for a in self.rates():
-            reach *= a
+        for i in range(self.max_block - 1):
+            reach *= (alpha + i) / (alpha + beta + i)
             out.append(out[-1] + reach)
         return out
 
@@ -130,6 +145,11 @@ class CycleCosts:
         return self.table[:n]
 
 
+# The most a drafter that never agrees may slow plain decoding down by
+# probing it (see BlockSizer.longest_wait).
+PROBE_BUDGET = 0.02
+
+
 class BlockSizer:
     """Chooses each cycle's block length; ``fixed`` pins it (``--block-size``).
 
@@ -152,6 +172,11 @@ class BlockSizer:
         self.plain_run = 0
         self.chosen: Dict[int, int] = {}
 
+    def begin(self) -> None:
+        """Start a generation: a new histogram, the rest carried over (what
+        the acceptance and the costs have shown so far still holds)."""
+        self.chosen = {}
+
     def choose(self, remaining: int) -> int:
         """Block length for the next cycle, at most ``remaining`` tokens."""
         cap = max(1, min(self.max_block, remaining))
@@ -167,6 +192,13 @@ class BlockSizer:
         self.chosen[block] = self.chosen.get(block, 0) + 1
         return block
 
+    def longest_wait(self, probe: int) -> int:
+        """Plain cycles between failed probes at most: enough that probing a
+        drafter that never agrees costs at most ``PROBE_BUDGET`` of the time
+        spent decoding plainly, at the measured costs."""
+        plain, probing = self.costs.upto(probe)[0], self.costs.upto(probe)[-1]
+        return max(4, math.ceil((probing - plain) / (PROBE_BUDGET * plain)))
+
     def observe(self, block: int, accepted: int, seconds: float) -> None:
         """The cycle at ``block`` accepted ``accepted`` drafted tokens in ``seconds``."""
         if self.fixed:
@@ -176,7 +208,7 @@ class BlockSizer:
         if block > 1 and self.plain_run >= self.patience:  # that was a probe
             self.plain_run = 0
             # a success probes again at once; a failure waits twice as long
-            self.patience = 1 if accepted else min(max(self.patience, 4) * 2, 64)
+            self.patience = 1 if accepted else min(max(self.patience, 4) * 2, self.longest_wait(block))
         elif block > 1:
             self.plain_run = 0
             self.patience = 4
@@ -186,10 +218,14 @@ class BlockSizer:
 class Calibration:
     """What :func:`calibrate` measured: seconds per cycle at a few block
     lengths, and whether overlapping the phases (``mx.async_eval``) beat
-    evaluating each in turn (``mx.eval``)."""
+    evaluating each in turn (``mx.eval``); and the pair's sizer, which every
+    adaptive generation with this pair continues, so that what one
+    generation learnt (acceptance, measured costs, the probing back-off)
+    is not paid for again by the next turn or request."""
 
     costs: Dict[int, float]
     overlap: bool
+    sizer: BlockSizer
 
     @property
     def settle(self) -> Callable:
@@ -236,7 +272,8 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibr
     Runs on the live cache (each verify is rolled back), once per process
     for each drafter, target, device and maximum block: the costs are
     properties of the models and the backend, and the online measurements
-    rescale them to the current context.
+    rescale them to the current context. The pair's sizer is made here too,
+    once, and kept with the costs.
     """
     key = (id(target.model), str(mx.default_device()), max_block)
     saved = _calibrations.get(id(draft))
@@ -253,7 +290,8 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibr
         for settle in timings:
             timings[settle].append(cycle_seconds(target, draft, cache, context, max_block, settle, cycles=3))
     overlap = np.median(timings[mx.async_eval]) < np.median(timings[mx.eval])
-    saved[key] = Calibration(costs, bool(overlap))
+    sizer = BlockSizer(max_block, CycleCosts(seed_costs(costs, max_block)))
+    saved[key] = Calibration(costs, bool(overlap), sizer)
     return saved[key]
 
 
@@ -269,7 +307,10 @@ def plan(target, draft, cache, context: mx.array, max_block: int, fixed: bool, s
     if fixed and sizer is None:
         return BlockSizer(max_block, None, fixed=True), mx.async_eval if mx.default_device() == mx.gpu else mx.eval
     calibration = calibrate(target, draft, cache, context, max_block)
-    return sizer or BlockSizer(max_block, CycleCosts(seed_costs(calibration.costs, max_block))), calibration.settle
+    if sizer is None:
+        sizer = calibration.sizer
+        sizer.begin()
+    return sizer, calibration.settle
 
 
 def seed_costs(calibrated: Dict[int, float], max_block: int) -> Dict[int, float]:

@@ -47,7 +47,7 @@ class PromptCache:
         self.target = target
         self.draft = draft
         self.pending: List[int] = []
-        self.target_hidden: Optional[mx.array] = None
+        self.hidden_chunks: List[mx.array] = []
         self.tokens: List[int] = []
 
     @property
@@ -56,11 +56,24 @@ class PromptCache:
         return len(self.tokens)
 
     def add_hidden(self, target_hidden: mx.array) -> None:
-        """Append tap states of positions the target just ran."""
-        if self.target_hidden is None:
-            self.target_hidden = target_hidden
-        else:
-            self.target_hidden = mx.concatenate([self.target_hidden, target_hidden], axis=1)
+        """Append tap states of positions the target just ran.
+
+        Kept as chunks and joined once, when read: plain decoding adds one
+        row per token for many tokens before the drafter takes them, and
+        joining at every step would copy the whole backlog each time.
+        """
+        self.hidden_chunks.append(target_hidden)
+
+    @property
+    def target_hidden(self) -> Optional[mx.array]:
+        """Tap states ``[1, n, taps * hidden]`` the drafter has not injected (None: none)."""
+        if len(self.hidden_chunks) > 1:
+            self.hidden_chunks = [mx.concatenate(self.hidden_chunks, axis=1)]
+        return self.hidden_chunks[0] if self.hidden_chunks else None
+
+    @target_hidden.setter
+    def target_hidden(self, value: Optional[mx.array]) -> None:
+        self.hidden_chunks = [] if value is None else [value]
 
     @property
     def state(self):

@@ -137,17 +137,26 @@ class AcceptanceRule:
             return mx.argmax(logits, axis=-1)
         return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
-    def accept(self, logits, proposal, q):
-        """Accepted count, the token after them and the proposal, read in one sync."""
-        if proposal.size == 0:  # a plain cycle: the target's own token
-            return 0, self.choose(logits).item(), []
+    def outcome(self, logits, proposal, q) -> mx.array:
+        """A verified cycle's result as one lazy int32 vector, so the loop
+        can queue it and read it with one host sync (:func:`read_outcome`):
+        ``[accepted count, the token after them, *proposal]``, or for a
+        plain cycle (empty ``proposal``) ``[the target's token]``."""
+        if proposal.size == 0:
+            return self.choose(logits[-1:])
         if q is None:
             accepted, token = accept_greedy(proposal, self.choose(logits))
         else:
             accepted, token = speculative_accept(proposal, processed_probs(logits, **self.sampling), q)
-        outcome = mx.concatenate([accepted[None], token[None], proposal]).astype(mx.int32)
-        accepted, token, *proposed = outcome.tolist()
-        return accepted, token, proposed
+        return mx.concatenate([accepted[None], token[None], proposal]).astype(mx.int32)
+
+
+def read_outcome(outcome: mx.array) -> Tuple[int, int, List[int]]:
+    """``(accepted count, token after them, proposal)`` from :meth:`AcceptanceRule.outcome`."""
+    values = outcome.tolist()
+    if len(values) == 1:
+        return 0, values[0], []
+    return values[0], values[1], values[2:]
 
 
 def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance) -> AcceptanceRule:
@@ -253,28 +262,50 @@ def generate_step(
             mx.clear_cache()
 
 
+@dataclass
+class Cycle:
+    """A queued cycle: the verified block's length, its outcome
+    (:meth:`AcceptanceRule.outcome`, not yet read), the target's logits and
+    its tap states for the block."""
+
+    block: int
+    outcome: mx.array
+    logits: mx.array
+    target_hidden: mx.array
+
+
 def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_tokens, eos, want_logprobs):
-    """The cycles: draft, verify, accept, roll back, commit (one host sync
-    each). ``sizer`` chooses each block from the cycles before it; ``settle``
-    evaluates a phase (``mx.eval``, or ``mx.async_eval`` to overlap)."""
+    """The cycles: draft, verify, accept, roll back, commit, one host sync
+    each. ``sizer`` chooses each block from the cycles before it; ``settle``
+    evaluates the draft (``mx.eval``, or ``mx.async_eval`` to overlap).
+
+    Each cycle is queued before the previous one's tokens are yielded, as
+    mlx-lm queues its next step, so the caller's work on them (detokenizing,
+    streaming) overlaps the device's. A queued forward is recorded, so
+    closing the generator at a yield rolls it back (see
+    :func:`generate_step`).
+    """
     speculative = rule.sampling is not None
 
-    def start_draft(length):
-        """Draft the next ``length``-slot block from the tap states the
-        drafter has not seen (done, or queued, when this returns). None when
-        the next cycle verifies the anchor alone (plain decoding)."""
-        if length < 2:
-            return None
-        block = mx.array([[anchor] + [draft.mask_token_id] * (length - 1)])
-        q = None  # the drafter's distribution, when rejection sampling
-        if speculative:
-            drafted, q = draft.propose_with_probs(block, cache.target_hidden, cache.draft, **rule.sampling)
-            q = q[0]
-        else:
-            drafted = draft.propose(block, cache.target_hidden, cache.draft)
-        cache.target_hidden = None  # injected into the drafter's context
-        settle(drafted)
-        return drafted, q
+    def launch(anchor, length):
+        """Queue the cycle after ``anchor``: draft ``length - 1`` slots from
+        the tap states the drafter has not seen (none when ``length`` is 1:
+        plain decoding), verify them with the anchor, and the outcome."""
+        verify_in, q = mx.array([[anchor]]), None
+        if length > 1:
+            block = mx.array([[anchor] + [draft.mask_token_id] * (length - 1)])
+            if speculative:
+                drafted, q = draft.propose_with_probs(block, cache.target_hidden, cache.draft, **rule.sampling)
+                q = q[0]
+            else:
+                drafted = draft.propose(block, cache.target_hidden, cache.draft)
+            cache.target_hidden = None  # injected into the drafter's context
+            settle(drafted)
+            verify_in = mx.concatenate([verify_in, drafted.astype(mx.int32)], axis=1)
+        logits, target_hidden = target.forward(verify_in, cache.target)
+        outcome = rule.outcome(logits[0], verify_in[0, 1:], q)
+        mx.async_eval(outcome)
+        return Cycle(length, outcome, logits, target_hidden)
 
     token = rule.choose(logits)
     lp = logits[0] - mx.logsumexp(logits[0]) if want_logprobs else None
@@ -285,22 +316,16 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
     if n == max_tokens or anchor in eos:
         yield anchor, lp, False, 0
         return
+    cycle = launch(anchor, sizer.choose(max_tokens - n))  # never more slots than tokens left
     tic = time.perf_counter()
-    drafting = start_draft(sizer.choose(max_tokens - n))  # never more slots than tokens left
-    spent = time.perf_counter() - tic  # this cycle's time outside the verify
     yield anchor, lp, False, 0
     while True:
-        tic = time.perf_counter()
-        plain = drafting is None  # the anchor alone: nothing to record or roll back
-        if plain:
-            q, verify_in = None, mx.array([[anchor]])
-        else:
-            drafted, q = drafting
-            verify_in = mx.concatenate([mx.array([[anchor]]), drafted.astype(mx.int32)], axis=1)
-        logits, target_hidden = target.forward(verify_in, cache.target, record=not plain)
-        accepted, bonus, proposed = rule.accept(logits[0], verify_in[0, 1:], q)
-        block = verify_in.shape[1]
-        sizer.observe(block, accepted, spent + time.perf_counter() - tic)  # before the next choice
+        accepted, bonus, proposed = read_outcome(cycle.outcome)
+        # A cycle's cost: from the previous read to this one, the caller's
+        # share included, since that is what the choice trades against.
+        now = time.perf_counter()
+        sizer.observe(cycle.block, accepted, now - tic)  # before the next choice
+        tic = now
         new_tokens = proposed[:accepted] + [bonus]
         stop = next((i for i, t in enumerate(new_tokens) if t in eos), None)
         if stop is not None:
@@ -308,16 +333,13 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
         n += len(new_tokens)
         ends = n >= max_tokens or stop is not None
         anchor = new_tokens[-1]
-        cache.add_hidden(target_hidden[:, : len(new_tokens)])
-        tic = time.perf_counter()
-        # The next block needs only the accepted tap states: draft it now.
-        drafting = None if ends else start_draft(sizer.choose(max_tokens - n))
-        if not plain:
-            target.rollback(cache.target, len(new_tokens))
+        target.rollback(cache.target, len(new_tokens))
+        cache.add_hidden(cycle.target_hidden[:, : len(new_tokens)])
         cache.pending = [anchor]
         cache.tokens.extend(new_tokens)
-        settle([c.state for c in cache.target], cache.target_hidden)
-        spent = time.perf_counter() - tic
+        logits, block = cycle.logits, cycle.block
+        if not ends:
+            cycle = launch(anchor, sizer.choose(max_tokens - n))
         lp = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True) if want_logprobs else None
         for i, t in enumerate(new_tokens):
             yield t, None if lp is None else lp[i], i < accepted, block

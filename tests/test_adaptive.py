@@ -110,7 +110,8 @@ def test_a_fixed_cost_table_ignores_measured_times():
 def test_failed_probes_back_off_and_a_successful_probe_probes_again():
     sizer = BlockSizer(16, CycleCosts(LINEAR))
     run(sizer, 0.0, 400, np.random.default_rng(0))  # the drafter never agrees: plain decoding
-    assert sizer.patience == 64
+    # probes of 2.4 plain steps each, one per 70 plain steps: 2% overhead
+    assert sizer.patience == sizer.longest_wait(16) == 70
     while sizer.choose(10_000) == 1:
         sizer.observe(1, 0, 1.0)
     sizer.observe(16, 1, 2.4)  # the probe's first slot was accepted
@@ -216,12 +217,19 @@ def test_a_fixed_block_is_reported_every_cycle_and_cut_at_the_end(qwen3_pair, tm
     assert all(b == min(4, 9 - n) for b, n in zip(blocks[1:], emitted[:-1]))
 
 
-def test_plain_cycles_record_nothing_to_roll_back(qwen3_pair, tmp_path):
-    """b = 1 is mlx-lm's own step: the target keeps its one token, no rollback record."""
+def test_plain_cycles_queue_the_next_step_and_closing_undoes_it(qwen3_pair, tmp_path):
+    """b = 1 queues the next step before yielding a token, as mlx-lm does;
+    closing the generator at any token rolls the queued step back."""
     pair = qwen3_pair
     draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
-    cache = dflash_mlx.make_prompt_cache(pair.model, draft)
-    steps = dflash_mlx.generate_step(prompt_of(5), pair.model, draft, prompt_cache=cache, block_size=1, max_tokens=6)
-    for token, _, from_draft, block in steps:
-        assert cache.target.undo is None and not from_draft and block in (0, 1)
+    for stop_after in range(1, 7):
+        cache = dflash_mlx.make_prompt_cache(pair.model, draft)
+        steps = dflash_mlx.generate_step(prompt_of(5), pair.model, draft, prompt_cache=cache, block_size=1, max_tokens=6)
+        for i, (token, _, from_draft, block) in enumerate(steps, 1):
+            assert not from_draft and block in (0, 1)
+            assert (cache.target.undo is not None) == (i < 6)  # the last token queues nothing
+            if i == stop_after:
+                break
+        steps.close()
+        assert cache.target.undo is None
         assert cache.target[0].offset == cache.offset - 1  # all but the pending token ran

@@ -31,7 +31,7 @@ def test_availability_is_per_device(device):
     cpu = fast_math.available(mx.cpu)
     assert fast_math.available(mx.gpu) is False
     assert fast_math.available() == (device == "cpu" and cpu)
-    assert fast_math.use_for(mx.zeros((2,))) == (device == "cpu" and cpu)
+    assert fast_math.use_for(mx.zeros((1, 2, 4))) == (device == "cpu" and cpu)
 
 
 def _inputs():
@@ -74,9 +74,15 @@ def test_swiglu_equals_mlx_lm_swiglu_bit_for_bit():
 
 def test_fused_paths_only_for_float32():
     for dtype in (mx.bfloat16, mx.float16):
-        assert not fast_math.use_for(mx.zeros((2,), dtype))
+        assert not fast_math.use_for(mx.zeros((1, 2, 4), dtype))
         assert not fast_math.approx_for(mx.zeros((2,), dtype))
-    assert fast_math.use_for(mx.zeros((2,), mx.float32)) == fast_math.available(mx.cpu)
+    assert fast_math.use_for(mx.zeros((1, 2, 4), mx.float32)) == fast_math.available(mx.cpu)
+
+
+def test_fused_exact_path_only_for_multi_token_blocks():
+    """A one-token step keeps MLX's own ops: it computes few activations."""
+    assert not fast_math.use_for(mx.zeros((1, 1, 4), mx.float32))
+    assert not fast_math.use_for(mx.zeros((4,), mx.float32))
 
 
 def test_approximate_softmax_and_swiglu_are_close():

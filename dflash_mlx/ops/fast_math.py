@@ -122,8 +122,11 @@ def _exact_on_cpu() -> bool:
 
 
 def use_for(x: mx.array) -> bool:
-    """Take the fused path for ``x``: float32, on a CPU where it is exact."""
-    return x.dtype == mx.float32 and available()
+    """Take the fused path for ``x`` (``[B, S, ...]``): float32, on a CPU
+    where it is exact, over more than one token. A one-token step computes
+    few activations, so the emulation's float64 work costs more than the
+    library calls it replaces."""
+    return x.dtype == mx.float32 and x.ndim > 1 and x.shape[1] > 1 and available()
 
 
 # Approximate versions: no ``view``, so they compile shapeless and a softmax
