@@ -23,6 +23,7 @@ depends on the backend and the machine.
 
 import math
 import statistics
+from collections import deque
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -36,26 +37,39 @@ from .errors import ArgumentError
 
 @dataclass
 class SlotAcceptance:
-    """Running estimate of the drafter's per-slot acceptance ``a``.
+    """Running estimate of how far into a block the target accepts.
 
-    Each slot is taken to be accepted with the same probability ``a`` given
-    the slots before it, so a cycle that drafted ``d`` slots and had ``k``
-    accepted shows ``k`` acceptances and (if ``k < d``) one rejection; ``a``
-    is their ratio, counts decaying by ``decay`` per cycle so that it follows
-    the recent text, with a prior of ``prior`` worth ``prior_weight`` cycles'
-    observations. One ratio learns from every drafted slot at once, so a
-    collapse or a recovery shows within a few cycles, and no slot is ever
-    judged from old, unrepresentative cycles.
+    Slot by slot, as a product-limit (Kaplan-Meier) estimate: of the recent
+    cycles that drafted slot ``j`` and had every slot before it accepted,
+    the share that had ``j`` accepted too is ``a_j``, each cycle weighing
+    ``decay`` times less per later cycle that reached the slot. A drafter's
+    acceptance comes in runs, long accepted stretches between early
+    rejections: once past the first slots a cycle tends to go far, and
+    per-slot shares keep that shape, where one rate for all slots would
+    spread it into a geometric tail that overvalues short blocks. A cycle
+    that stopped drafting before slot ``j`` says nothing about it. Each
+    slot's share is drawn toward the share of all drafted slots accepted
+    lately (:meth:`rate`, from a prior of ``prior`` at first) as if
+    ``prior_weight`` more cycles had shown that: a slot seen in a few
+    cycles is not judged on them alone, and one the loop has not drafted
+    lately follows how the drafter does overall. Each share is then taken
+    one standard error up: a slot seen in few cycles may do better than
+    they showed, and drafting it is the only way to find out, while a
+    share seen in many cycles is taken nearly as it is.
     """
 
     max_block: int
     prior: float = 0.8
-    prior_weight: float = 2.0
+    prior_weight: float = 4.0
     decay: float = 0.9
-    hits: float = 0.0
-    misses: float = 0.0
 
     def __post_init__(self):
+        n = max(self.max_block - 1, 0)
+        self.hits = self.misses = 0.0
+        self.pooled_prior = self.prior_weight
+        # per slot j (index j - 1): decayed cycles that reached it, and that rejected it
+        self.reached = [0.0] * n
+        self.rejected = [0.0] * n
         self.expected = self.expected_tokens()
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -64,35 +78,31 @@ class SlotAcceptance:
             return
         self.hits = self.hits * self.decay + accepted
         self.misses = self.misses * self.decay + (accepted < drafted)
+        self.pooled_prior *= self.decay
+        for i in range(min(accepted + 1, drafted, len(self.reached))):
+            self.reached[i] = self.reached[i] * self.decay + 1
+            self.rejected[i] = self.rejected[i] * self.decay + (i == accepted)
         self.expected = self.expected_tokens()
 
-    def counts(self):
-        """``(alpha, beta)``: accepted and rejected slots, prior included."""
-        w = self.prior_weight
-        return self.hits + w * self.prior, self.misses + w * (1 - self.prior)
-
     def rate(self) -> float:
-        alpha, beta = self.counts()
-        return alpha / (alpha + beta)
+        """Share of drafted slots accepted lately (each rejection ends a cycle), prior included."""
+        w = self.pooled_prior
+        return (self.hits + w * self.prior) / (self.hits + self.misses + w)
 
     def rates(self) -> List[float]:
         """``a_j`` for slots 1..max_block-1."""
-        return [self.rate()] * max(self.max_block - 1, 0)
+        pooled, w = self.rate(), self.prior_weight
+        out = []
+        for n, rej in zip(self.reached, self.rejected):
+            a = 1 - (rej + w * (1 - pooled)) / (n + w)
+            out.append(min(1.0, a + math.sqrt(a * (1 - a) / (n + w))))  # one standard error up
+        return out
 
     def expected_tokens(self) -> List[float]:
-        """``E(b)`` for b = 1..max_block (index b - 1), averaged over what
-        the counts leave open about ``a``.
-
-        With ``a ~ Beta(alpha, beta)`` the chance of reaching slot ``k`` is
-        ``E[a^k] = prod_{i<k} (alpha + i) / (alpha + beta + i)``, more than
-        ``rate() ** k`` while the counts are few: one rejected cycle does not
-        yet outweigh the long runs a drafter may still produce, and the
-        loop keeps drafting until the evidence against it is firm.
-        """
-        alpha, beta = self.counts()
+        """``E(b)`` for b = 1..max_block (index b - 1)."""
         out, reach = [1.0], 1.0
-        for i in range(self.max_block - 1):
-            reach *= (alpha + i) / (alpha + beta + i)
+        for a in self.rates():
+            reach *= a
             out.append(out[-1] + reach)
         return out
 
@@ -100,24 +110,41 @@ class SlotAcceptance:
 class CycleCosts:
     """Seconds per cycle at each block length, measured.
 
-    Seeded by a calibration (see :func:`calibrate`) and then followed
-    online: each cycle's measured time updates a running average for its
-    length, and a length not used lately is taken from the calibration,
-    scaled by how the measured lengths compare with theirs. A generation's
-    first cycle at a length is not counted: it may include compiling that
-    length's graphs. ``follow=False`` keeps the table as given, so that the
-    choices depend on acceptance alone (tests, simulations).
+    A plain step costs ``C(1)``; a drafting cycle ``C(b) = D + s (b - 1)``:
+    one draft, plus a verify (and a draft) growing by ``s`` per token. The
+    table a generation starts from (``calibrated``: the plain step and
+    drafting lengths, see :func:`calibrate`) gives all three. Online,
+    ``C(1)`` is the median of the last ``window`` plain cycles; ``s`` is
+    fitted by least squares to the last ``window`` drafting cycles, drawn
+    toward the table's slope as much as if the table were one more cycle
+    at each end of the block range (a window at one length says nothing of
+    the slope); ``D`` is the median of those cycles less their slope part.
+    Medians, since a cycle now and then is slowed by the machine, not by
+    its length; one ``D`` for every drafting length, so that each drafting
+    cycle informs them all and the length the loop happens to use never
+    looks cheaper for being the one measured. A first cycle at a length is
+    not counted: it may include compiling that length's graphs.
+    ``follow=False`` keeps the table as given, so that the choices depend
+    on acceptance alone (tests, simulations).
     """
 
-    def __init__(self, calibrated: Dict[int, float], smoothing: float = 0.2, follow: bool = True):
-        known = sorted(calibrated)
-        # index b - 1; between calibrated lengths the cost is linear in b
-        self.base = np.interp(np.arange(1, known[-1] + 1), known, [calibrated[k] for k in known]).tolist()
-        self.measured: List[Optional[float]] = [None] * len(self.base)
-        self.smoothing = smoothing
+    def __init__(self, calibrated: Dict[int, float], window: int = 32, follow: bool = True):
+        drafting = sorted(b for b in calibrated if b > 1)
+        if 1 not in calibrated:
+            raise ArgumentError("a cost table needs the plain step's cost (block 1)")
+        self.plain, self.slope, self.draft = float(calibrated[1]), 0.0, float(calibrated[1])
+        if len(drafting) > 1:  # least squares, the slope kept >= 0
+            lengths, costs = np.array(drafting, float) - 1, np.array([calibrated[b] for b in drafting])
+            self.slope = max(0.0, float(np.polyfit(lengths, costs, 1)[0]))
+            self.draft = float(np.mean(costs - self.slope * lengths))
+        elif drafting:  # one drafting length: flat until cycles of other lengths show a slope
+            self.draft = float(calibrated[drafting[0]])
+        self.max_block = drafting[-1] if drafting else 1
+        self.prior_slope = self.slope
         self.follow = follow
         self.warm = set()
-        self.table = list(self.base)
+        self.plain_recent = deque(maxlen=window)
+        self.drafting_recent = deque(maxlen=window)  # (b - 1, seconds)
 
     def observe(self, block: int, seconds: float) -> None:
         if not self.follow:
@@ -125,24 +152,21 @@ class CycleCosts:
         if block not in self.warm:
             self.warm.add(block)
             return
-        old = self.measured[block - 1]
-        self.measured[block - 1] = seconds if old is None else old + self.smoothing * (seconds - old)
-        self.table = None
-
-    def scale(self, drafting: bool) -> float:
-        """Median ratio measured / calibrated over the lengths measured so far."""
-        pairs = zip(self.measured, self.base)
-        ratios = [m / c for b, (m, c) in enumerate(pairs, 1) if m is not None and (b > 1) == drafting]
-        return statistics.median(ratios) if ratios else 1.0
+        if block == 1:
+            self.plain_recent.append(seconds)
+            self.plain = statistics.median(self.plain_recent)
+            return
+        self.drafting_recent.append((block - 1, seconds))
+        x, y = np.array(self.drafting_recent).T
+        ends = (self.max_block - 1 - 1) ** 2 / 2  # the table as one cycle at each end of 1..max-1
+        spread = float(((x - x.mean()) ** 2).sum())
+        fitted = float(((x - x.mean()) * (y - y.mean())).sum())
+        self.slope = max(0.0, (fitted + ends * self.prior_slope) / (spread + ends))
+        self.draft = float(np.median(y - self.slope * x))
 
     def upto(self, n: int) -> List[float]:
-        """Seconds per cycle at b = 1..n: measured where known, else the
-        calibration scaled; kept between observations (one per cycle)."""
-        if self.table is None:
-            scale = (self.scale(False), self.scale(True))
-            pairs = enumerate(zip(self.measured, self.base))
-            self.table = [c * scale[i > 0] if m is None else m for i, (m, c) in pairs]
-        return self.table[:n]
+        """Seconds per cycle at b = 1..n."""
+        return [self.plain] + [self.draft + self.slope * (b - 1) for b in range(2, n + 1)]
 
 
 # The most a drafter that never agrees may slow plain decoding down by
@@ -159,8 +183,8 @@ class BlockSizer:
     """
 
     def __init__(self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False, probe_block: Optional[int] = None):
-        if costs is not None and len(costs.base) < max_block:
-            raise ArgumentError(f"the cost table stops at block {len(costs.base)}; it must reach max_block {max_block}")
+        if costs is not None and costs.max_block < max_block:
+            raise ArgumentError(f"the cost table stops at block {costs.max_block}; it must reach max_block {max_block}")
         self.max_block = max_block
         self.costs = costs
         self.fixed = fixed or max_block == 1 or costs is None
@@ -290,7 +314,7 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibr
         for settle in timings:
             timings[settle].append(cycle_seconds(target, draft, cache, context, max_block, settle, cycles=3))
     overlap = np.median(timings[mx.async_eval]) < np.median(timings[mx.eval])
-    sizer = BlockSizer(max_block, CycleCosts(seed_costs(costs, max_block)))
+    sizer = BlockSizer(max_block, CycleCosts(costs))
     saved[key] = Calibration(costs, bool(overlap), sizer)
     return saved[key]
 
@@ -312,16 +336,3 @@ def plan(target, draft, cache, context: mx.array, max_block: int, fixed: bool, s
         sizer.begin()
     return sizer, calibration.settle
 
-
-def seed_costs(calibrated: Dict[int, float], max_block: int) -> Dict[int, float]:
-    """The cost table a generation starts from: plain steps at their
-    calibrated cost, every drafting length at the largest block's.
-
-    A draft is one forward whatever its length and a verify of a few
-    tokens is bound by per-op overhead rather than by arithmetic, so a
-    shorter block saves little; seeding shorter lengths as cheaper would
-    pull the choice below the block that commits the most per second. The
-    online measurements then correct each length the loop uses.
-    """
-    top = calibrated[max_block]
-    return {1: calibrated[1], **({2: top} if max_block > 2 else {}), max_block: top}

@@ -317,12 +317,13 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
         yield anchor, lp, False, 0
         return
     cycle = launch(anchor, sizer.choose(max_tokens - n))  # never more slots than tokens left
-    tic = time.perf_counter()
     yield anchor, lp, False, 0
+    tic = time.perf_counter()  # cycles are timed without the caller's time
     while True:
         accepted, bonus, proposed = read_outcome(cycle.outcome)
-        # A cycle's cost: from the previous read to this one, the caller's
-        # share included, since that is what the choice trades against.
+        # A cycle's cost: from the previous read to this one, less the
+        # caller's time with the tokens, which is the same per token
+        # whatever the block and so has no say in choosing it.
         now = time.perf_counter()
         sizer.observe(cycle.block, accepted, now - tic)  # before the next choice
         tic = now
@@ -341,10 +342,12 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
         if not ends:
             cycle = launch(anchor, sizer.choose(max_tokens - n))
         lp = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True) if want_logprobs else None
+        paused = time.perf_counter()
         for i, t in enumerate(new_tokens):
             yield t, None if lp is None else lp[i], i < accepted, block
         if ends:
             return
+        tic += time.perf_counter() - paused
 
 
 def stream_generate(
