@@ -47,29 +47,22 @@ def write_tokenizer(path: Path) -> int:
     return tok.get_vocab_size()
 
 
-DECODER = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=4096,
-)
+def family_config(model_type: str, architecture: str, **fields) -> dict:
+    """A tiny target config of one mlx-lm family: a 4-layer, 64-wide decoder
+    every family shares, its model type and Hugging Face architecture, and
+    ``fields`` of its own (which may resize the shared decoder)."""
+    decoder = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=4096,
+    )  # fmt: skip
+    return {**decoder, "model_type": model_type, "architectures": [architecture], **fields}
 
-QWEN3 = dict(
-    DECODER,
-    model_type="qwen3",
-    architectures=["Qwen3ForCausalLM"],
-    head_dim=16,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-)
 
-QWEN3_5 = dict(
-    DECODER,
-    model_type="qwen3_5",
-    architectures=["Qwen3_5ForConditionalGeneration"],
+QWEN3 = family_config("qwen3", "Qwen3ForCausalLM", head_dim=16, rope_theta=10000.0, tie_word_embeddings=True)
+
+QWEN3_5 = family_config(
+    "qwen3_5",
+    "Qwen3_5ForConditionalGeneration",
     head_dim=16,
     tie_word_embeddings=False,
     full_attention_interval=2,
@@ -83,10 +76,7 @@ QWEN3_5 = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
 )
 
-LLAMA = dict(
-    DECODER, model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=3,
-    rope_theta=500000.0, tie_word_embeddings=False,
-)
+LLAMA = family_config("llama", "LlamaForCausalLM", num_hidden_layers=3, rope_theta=500000.0, tie_word_embeddings=False)
 
 FAMILIES = {"qwen3": QWEN3, "qwen3_5": QWEN3_5, "llama": LLAMA}
 
@@ -137,32 +127,21 @@ def make_target(path: Path, base: dict, seed: int = 0, **overrides) -> Path:
 
 
 def draft_config(target_cfg: dict, vocab: int, *, layers=2, taps=None, block_size=8, **extra) -> dict:
-    """A z-lab DFlashDraftModel config for ``target_cfg`` (taps: first and last layer)."""
+    """A z-lab DFlashDraftModel config for ``target_cfg``: the tiny Qwen3
+    decoder, as wide as the target, reading its taps (default: first and last
+    layer); ``extra`` fields override any of it."""
     n_target = target_cfg["num_hidden_layers"]
-    cfg = dict(
-        architectures=["DFlashDraftModel"],
-        model_type="qwen3",
-        hidden_size=target_cfg["hidden_size"],
-        intermediate_size=96,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=vocab,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=4096,
-        attention_bias=False,
-        tie_word_embeddings=False,
-        num_target_layers=n_target,
-        block_size=block_size,
-        dflash_config={
-            "target_layer_ids": taps if taps is not None else [0, n_target - 1],
-            "mask_token_id": vocab - 1,
-        },
-    )
-    cfg.update(extra)
-    return cfg
+    cfg = family_config(
+        "qwen3",
+        "DFlashDraftModel",
+        # Its own decoder, as wide as the target.
+        hidden_size=target_cfg["hidden_size"], intermediate_size=96, num_hidden_layers=layers, head_dim=16,
+        vocab_size=vocab, rope_theta=10000.0, attention_bias=False, tie_word_embeddings=False,
+        # What it drafts from and how: the target's taps, blocks, the mask token.
+        num_target_layers=n_target, block_size=block_size,
+        dflash_config={"target_layer_ids": taps if taps is not None else [0, n_target - 1], "mask_token_id": vocab - 1},
+    )  # fmt: skip
+    return {**cfg, **extra}
 
 
 def make_draft(path: Path, cfg: dict, seed: int = 1, dtype=mx.float32, shards: int = 1) -> Path:

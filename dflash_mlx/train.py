@@ -32,6 +32,7 @@ import math
 import re
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -67,44 +68,82 @@ class TrainError(DFlashError, ValueError):
     """Bad input to the trainer: reported as one line, no traceback."""
 
 
+def option(default=dataclasses.MISSING, help=None, **flag):
+    """A :class:`TrainConfig` field with its ``train`` flag's help (as argparse
+    prints it: ``%%`` for a percent sign) and argparse keywords (``type``
+    where the annotation's scalar will not do, ``choices``, ``nargs``, hidden
+    ``aliases``), so a setting's default and help live in one place. A
+    callable ``default`` (``list``) is the field's factory."""
+    kind = {"default_factory": default} if callable(default) else {"default": default}
+    return dataclasses.field(**kind, metadata={"help": help, **flag})
+
+
 @dataclasses.dataclass
 class TrainConfig:
-    """One training run's settings; the ``train`` CLI builds it from its flags
-    (same names), and ``--resume`` compares the saved run's with it. ``None``
-    means a default that depends on the target or on other settings."""
+    """One training run's settings; the ``train`` CLI has a flag per field
+    (same name, default and help), and ``--resume`` compares the saved run's
+    with it. ``None`` means a default that depends on the target or on other
+    settings."""
 
-    model: str  # the frozen target: local path or Hugging Face id
-    draft_model: str  # the drafter checkpoint directory written
-    data: List[str] = dataclasses.field(default_factory=list)
+    model: str = option(help="target model: local path or Hugging Face id", aliases=("--target",))
+    draft_model: str = option(help="output drafter checkpoint directory", aliases=("--out",))
+    data: List[str] = option(
+        list, "text files (tokenised with the target's tokenizer) or .npy token arrays", nargs="+"
+    )
     # The drafter: its shape, the target layers it reads, its mask token.
-    num_layers: int = 2
-    block_size: int = DEFAULT_BLOCK_SIZE
-    taps: Optional[List[int]] = None
-    intermediate_size: Optional[int] = None
-    mask_token_id: Optional[int] = None
+    num_layers: int = option(2, "drafter layers", type=cli.positive_int)
+    block_size: int = option(DEFAULT_BLOCK_SIZE, "tokens per drafted block: the anchor and the slots after it")
+    taps: Optional[List[int]] = option(
+        None, "comma list of target layers to tap (default: the reference rule, one per drafter layer)", type=str
+    )
+    intermediate_size: Optional[int] = option(None, "drafter MLP width (default: the target's)")
+    mask_token_id: Optional[int] = option(None, "default: the tokenizer's <|mask|>-like token")
     # What each slot learns, and how much a later slot counts.
-    targets: str = "self-distill"
-    gamma: Optional[float] = None
+    targets: str = option(
+        "self-distill",
+        "labels: the target's own greedy predictions, or the data tokens",
+        choices=("self-distill", "data"),
+    )
+    gamma: Optional[float] = option(
+        None, "slot loss decay exp(-(j-1)/gamma) (default: block-size / 2, i.e. the public 4 for block 8)"
+    )
     # The optimisation.
-    steps: int = 1000
-    learning_rate: float = 6e-4
-    warmup: Optional[int] = None
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seed: int = 0
+    steps: int = option(1000, "optimizer steps", type=cli.positive_int)
+    learning_rate: float = option(6e-4, "peak learning rate")
+    warmup: Optional[int] = option(None, "linear warmup steps (default: 5%% of --steps), then cosine to 10%%")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    grad_clip: float = option(1.0, "global gradient-norm clip")
+    seed: int = option(0, "seed of the drafter's initialisation and of the batches")
     # The batches: windows of seq_len tokens, anchors_per_seq blocks each.
-    batch_size: int = 4
-    seq_len: int = 512
-    anchors_per_seq: int = 32
+    batch_size: int = option(4, "windows per step", type=cli.positive_int)
+    seq_len: int = option(512, "tokens per window", type=cli.positive_int)
+    anchors_per_seq: int = option(32, "blocks drawn per window", type=cli.positive_int)
     # The frozen target's outputs: its dtype, and whether they are kept.
-    target_dtype: Optional[str] = None
-    cache_target: bool = False
-    cache_dir: Optional[str] = None
+    target_dtype: Optional[str] = option(
+        None,
+        "run the frozen target in this dtype (default: as stored; float32 is faster on CPU for a bf16 "
+        "checkpoint, its taps differ from bf16 inference by rounding only)",
+        choices=tuple(DTYPES),
+    )
+    cache_target: bool = option(
+        False,
+        "keep each row's target taps and predictions in memory after its first pass, so later epochs skip "
+        "the target (data: 2-D .npy rows of exactly --seq-len tokens; memory: rows x seq-len x taps x hidden floats)",
+    )
+    cache_dir: Optional[str] = option(
+        None,
+        "with --cache-target: keep the target outputs in memory-mapped files here (taps as float16) instead "
+        "of memory, for data larger than memory; reused by --resume and later runs on the same rows",
+    )
     # The checkpoints.
-    save_every: int = 200
-    resume: bool = False
-    init_from: Optional[str] = None
-    dtype: str = "float32"
+    save_every: int = option(200, "checkpoint every N steps (and at the end)", type=cli.positive_int)
+    resume: bool = option(False, "continue the run saved in --draft-model")
+    init_from: Optional[str] = option(
+        None,
+        "start from this drafter's weights (a checkpoint of the same shape, e.g. an earlier run's "
+        "--draft-model) instead of a random initialisation; a fresh schedule and optimizer",
+    )
+    dtype: str = option("float32", "dtype of the saved model.safetensors (training is float32)", choices=tuple(DTYPES))
 
 
 # ------------------------------------------------------------------ the math
@@ -468,64 +507,35 @@ def check_resume(saved: dict, current: dict) -> None:
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    """The flags of :class:`TrainConfig`, with mlx-lm's names for the target
-    and the output (``--target`` / ``--out`` still work, unlisted)."""
-    d = TrainConfig
+    """A flag per :class:`TrainConfig` field: ``--model`` / ``--draft-model``
+    are mlx-lm's names for the target and the output (``--target`` / ``--out``
+    still work, unlisted)."""
     p = cli.ArgumentParser(
         prog="mlx-dflash train",
         description="Train a DFlash drafter for a frozen target (z-lab checkpoint layout).",
     )
-    p.add_argument("--model", default=None, help="target model: local path or Hugging Face id")
-    p.add_argument("--target", dest="model", help=argparse.SUPPRESS)
-    p.add_argument("--data", nargs="+", default=[], help="text files (tokenised with the target's tokenizer) or .npy token arrays")
-    p.add_argument("--draft-model", default=None, help="output drafter checkpoint directory")
-    p.add_argument("--out", dest="draft_model", help=argparse.SUPPRESS)
-    p.add_argument("--num-layers", type=cli.positive_int, default=d.num_layers, help="drafter layers")
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--taps", default=None, help="comma list of target layers to tap (default: the reference rule, one per drafter layer)")
-    p.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: the target's)")
-    p.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's <|mask|>-like token")
-    p.add_argument("--targets", choices=("self-distill", "data"), default=d.targets, help="labels: the target's own greedy predictions, or the data tokens")
-    p.add_argument("--steps", type=cli.positive_int, default=d.steps)
-    p.add_argument("--learning-rate", type=float, default=d.learning_rate)
-    p.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: 5%% of --steps), then cosine to 10%%")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global gradient-norm clip")
-    p.add_argument("--batch-size", type=cli.positive_int, default=d.batch_size)
-    p.add_argument("--seq-len", type=cli.positive_int, default=d.seq_len)
-    p.add_argument("--anchors-per-seq", type=cli.positive_int, default=d.anchors_per_seq)
-    p.add_argument("--gamma", type=float, default=None, help="slot loss decay exp(-(j-1)/gamma) (default: block-size / 2, i.e. the public 4 for block 8)")
-    p.add_argument(
-        "--cache-target",
-        action="store_true",
-        help="keep each row's target taps and predictions in memory after its first pass, so "
-        "later epochs skip the target (data: 2-D .npy rows of exactly --seq-len tokens; memory: "
-        "rows x seq-len x taps x hidden floats)",
-    )
-    p.add_argument(
-        "--cache-dir",
-        default=None,
-        help="with --cache-target: keep the target outputs in memory-mapped files here (taps as float16) "
-        "instead of memory, for data larger than memory; reused by --resume and later runs on the same rows",
-    )
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--save-every", type=cli.positive_int, default=d.save_every, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--resume", action="store_true", help="continue the run saved in --draft-model")
-    p.add_argument(
-        "--init-from",
-        default=None,
-        help="start from this drafter's weights (a checkpoint of the same shape, e.g. an earlier "
-        "run's --draft-model) instead of a random initialisation; a fresh schedule and optimizer",
-    )
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype, help="dtype of the saved model.safetensors (training is float32)")
-    p.add_argument(
-        "--target-dtype",
-        choices=tuple(DTYPES),
-        default=None,
-        help="run the frozen target in this dtype (default: as stored; float32 is "
-        "faster on CPU for a bf16 checkpoint, its taps differ from bf16 inference by rounding only)",
-    )
+    for f in dataclasses.fields(TrainConfig):
+        options = dict(f.metadata)
+        aliases = options.pop("aliases", ())
+        p.add_argument("--" + f.name.replace("_", "-"), **flag_options(f, options))
+        for alias in aliases:
+            p.add_argument(alias, dest=f.name, help=argparse.SUPPRESS)
     return p
+
+
+def flag_options(f: dataclasses.Field, options: dict) -> dict:
+    """argparse keywords of a field's flag: a switch for a bool, else a value
+    of the annotation's scalar (``int`` for ``Optional[int]``), the field's
+    default (``None`` for a required field: ``check_args`` names it)."""
+    if f.type is bool:
+        return dict(options, action="store_true")
+    if f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    else:
+        default = None if f.default is dataclasses.MISSING else f.default
+    scalar = [t for t in typing.get_args(f.type) if t is not type(None)]
+    options.setdefault("type", scalar[0] if scalar else f.type)
+    return dict(options, default=default)
 
 
 def check_args(args: TrainConfig) -> None:

@@ -31,6 +31,7 @@ from default_pair.data import stage_data  # noqa: E402
 from default_pair.drafter import stage_drafter  # noqa: E402
 from default_pair.target import stage_target  # noqa: E402
 from default_pair.tokenizer import stage_tokenizer  # noqa: E402
+from stages import add_training_arguments, chosen_stages, stage_parser  # noqa: E402
 
 STAGES = {
     "data": stage_data,
@@ -41,20 +42,14 @@ STAGES = {
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stage", choices=[*STAGES, "all"], default="all")
-    ap.add_argument("--work-dir", default=str(DEFAULT_WORK))
-    ap.add_argument("--seed", type=int, default=0)
+    ap = stage_parser(__doc__.split("\n")[0], STAGES, DEFAULT_WORK)
     ap.add_argument("--n-prompts", type=int, default=24)
     ap.add_argument("--vocab-size", type=int, default=2048)
     ap.add_argument("--pair-dir", default=str(PAIR_DIR), help="where the prompts and the drafter go")
     ap.add_argument("--out-dir", default=None, help="target output dir (default: PAIR_DIR/target)")
-    ap.add_argument("--steps", type=int, default=1200)
-    ap.add_argument("--seq-len", type=int, default=128)
     # Small batches, many steps: per-token cost is flat in batch size on CPU,
     # and at this tiny budget more updates beat less noisy ones (measured).
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    add_training_arguments(ap, "the target", steps=1200, seq_len=128, batch_size=4, lr=2e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--adam-beta2", type=float, default=0.999)
@@ -85,8 +80,7 @@ def main(argv=None) -> None:
     given = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--drafter-resume"]
     args.command = "python recipes/build_default_pair.py " + " ".join(given)
 
-    stages = list(STAGES) if args.stage == "all" else [args.stage]
-    for name in stages:
+    for name in chosen_stages(STAGES, args.stage):
         print(f"== stage {name}")
         STAGES[name](args)
 

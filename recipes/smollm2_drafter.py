@@ -23,7 +23,6 @@ Every stage appends its wall time to ``times.json`` in the work directory,
 so the card reports the whole build even across interrupted sessions.
 """
 
-import argparse
 import json
 import sys
 import time
@@ -33,6 +32,8 @@ RECIPES = Path(__file__).resolve().parent
 REPO = RECIPES.parent
 sys.path.insert(0, str(RECIPES))
 sys.path.insert(0, str(REPO))
+
+from stages import add_training_arguments, chosen_stages, stage_parser  # noqa: E402
 
 WORK = Path("~/.cache/dflash_mlx/smollm2").expanduser()
 PKG_DIR = REPO / "dflash_mlx" / "smollm2_pair"
@@ -93,6 +94,36 @@ def train_argv(args, target: str, mask_id: int) -> list:
         "--seed", str(args.seed), "--save-every", str(args.save_every), "--target-dtype", "float32",
         "--cache-target", "--cache-dir", str(work / f"target-outputs-{name}"), "--dtype", "float32",
     ]  # fmt: skip
+
+
+def requests_file(args) -> Path:
+    return Path(args.work_dir) / "requests.json"
+
+
+def stage_requests(args):
+    import smollm2_requests
+
+    smollm2_requests.main(["--out", str(requests_file(args)), "--seed", str(args.seed)])
+
+
+def stage_distill(args):
+    import smollm2_distill
+
+    smollm2_distill.main(
+        ["--requests", str(requests_file(args)), "--out", str(Path(args.work_dir) / "distill"), "--batch-size", "32",
+         "--shard-size", "128", "--max-tokens", str(DISTILL_MAX_TOKENS), "--resume"]  # fmt: skip
+    )
+
+
+def stage_rows(args):
+    import smollm2_rows
+
+    work, name = Path(args.work_dir), data_name(args)
+    smollm2_rows.main(
+        ["--shards", str(work / "distill"), "--seq-len", str(args.seq_len), "--out", str(work / f"rows-{name}.npy"),
+         "--max-shards", name.rsplit("-s", 1)[1], "--max-tokens", str(DISTILL_MAX_TOKENS),
+         "--end-ids", end_of_turn()]  # fmt: skip
+    )
 
 
 def stage_train(args):
@@ -194,50 +225,36 @@ mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_conf
     (out / "README.md").write_text(card)
 
 
+STAGES = {
+    "requests": stage_requests,
+    "distill": stage_distill,
+    "rows": stage_rows,
+    "train": stage_train,
+    "measure": stage_measure,
+    "install": stage_install,
+}
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--stage", choices=("requests", "distill", "rows", "train", "measure", "install", "all"), default="all"
-    )
-    p.add_argument("--work-dir", default=str(WORK))
+    p = stage_parser(__doc__.splitlines()[0], STAGES, WORK)
     p.add_argument("--pkg-dir", default=str(PKG_DIR), help="where the drafter is installed (a trial build: elsewhere)")
-    p.add_argument("--seq-len", type=int, default=1024)
+    add_training_arguments(p, "the drafter", steps=4000, seq_len=1024, batch_size=4, lr=6e-4)
     p.add_argument(
         "--max-shards", type=int, default=None,
         help="train on the first N distillation shards (a fixed data set while more are being made)",
     )
-    p.add_argument("--steps", type=int, default=4000)
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--anchors", type=int, default=16)
     p.add_argument("--save-every", type=int, default=25)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--measure-prompts", type=int, default=16, help="held-out requests the measure stage decodes")
     p.add_argument("--measure-tokens", type=int, default=1024)
     args = p.parse_args(argv)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    requests = str(work / "requests.json")
-    stages = {
-        "requests": lambda: __import__("smollm2_requests").main(["--out", requests, "--seed", str(args.seed)]),
-        "distill": lambda: __import__("smollm2_distill").main(
-            ["--requests", requests, "--out", str(work / "distill"), "--batch-size", "32", "--shard-size", "128",
-             "--max-tokens", str(DISTILL_MAX_TOKENS), "--resume"]  # fmt: skip
-        ),
-        "rows": lambda: __import__("smollm2_rows").main(
-            ["--shards", str(work / "distill"), "--seq-len", str(args.seq_len), "--out",
-             str(work / f"rows-{data_name(args)}.npy"), "--max-shards", str(int(data_name(args).rsplit("-s", 1)[1])),
-             "--max-tokens", str(DISTILL_MAX_TOKENS), "--end-ids", end_of_turn()]  # fmt: skip
-        ),
-        "train": lambda: stage_train(args),
-        "measure": lambda: stage_measure(args),
-        "install": lambda: stage_install(args),
-    }
-    for name in stages if args.stage == "all" else [args.stage]:
-        if name == "requests" and Path(requests).exists():
+    for name in chosen_stages(STAGES, args.stage):
+        if name == "requests" and requests_file(args).exists():
             continue  # seeded: the same file again
         print(f"== stage {name}", flush=True)
-        timed(work, name, stages[name])
+        timed(work, name, lambda: STAGES[name](args))
 
 
 if __name__ == "__main__":

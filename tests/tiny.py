@@ -20,12 +20,12 @@ from mlx_lm.utils import load_model
 
 import dflash_mlx
 from dflash_mlx.random_pair import (  # the builders the package ships, for benchmarks too
-    DECODER,
     LLAMA,
     MASK,
     QWEN3,
     QWEN3_5,
     draft_config,
+    family_config,
     make_draft,
     make_target,
     seeded_init,
@@ -40,10 +40,7 @@ from dflash_mlx.targets import adapter_for
 # Target configs: one per family the README lists (qwen3, qwen3_5 and llama
 # are dflash_mlx.random_pair's)
 
-QWEN2 = dict(
-    DECODER, model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_hidden_layers=3,
-    rope_theta=10000.0, tie_word_embeddings=False,
-)
+QWEN2 = family_config("qwen2", "Qwen2ForCausalLM", num_hidden_layers=3, rope_theta=10000.0, tie_word_embeddings=False)
 
 QWEN3_MOE = dict(
     QWEN3, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4,
@@ -69,10 +66,9 @@ def multimodal(base: dict) -> dict:
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
-GEMMA4_TEXT = dict(
-    DECODER,
-    model_type="gemma4_text",
-    architectures=["Gemma4ForCausalLM"],
+GEMMA4_TEXT = family_config(
+    "gemma4_text",
+    "Gemma4ForCausalLM",
     intermediate_size=96,
     num_hidden_layers=6,
     head_dim=16,
