@@ -158,10 +158,11 @@ class CycleCosts:
             return
         self.drafting_recent.append((block - 1, seconds))
         x, y = np.array(self.drafting_recent).T
-        ends = (self.max_block - 1 - 1) ** 2 / 2  # the table as one cycle at each end of 1..max-1
+        ends = (self.max_block - 2) ** 2 / 2  # the table as one cycle at each end of b - 1 = 1..max-1
         spread = float(((x - x.mean()) ** 2).sum())
         fitted = float(((x - x.mean()) * (y - y.mean())).sum())
-        self.slope = max(0.0, (fitted + ends * self.prior_slope) / (spread + ends))
+        if spread + ends > 0:  # else one drafting length: no slope to fit
+            self.slope = max(0.0, (fitted + ends * self.prior_slope) / (spread + ends))
         self.draft = float(np.median(y - self.slope * x))
 
     def upto(self, n: int) -> List[float]:

@@ -257,3 +257,10 @@ def test_plain_cycles_queue_the_next_step_and_closing_undoes_it(qwen3_pair, tmp_
         steps.close()
         assert cache.target.undo is None
         assert cache.target[0].offset == cache.offset - 1  # all but the pending token ran
+
+
+def test_costs_with_one_drafting_length_stay_flat():
+    costs = CycleCosts({1: 1.0, 2: 1.5})
+    for seconds in (2.0, 2.0, 2.0):
+        costs.observe(2, seconds)
+    assert costs.upto(2) == [1.0, 2.0] and costs.slope == 0.0
