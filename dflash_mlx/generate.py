@@ -211,8 +211,9 @@ def generate_step(
     when the cache has a pending token). ``logprobs`` (the target's
     log-probabilities ``[V]`` at the token's position) is None unless asked
     for. Generation ends after ``max_tokens`` tokens or an eos (yielded, and
-    kept in the cache as mlx-lm keeps it); every yield leaves the cache
-    consistent, so closing the generator at any token is safe.
+    kept in the cache as mlx-lm keeps it). While a token is out, the next
+    cycle may already be queued on the cache; closing the generator rolls
+    it back, so the cache is consistent after any token.
 
     Greedy (``temperature == 0`` and no ``sampler``) output is token-identical
     to the target's own greedy decode. With ``temperature > 0`` every committed
