@@ -172,7 +172,7 @@ class CycleCosts:
 
 # The most a drafter that never agrees may slow plain decoding down by
 # probing it (see BlockSizer.longest_wait).
-PROBE_BUDGET = 0.02
+PROBE_BUDGET = 0.01
 
 
 class BlockSizer:
