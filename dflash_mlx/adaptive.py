@@ -157,13 +157,16 @@ class CycleCosts:
             self.plain = statistics.median(self.plain_recent)
             return
         self.drafting_recent.append((block - 1, seconds))
-        x, y = np.array(self.drafting_recent).T
+        # Plain Python: a few dozen numbers, on the path between two cycles.
+        n = len(self.drafting_recent)
+        x_mean = sum(x for x, _ in self.drafting_recent) / n
+        y_mean = sum(y for _, y in self.drafting_recent) / n
+        spread = sum((x - x_mean) ** 2 for x, _ in self.drafting_recent)
+        fitted = sum((x - x_mean) * (y - y_mean) for x, y in self.drafting_recent)
         ends = (self.max_block - 2) ** 2 / 2  # the table as one cycle at each end of b - 1 = 1..max-1
-        spread = float(((x - x.mean()) ** 2).sum())
-        fitted = float(((x - x.mean()) * (y - y.mean())).sum())
         if spread + ends > 0:  # else one drafting length: no slope to fit
             self.slope = max(0.0, (fitted + ends * self.prior_slope) / (spread + ends))
-        self.draft = float(np.median(y - self.slope * x))
+        self.draft = statistics.median(y - self.slope * x for x, y in self.drafting_recent)
 
     def upto(self, n: int) -> List[float]:
         """Seconds per cycle at b = 1..n."""
