@@ -12,8 +12,10 @@ greedy output and the sampled distribution do not depend on it, since it is
 made from past cycles only, before the block is drafted.
 
 At ``b = 1`` nothing is drafted, so nothing is learnt about acceptance; the
-sizer then probes with a small block now and then, backing off while the
-drafter keeps failing, so drafting comes back when acceptance recovers.
+sizer then probes with a whole block now and then, backing off while the
+drafter keeps failing (at most ``PROBE_BUDGET`` of the plain decoding time),
+so drafting comes back when acceptance recovers. What a pair's sizer has
+learnt carries over to its next generation in the process.
 
 How each phase is evaluated (``mx.eval``, so the host waits, or
 ``mx.async_eval``, so the host builds the next graph meanwhile) is measured
