@@ -25,10 +25,10 @@ depends on the backend and the machine.
 
 import math
 import statistics
-from collections import deque
 import time
 import weakref
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
@@ -226,7 +226,8 @@ class BlockSizer:
         """Plain cycles between failed probes at most: enough that probing a
         drafter that never agrees costs at most ``PROBE_BUDGET`` of the time
         spent decoding plainly, at the measured costs."""
-        plain, probing = self.costs.upto(probe)[0], self.costs.upto(probe)[-1]
+        costs = self.costs.upto(probe)
+        plain, probing = costs[0], costs[-1]
         return max(4, math.ceil((probing - plain) / (PROBE_BUDGET * plain)))
 
     def observe(self, block: int, accepted: int, seconds: float) -> None:
