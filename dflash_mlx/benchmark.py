@@ -318,6 +318,30 @@ def pooled_tps(runs: List[dict]) -> float:
     return sum(len(r["tokens"]) for r in runs) / sum(len(r["tokens"]) / r["tps"] for r in runs)
 
 
+def position_buckets(max_tokens: int) -> List[tuple]:
+    """Answer-position ranges ``(0, 256), (256, 512), (512, 1024), ...``, the
+    last cut at ``max_tokens``: where a drafter trained on short rows fades."""
+    edges = [0]
+    while edges[-1] < max_tokens:
+        edges.append(min(max_tokens, max(256, 2 * edges[-1])))
+    return list(zip(edges, edges[1:]))
+
+
+def tokens_per_cycle_by_position(runs: List[dict], max_tokens: int) -> Dict[str, float]:
+    """Mean tokens per cycle of ``runs`` by the answer position the cycle
+    starts at (the prefill's token is position 0), per :func:`position_buckets`."""
+    sums = {bucket: [0, 0] for bucket in position_buckets(max_tokens)}
+    for r in runs:
+        position = 1
+        for committed in r["committed"]:
+            for lo, hi in sums:
+                if lo <= position < hi:
+                    sums[(lo, hi)][0] += committed
+                    sums[(lo, hi)][1] += 1
+            position += committed
+    return {f"{lo}-{hi}": round(c / n, 3) for (lo, hi), (c, n) in sums.items() if n}
+
+
 def cycle_summary(runs: List[dict], max_block: int) -> dict:
     """Tokens per cycle and the chosen block sizes of DFlash ``runs``."""
     committed = [c for r in runs for c in r["committed"]]
@@ -410,6 +434,7 @@ def benchmark(
         "dflash_tps": pooled["dflash"],
         "speedup": speedup,
         **summary,
+        "tokens_per_cycle_by_position": tokens_per_cycle_by_position(first["dflash"], max_tokens),
         "phase_ms_per_cycle": phase_timings(model, draft, tokenizer, prompts, max_tokens, block_size),
         "forward_ms": forwards,
         "ideal_speedup": ideal,
@@ -424,6 +449,7 @@ def benchmark(
         report["fixed_block_tps"] = pooled["fixed"]
         report["fixed_block_speedup"] = pooled["fixed"] / pooled["autoregressive"]
         report["fixed_block_tokens_per_cycle"] = at_max
+        report["fixed_block_tokens_per_cycle_by_position"] = tokens_per_cycle_by_position(first["fixed"], max_tokens)
     return report, first["autoregressive"]
 
 
@@ -439,6 +465,13 @@ def print_report(r: dict) -> None:
             f"   ({r['fixed_block_tokens_per_cycle']:.2f} tokens per cycle)"
         )
     print(f"mean tokens per cycle    {r['mean_tokens_per_cycle']:.2f}")
+    if len(r["tokens_per_cycle_by_position"]) > 1:
+        fixed = r.get("fixed_block_tokens_per_cycle_by_position")
+        by_pos = "  ".join(
+            f"{k}: {v:.2f}" + (f" ({fixed[k]:.2f} fixed)" if fixed and k in fixed else "")
+            for k, v in r["tokens_per_cycle_by_position"].items()
+        )
+        print(f"  by answer position     {by_pos}")
     chosen = " ".join(f"{k}:{v}" for k, v in r["block_size_histogram"].items() if v)
     print(f"chosen block sizes       {chosen}  (mean {r['mean_block_size']:.2f})")
     print(
@@ -476,30 +509,33 @@ def print_report(r: dict) -> None:
         print(f"DFlash2 conv+selector    {impl}: {100 * share['share']:.1f}% of a draft forward ({1e3 * share['draft_s']:.2f} ms)")
 
 
-def plot(r: dict, path: str) -> None:
+def plot(reports: List[dict], path: str) -> None:
+    """One row of panels per report (per --max-tokens): acceptance, tok/s, and
+    the first prompt's cycles."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
-    hist = r["acceptance_histogram"]
-    ax1.bar([int(k) for k in hist], list(hist.values()), color="#4C72B0")
-    ax1.set_xlabel("tokens committed per cycle")
-    ax1.set_ylabel("cycles")
-    ax1.set_title(f"acceptance (mean {r['mean_tokens_per_cycle']:.2f})")
-    names = ["autoregressive", "DFlash"]
-    values = [r["autoregressive_tps"], r["dflash_tps"]]
-    if "fixed_block_tps" in r:
-        names.append(f"fixed {r['block_size']}")
-        values.append(r["fixed_block_tps"])
-    if "speculative_tps" in r:
-        names.insert(1, "spec. (mlx-lm)")
-        values.insert(1, r["speculative_tps"])
-    ax2.bar(names, values, color=["#999999", "#DD8452", "#55A868", "#C44E52"][: len(names)])
-    ax2.set_ylabel("tokens / s")
-    ax2.set_title(f"speedup {r['speedup']:.2f}x")
-    plot_trace(ax3, r["trace"])
+    fig, axes = plt.subplots(len(reports), 3, figsize=(15, 4 * len(reports)), squeeze=False)
+    for (ax1, ax2, ax3), r in zip(axes, reports):
+        hist = r["acceptance_histogram"]
+        ax1.bar([int(k) for k in hist], list(hist.values()), color="#4C72B0")
+        ax1.set_xlabel("tokens committed per cycle")
+        ax1.set_ylabel("cycles")
+        ax1.set_title(f"{r['max_tokens']} tokens: acceptance (mean {r['mean_tokens_per_cycle']:.2f})")
+        names = ["autoregressive", "DFlash"]
+        values = [r["autoregressive_tps"], r["dflash_tps"]]
+        if "fixed_block_tps" in r:
+            names.append(f"fixed {r['block_size']}")
+            values.append(r["fixed_block_tps"])
+        if "speculative_tps" in r:
+            names.insert(1, "spec. (mlx-lm)")
+            values.insert(1, r["speculative_tps"])
+        ax2.bar(names, values, color=["#999999", "#DD8452", "#55A868", "#C44E52"][: len(names)])
+        ax2.set_ylabel("tokens / s")
+        ax2.set_title(f"speedup {r['speedup']:.2f}x")
+        plot_trace(ax3, r["trace"])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -520,7 +556,11 @@ def setup_arg_parser() -> cli.ArgumentParser:
     cli.add_pair_arguments(p)
     p.add_argument("--prompts", default=None, help="JSON list of prompts (default: the bundled held-out prompts)")
     p.add_argument("--num-prompts", type=cli.positive_int, default=None)
-    p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_BENCH_MAX_TOKENS)
+    p.add_argument(
+        "--max-tokens", "-m", type=cli.positive_int, nargs="+", default=None,
+        help=f"new tokens per prompt; several values run the benchmark at each (default: the named pair's "
+        f"lengths, else {DEFAULT_BENCH_MAX_TOKENS})",
+    )
     cli.add_block_size_argument(p)
     p.add_argument("--repeats", type=cli.positive_int, default=DEFAULT_BENCH_REPEATS, help="timed runs per prompt of each configuration, alternating")
     p.add_argument("--ar-draft-model", default=None, help="also run mlx-lm's classic speculative decoding with this autoregressive drafter")
@@ -542,7 +582,7 @@ def read_prompts(path) -> List[str]:
 
 
 def main(argv=None):
-    from .pair import benchmark_prompts, load_pair
+    from .pair import benchmark_lengths, benchmark_prompts, load_pair
 
     args = setup_arg_parser().parse_args(argv)
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -552,32 +592,38 @@ def main(argv=None):
     model, tokenizer, draft, draft_path = load_pair(args.model, args.draft_model)
     prompts = prompts or benchmark_prompts(args.model, tokenizer)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
-    report, ar_runs = benchmark(model, draft, tokenizer, prompts, args.max_tokens, args.block_size, args.repeats)
+    reports = []
+    for max_tokens in args.max_tokens or benchmark_lengths(args.model):
+        report = full_report(args, model, tokenizer, draft, prompts, max_tokens)
+        report.update(model=str(args.model), draft_model=str(draft_path), mlx=mx.__version__, device=str(mx.default_device()))
+        print_report(report)
+        reports.append(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports[0] if len(reports) == 1 else reports, f, indent=2)
+    if args.plot:
+        plot(reports, args.plot)
+    return 0
+
+
+def full_report(args, model, tokenizer, draft, prompts, max_tokens) -> dict:
+    """:func:`benchmark` at ``max_tokens`` and the comparisons the flags ask for."""
+    report, ar_runs = benchmark(model, draft, tokenizer, prompts, max_tokens, args.block_size, args.repeats)
     if args.ar_draft_model:
         from mlx_lm import load as mlx_lm_load
 
         ar_draft = mlx_lm_load(args.ar_draft_model)[0]
-        report.update(
-            speculative_baseline(model, ar_draft, tokenizer, prompts, args.max_tokens, ar_runs, args.num_draft_tokens)
-        )
+        report.update(speculative_baseline(model, ar_draft, tokenizer, prompts, max_tokens, ar_runs, args.num_draft_tokens))
     if args.temp:
         report["sampling_temperature"] = args.temp
         report["sampled_tokens_per_cycle"] = tokens_per_cycle_by_rule(
-            model, draft, tokenizer, prompts, temperature=args.temp,
-            max_tokens=args.max_tokens, block_size=args.block_size,
+            model, draft, tokenizer, prompts, temperature=args.temp, max_tokens=max_tokens, block_size=args.block_size,
         )
     if draft.config.architecture == "DFlash2DraftModel":
         report["conv_selector_share"] = conv_selector_share(draft, block_size=report["block_size"])
     if args.ttft_turn1:
         report["second_turn_ttft"] = second_turn_ttft(model, draft, tokenizer, prompts, args.ttft_turn1)
-    report.update(model=str(args.model), draft_model=str(draft_path), mlx=mx.__version__, device=str(mx.default_device()))
-    print_report(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    if args.plot:
-        plot(report, args.plot)
-    return 0
+    return report
 
 
 if __name__ == "__main__":

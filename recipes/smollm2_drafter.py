@@ -141,30 +141,21 @@ def stage_train(args):
         raise SystemExit("drafter training failed")
 
 
-BUCKETS = ((0, 256), (256, 512), (512, 1024))
-
-
 def stage_measure(args):
-    """Tokens committed per verify cycle by position in the answer (greedy,
-    held-out requests, chat template), for the current checkpoint."""
-    from dflash_mlx import load, load_draft, stream_generate
-    from dflash_mlx.pair import named_prompts, prepare_target
+    """Tokens committed per verify cycle (fixed block) by position in the
+    answer, on held-out requests with the chat template, for the current
+    checkpoint."""
+    from dflash_mlx import load, load_draft
+    from dflash_mlx.benchmark import run_dflash, tokens_per_cycle_by_position
+    from dflash_mlx.generate import mean_tokens_per_cycle
+    from dflash_mlx.pair import benchmark_prompts, prepare_target
 
     model, tokenizer = load(str(prepare_target("smollm2")))
     draft = load_draft(run_dir(args), model)
-    sums = {b: [0, 0] for b in BUCKETS}  # committed, cycles
-    for request in named_prompts("smollm2")[: args.measure_prompts]:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True)
-        position = None
-        for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=args.measure_tokens):
-            if position is not None:  # the prefill's token is not a cycle
-                for lo, hi in BUCKETS:
-                    if lo <= position < hi:
-                        sums[(lo, hi)][0] += r.committed
-                        sums[(lo, hi)][1] += 1
-            position = r.generation_tokens
-    result = {f"{lo}-{hi}": round(c / n, 3) if n else None for (lo, hi), (c, n) in sums.items()}
-    result["cycles"] = {f"{lo}-{hi}": n for (lo, hi), (_, n) in sums.items()}
+    prompts = benchmark_prompts("smollm2", tokenizer)[: args.measure_prompts]
+    runs = [run_dflash(model, draft, tokenizer, p, args.measure_tokens, draft.block_size) for p in prompts]
+    result = tokens_per_cycle_by_position(runs, args.measure_tokens)
+    result["all"] = round(mean_tokens_per_cycle([c for r in runs for c in r["committed"]]), 3)
     (run_dir(args) / "acceptance.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 

@@ -193,13 +193,22 @@ def test_bench_temp_and_its_old_spelling():
 
 def test_plot_prints_nothing(tmp_path, capsys):
     report = {
-        "acceptance_histogram": {"1": 2, "2": 3}, "mean_tokens_per_cycle": 1.6, "autoregressive_tps": 10.0,
+        "max_tokens": 8, "acceptance_histogram": {"1": 2, "2": 3}, "mean_tokens_per_cycle": 1.6, "autoregressive_tps": 10.0,
         "dflash_tps": 15.0, "speedup": 1.5, "speculative_unavailable": "cannot trim",
         "trace": {"committed": [1, 2, 2, 1, 2], "block_size": [2, 2, 4, 1, 2]},
     }
-    benchmark.plot(report, str(tmp_path / "r.png"))
+    benchmark.plot([report], str(tmp_path / "r.png"))
     assert capsys.readouterr().out == ""
     assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_position_buckets_follow_the_answer():
+    assert benchmark.position_buckets(128) == [(0, 128)]
+    assert benchmark.position_buckets(1024) == [(0, 256), (256, 512), (512, 1024)]
+    assert benchmark.position_buckets(300) == [(0, 256), (256, 300)]
+    # Cycles start at positions 1 (after the prefill's token), 256 and 260.
+    runs = [{"committed": [255, 4, 10]}, {"committed": [2]}]
+    assert benchmark.tokens_per_cycle_by_position(runs, 300) == {"0-256": 128.5, "256-300": 7.0}
 
 
 @pytest.mark.parametrize("flag", ["--max-tokens", "--block-size"])

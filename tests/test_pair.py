@@ -98,6 +98,24 @@ def test_load_pair_by_name_is_lossless(tiny_pair):
     assert templated[0].startswith("<|im_start|>user\n") and P.benchmark_prompts("other", tokenizer) == P.default_prompts()
 
 
+def test_a_bfloat16_drafter_computes_in_its_float32_targets_dtype(tiny_pair):
+    import shutil
+
+    from mlx.utils import tree_flatten
+
+    draft_dir = tiny_pair[1]["dir"] / "draft"
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    shutil.rmtree(draft_dir)
+    tiny.make_draft(draft_dir, cfg, dtype=mx.bfloat16)
+    stored = mx.load(str(draft_dir / "model.safetensors"))
+    assert {v.dtype for v in stored.values()} == {mx.bfloat16}
+    model, _, draft, _ = P.load_pair("tiny")
+    assert P.float_dtype(model) == mx.float32
+    assert {v.dtype for _, v in tree_flatten(draft.parameters())} == {mx.float32}
+    name, value = next(iter(stored.items()))
+    assert mx.array_equal(dict(tree_flatten(draft.parameters()))[name], value.astype(mx.float32))
+
+
 def test_bench_by_name_runs_the_held_out_chat_requests(tiny_pair, tmp_path, capsys):
     from dflash_mlx.benchmark import main as bench_main
 
@@ -106,6 +124,21 @@ def test_bench_by_name_runs_the_held_out_chat_requests(tiny_pair, tmp_path, caps
     report = json.loads(out.read_text())
     assert report["model"] == "tiny" and Path(report["draft_model"]) == tiny_pair[1]["dir"] / "draft"
     assert report["prompts"] == 1 and report["outputs_identical"]
+
+
+def test_bench_by_name_runs_the_pairs_lengths(tiny_pair, tmp_path, monkeypatch):
+    from dflash_mlx.benchmark import main as bench_main
+
+    monkeypatch.setitem(tiny_pair[1], "bench_max_tokens", (6, 12))
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert bench_main(["--model", "tiny", "--repeats", "1", "--json", str(out), "--plot", str(png)]) == 0
+    reports = json.loads(out.read_text())
+    assert [r["max_tokens"] for r in reports] == [6, 12] and all(r["outputs_identical"] for r in reports)
+    for r in reports:
+        by_position = r["fixed_block_tokens_per_cycle_by_position"]
+        assert list(by_position) == [f"0-{r['max_tokens']}"]
+        assert by_position[f"0-{r['max_tokens']}"] == pytest.approx(r["fixed_block_tokens_per_cycle"], abs=1e-3)
+    assert png.stat().st_size > 1000
 
 
 def test_wrong_file_in_the_wheel_is_refused(tiny_pair, monkeypatch):
