@@ -8,7 +8,8 @@ The training requests go through the target's chat template and mlx-lm's
 ``batch_generate`` answers them greedily, ``--batch-size`` at a time. Every
 ``--shard-size`` requests become one shard, written atomically
 (``shard-00000.npz``: ``tokens`` prompt + answer back to back, ``offsets``,
-``prompt_lens``), so ``--resume`` continues at the first missing shard.
+``prompt_lens``, and the ``seconds`` it took), so ``--resume`` continues at
+the first missing shard and the drafter's card can add up the time.
 Progress goes to ``progress.log`` in ``--out``.
 """
 
@@ -27,10 +28,13 @@ def log(out: Path, line: str):
         f.write(f"{stamp} {line}\n")
 
 
-def write_shard(path: Path, rows, prompt_lens):
+def write_shard(path: Path, rows, prompt_lens, seconds: float):
     tmp = path.with_name(path.name + ".tmp.npz")
     offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
-    np.savez(tmp, tokens=np.concatenate(rows).astype(np.int32), offsets=offsets, prompt_lens=np.array(prompt_lens))
+    np.savez(
+        tmp, tokens=np.concatenate(rows).astype(np.int32), offsets=offsets, prompt_lens=np.array(prompt_lens),
+        seconds=np.float64(seconds),
+    )
     os.replace(tmp, path)
 
 
@@ -39,6 +43,12 @@ def read_shard(path: Path):
     with np.load(path) as z:
         tokens, offsets, prompt_lens = z["tokens"], z["offsets"], z["prompt_lens"]
     return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])], prompt_lens
+
+
+def shard_seconds(path: Path) -> float:
+    """Wall seconds the shard took to generate."""
+    with np.load(path) as z:
+        return float(z["seconds"])
 
 
 def answer(model, tokenizer, requests, args):
@@ -100,11 +110,11 @@ def main(argv=None):
             continue  # done (a shard cut short by an earlier --limit is redone)
         tic = time.perf_counter()
         rows, prompt_lens = answer(model, tokenizer, chunk, args)
-        write_shard(path, rows, prompt_lens)
+        dt = time.perf_counter() - tic
+        write_shard(path, rows, prompt_lens, dt)
         mx.clear_cache()
         answered = sum(len(r) - n for r, n in zip(rows, prompt_lens))
         long_rows = sum(len(r) >= 512 for r in rows)
-        dt = time.perf_counter() - tic
         log(out, f"shard {i + 1}/{n_shards}: {len(rows)} rows, {answered} answer tokens "
                  f"({answered / dt:.1f} tok/s), {long_rows} rows >= 512 tokens, {dt:.0f} s")
     log(out, "done")

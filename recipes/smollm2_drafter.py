@@ -19,8 +19,9 @@ Stages (each resumable; run state lives in ~/.cache/dflash_mlx/smollm2/):
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 nohup nice -n 15 \\
         python recipes/smollm2_drafter.py --stage all > /dev/null 2>&1 &
 
-Every stage appends its wall time to ``times.json`` in the work directory,
-so the card reports the whole build even across interrupted sessions.
+The card reports the whole build's wall time, across interrupted sessions:
+each distillation shard and the training state keep their own seconds, and
+the short stages add theirs to ``times.json`` in the work directory.
 """
 
 import json
@@ -174,7 +175,7 @@ def stage_install(args):
     staging.path.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(run / name, staging.path / name)
-    times = json.loads((work / "times.json").read_text())
+    times = build_times(args, state)
     accept = json.loads((run / "acceptance.json").read_text())
     write_card(staging.path, state, times, accept, args)
     try:
@@ -182,6 +183,19 @@ def stage_install(args):
     finally:
         staging.discard()
     print(f"installed {staging.dst}")
+
+
+def build_times(args, state: dict) -> dict:
+    """Wall seconds per stage of the data and drafter the card describes."""
+    from smollm2_distill import shard_seconds
+
+    work = Path(args.work_dir)
+    n_shards = int(data_name(args).rsplit("-s", 1)[1])
+    shards = sorted((work / "distill").glob("shard-*.npz"))[:n_shards]
+    path = work / "times.json"
+    stages = json.loads(path.read_text()) if path.exists() else {}
+    times = {k: v for k, v in stages.items() if k in ("requests", "rows", "measure")}
+    return {**times, "distill": sum(map(shard_seconds, shards)), "train": state["train_seconds"]}
 
 
 def write_card(out: Path, state: dict, times: dict, accept: dict, args):

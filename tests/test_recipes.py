@@ -87,6 +87,7 @@ def test_distill_shards_are_the_targets_greedy_answers_and_resume(chat_model, tm
     for path in sorted(out.glob("shard-*.npz")):
         rows += smollm2_distill.read_shard(path)[0]
     assert len(rows) == 5
+    assert all(smollm2_distill.shard_seconds(p) > 0 for p in out.glob("shard-*.npz"))
     for r, row in zip(train, rows):
         prompt = tok.apply_chat_template([{"role": "user", "content": r["request"]}], add_generation_prompt=True)
         answer = [g.token for g in mlx_lm_stream_generate(model, tok, prompt, max_tokens=12)]
@@ -99,8 +100,9 @@ def test_rows_pack_conversations_back_to_back(tmp_path):
     convs = [rng.integers(0, 400, size=n).astype(np.int32) for n in (30, 70, 45, 90, 12)]
     shards = tmp_path / "shards"
     shards.mkdir()
-    smollm2_distill.write_shard(shards / "shard-00000.npz", convs[:3], [5, 5, 5])
-    smollm2_distill.write_shard(shards / "shard-00001.npz", convs[3:], [5, 5])
+    smollm2_distill.write_shard(shards / "shard-00000.npz", convs[:3], [5, 5, 5], 12.5)
+    smollm2_distill.write_shard(shards / "shard-00001.npz", convs[3:], [5, 5], 7.0)
+    assert smollm2_distill.shard_seconds(shards / "shard-00001.npz") == 7.0
     out = tmp_path / "rows.npy"
     smollm2_rows.main(["--shards", str(shards), "--seq-len", "64", "--out", str(out)])
     rows = np.load(out)
