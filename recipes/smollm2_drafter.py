@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 RECIPES = Path(__file__).resolve().parent
 REPO = RECIPES.parent
 sys.path.insert(0, str(RECIPES))
@@ -43,6 +45,7 @@ PKG_DIR = REPO / "dflash_mlx" / "smollm2_pair"
 # a control token chat text never contains.
 LAYERS, BLOCK, TAPS, MASK_TOKEN = 2, 16, "1,8,14,20,27", "<empty_output>"
 DISTILL_MAX_TOKENS = 768  # answer cap; shorter answers ended their turn
+SHARD_SIZE = 128  # requests per distillation shard
 
 
 def end_of_turn() -> str:
@@ -112,7 +115,7 @@ def stage_distill(args):
 
     smollm2_distill.main(
         ["--requests", str(requests_file(args)), "--out", str(Path(args.work_dir) / "distill"), "--batch-size", "32",
-         "--shard-size", "128", "--max-tokens", str(DISTILL_MAX_TOKENS), "--resume"]  # fmt: skip
+         "--shard-size", str(SHARD_SIZE), "--max-tokens", str(DISTILL_MAX_TOKENS), "--resume"]  # fmt: skip
     )
 
 
@@ -162,23 +165,30 @@ def stage_measure(args):
 
 
 def stage_install(args):
+    """The checkpoint into the package as bfloat16 (half the size; ``load_pair``
+    runs it in the target's dtype), with its model card."""
     import shutil
+
+    import mlx.core as mx
 
     from dflash_mlx.convert import Staging
 
-    work = Path(args.work_dir)
     run = run_dir(args)
     state = json.loads((run / "training_state" / "training_state.json").read_text())
     if state["step"] < args.steps:
         raise SystemExit(f"training is at step {state['step']} of {args.steps}: run --stage train first")
     staging = Staging(Path(args.pkg_dir) / "draft", force=True)
-    staging.path.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(run / name, staging.path / name)
-    times = build_times(args, state)
-    accept = json.loads((run / "acceptance.json").read_text())
-    write_card(staging.path, state, times, accept, args)
     try:
+        staging.path.mkdir()
+        shutil.copy(run / "config.json", staging.path / "config.json")
+        weights = mx.load(str(run / "model.safetensors"))
+        mx.save_safetensors(
+            str(staging.path / "model.safetensors"),
+            {k: v.astype(mx.bfloat16) for k, v in weights.items()},
+            metadata={"format": "pt"},
+        )
+        accept = json.loads((run / "acceptance.json").read_text())
+        write_card(staging.path, state, build_times(args, state), accept, args)
         staging.commit()
     finally:
         staging.discard()
@@ -204,6 +214,9 @@ def write_card(out: Path, state: dict, times: dict, accept: dict, args):
     tail = state["history"][-20:]
     mean = [round(sum(h[i] for h in tail) / len(tail), 3) for i in range(4)]
     hours = {k: round(v / 3600, 2) for k, v in times.items()}
+    name = data_name(args)
+    rows = len(np.load(Path(args.work_dir) / f"rows-{name}.npy", mmap_mode="r"))
+    shards = name.rsplit("-s", 1)[1]
     card = f"""# DFlash drafter for SmolLM2-135M-Instruct (dflash_mlx smollm2 pair)
 
 Drafts {cfg['block_size']}-token blocks for SmolLM2-135M-Instruct (the Q4_1 GGUF of the
@@ -220,8 +233,8 @@ mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_conf
 | layers | {cfg['num_hidden_layers']}, hidden {cfg['hidden_size']}, MLP {cfg['intermediate_size']} |
 | target taps | {cfg['dflash_config']['target_layer_ids']} of {cfg['num_target_layers']} |
 | mask token | `{MASK_TOKEN}` = {cfg['dflash_config']['mask_token_id']} |
-| weights | float32, {size / 1e6:.1f} MB (embedding and LM head are the target's) |
-| data | the target's greedy answers to the training requests of `recipes/smollm2_requests.py` (held-out topics excluded), packed into rows of {args.seq_len} tokens |
+| weights | bfloat16, {size / 1e6:.1f} MB (embedding and LM head are the target's); run in the target's dtype |
+| data | the target's greedy answers to the training requests of `recipes/smollm2_requests.py` (held-out topics excluded), the first {shards} distillation shards ({SHARD_SIZE} requests each), packed into {rows} rows of {args.seq_len} tokens |
 | training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row, peak lr {args.lr} |
 | last 20 steps | loss {mean[0]}, slot-1 accuracy {mean[1]}, mean slot accuracy {mean[2]}, accepted-length proxy {mean[3]} |
 | tokens per cycle by answer position ({args.measure_prompts} held-out requests, greedy) | {accept} |

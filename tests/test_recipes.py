@@ -115,3 +115,38 @@ def test_rows_pack_conversations_back_to_back(tmp_path):
     closed = [np.concatenate([c, end]) if len(c) - 5 < 80 else c for c in convs]
     assert [len(c) - 5 < 80 for c in convs] == [True, True, True, False, True]
     assert np.array_equal(np.load(out).reshape(-1), np.concatenate(closed)[: np.load(out).size])
+
+
+def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
+    import smollm2_drafter
+
+    from dflash_mlx import random_pair
+
+    work, pkg = tmp_path / "work", tmp_path / "pkg"
+    (work / "distill").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i, seconds in enumerate((100.0, 50.0, 25.0)):
+        rows = [rng.integers(0, 400, size=40).astype(np.int32) for _ in range(2)]
+        smollm2_distill.write_shard(work / "distill" / f"shard-{i:05d}.npz", rows, [5, 5], seconds)
+    np.save(work / "rows-64-s2.npy", np.zeros((3, 64), np.int32))
+    (work / "times.json").write_text(json.dumps({"rows": 1.5, "train": 9.0}))
+    argv = ["--stage", "install", "--work-dir", str(work), "--pkg-dir", str(pkg), "--max-shards", "2",
+            "--seq-len", "64", "--steps", "4"]  # fmt: skip
+    run = work / "drafter_run-64-s2"
+    target_cfg = random_pair.family_config("llama", "LlamaForCausalLM")
+    cfg = random_pair.draft_config(target_cfg, 400, block_size=4)
+    random_pair.make_draft(run, cfg)
+    (run / "training_state").mkdir()
+    state = {"step": 4, "train_seconds": 7200.0, "history": [[2.0, 0.5, 0.25, 1.5]] * 4}
+    (run / "training_state" / "training_state.json").write_text(json.dumps(state))
+    (run / "acceptance.json").write_text(json.dumps({"0-64": 2.5, "all": 2.5}))
+    smollm2_drafter.main(argv)
+    shipped = mx.load(str(pkg / "draft" / "model.safetensors"))
+    trained = mx.load(str(run / "model.safetensors"))
+    assert shipped.keys() == trained.keys() and {v.dtype for v in shipped.values()} == {mx.bfloat16}
+    assert all(mx.array_equal(shipped[k], trained[k].astype(mx.bfloat16)) for k in trained)
+    card = (pkg / "draft" / "README.md").read_text()
+    # The first 2 shards' own seconds, the training state's, the short stages' from times.json.
+    assert "'distill': 0.04" in card and "'train': 2.0" in card and "'rows': 0.0" in card
+    assert "first 2 distillation shards" in card and "3 rows of 64 tokens" in card and "bfloat16" in card
+    assert json.loads((pkg / "draft" / "config.json").read_text()) == json.loads((run / "config.json").read_text())
