@@ -473,7 +473,7 @@ def main(argv=None):
     args.verbose = args.verbose and rank == 0  # only rank 0 prints
     if rank == 0 and str(args.model) == str(DEFAULT_TARGET):
         print(f"[bundled default pair: {DEFAULT_TARGET.parent}]", file=sys.stderr)
-    prompt = args.prompt if args.prompt is not None else default_prompt()
+    prompt = args.prompt if args.prompt is not None else default_prompt(args.model)
     if prompt == "-":
         prompt = sys.stdin.read()
     prompt = build_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)

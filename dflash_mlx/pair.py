@@ -154,7 +154,11 @@ def default_prompts() -> List[str]:
     return json.loads(DEFAULT_PROMPTS.read_text())
 
 
-def default_prompt() -> str:
+def default_prompt(model_path=None) -> str:
+    """``generate``'s prompt when none is given: a named pair's first held-out
+    request, else the bundled pair's first held-out code prompt."""
+    if str(model_path) in NAMED_PAIRS:
+        return named_prompts(str(model_path))[0]
     prompts = default_prompts()
     return prompts[0] if prompts else "def "
 

@@ -96,6 +96,7 @@ def test_load_pair_by_name_is_lossless(tiny_pair):
     assert templated == [tokenizer.apply_chat_template([{"role": "user", "content": "Write def f(x):"}],
                                                        add_generation_prompt=True, tokenize=False)]  # fmt: skip
     assert templated[0].startswith("<|im_start|>user\n") and P.benchmark_prompts("other", tokenizer) == P.default_prompts()
+    assert P.default_prompt("tiny") == "Write def f(x):" and P.default_prompt("other") == P.default_prompts()[0]
 
 
 def test_a_bfloat16_drafter_computes_in_its_float32_targets_dtype(tiny_pair):
