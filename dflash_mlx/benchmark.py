@@ -1,15 +1,18 @@
 """DFlash vs autoregressive decoding of the same target, measured in one run.
 
     mlx-dflash bench                      # the bundled pair, its held-out prompts
+    mlx-dflash bench --model smollm2      # a named pair: its held-out chat requests, at its lengths
     mlx-dflash bench --model T --draft-model D --prompts prompts.json --json out.json --plot out.png
 
 By default DFlash chooses its block size each cycle (adaptive, up to the
 drafter's trained size); the fixed trained size runs in the same pass, so the
 report compares both. ``--block-size N`` fixes it instead.
 
-Reports tok/s and speedup, mean tokens per cycle and the acceptance histogram,
-the chosen block sizes (histogram, and per cycle for the figure),
-per-phase timings (draft / verify / rollback / host), the forward costs that
+Several ``--max-tokens`` run the whole benchmark at each length (JSON: a list
+of reports; the figure: a row each). Reports tok/s and speedup, mean tokens
+per cycle (also by answer position: 0-256, 256-512, 512-1024, ...) and the
+acceptance histogram, the chosen block sizes (histogram, and per cycle for
+the figure), per-phase timings (draft / verify / rollback / host), the forward costs that
 bound the speedup (T1: mlx-lm's target forward on 1 token, T16: the
 verify forward on a block, Tdraft: the drafter as the loop runs it; each
 timed right after a prompt's runs at its context, medians over prompts),
