@@ -160,6 +160,7 @@ def stage_measure(args):
     runs = [run_dflash(model, draft, tokenizer, p, args.measure_tokens, draft.block_size) for p in prompts]
     result = tokens_per_cycle_by_position(runs, args.measure_tokens)
     result["all"] = round(mean_tokens_per_cycle([c for r in runs for c in r["committed"]]), 3)
+    result.update(prompts=len(prompts), max_tokens=args.measure_tokens)
     (run_dir(args) / "acceptance.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
@@ -217,6 +218,7 @@ def write_card(out: Path, state: dict, times: dict, accept: dict, args):
     name = data_name(args)
     rows = len(np.load(Path(args.work_dir) / f"rows-{name}.npy", mmap_mode="r"))
     shards = name.rsplit("-s", 1)[1]
+    by_position = {k: v for k, v in accept.items() if k not in ("prompts", "max_tokens")}
     card = f"""# DFlash drafter for SmolLM2-135M-Instruct (dflash_mlx smollm2 pair)
 
 Drafts {cfg['block_size']}-token blocks for SmolLM2-135M-Instruct (the Q4_1 GGUF of the
@@ -236,8 +238,8 @@ mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_conf
 | weights | bfloat16, {size / 1e6:.1f} MB (embedding and LM head are the target's); run in the target's dtype |
 | data | the target's greedy answers to the training requests of `recipes/smollm2_requests.py` (held-out topics excluded), the first {shards} distillation shards ({SHARD_SIZE} requests each), packed into {rows} rows of {args.seq_len} tokens |
 | training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row, peak lr {args.lr} |
-| last 20 steps | loss {mean[0]}, slot-1 accuracy {mean[1]}, mean slot accuracy {mean[2]}, accepted-length proxy {mean[3]} |
-| tokens per cycle by answer position ({args.measure_prompts} held-out requests, greedy) | {accept} |
+| last 20 steps (training rows) | loss {mean[0]}, slot-1 accuracy {mean[1]}, mean slot accuracy {mean[2]}, accepted length per anchor {mean[3]} (per anchor, not per cycle: easy stretches weigh more than in decoding) |
+| tokens per cycle by answer position ({accept['prompts']} held-out requests, {accept['max_tokens']} new tokens, greedy, fixed block {cfg['block_size']}) | {by_position} |
 | wall time (hours, 2-core CPU shared with other work) | {hours} |
 """
     (out / "README.md").write_text(card)

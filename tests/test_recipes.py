@@ -139,7 +139,7 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
     (run / "training_state").mkdir()
     state = {"step": 4, "train_seconds": 7200.0, "history": [[2.0, 0.5, 0.25, 1.5]] * 4}
     (run / "training_state" / "training_state.json").write_text(json.dumps(state))
-    (run / "acceptance.json").write_text(json.dumps({"0-64": 2.5, "all": 2.5}))
+    (run / "acceptance.json").write_text(json.dumps({"0-64": 2.5, "all": 2.5, "prompts": 3, "max_tokens": 64}))
     smollm2_drafter.main(argv)
     shipped = mx.load(str(pkg / "draft" / "model.safetensors"))
     trained = mx.load(str(run / "model.safetensors"))
@@ -148,5 +148,6 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
     card = (pkg / "draft" / "README.md").read_text()
     # The first 2 shards' own seconds, the training state's, the short stages' from times.json.
     assert "'distill': 0.04" in card and "'train': 2.0" in card and "'rows': 0.0" in card
+    assert "(3 held-out requests, 64 new tokens, greedy, fixed block 4) | {'0-64': 2.5, 'all': 2.5} |" in card
     assert "first 2 distillation shards" in card and "3 rows of 64 tokens" in card and "bfloat16" in card
     assert json.loads((pkg / "draft" / "config.json").read_text()) == json.loads((run / "config.json").read_text())
