@@ -595,9 +595,14 @@ def main(argv=None):
     model, tokenizer, draft, draft_path = load_pair(args.model, args.draft_model)
     prompts = prompts or benchmark_prompts(args.model, tokenizer)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    ar_draft = None
+    if args.ar_draft_model:  # loaded once for every length
+        from mlx_lm import load as mlx_lm_load
+
+        ar_draft = mlx_lm_load(args.ar_draft_model)[0]
     reports = []
     for max_tokens in args.max_tokens or benchmark_lengths(args.model):
-        report = full_report(args, model, tokenizer, draft, prompts, max_tokens)
+        report = full_report(args, model, tokenizer, draft, ar_draft, prompts, max_tokens)
         report.update(model=str(args.model), draft_model=str(draft_path), mlx=mx.__version__, device=str(mx.default_device()))
         print_report(report)
         reports.append(report)
@@ -609,13 +614,11 @@ def main(argv=None):
     return 0
 
 
-def full_report(args, model, tokenizer, draft, prompts, max_tokens) -> dict:
-    """:func:`benchmark` at ``max_tokens`` and the comparisons the flags ask for."""
+def full_report(args, model, tokenizer, draft, ar_draft, prompts, max_tokens) -> dict:
+    """:func:`benchmark` at ``max_tokens`` and the comparisons the flags ask
+    for (``ar_draft``: the ``--ar-draft-model``, or None)."""
     report, ar_runs = benchmark(model, draft, tokenizer, prompts, max_tokens, args.block_size, args.repeats)
-    if args.ar_draft_model:
-        from mlx_lm import load as mlx_lm_load
-
-        ar_draft = mlx_lm_load(args.ar_draft_model)[0]
+    if ar_draft is not None:
         report.update(speculative_baseline(model, ar_draft, tokenizer, prompts, max_tokens, ar_runs, args.num_draft_tokens))
     if args.temp:
         report["sampling_temperature"] = args.temp
