@@ -58,13 +58,21 @@ def end_of_turn() -> str:
     return ",".join(map(str, tok.encode("<|im_end|>\n", add_special_tokens=False)))
 
 
-def timed(work: Path, stage: str, fn):
+def timed(path: Path, stage: str, fn):
+    """Run ``fn``, adding its wall seconds to ``stage`` in the times file ``path``."""
     tic = time.time()
     fn()
-    path = work / "times.json"
     times = json.loads(path.read_text()) if path.exists() else {}
     times[stage] = round(times.get(stage, 0.0) + time.time() - tic, 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(times, indent=1))
+
+
+def times_file(args, stage: str) -> Path:
+    """Where ``stage``'s wall time adds up: the work directory's for the stages
+    every data set shares, the run directory's for those of one data set."""
+    shared = stage in ("requests", "distill")
+    return (Path(args.work_dir) if shared else run_dir(args)) / "times.json"
 
 
 def data_name(args) -> str:
@@ -114,7 +122,8 @@ def stage_distill(args):
     import smollm2_distill
 
     smollm2_distill.main(
-        ["--requests", str(requests_file(args)), "--out", str(Path(args.work_dir) / "distill"), "--batch-size", "32",
+        ["--requests", str(requests_file(args)), "--out", str(Path(args.work_dir) / "distill"),
+         "--batch-size", str(args.distill_batch_size),
          "--shard-size", str(SHARD_SIZE), "--max-tokens", str(DISTILL_MAX_TOKENS), "--resume"]  # fmt: skip
     )
 
@@ -203,9 +212,10 @@ def build_times(args, state: dict) -> dict:
     work = Path(args.work_dir)
     n_shards = int(data_name(args).rsplit("-s", 1)[1])
     shards = sorted((work / "distill").glob("shard-*.npz"))[:n_shards]
-    path = work / "times.json"
-    stages = json.loads(path.read_text()) if path.exists() else {}
-    times = {k: v for k, v in stages.items() if k in ("requests", "rows", "measure")}
+    times = {}
+    for stage in ("requests", "rows", "measure"):  # distill and train keep their own seconds
+        path = times_file(args, stage)
+        times[stage] = json.loads(path.read_text()).get(stage, 0.0) if path.exists() else 0.0
     return {**times, "distill": sum(map(shard_seconds, shards)), "train": state["train_seconds"]}
 
 
@@ -240,7 +250,7 @@ mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_conf
 | training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row, peak lr {args.lr} |
 | last 20 steps (training rows) | loss {mean[0]}, slot-1 accuracy {mean[1]}, mean slot accuracy {mean[2]}, accepted length per anchor {mean[3]} (per anchor, not per cycle: easy stretches weigh more than in decoding) |
 | tokens per cycle by answer position ({accept['prompts']} held-out requests, {accept['max_tokens']} new tokens, greedy, fixed block {cfg['block_size']}) | {by_position} |
-| wall time (hours, 2-core CPU shared with other work) | {hours} |
+| wall time (hours; built on {args.built_on}) | {hours} |
 """
     (out / "README.md").write_text(card)
 
@@ -263,10 +273,15 @@ def main(argv=None):
         "--max-shards", type=int, default=None,
         help="train on the first N distillation shards (a fixed data set while more are being made)",
     )
+    p.add_argument("--distill-batch-size", type=int, default=32, help="requests the target answers at once")
     p.add_argument("--anchors", type=int, default=16)
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--measure-prompts", type=int, default=16, help="held-out requests the measure stage decodes")
     p.add_argument("--measure-tokens", type=int, default=1024)
+    p.add_argument(
+        "--built-on", default="a 2-core CPU shared with other work",
+        help="the machines the stages ran on, for the card's wall times",
+    )
     args = p.parse_args(argv)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -274,7 +289,7 @@ def main(argv=None):
         if name == "requests" and requests_file(args).exists():
             continue  # seeded: the same file again
         print(f"== stage {name}", flush=True)
-        timed(work, name, lambda: STAGES[name](args))
+        timed(times_file(args, name), name, lambda: STAGES[name](args))
 
 
 if __name__ == "__main__":

@@ -129,7 +129,8 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
         rows = [rng.integers(0, 400, size=40).astype(np.int32) for _ in range(2)]
         smollm2_distill.write_shard(work / "distill" / f"shard-{i:05d}.npz", rows, [5, 5], seconds)
     np.save(work / "rows-64-s2.npy", np.zeros((3, 64), np.int32))
-    (work / "times.json").write_text(json.dumps({"rows": 1.5, "train": 9.0}))
+    # Shared stages add up in the work directory, a data set's own in its run's.
+    (work / "times.json").write_text(json.dumps({"requests": 36.0, "rows": 99999.0}))
     argv = ["--stage", "install", "--work-dir", str(work), "--pkg-dir", str(pkg), "--max-shards", "2",
             "--seq-len", "64", "--steps", "4"]  # fmt: skip
     run = work / "drafter_run-64-s2"
@@ -139,6 +140,7 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
     (run / "training_state").mkdir()
     state = {"step": 4, "train_seconds": 7200.0, "history": [[2.0, 0.5, 0.25, 1.5]] * 4}
     (run / "training_state" / "training_state.json").write_text(json.dumps(state))
+    (run / "times.json").write_text(json.dumps({"rows": 1800.0, "measure": 360.0, "train": 9.0}))
     (run / "acceptance.json").write_text(json.dumps({"0-64": 2.5, "all": 2.5, "prompts": 3, "max_tokens": 64}))
     smollm2_drafter.main(argv)
     shipped = mx.load(str(pkg / "draft" / "model.safetensors"))
@@ -146,8 +148,9 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
     assert shipped.keys() == trained.keys() and {v.dtype for v in shipped.values()} == {mx.bfloat16}
     assert all(mx.array_equal(shipped[k], trained[k].astype(mx.bfloat16)) for k in trained)
     card = (pkg / "draft" / "README.md").read_text()
-    # The first 2 shards' own seconds, the training state's, the short stages' from times.json.
-    assert "'distill': 0.04" in card and "'train': 2.0" in card and "'rows': 0.0" in card
+    # The first 2 shards' own seconds, the training state's, the short stages' from the times files.
+    assert "'distill': 0.04" in card and "'train': 2.0" in card and "'rows': 0.5" in card
+    assert "'requests': 0.01" in card and "'measure': 0.1" in card
     assert "(3 held-out requests, 64 new tokens, greedy, fixed block 4) | {'0-64': 2.5, 'all': 2.5} |" in card
     assert "first 2 distillation shards" in card and "3 rows of 64 tokens" in card and "bfloat16" in card
     assert json.loads((pkg / "draft" / "config.json").read_text()) == json.loads((run / "config.json").read_text())
