@@ -1,11 +1,14 @@
 """Adaptive block size: each cycle verify the block length that maximises
 expected committed tokens per second.
 
-A cycle that drafts ``b - 1`` slots and verifies ``b`` tokens commits
+A cycle that verifies ``b`` tokens (the anchor and the first ``b - 1``
+slots of the drafter's whole block) commits
 ``E(b) = 1 + sum_{i<b} prod_{j<=i} a_j`` tokens on average, where ``a_j`` is
 the probability that slot ``j`` is accepted given that the slots before it
 were. It costs ``C(b)``: a verify of ``b`` tokens, plus a draft when
-``b > 1`` (``b = 1`` is plain decoding). The loop picks
+``b > 1`` (``b = 1`` is plain decoding). The draft is always the whole
+block the drafter was trained on: fewer masks would make its early slots
+worse, so a shorter block saves verify work only. The loop picks
 ``argmax_b E(b) / C(b)``, with ``a_j`` estimated from recent cycles and
 ``C(b)`` measured (:class:`CycleCosts`). The choice changes only the speed:
 greedy output and the sampled distribution do not depend on it, since it is
@@ -113,7 +116,7 @@ class CycleCosts:
     """Seconds per cycle at each block length, measured.
 
     A plain step costs ``C(1)``; a drafting cycle ``C(b) = D + s (b - 1)``:
-    one draft, plus a verify (and a draft) growing by ``s`` per token. The
+    one draft of the whole block, plus a verify growing by ``s`` per token. The
     table a generation starts from (``calibrated``: the plain step and
     drafting lengths, see :func:`calibrate`) gives all three. Online,
     ``C(1)`` is the median of the last ``window`` plain cycles; ``s`` is

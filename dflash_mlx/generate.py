@@ -289,18 +289,23 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
     speculative = rule.sampling is not None
 
     def launch(anchor, length):
-        """Queue the cycle after ``anchor``: draft ``length - 1`` slots from
-        the tap states the drafter has not seen (none when ``length`` is 1:
-        plain decoding), verify them with the anchor, and the outcome."""
+        """Queue the cycle after ``anchor``: draft a whole block from the tap
+        states the drafter has not seen, verify the anchor and the first
+        ``length - 1`` drafted tokens (``length`` 1: plain decoding, no
+        draft), and the outcome. The drafter always fills all
+        ``sizer.max_block`` slots: it guesses each slot from the whole block
+        of masks, and a shorter block of masks than it was trained on makes
+        its early slots worse (measured in BENCHMARKS.md)."""
         verify_in, q = mx.array([[anchor]]), None
         if length > 1:
-            block = mx.array([[anchor] + [draft.mask_token_id] * (length - 1)])
+            block = mx.array([[anchor] + [draft.mask_token_id] * (sizer.max_block - 1)])
             if speculative:
                 drafted, q = draft.propose_with_probs(block, cache.target_hidden, cache.draft, **rule.sampling)
-                q = q[0]
+                q = q[0, : length - 1]
             else:
                 drafted = draft.propose(block, cache.target_hidden, cache.draft)
             cache.target_hidden = None  # injected into the drafter's context
+            drafted = drafted[:, : length - 1]
             settle(drafted)
             verify_in = mx.concatenate([verify_in, drafted.astype(mx.int32)], axis=1)
         logits, target_hidden = target.forward(verify_in, cache.target)

@@ -494,6 +494,7 @@ class FakeDrafter:
 
     def __init__(self, prompt, block_size):
         self.prompt, self.block_size, self._target = list(prompt), block_size, None
+        self.block_lengths = []  # of every block of masks it was asked to fill
 
     def bind(self, model):
         self._target = adapter_for(model)
@@ -511,6 +512,7 @@ class FakeDrafter:
         return {"tokens": [], "last": None}
 
     def propose(self, block, context, cache):
+        self.block_lengths.append(block.shape[1])
         seq = committed_sequence(self.prompt, block, context, cache, getattr(self, "reference", None))
         if cache.get("probe"):
             return mx.zeros((1, block.shape[1] - 1), dtype=mx.int32)
