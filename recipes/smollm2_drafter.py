@@ -268,14 +268,14 @@ STAGES = {
 def main(argv=None):
     p = stage_parser(__doc__.splitlines()[0], STAGES, WORK)
     p.add_argument("--pkg-dir", default=str(PKG_DIR), help="where the drafter is installed (a trial build: elsewhere)")
-    add_training_arguments(p, "the drafter", steps=4000, seq_len=1024, batch_size=4, lr=6e-4)
+    add_training_arguments(p, "the drafter", steps=2000, seq_len=1024, batch_size=8, lr=6e-4)
     p.add_argument(
         "--max-shards", type=int, default=None,
         help="train on the first N distillation shards (a fixed data set while more are being made)",
     )
     p.add_argument("--distill-batch-size", type=int, default=32, help="requests the target answers at once")
     p.add_argument("--anchors", type=int, default=16)
-    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--measure-prompts", type=int, default=16, help="held-out requests the measure stage decodes")
     p.add_argument("--measure-tokens", type=int, default=1024)
     p.add_argument(
