@@ -21,7 +21,8 @@ Stages (each resumable; run state lives in ~/.cache/dflash_mlx/smollm2/):
 
 The card reports the whole build's wall time, across interrupted sessions:
 each distillation shard and the training state keep their own seconds, and
-the short stages add theirs to ``times.json`` in the work directory.
+the short stages add theirs to a ``times.json``: the work directory's for
+the requests, the run directory's for a data set's rows and measure.
 """
 
 import json
