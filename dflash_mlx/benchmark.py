@@ -12,7 +12,8 @@ Several ``--max-tokens`` run the whole benchmark at each length (JSON: a list
 of reports; the figure: a row each). Reports tok/s and speedup, mean tokens
 per cycle (also by answer position: 0-256, 256-512, 512-1024, ...) and the
 acceptance histogram, the chosen block sizes (histogram, and per cycle for
-the figure), per-phase timings (draft / verify / rollback / host), the forward costs that
+the figure), per-phase timings (draft / verify / rollback / host, on the first
+prompt), the forward costs that
 bound the speedup (T1: mlx-lm's target forward on 1 token, T16: the
 verify forward on a block, Tdraft: the drafter as the loop runs it; each
 timed right after a prompt's runs at its context, medians over prompts),
@@ -366,14 +367,14 @@ def timed_runs(model, draft, tokenizer, prompts, max_tokens, configs: Dict[str, 
     prompt's runs."""
     per_prompt, timings = [], []
     max_block = max(b or draft.block_size for b in configs.values())
-    names, rounds = list(configs), itertools.count()
-    for prompt in prompts:
+    names = list(configs)
+    for i, prompt in enumerate(prompts):
         runs = {"autoregressive": [], **{name: [] for name in configs}}
-        for _ in range(repeats):
+        for r in range(repeats):
             runs["autoregressive"].append(run_autoregressive(model, tokenizer, prompt, max_tokens))
             # The run right after mlx-lm's is slowed on the CPU backend (measured
             # in BENCHMARKS.md), so the configurations take turns to be it.
-            turn = next(rounds) % len(names)
+            turn = (i * repeats + r) % len(names)
             for name in names[turn:] + names[:turn]:
                 runs[name].append(run_dflash(model, draft, tokenizer, prompt, max_tokens, configs[name]))
         per_prompt.append(runs)
@@ -387,15 +388,16 @@ def timed_runs(model, draft, tokenizer, prompts, max_tokens, configs: Dict[str, 
     return per_prompt, timings
 
 
-def phase_timings(model, draft, tokenizer, prompts, max_tokens, block_size) -> Dict[str, float]:
-    """ms per cycle of each phase, in a pass of its own (every phase syncs).
+def phase_timings(model, draft, tokenizer, prompt, max_tokens, block_size) -> Dict[str, float]:
+    """ms per cycle of each phase, in a run of its own (every phase syncs) on
+    one prompt: the split is a property of the pair and the context length,
+    and a pass over every prompt would cost the bench another whole decode.
     A warm-up run first, not counted: the timed drafter is calibrated anew."""
     timer = PhaseTimer()
     timed = TimedDraft(draft, timer)
-    run_dflash(model, timed, tokenizer, prompts[0], 16, block_size)
+    run_dflash(model, timed, tokenizer, prompt, 16, block_size)
     timer.reset()
-    for prompt in prompts:
-        run_dflash(model, timed, tokenizer, prompt, max_tokens, block_size, timer=timer)
+    run_dflash(model, timed, tokenizer, prompt, max_tokens, block_size, timer=timer)
     return {k: 1e3 * v / max(1, timer.cycles) for k, v in timer.seconds.items() if k != "prefill"}
 
 
@@ -444,7 +446,7 @@ def benchmark(
         "speedup": speedup,
         **summary,
         "tokens_per_cycle_by_position": tokens_per_cycle_by_position(first["dflash"], max_tokens),
-        "phase_ms_per_cycle": phase_timings(model, draft, tokenizer, prompts, max_tokens, block_size),
+        "phase_ms_per_cycle": phase_timings(model, draft, tokenizer, prompts[0], max_tokens, block_size),
         "forward_ms": forwards,
         "ideal_speedup": ideal,
         "fraction_of_ideal": speedup / ideal,
@@ -489,7 +491,7 @@ def print_report(r: dict) -> None:
     )
     print(f"ideal speedup            {r['ideal_speedup']:.2f}x  (achieved {100 * r['fraction_of_ideal']:.0f}% of it)")
     phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_ms_per_cycle"].items())
-    print(f"phases (ms per cycle)    {phases}")
+    print(f"phases (ms per cycle)    {phases}  (first prompt, each phase synced)")
     hist = " ".join(f"{k}:{v}" for k, v in r["acceptance_histogram"].items())
     print(f"tokens per cycle hist    {hist}")
     print(f"repeated 4-gram share    {100 * r['repeated_4gram_share']:.1f}%")

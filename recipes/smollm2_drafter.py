@@ -59,6 +59,11 @@ def end_of_turn() -> str:
     return ",".join(map(str, tok.encode("<|im_end|>\n", add_special_tokens=False)))
 
 
+# The stages whose wall time the recipe records for the card: distillation
+# shards and the training state keep their own seconds, install writes the card.
+TIMED_STAGES = ("requests", "rows", "measure")
+
+
 def timed(path: Path, stage: str, fn):
     """Run ``fn``, adding its wall seconds to ``stage`` in the times file ``path``."""
     tic = time.time()
@@ -70,10 +75,9 @@ def timed(path: Path, stage: str, fn):
 
 
 def times_file(args, stage: str) -> Path:
-    """Where ``stage``'s wall time adds up: the work directory's for the stages
-    every data set shares, the run directory's for those of one data set."""
-    shared = stage in ("requests", "distill")
-    return (Path(args.work_dir) if shared else run_dir(args)) / "times.json"
+    """Where ``stage``'s wall time adds up: the work directory's for the
+    requests every data set shares, the run directory's for a data set's own."""
+    return (Path(args.work_dir) if stage == "requests" else run_dir(args)) / "times.json"
 
 
 def data_name(args) -> str:
@@ -213,10 +217,9 @@ def build_times(args, state: dict) -> dict:
     work = Path(args.work_dir)
     n_shards = int(data_name(args).rsplit("-s", 1)[1])
     shards = sorted((work / "distill").glob("shard-*.npz"))[:n_shards]
-    times = {}
-    for stage in ("requests", "rows", "measure"):  # distill and train keep their own seconds
-        path = times_file(args, stage)
-        times[stage] = json.loads(path.read_text()).get(stage, 0.0) if path.exists() else 0.0
+    files = {stage: times_file(args, stage) for stage in TIMED_STAGES}
+    recorded = {path: json.loads(path.read_text()) if path.exists() else {} for path in set(files.values())}
+    times = {stage: recorded[path].get(stage, 0.0) for stage, path in files.items()}
     return {**times, "distill": sum(map(shard_seconds, shards)), "train": state["train_seconds"]}
 
 
@@ -290,7 +293,10 @@ def main(argv=None):
         if name == "requests" and requests_file(args).exists():
             continue  # seeded: the same file again
         print(f"== stage {name}", flush=True)
-        timed(times_file(args, name), name, lambda: STAGES[name](args))
+        if name in TIMED_STAGES:
+            timed(times_file(args, name), name, lambda: STAGES[name](args))
+        else:
+            STAGES[name](args)
 
 
 if __name__ == "__main__":

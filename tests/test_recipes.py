@@ -154,3 +154,4 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
     assert "(3 held-out requests, 64 new tokens, greedy, fixed block 4) | {'0-64': 2.5, 'all': 2.5} |" in card
     assert "first 2 distillation shards" in card and "3 rows of 64 tokens" in card and "bfloat16" in card
     assert json.loads((pkg / "draft" / "config.json").read_text()) == json.loads((run / "config.json").read_text())
+    assert "install" not in json.loads((run / "times.json").read_text())  # only the card's stages are timed
