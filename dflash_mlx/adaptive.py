@@ -130,7 +130,7 @@ class CycleCosts:
     looks cheaper for being the one measured. A first cycle at a length is
     not counted: it may include compiling that length's graphs.
     ``follow=False`` keeps the table as given, so that the choices depend
-    on acceptance alone (tests, simulations).
+    on acceptance alone (tests, simulations, pipelined ranks).
     """
 
     def __init__(self, calibrated: Dict[int, float], window: int = 32, follow: bool = True):
@@ -307,7 +307,12 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibr
     for each drafter, target, device and maximum block: the costs are
     properties of the models and the backend, and the online measurements
     rescale them to the current context. The pair's sizer is made here too,
-    once, and kept with the costs.
+    once, and kept with the costs. What is measured goes through the
+    target's ``agreed``, so the ranks of a pipelined target (which run
+    these mock cycles together) all take rank 0's costs and strategy; its
+    sizer then keeps that table (``local_timings`` false): following each
+    cycle's timings would need one more collective per cycle to agree on
+    them.
     """
     key = (id(target.model), str(mx.default_device()), max_block)
     saved = _calibrations.get(id(draft))
@@ -316,31 +321,32 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibr
         weakref.finalize(draft, _calibrations.pop, id(draft), None)
     if key in saved:
         return saved[key]
+    # What is queued (the prefill) runs first: it is not part of the cycles'
+    # cost, and a pipelined target's ranks must run their collectives in one
+    # order, which a mock cycle evaluated before the prefill's would break.
+    mx.eval(context, [c.state for c in cache])
     context = context[:, -1:]
     grid = sorted({1, max_block})
-    costs = {b: median_seconds(lambda: cycle_seconds(target, draft, cache, context, b, mx.eval)) for b in grid}
+    measured = [median_seconds(lambda: cycle_seconds(target, draft, cache, context, b, mx.eval)) for b in grid]
     timings = {mx.eval: [], mx.async_eval: []}
     for _ in range(3):
         for settle in timings:
             timings[settle].append(cycle_seconds(target, draft, cache, context, max_block, settle, cycles=3))
-    overlap = np.median(timings[mx.async_eval]) < np.median(timings[mx.eval])
-    sizer = BlockSizer(max_block, CycleCosts(costs))
+    faster = np.median(timings[mx.async_eval]) < np.median(timings[mx.eval])
+    *measured, overlap = target.agreed([*measured, float(faster)])
+    costs = dict(zip(grid, measured))
+    sizer = BlockSizer(max_block, CycleCosts(costs, follow=target.local_timings))
     saved[key] = Calibration(costs, bool(overlap), sizer)
     return saved[key]
 
 
 def plan(target, draft, cache, context: mx.array, max_block: int, fixed: bool, sizer=None):
-    """The generation's block sizer and how it evaluates each phase.
-
-    A fixed block (``fixed``, no ``sizer``) is not calibrated: nothing is
-    chosen, and pipelined ranks, whose fixed blocks must agree, would each
-    time their own cycles. Its phases overlap on a GPU and run in turn on
-    the CPU backend, where overlapping host work takes cores from the
-    compute.
-    """
-    if fixed and sizer is None:
-        return BlockSizer(max_block, None, fixed=True), mx.async_eval if mx.default_device() == mx.gpu else mx.eval
+    """The generation's block sizer and how it evaluates each phase, both
+    from the calibration; a fixed block (``fixed``, no ``sizer``) takes only
+    the evaluation strategy from it."""
     calibration = calibrate(target, draft, cache, context, max_block)
+    if fixed and sizer is None:
+        return BlockSizer(max_block, None, fixed=True), calibration.settle
     if sizer is None:
         sizer = calibration.sizer
         sizer.begin()

@@ -253,8 +253,7 @@ def generate_step(
     with mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-            fixed = block_size is not None or (sizer is None and not target.adaptive_block)
-            sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, fixed, sizer)
+            sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer)
             eos = set(eos_token_ids)
             yield from decode(target, draft, cache, logits, rule, sizer, settle, max_tokens, eos, logprobs)
         finally:

@@ -32,7 +32,7 @@ def main():
     else:
         model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
     prompts = default_prompts()[: args.prompts]
-    # a fixed block, as pipelined runs keep one
+    # a fixed block, so that both runs verify the same blocks
     per_cycle = phase_timings(model, draft, tokenizer, prompts, args.max_tokens, draft.block_size)
     if group.rank() == 0:
         print(f"ranks {group.size()}: ms per cycle: " + ", ".join(f"{k} {v:.2f}" for k, v in per_cycle.items())

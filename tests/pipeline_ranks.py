@@ -54,13 +54,20 @@ def check_adapter(target_dir, group, block=5):
     return {"local_layers": [piped.start, piped.end], "identical": results}
 
 
+def agreed(target_dir, group):
+    """What each rank gets when every rank offers its own values."""
+    sliced, _ = load_slice(target_dir, group)
+    return PipelineTarget(sliced, group).agreed([group.rank() + 0.5, 2.0 * group.rank()])
+
+
 def run_pair(target_dir, draft_dir, group, seed, **kwargs):
     model, tokenizer, draft = load_pipelined_pair(target_dir, draft_dir, group, seed)
-    tokens, accepted = [], []
+    tokens, accepted, blocks = [], [], []
     for r in stream_generate(model, draft, tokenizer, "def fib(n):", **kwargs):
         tokens += r.tokens
         accepted.append(r.accepted)
-    return {"tokens": tokens, "accepted": accepted}
+        blocks.append(r.block_size)
+    return {"tokens": tokens, "accepted": accepted, "blocks": blocks}
 
 
 def expect_failure(group, target_dir, draft_dir):
@@ -89,6 +96,7 @@ def main():
     group = pipeline_group()
     rank = group.rank()
     result = {"adapter": {name: check_adapter(path, group) for name, path in spec["adapters"].items()}}
+    result["agreed"] = agreed(spec["adapters"]["qwen3_5"], group)
     for name, run in spec["runs"].items():
         result[name] = run_pair(run["target"], run["draft"], group, run.get("seed"), **run["kwargs"])
     # A failure on one rank only: the shard of its layers, then its drafter.

@@ -162,6 +162,37 @@ def test_calibration_leaves_the_cache_as_it_was_and_runs_once(pair, tmp_path):
     assert calibrate(target, draft, cache.target, taps, 8) is calibration  # once per process
 
 
+class AgreedTarget:
+    """A target run by several processes (as a pipelined one) that agreed
+    on other timings than this process's: 0.5 s plain, 0.25 s at block 8,
+    phases overlapped."""
+
+    local_timings = False
+
+    def __init__(self, target):
+        self.target = target
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def agreed(self, values):
+        return [0.5, 0.25, 1.0]
+
+
+def test_calibration_takes_the_agreed_timings_and_keeps_them(pair, tmp_path):
+    """What the processes agreed on is the cost table and the strategy, and
+    the sizer keeps that table: each process's own cycle times would make
+    their choices differ."""
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=8), pair.model)
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft)
+    prefill(draft.target, cache, prompt_of(9), 2048)
+    calibration = calibrate(AgreedTarget(draft.target), draft, cache.target, cache.target_hidden, 8)
+    assert calibration.costs == {1: 0.5, 8: 0.25} and calibration.settle is mx.async_eval
+    for _ in range(3):  # the first plain cycle is never counted
+        calibration.sizer.observe(1, 0, 0.001)
+    assert calibration.sizer.costs.upto(1) == [0.5]
+
+
 # ---------------------------------------------------------------------------
 # The loop with a changing block
 

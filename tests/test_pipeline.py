@@ -71,11 +71,11 @@ def launch(*args, input=None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def text_of(stdout: str) -> str:
-    """What generate prints, without the timing lines that differ run to run."""
-    return "\n".join(
-        line for line in stdout.splitlines() if "tokens-per-sec" not in line and "Peak memory" not in line
-    )
+def text_of(stdout: str, adaptive: bool = False) -> str:
+    """What generate prints, without the lines that follow timings, which
+    differ run to run: the rates, and (adaptive) the block lengths chosen."""
+    timed = ["tokens-per-sec", "Peak memory"] + (["Block sizes", "Mean tokens per cycle"] if adaptive else [])
+    return "\n".join(line for line in stdout.splitlines() if not any(t in line for t in timed))
 
 
 @pytest.fixture(scope="module")
@@ -120,15 +120,15 @@ def single_process(capsys, args) -> str:
     return capsys.readouterr().out
 
 
-# Two launches of the CLI; the other family/block pairs run in ``ranks``.
-@pytest.mark.parametrize("family,block", [("qwen3_5", 4), ("qwen2", 16)])
+# Two launches of the CLI (None: adaptive); the other family/block pairs run in ``ranks``.
+@pytest.mark.parametrize("family,block", [("qwen3_5", 4), ("qwen2", None)])
 def test_pipelined_generate_prints_the_single_process_text_once(models, capsys, family, block):
-    args = generate_args(*models[family], "--block-size", str(block))
+    args = generate_args(*models[family], *(["--block-size", str(block)] if block else []))
     expected = single_process(capsys, args)
     run = launch("-m", "dflash_mlx.generate", "--pipeline", *args)
     assert "Traceback" not in run.stderr, run.stderr
     assert run.stdout.count(PROMPT) == 1 and run.stdout.count("Generation:") == 1, run.stdout
-    assert text_of(run.stdout) == text_of(expected)
+    assert text_of(run.stdout, block is None) == text_of(expected, block is None)
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "server"])
@@ -197,7 +197,8 @@ def ranks(models, tmp_path_factory):
             "sampled": {"target": models["qwen3_5"][0], "draft": models["qwen3_5"][1], "seed": 5,
                         "kwargs": {"temperature": 1.0, "max_tokens": 40, "block_size": 4}},
             "default": {"target": str(DEFAULT_TARGET), "draft": str(DEFAULT_DRAFT),
-                        "kwargs": {"max_tokens": 48, "block_size": 16}},  # pipelined: a fixed block
+                        "kwargs": {"max_tokens": 48, "block_size": 16}},
+            "adaptive": {"target": str(DEFAULT_TARGET), "draft": str(DEFAULT_DRAFT), "kwargs": {"max_tokens": 160}},
             "qwen3_5": {"target": models["qwen3_5"][0], "draft": models["qwen3_5"][1],
                         "kwargs": {"max_tokens": 40, "block_size": 16}},
             "qwen2": {"target": models["qwen2"][0], "draft": models["qwen2"][1],
@@ -223,17 +224,33 @@ def test_each_rank_runs_its_slice_and_matches_the_whole_model(ranks):
 
 def single_run(target, draft, **kwargs):
     model, tokenizer = load(str(target))
-    tokens, accepted = [], []
+    tokens, accepted, blocks = [], [], []
     for r in stream_generate(model, load_draft(draft, model), tokenizer, PROMPT, **kwargs):
         tokens += r.tokens
         accepted.append(r.accepted)
-    return {"tokens": tokens, "accepted": accepted}
+        blocks.append(r.block_size)
+    return {"tokens": tokens, "accepted": accepted, "blocks": blocks}
 
 
 def test_trained_pair_pipelined_commits_the_single_process_tokens(ranks):
     expected = single_run(DEFAULT_TARGET, DEFAULT_DRAFT, max_tokens=48, block_size=16)
     assert sum(expected["accepted"]) > 0  # partly accepted blocks are rolled back
     assert [report["default"] for report in ranks] == [expected, expected]
+
+
+def test_every_rank_takes_rank_0s_timings(ranks):
+    assert [report["agreed"] for report in ranks] == [[0.5, 0.0], [0.5, 0.0]]
+
+
+def test_pipelined_adaptive_ranks_choose_alike_and_commit_the_single_process_tokens(ranks):
+    """The default (adaptive) loop pipelined: every rank takes rank 0's
+    timings (above), so they choose the same block lengths cycle by cycle
+    (else the run would stop at a refused verify); the text is the single
+    process's."""
+    first, second = (report["adaptive"] for report in ranks)
+    assert first == second
+    assert first["tokens"] == single_run(DEFAULT_TARGET, DEFAULT_DRAFT, max_tokens=160)["tokens"]
+    assert len(set(first["blocks"][1:])) > 1  # lengths were chosen, not fixed
 
 
 @pytest.mark.parametrize("family,block", [("qwen3_5", 16), ("qwen2", 4)])

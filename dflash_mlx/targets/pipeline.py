@@ -70,8 +70,6 @@ class PipelineTarget(TargetAdapter):
     caches, rollback records and ``rollback`` are this rank's slice only.
     """
 
-    adaptive_block = False  # each rank would time its own cycles and choose differently
-
     def __init__(self, model, group):
         stage = adapter_for(model)
         super().__init__(model, stage.text_model, stage.backbone)
@@ -94,6 +92,14 @@ class PipelineTarget(TargetAdapter):
     @property
     def num_layers(self) -> int:
         return int(self.args.num_hidden_layers)
+
+    local_timings = False
+
+    def agreed(self, values):
+        """Rank 0's ``values`` on every rank: each rank times its own cycles,
+        and ranks that chose blocks from their own timings would diverge."""
+        mine = [float(v) if self.group.rank() == 0 else 0.0 for v in values]
+        return mx.distributed.all_sum(mx.array(mine), group=self.group, stream=mx.cpu).tolist()
 
     def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True):
         taps = self.tap_ids if taps is None else list(taps)
