@@ -281,7 +281,7 @@ def compile_block_lengths(draft, prompt_ids, block_size) -> None:
     target = draft.target
     cache = target.make_cache()
     _, target_hidden = target.forward(prompt_ids[None], cache, last_logits_only=True, record=False)
-    mx.eval(target_hidden)  # now: a pipelined target's ranks must run its collective before the next ones
+    mx.eval(target_hidden)  # first: a pipelined target's ranks must run their collectives in one order
     for n in range(1, block_size + 1):
         logits, _ = target.forward(mx.ones((1, n), mx.int32), cache)
         mx.eval(logits)
