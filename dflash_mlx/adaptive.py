@@ -342,10 +342,10 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibr
 
 def plan(target, draft, cache, context: mx.array, max_block: int, fixed: bool, sizer=None):
     """The generation's block sizer and how it evaluates each phase, both
-    from the calibration; a fixed block (``fixed``, no ``sizer``) takes only
-    the evaluation strategy from it."""
+    from the calibration; a ``fixed`` block (never with a ``sizer``) takes
+    only the evaluation strategy from it."""
     calibration = calibrate(target, draft, cache, context, max_block)
-    if fixed and sizer is None:
+    if fixed:
         return BlockSizer(max_block, None, fixed=True), calibration.settle
     if sizer is None:
         sizer = calibration.sizer

@@ -11,7 +11,6 @@ after mlx-lm's run is slowed, only the fixed order shows a gap; that is why
 """
 
 import argparse
-import itertools
 
 from dflash_mlx.benchmark import pooled_tps, run_autoregressive, run_dflash
 from dflash_mlx.pair import DEFAULT_TARGET, benchmark_prompts, load_pair
@@ -19,11 +18,10 @@ from dflash_mlx.pair import DEFAULT_TARGET, benchmark_prompts, load_pair
 
 def speedups(model, tokenizer, draft, prompts, max_tokens, rounds, rotate):
     runs = {"mlx-lm": [], "a": [], "b": []}
-    turns = itertools.count()
-    for _ in range(rounds):
-        for prompt in prompts:
+    for r in range(rounds):
+        for i, prompt in enumerate(prompts):
             runs["mlx-lm"].append(run_autoregressive(model, tokenizer, prompt, max_tokens))
-            order = ["a", "b"] if not rotate or next(turns) % 2 == 0 else ["b", "a"]
+            order = ["a", "b"] if not rotate or (r * len(prompts) + i) % 2 == 0 else ["b", "a"]
             for name in order:
                 runs[name].append(run_dflash(model, draft, tokenizer, prompt, max_tokens, draft.block_size))
     base = pooled_tps(runs["mlx-lm"])

@@ -32,6 +32,10 @@ class TargetAdapter:
     only the first ``keep`` tokens of that forward in every cache.
     """
 
+    # Whether this process's timings are the generation's, free to follow
+    # cycle by cycle; pipelined ranks must first agree on them (``agreed``).
+    local_timings = True
+
     def __init__(self, model: nn.Module, text_model: nn.Module, backbone: nn.Module):
         self.model = model
         self.text_model = text_model  # owns lm_head / args
@@ -41,10 +45,6 @@ class TargetAdapter:
         self.tied = bool(getattr(self.args, "tie_word_embeddings", False)) or not hasattr(
             text_model, "lm_head"
         )
-
-    # Whether this process's timings are the generation's, free to follow
-    # cycle by cycle; pipelined ranks must first agree on them (``agreed``).
-    local_timings = True
 
     def agreed(self, values: Sequence[float]) -> List[float]:
         """``values`` (timings) as every process running this generation uses

@@ -70,6 +70,8 @@ class PipelineTarget(TargetAdapter):
     caches, rollback records and ``rollback`` are this rank's slice only.
     """
 
+    local_timings = False  # each rank times its own cycles: see ``agreed``
+
     def __init__(self, model, group):
         stage = adapter_for(model)
         super().__init__(model, stage.text_model, stage.backbone)
@@ -92,8 +94,6 @@ class PipelineTarget(TargetAdapter):
     @property
     def num_layers(self) -> int:
         return int(self.args.num_hidden_layers)
-
-    local_timings = False
 
     def agreed(self, values):
         """Rank 0's ``values`` on every rank: each rank times its own cycles,
