@@ -10,7 +10,7 @@ import importlib
 import sys
 from typing import Callable, Optional, Sequence
 
-from .defaults import DEFAULT_PREFILL_STEP_SIZE
+from .defaults import DEFAULT_PREFILL_STEP_SIZE, DEFAULT_TARGET
 from .errors import DFlashError
 
 COMMANDS = {
@@ -63,8 +63,6 @@ def positive_int(text: str) -> int:
 
 def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model`` and ``--draft-model``, as every command that loads a pair spells them."""
-    from .pair import DEFAULT_TARGET
-
     parser.add_argument("--model", default=str(DEFAULT_TARGET), help="target: local path or Hugging Face id (default: the bundled pair)")
     parser.add_argument("--draft-model", default=None, help="DFlash/DFlash2 drafter: local path or Hugging Face id (default: the bundled pair's when --model is the default)")
 

@@ -1,8 +1,16 @@
 """Defaults shared by the API and the CLIs, so a signature and its flag agree."""
 
+from pathlib import Path
+
 import mlx.core as mx
 from mlx_lm.generate import DEFAULT_PREFILL_STEP_SIZE
 
+# The bundled default pair (target, drafter, held-out prompts): what
+# `--model` means when the user names none (see pair.py).
+PAIR_DIR = Path(__file__).parent / "default_pair"
+DEFAULT_TARGET = PAIR_DIR / "target"
+DEFAULT_DRAFT = PAIR_DIR / "draft"
+DEFAULT_PROMPTS = PAIR_DIR / "prompts.json"
 # Tokens generated when the caller names no limit (generate, chat, server).
 DEFAULT_MAX_TOKENS = 256
 # Tokens per prompt in `mlx-dflash bench`: long enough for steady-state cycles.
@@ -18,7 +26,11 @@ __all__ = [
     "DEFAULT_BENCH_MAX_TOKENS",
     "DEFAULT_BENCH_REPEATS",
     "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_DRAFT",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_PREFILL_STEP_SIZE",
+    "DEFAULT_PROMPTS",
+    "DEFAULT_TARGET",
     "DTYPES",
+    "PAIR_DIR",
 ]

@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from .defaults import DTYPES
+from .shards import shard_units, write_shards
 
 # llama.cpp architecture -> (mlx-lm model_type, HF class, Q/K permuted by llama.cpp)
 ARCHITECTURES = {
@@ -277,8 +278,6 @@ def plan_units(groups, cfg: dict, dtype) -> list:
 def write_gguf_model(path: Path, loaded, out: Path, *, dtype: Optional[str], max_shard_bytes: int) -> dict:
     """Config, tokenizer and weights of the GGUF at ``path`` (``loaded`` by
     ``read_gguf``), written to ``out``."""
-    from .convert import shard_units, write_shards
-
     arch, md, tensors = loaded
     cfg = hf_config(md, arch, tensors)
     tokenizer = build_tokenizer(md, arch)

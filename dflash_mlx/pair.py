@@ -20,10 +20,7 @@ import zipfile
 from pathlib import Path
 from typing import List, Tuple
 
-PAIR_DIR = Path(__file__).parent / "default_pair"
-DEFAULT_TARGET = PAIR_DIR / "target"
-DEFAULT_DRAFT = PAIR_DIR / "draft"
-DEFAULT_PROMPTS = PAIR_DIR / "prompts.json"
+from .defaults import DEFAULT_DRAFT, DEFAULT_PROMPTS, DEFAULT_TARGET
 
 # name -> where its target comes from (a pip wheel holding a GGUF, checked by
 # sha256) and where its drafter and prompts live in the package.

@@ -8,7 +8,8 @@ import pytest
 import tiny
 
 import dflash_mlx
-from dflash_mlx.pair import DEFAULT_DRAFT, DEFAULT_TARGET, PAIR_DIR, default_prompts
+from dflash_mlx.defaults import PAIR_DIR
+from dflash_mlx.pair import DEFAULT_DRAFT, DEFAULT_TARGET, default_prompts
 
 
 @pytest.fixture(scope="module")
