@@ -10,6 +10,7 @@ warnings.filterwarnings("ignore", message=r"'dflash_mlx\.generate' found in sys\
 
 from ._version import __version__
 from .cache import PromptCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
+from .drafters import known_drafter
 from .generate import GenerationResponse, generate, generate_step, stream_generate
 from .loading import load, load_draft
 from .models.dflash import DFlashConfig, DFlashDraftModel
@@ -22,6 +23,7 @@ __all__ = [
     "PromptCache",
     "generate",
     "generate_step",
+    "known_drafter",
     "load",
     "load_draft",
     "load_prompt_cache",

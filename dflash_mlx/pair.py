@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import List, Tuple
 
 from .defaults import DEFAULT_DRAFT, DEFAULT_PROMPTS, DEFAULT_TARGET
+from .drafters import known_drafter, known_targets
+from .errors import ArgumentError
 
 # name -> where its target comes from (a pip wheel holding a GGUF, checked by
 # sha256) and where its drafter and prompts live in the package.
@@ -136,9 +138,18 @@ def benchmark_lengths(model_path) -> Tuple[int, ...]:
 
 
 def default_draft_for(model_path) -> str:
-    """The drafter that goes with ``model_path`` when the user names none."""
+    """The drafter that goes with ``model_path`` when the user names none:
+    the bundled one for the bundled target, else z-lab's published one
+    (:func:`~dflash_mlx.drafters.known_drafter`)."""
     if Path(str(model_path)).resolve() != DEFAULT_TARGET.resolve():
-        raise ValueError("--draft-model is required when --model is not the bundled default target")
+        drafter = known_drafter(model_path)
+        if drafter is None:
+            raise ArgumentError(
+                f"no known drafter for {model_path}: pass --draft-model (a DFlash/DFlash2 drafter, local "
+                f"or on the Hugging Face hub). Drafters are known for: {known_targets()}, and their "
+                "quantized exports (for example mlx-community/Qwen3.5-4B-4bit)"
+            )
+        return drafter
     if not (DEFAULT_DRAFT / "config.json").exists():
         raise FileNotFoundError(
             f"the bundled drafter is missing at {DEFAULT_DRAFT}; rebuild it with "
@@ -162,7 +173,8 @@ def default_prompt(model_path=None) -> str:
 
 def resolve_pair(model_path, draft_path=None) -> Tuple[str, str]:
     """(target, drafter) paths: a pair name gives both, the bundled target
-    its bundled drafter; any other target needs ``draft_path``."""
+    its bundled drafter, a target z-lab published a drafter for that one;
+    any other target needs ``draft_path``."""
     if str(model_path) in NAMED_PAIRS:
         target, draft = named_pair_paths(str(model_path), need_draft=draft_path is None)
         return str(target), str(draft_path or draft)
