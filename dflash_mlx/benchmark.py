@@ -596,9 +596,11 @@ def read_prompts(path) -> List[str]:
 
 
 def main(argv=None):
+    from .blas import warn_if_reference
     from .pair import benchmark_lengths, benchmark_prompts, load_pair
 
     args = setup_arg_parser().parse_args(argv)
+    warn_if_reference()
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path and not Path(path).resolve().parent.is_dir():
             raise ArgumentError(f"{flag} {path}: its directory does not exist")

@@ -43,9 +43,11 @@ def turn_prompt(tokenizer, query: str, system_prompt=None):
 
 
 def main(argv=None, input_fn=input):
+    from .blas import warn_if_reference
     from .pair import load_pair
 
     args = setup_arg_parser().parse_args(argv)
+    warn_if_reference()
     if args.pipeline:
         from .pipeline import load_for_command, rank0_repl
 

@@ -20,6 +20,7 @@ COMMANDS = {
     "convert": ("dflash_mlx.convert", "convert drafters (and targets) to MLX, with dtype/quantization"),
     "train": ("dflash_mlx.train", "train a DFlash drafter for a target"),
     "bench": ("dflash_mlx.benchmark", "DFlash vs autoregressive speed on the same target"),
+    "doctor": ("dflash_mlx.doctor", "check this machine (BLAS, kernels, memory) and a pair: does DFlash help here?"),
 }
 
 # What a command reports as a one-line error: the package's own errors, and
@@ -64,7 +65,7 @@ def positive_int(text: str) -> int:
 def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model`` and ``--draft-model``, as every command that loads a pair spells them."""
     parser.add_argument("--model", default=str(DEFAULT_TARGET), help="target: local path or Hugging Face id (default: the bundled pair)")
-    parser.add_argument("--draft-model", default=None, help="DFlash/DFlash2 drafter: local path or Hugging Face id (default: the bundled pair's when --model is the default)")
+    parser.add_argument("--draft-model", default=None, help="DFlash/DFlash2 drafter: local path or Hugging Face id (default: the bundled pair's for the default --model, z-lab's published drafter for a target it has one for)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

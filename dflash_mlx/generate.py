@@ -464,9 +464,11 @@ def build_prompt(tokenizer, prompt: str, system_prompt=None, use_chat_template=T
 
 
 def main(argv=None):
+    from .blas import warn_if_reference
     from .pair import DEFAULT_TARGET, default_prompt, load_pair
 
     args = setup_arg_parser().parse_args(argv)
+    warn_if_reference()
     rank = mx.distributed.init().rank() if args.pipeline else 0
     if args.pipeline:
         from .pipeline import load_for_command

@@ -526,9 +526,11 @@ def make_server(args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPSe
 
 
 def main(argv=None):
+    from .blas import warn_if_reference
     from .pair import load_pair
 
     args = setup_arg_parser().parse_args(argv)
+    warn_if_reference()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
     rank = mx.distributed.init().rank() if args.pipeline else 0
     server = listen(args) if rank == 0 else None

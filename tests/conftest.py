@@ -43,6 +43,15 @@ def make_pair(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session", autouse=True)
+def blas_warning_given():
+    """The CLIs warn about a reference BLAS once per process: warn before
+    any test, so no test's captured stderr depends on running first."""
+    from dflash_mlx.blas import warn_if_reference
+
+    warn_if_reference()
+
+
 @pytest.fixture(scope="session")
 def qwen3_pair(make_pair):
     return make_pair("qwen3")
