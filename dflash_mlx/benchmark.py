@@ -600,12 +600,12 @@ def main(argv=None):
     from .pair import benchmark_lengths, benchmark_prompts, load_pair
 
     args = setup_arg_parser().parse_args(argv)
-    warn_if_reference()
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path and not Path(path).resolve().parent.is_dir():
             raise ArgumentError(f"{flag} {path}: its directory does not exist")
     prompts = read_prompts(args.prompts) if args.prompts else None
     model, tokenizer, draft, draft_path = load_pair(args.model, args.draft_model)
+    warn_if_reference()  # loaded: about to measure
     prompts = prompts or benchmark_prompts(args.model, tokenizer)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     ar_draft = None

@@ -47,7 +47,6 @@ def main(argv=None, input_fn=input):
     from .pair import load_pair
 
     args = setup_arg_parser().parse_args(argv)
-    warn_if_reference()
     if args.pipeline:
         from .pipeline import load_for_command, rank0_repl
 
@@ -55,6 +54,7 @@ def main(argv=None, input_fn=input):
         input_fn = rank0_repl(input_fn, mx.distributed.init())  # every rank gets rank 0's lines; only rank 0 prints
     else:
         model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
+    warn_if_reference()  # loaded: about to decode
     mx.random.seed(args.seed)
     templated = bool(getattr(tokenizer, "chat_template", None))
     print("[q quits, r resets]" + ("" if templated else " [no chat template: text continuation]"))

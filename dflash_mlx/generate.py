@@ -468,7 +468,6 @@ def main(argv=None):
     from .pair import DEFAULT_TARGET, default_prompt, load_pair
 
     args = setup_arg_parser().parse_args(argv)
-    warn_if_reference()
     rank = mx.distributed.init().rank() if args.pipeline else 0
     if args.pipeline:
         from .pipeline import load_for_command
@@ -476,6 +475,7 @@ def main(argv=None):
         model, tokenizer, draft = load_for_command(args.model, args.draft_model, seed=args.seed)
     else:
         model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
+    warn_if_reference()  # loaded: about to decode
     args.verbose = args.verbose and rank == 0  # only rank 0 prints
     if rank == 0 and str(args.model) == str(DEFAULT_TARGET):
         print(f"[bundled default pair: {DEFAULT_TARGET.parent}]", file=sys.stderr)

@@ -530,7 +530,6 @@ def main(argv=None):
     from .pair import load_pair
 
     args = setup_arg_parser().parse_args(argv)
-    warn_if_reference()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
     rank = mx.distributed.init().rank() if args.pipeline else 0
     server = listen(args) if rank == 0 else None
@@ -546,6 +545,7 @@ def main(argv=None):
         else:
             model, tokenizer, draft, draft_id = load_pair(args.model, args.draft_model)
         add_generator(server, args, model, tokenizer, draft, draft_id)
+        warn_if_reference()  # loaded: about to serve
     except BaseException:
         if server is not None:
             server.server_close()
