@@ -181,7 +181,7 @@ def tokens_per_cycle_by_rule(
 ) -> Dict[str, float]:
     """Mean tokens committed per verify cycle at ``temperature``, for each
     acceptance rule, on the same prompts and seeds (the benchmark's and the
-    README's speculative-vs-exact-match comparison).
+    BENCHMARKS.md's speculative-vs-exact-match comparison).
 
     Returns ``{"speculative": ..., "exact-match": ...}``. ``kwargs`` go to
     ``stream_generate`` (``top_p``, ``top_k``, ``min_p``, ``block_size``...).

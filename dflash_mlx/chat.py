@@ -27,7 +27,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     cli.add_block_size_argument(p)
     p.add_argument("--system-prompt", default=None)
     cli.add_prefill_step_size_argument(p)
-    p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started (see the README)")
+    p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started (see docs/pipeline.md)")
     return p
 
 

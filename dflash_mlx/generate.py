@@ -450,7 +450,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--system-prompt", default=None)
     cli.add_prefill_step_size_argument(p)
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="stream text and print statistics")
-    p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started (see the README)")
+    p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started (see docs/pipeline.md)")
     return p
 
 

@@ -52,7 +52,7 @@ def pipeline_group() -> mx.distributed.Group:
         raise PipelineError(
             "--pipeline needs at least 2 processes; start them with mlx.launch, e.g. "
             "`mlx.launch --backend ring -n 2 -- -m dflash_mlx.generate --pipeline ...` "
-            "(see the README's multi-Mac recipe)"
+            "(see docs/pipeline.md for several Macs)"
         )
     return group
 

@@ -486,7 +486,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--use-default-chat-template", action="store_true", help="use the tokenizer's default template when it has none")
     p.add_argument("--chat-template-args", type=json.loads, default={}, help="JSON arguments for the chat template")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started; rank 0 serves HTTP (see the README)")
+    p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started; rank 0 serves HTTP (see docs/pipeline.md)")
     return p
 
 
