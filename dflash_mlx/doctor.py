@@ -32,6 +32,7 @@ TIE = 0.05
 
 
 def check(status: str, summary: str, **details) -> dict:
+    """One check's result: its status, the line it prints, and details for --json."""
     return {"status": status, "summary": summary, **details}
 
 
@@ -59,9 +60,8 @@ def package_version(name: str) -> str:
 
 
 def platform_check() -> dict:
-    summary = f"{platform.system()} {platform.machine()}, {chip()}, Python {platform.python_version()}"
-    return check(OK, summary, system=platform.system(), machine=platform.machine(), chip=chip(),
-                 python=platform.python_version())
+    found = dict(system=platform.system(), machine=platform.machine(), chip=chip(), python=platform.python_version())
+    return check(OK, "{system} {machine}, {chip}, Python {python}".format(**found), **found)
 
 
 def versions_check() -> dict:

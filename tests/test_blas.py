@@ -34,10 +34,11 @@ COMMANDS = ("generate", "chat", "bench", "server")
 
 
 def probe(preload: bool):
-    """One process: the BLAS found, then `generate` on the bundled pair twice."""
+    """One process: the BLAS found, `generate` on the bundled pair, then the
+    warning asked for again (given once per process)."""
     code = (
         "import json; from dflash_mlx import blas, cli; print(json.dumps(blas.cpu_blas()), flush=True)\n"
-        "for _ in range(2): assert cli.main(['generate', '--max-tokens', '2']) == 0"
+        "assert cli.main(['generate', '--max-tokens', '1']) == 0; blas.warn_if_reference()"
     )
     done = run(code, preload)
     assert done.returncode == 0, done.stderr
