@@ -63,3 +63,24 @@ def test_an_unusable_pair_exits_1_with_the_reason(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["usable"] is False and report["checks"]["pair"]["status"] == "failed"
     assert report["verdict"].startswith("DFlash is not usable here: pair: cannot load the pair: no known drafter")
+
+
+@pytest.mark.parametrize(
+    "speedup, blas_status, start",
+    [
+        (1.62, "ok", "DFlash helps here: 1.62x plain decoding for m on one short prompt"),
+        (1.02, "ok", "DFlash breaks even here: 1.02x"),
+        (0.97, "ok", "DFlash breaks even here: 0.97x"),
+        (0.56, "warning", "DFlash does not help here: 0.56x"),
+    ],
+)
+def test_the_verdict_reads_the_ratio_and_names_a_slow_blas(speedup, blas_status, start):
+    checks = {"blas": {"status": blas_status}, "pair": {"status": "ok", "speedup": speedup, "model": "m"}}
+    verdict = doctor.verdict({"checks": checks})
+    assert verdict.startswith(start)
+    assert ("reference BLAS" in verdict) == (blas_status == "warning")
+
+
+def test_a_failed_check_makes_the_verdict_its_reason():
+    checks = {"blas": {"status": "ok"}, "recurrence": {"status": "failed", "summary": "differs from mlx-lm's ops"}}
+    assert doctor.verdict({"checks": checks}) == "DFlash is not usable here: recurrence: differs from mlx-lm's ops"
