@@ -393,7 +393,7 @@ class DFlashAPIHandler(APIHandler):
 
     def send_json(self, status: int, obj: dict):
         if status >= 400:
-            self.generator.metrics.error(self.path)
+            self.generator.metrics.error(self.path.partition("?")[0])
         body = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -413,13 +413,13 @@ class DFlashAPIHandler(APIHandler):
         self.end_headers()
 
     def do_POST(self):
-        kind = ROUTES.get(self.path)
-        if kind is None and self.path not in ENDPOINTS:
+        kind, route = ROUTES.get(self.path), self.path.partition("?")[0]  # Claude Code adds ?beta=true
+        if kind is None and route not in ENDPOINTS:
             routes = list(ROUTES) + list(ENDPOINTS)
             return self.send_error_json(404, f"no route {self.path}; use {', '.join(routes)}")
-        self.generator.metrics.request(self.path)
+        self.generator.metrics.request(route)
         if kind is None:  # an agent dialect (dflash_mlx.api)
-            return ENDPOINTS[self.path](self).serve()
+            return ENDPOINTS[route](self).serve()
         try:
             body, raw = read_json_body(self)
             self.prepared = self.generator.prepare(body, kind)

@@ -35,6 +35,18 @@ ANTHROPIC_TOOL = {"name": "get_weather", "description": WEATHER_TOOL["function"]
 RESPONSES_TOOL = {"type": "function", "name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
                   "parameters": WEATHER_TOOL["function"]["parameters"]}
 
+# The tool round trip (ASK, CALLED, RESULT) in each dialect's own form.
+ARGUMENTS = json.loads(CALLED["tool_calls"][0]["function"]["arguments"])
+ANTHROPIC_ROUND_TRIP = ASK + [
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": ARGUMENTS}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": RESULT["content"]}]},
+]
+RESPONSES_ROUND_TRIP = [
+    {"role": "user", "content": ASK[0]["content"]},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": json.dumps(ARGUMENTS)},
+    {"type": "function_call_output", "call_id": "call_1", "output": RESULT["content"]},
+]
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
@@ -141,25 +153,32 @@ def test_tool_results_are_templated_and_answered(served, oai, claude):
     r = oai.chat.completions.create(model="m", messages=ASK + [CALLED, RESULT], tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS)
     assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
 
-    arguments = json.loads(CALLED["tool_calls"][0]["function"]["arguments"])
-    messages = ASK + [
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": arguments}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": RESULT["content"]}]},
-    ]
+    messages = ANTHROPIC_ROUND_TRIP
     m = claude.messages.create(model="m", max_tokens=MAX_TOKENS, messages=messages, tools=[ANTHROPIC_TOOL])
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == want and m.stop_reason == "end_turn"
     with claude.messages.stream(model="m", max_tokens=MAX_TOKENS, messages=messages, tools=[ANTHROPIC_TOOL]) as s:
         assert "".join(s.text_stream) == want
 
-    items = [
-        {"role": "user", "content": ASK[0]["content"]},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": json.dumps(arguments)},
-        {"type": "function_call_output", "call_id": "call_1", "output": RESULT["content"]},
-    ]
+    items = RESPONSES_ROUND_TRIP
     r = oai.responses.create(model="m", input=items, tools=[RESPONSES_TOOL], max_output_tokens=MAX_TOKENS)
     assert r.output_text == want
     events = list(oai.responses.create(model="m", input=items, tools=[RESPONSES_TOOL], max_output_tokens=MAX_TOKENS, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+
+
+def test_stop_sequences_and_max_tokens_end_the_turn(served, oai, claude):
+    want, _ = reference(served, ASK + [CALLED, RESULT], [WEATHER_TOOL])
+    stop = want[2:4]
+    kw = dict(model="m", messages=ANTHROPIC_ROUND_TRIP, tools=[ANTHROPIC_TOOL])
+    m = claude.messages.create(max_tokens=MAX_TOKENS, stop_sequences=[stop], **kw)
+    assert (m.stop_reason, m.stop_sequence, m.content[0].text) == ("stop_sequence", stop, want[: want.find(stop)])
+    with claude.messages.stream(max_tokens=MAX_TOKENS, stop_sequences=[stop], **kw) as s:
+        final = s.get_final_message()
+    assert (final.stop_reason, final.stop_sequence, final.content[0].text) == (m.stop_reason, m.stop_sequence, m.content[0].text)
+    m = claude.messages.create(max_tokens=3, **kw)
+    assert (m.stop_reason, m.content[0].text, m.usage.output_tokens) == ("max_tokens", want[:3], 3)
+    r = oai.responses.create(model="m", input=RESPONSES_ROUND_TRIP, tools=[RESPONSES_TOOL], max_output_tokens=3)
+    assert (r.status, r.incomplete_details.reason, r.output_text) == ("incomplete", "max_output_tokens", want[:3])
 
 
 def test_previous_response_id_continues_a_stored_response(oai, served):
@@ -221,7 +240,8 @@ def test_thinking_switch_reaches_the_template(served, oai, claude):
 
 def test_count_tokens_matches_usage(served, claude):
     _, n = reference(served, ASK, [WEATHER_TOOL])
-    count = claude.messages.count_tokens(model="m", messages=ASK, tools=[ANTHROPIC_TOOL])
+    count = claude.messages.count_tokens(model="m", messages=ASK, tools=[ANTHROPIC_TOOL],
+                                         extra_query={"beta": "true"})  # as Claude Code asks
     m = claude.messages.create(model="m", max_tokens=MAX_TOKENS, messages=ASK, tools=[ANTHROPIC_TOOL])
     assert count.input_tokens == n == m.usage.input_tokens + m.usage.cache_read_input_tokens
     system = claude.messages.count_tokens(model="m", messages=ASK, system="Be terse.")
@@ -298,6 +318,8 @@ BAD = [
     ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER, "tools": [ANTHROPIC_TOOL],
                       "tool_choice": {"type": "any"}}, "tool_choice"),
     ("/v1/messages", {"model": "m", "max_tokens": 0, "messages": USER}, "max_tokens"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER, "top_k": -1}, "top_k"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "image"),
     ("/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "role"),
     ("/v1/responses", {"model": "m", "input": [{"role": "robot", "content": "x"}]}, "role"),
     ("/v1/responses", {"model": "m", "input": [{"type": "function_call_output", "output": "x"}]}, "call_id"),

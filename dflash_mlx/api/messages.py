@@ -203,8 +203,8 @@ class Blocks:
 class MessagesEndpoint:
     """One request to ``/v1/messages`` or ``/v1/messages/count_tokens``."""
 
-    def __init__(self, handler):
-        self.handler = handler
+    def __init__(self, handler, count_only: bool = False):
+        self.handler, self.count_only = handler, count_only
 
     def send_error(self, status: int, message: str):
         self.handler.send_json(status, error_body(status, message))
@@ -212,7 +212,7 @@ class MessagesEndpoint:
     def serve(self):
         try:
             body, _ = read_json_body(self.handler)
-            if self.handler.path.endswith("/count_tokens"):
+            if self.count_only:
                 prepared = self.handler.generator.prepare(to_chat(body, count_only=True), "chat")
                 return self.handler.send_json(200, {"input_tokens": len(prepared.tokens)})
             turn = Turn(self.handler.generator, to_chat(body))

@@ -12,7 +12,6 @@ renders the resulting events, and the :class:`Result`, in its own shape.
 """
 
 import json
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -149,7 +148,6 @@ class Turn:
         self.prepared = generator.prepare(body, "chat")
         self.args = generation_arguments(body, generator.cli_args)
         self.result = Result(prompt_tokens=len(self.prepared.tokens))
-        self.created = int(time.time())
 
     def start(self, progress=None):
         """Queue the turn; returns once its prompt cache is found (cached
