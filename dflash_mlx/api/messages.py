@@ -12,7 +12,7 @@ from contextlib import closing
 from typing import List, Optional, Tuple
 
 from ..errors import RequestError
-from .turn import Result, Turn, chat_tool, chat_tool_call, event_stream, new_id, read_json_body, tool_choice_rule
+from .turn import Assembler, Result, Turn, chat_tool, chat_tool_call, event_stream, new_id, read_json_body, tool_choice_rule
 
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -162,42 +162,31 @@ def usage(result: Result) -> dict:
     }
 
 
-class Blocks:
-    """A message's content blocks, built from a turn's events; :meth:`feed`
-    also returns the stream events that build them the same way."""
+class Blocks(Assembler):
+    """A message's content blocks and the stream events that build them."""
 
-    def __init__(self):
-        self.content: List[dict] = []
-        self.open: Optional[str] = None  # the kind of the last block, while it takes deltas
-
-    def close(self) -> List[Tuple[str, dict]]:
-        if self.open is None:
-            return []
-        self.open = None
-        return [("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
-
-    def start(self, block: dict) -> List[Tuple[str, dict]]:
-        events = self.close()
-        self.content.append(block)
-        start = dict(block, input={}) if block["type"] == "tool_use" else dict(block, **{k: "" for k in ("text", "thinking") if k in block})
-        events.append(("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1, "content_block": start}))
-        return events
-
-    def feed(self, kind: str, value) -> List[Tuple[str, dict]]:
+    def new_item(self, kind: str, value) -> dict:
         if kind == "tool_call":
-            events = self.start({"type": "tool_use", "id": value.id, "name": value.name, "input": json.loads(value.arguments)})
+            return {"type": "tool_use", "id": value.id, "name": value.name, "input": json.loads(value.arguments)}
+        if kind == "reasoning":
+            return {"type": "thinking", "thinking": "", "signature": ""}
+        return {"type": "text", "text": ""}
+
+    def started(self, block: dict, index: int) -> List[Tuple[str, dict]]:
+        shown = dict(block, input={}) if block["type"] == "tool_use" else dict(block)
+        return [("content_block_start", {"type": "content_block_start", "index": index, "content_block": shown})]
+
+    def extended(self, block: dict, index: int, value) -> List[Tuple[str, dict]]:
+        if block["type"] == "tool_use":
             delta = {"type": "input_json_delta", "partial_json": value.arguments}
-            events.append(("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}))
-            return events + self.close()
-        block_type, field = ("thinking", "thinking") if kind == "reasoning" else ("text", "text")
-        events = []
-        if self.open != block_type:
-            events = self.start({"type": block_type, field: ""} if block_type == "text" else {"type": "thinking", "thinking": "", "signature": ""})
-            self.open = block_type
-        self.content[-1][field] += value
-        delta = {"type": f"{field}_delta", field: value}
-        events.append(("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}))
-        return events
+        else:
+            field = block["type"]  # "text" or "thinking"
+            block[field] += value
+            delta = {"type": f"{field}_delta", field: value}
+        return [("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})]
+
+    def finished(self, block: dict, index: int) -> List[Tuple[str, dict]]:
+        return [("content_block_stop", {"type": "content_block_stop", "index": index})]
 
 
 class MessagesEndpoint:
@@ -235,7 +224,7 @@ class MessagesEndpoint:
         except Exception as e:  # the generation failed: the client hears why
             return self.send_error(500, f"generation failed: {e}")
         result = turn.result
-        message.update(content=blocks.content, stop_reason=stop_reason(result),
+        message.update(content=blocks.items, stop_reason=stop_reason(result),
                        stop_sequence=result.stop_sequence, usage=usage(result))
         self.handler.send_json(200, message)
 

@@ -16,6 +16,7 @@ from typing import List, Optional, Tuple
 
 from ..errors import RequestError
 from .turn import (
+    Assembler,
     Result,
     Turn,
     chat_tool,
@@ -157,80 +158,52 @@ def usage(result: Result) -> dict:
     }
 
 
-class Output:
-    """A response's output items, built from a turn's events; :meth:`feed`
-    also returns the stream events that build them the same way."""
+class Output(Assembler):
+    """A response's output items and the stream events that build them."""
 
-    def __init__(self):
-        self.items: List[dict] = []
-        self.open: Optional[str] = None  # the type of the last item, while it takes deltas
+    def new_item(self, kind: str, value) -> dict:
+        if kind == "tool_call":
+            return {"type": "function_call", "id": new_id("fc"), "call_id": value.id, "name": value.name,
+                    "arguments": value.arguments}
+        if kind == "reasoning":
+            return {"type": "reasoning", "id": new_id("rs"), "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}]}
+        return {"type": "message", "id": new_id("msg"), "role": "assistant",
+                "content": [{"type": "output_text", "text": "", "annotations": []}]}
 
-    def close(self) -> List[Tuple[str, dict]]:
-        if self.open is None:
-            return []
-        self.open, item, index = None, self.items[-1], len(self.items) - 1
+    def started(self, item: dict, index: int) -> List[dict]:
+        empty = {"arguments": ""} if item["type"] == "function_call" else {"content": []}
+        shown = dict(item, status="in_progress", **empty)
+        events = [{"type": "response.output_item.added", "output_index": index, "item": shown}]
+        if item["type"] == "message":
+            events.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
+                           "content_index": 0, "part": dict(item["content"][0])})
+        return events
+
+    def extended(self, item: dict, index: int, value) -> List[dict]:
+        at = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "function_call":
+            return [
+                {"type": "response.function_call_arguments.delta", **at, "delta": value.arguments},
+                {"type": "response.function_call_arguments.done", **at, "name": value.name, "arguments": value.arguments},
+            ]
+        item["content"][0]["text"] += value
+        if item["type"] == "reasoning":
+            return [{"type": "response.reasoning_text.delta", **at, "content_index": 0, "delta": value}]
+        return [{"type": "response.output_text.delta", **at, "content_index": 0, "delta": value, "logprobs": []}]
+
+    def finished(self, item: dict, index: int) -> List[dict]:
         item["status"] = "completed"
-        events = []
+        at, events = {"item_id": item["id"], "output_index": index, "content_index": 0}, []
         if item["type"] == "message":
             part = item["content"][0]
             events += [
-                {"type": "response.output_text.done", "item_id": item["id"], "output_index": index,
-                 "content_index": 0, "text": part["text"], "logprobs": []},
-                {"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
-                 "content_index": 0, "part": part},
+                {"type": "response.output_text.done", **at, "text": part["text"], "logprobs": []},
+                {"type": "response.content_part.done", **at, "part": part},
             ]
         elif item["type"] == "reasoning":
-            events.append({"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": index,
-                           "content_index": 0, "text": item["content"][0]["text"]})
-        events.append({"type": "response.output_item.done", "output_index": index, "item": item})
-        return events
-
-    def add(self, item: dict) -> List[dict]:
-        events = self.close()
-        self.items.append(item)
-        self.open = item["type"]
-        added = dict(item, status="in_progress")
-        if item["type"] == "message":
-            added["content"] = []
-        elif item["type"] == "reasoning":
-            added["content"] = []
-        else:
-            added["arguments"] = ""
-        return events + [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": added}]
-
-    def feed(self, kind: str, value) -> List[dict]:
-        if kind == "tool_call":
-            item = {"type": "function_call", "id": new_id("fc"), "call_id": value.id, "name": value.name,
-                    "arguments": value.arguments}
-            events = self.add(item)
-            index = len(self.items) - 1
-            events += [
-                {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index,
-                 "delta": value.arguments},
-                {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
-                 "name": value.name, "arguments": value.arguments},
-            ]
-            return events + self.close()
-        events, item_type = [], "reasoning" if kind == "reasoning" else "message"
-        if self.open != item_type:
-            if item_type == "message":
-                item = {"type": "message", "id": new_id("msg"), "role": "assistant",
-                        "content": [{"type": "output_text", "text": "", "annotations": []}]}
-            else:
-                item = {"type": "reasoning", "id": new_id("rs"), "summary": [],
-                        "content": [{"type": "reasoning_text", "text": ""}]}
-            events = self.add(item)
-            if item_type == "message":
-                events.append({"type": "response.content_part.added", "item_id": item["id"],
-                               "output_index": len(self.items) - 1, "content_index": 0,
-                               "part": {"type": "output_text", "text": "", "annotations": []}})
-        item, index = self.items[-1], len(self.items) - 1
-        item["content"][0]["text"] += value
-        delta_type = "response.output_text.delta" if item_type == "message" else "response.reasoning_text.delta"
-        delta = {"type": delta_type, "item_id": item["id"], "output_index": index, "content_index": 0, "delta": value}
-        if item_type == "message":
-            delta["logprobs"] = []
-        return events + [delta]
+            events.append({"type": "response.reasoning_text.done", **at, "text": item["content"][0]["text"]})
+        return events + [{"type": "response.output_item.done", "output_index": index, "item": item}]
 
 
 def assistant_message(result: Result) -> dict:

@@ -218,6 +218,51 @@ class Turn:
         return None
 
 
+class Assembler:
+    """A dialect's answer built from a turn's events: one item (a content
+    block, an output item) per run of text or of reasoning and per tool
+    call. Each step also returns the stream events that build the same
+    items, so a streamed answer and a whole one cannot differ.
+
+    Dialects give the items' shapes and events: :meth:`new_item`,
+    :meth:`started`, :meth:`extended` and :meth:`finished`.
+    """
+
+    def __init__(self):
+        self.items: List[dict] = []
+        self.open: Optional[str] = None  # the event kind the last item takes, until it is finished
+
+    def feed(self, kind: str, value) -> list:
+        events = []
+        if kind == "tool_call" or kind != self.open:
+            events += self.close()
+            self.items.append(self.new_item(kind, value))
+            self.open = kind
+            events += self.started(self.items[-1], len(self.items) - 1)
+        events += self.extended(self.items[-1], len(self.items) - 1, value)
+        return events + (self.close() if kind == "tool_call" else [])
+
+    def close(self) -> list:
+        """Finish the open item (its closing events)."""
+        if self.open is None:
+            return []
+        self.open = None
+        return self.finished(self.items[-1], len(self.items) - 1)
+
+    def new_item(self, kind: str, value) -> dict:
+        raise NotImplementedError
+
+    def started(self, item: dict, index: int) -> list:
+        raise NotImplementedError
+
+    def extended(self, item: dict, index: int, value) -> list:
+        """Add an event's text (or a tool call) to ``item``."""
+        raise NotImplementedError
+
+    def finished(self, item: dict, index: int) -> list:
+        raise NotImplementedError
+
+
 def read_json_body(handler) -> Tuple[dict, bytes]:
     """The request's JSON object body and its bytes (a :class:`RequestError`
     if there is none)."""
