@@ -8,11 +8,10 @@ long prompt is prefilled; errors as ``{"type": "error", "error": {...}}``.
 """
 
 import json
-from contextlib import closing
 from typing import List, Optional, Tuple
 
 from ..errors import RequestError
-from .turn import Assembler, Result, Turn, chat_tool, chat_tool_call, event_stream, new_id, read_json_body, tool_choice_rule
+from .turn import Assembler, Result, Turn, chat_tool, chat_tool_call, chat_tools, event_stream, new_id, read_json_body, tool_choice_rule
 
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -86,19 +85,10 @@ def chat_messages(messages) -> list:
     return out
 
 
-def chat_tools(tools) -> Optional[list]:
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise RequestError("tools must be a list", "tools")
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict):
-            raise RequestError(f"tools.{i} must be an object", "tools")
-        if t.get("type") not in (None, "custom"):
-            raise RequestError(f"tools.{i}: {t.get('type')!r} is a server tool; this server runs client tools only", "tools")
-        out.append(chat_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools.{i}"))
-    return out or None
+def anthropic_tool(t: dict, where: str) -> dict:
+    if t.get("type") not in (None, "custom"):
+        raise RequestError(f"{where}: {t.get('type')!r} is a server tool; this server runs client tools only", "tools")
+    return chat_tool(t.get("name"), t.get("description"), t.get("input_schema"), where)
 
 
 def tool_choice(choice) -> Optional[str]:
@@ -132,7 +122,7 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
     chat = {
         "model": body.get("model", "default"),
         "messages": messages,
-        "tools": tool_choice_rule(tool_choice(body.get("tool_choice")), chat_tools(body.get("tools"))),
+        "tools": tool_choice_rule(tool_choice(body.get("tool_choice")), chat_tools(body.get("tools"), anthropic_tool)),
         "stop": stop,
         "chat_template_kwargs": kwargs,
     }
@@ -218,9 +208,7 @@ class MessagesEndpoint:
         blocks = Blocks()
         try:
             turn.start()
-            with closing(turn.events()) as events:
-                for kind, value in events:
-                    blocks.feed(kind, value)
+            turn.run(blocks)
         except Exception as e:  # the generation failed: the client hears why
             return self.send_error(500, f"generation failed: {e}")
         result = turn.result
@@ -238,16 +226,11 @@ class MessagesEndpoint:
         start = dict(message, usage=dict(usage(turn.result), output_tokens=0))
         event_stream(handler, "message_start", {"type": "message_start", "message": start})
         try:
-            with closing(turn.events()) as events:
-                for kind, value in events:
-                    for name, data in blocks.feed(kind, value):
-                        event_stream(handler, name, data)
+            turn.run(blocks, lambda event: event_stream(handler, *event))
         except (BrokenPipeError, ConnectionResetError):
             return
         except Exception as e:
             return event_stream(handler, "error", error_body(500, f"generation failed: {e}"))
-        for name, data in blocks.close():
-            event_stream(handler, name, data)
         result = turn.result
         delta = {"stop_reason": stop_reason(result), "stop_sequence": result.stop_sequence}
         event_stream(handler, "message_delta", {"type": "message_delta", "delta": delta, "usage": usage(result)})

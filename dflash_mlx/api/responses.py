@@ -11,7 +11,6 @@ server made and still holds (a bounded store, newest kept).
 import threading
 import time
 from collections import OrderedDict
-from contextlib import closing
 from typing import List, Optional, Tuple
 
 from ..errors import RequestError
@@ -21,6 +20,7 @@ from .turn import (
     Turn,
     chat_tool,
     chat_tool_call,
+    chat_tools,
     event_stream,
     new_id,
     openai_tool_choice,
@@ -108,18 +108,10 @@ def chat_messages(items) -> list:
     return out
 
 
-def chat_tools(tools) -> Optional[list]:
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise RequestError("tools must be a list", "tools")
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise RequestError(f"tools.{i}: {kind!r} tools are not supported (function tools only)", "tools")
-        out.append(chat_tool(t.get("name"), t.get("description"), t.get("parameters"), f"tools.{i}"))
-    return out or None
+def function_tool(t: dict, where: str) -> dict:
+    if t.get("type") != "function":
+        raise RequestError(f"{where}: {t.get('type')!r} tools are not supported (function tools only)", "tools")
+    return chat_tool(t.get("name"), t.get("description"), t.get("parameters"), where)
 
 
 def to_chat(body: dict, history: list) -> Tuple[dict, list]:
@@ -137,7 +129,7 @@ def to_chat(body: dict, history: list) -> Tuple[dict, list]:
     chat = {
         "model": body.get("model", "default"),
         "messages": messages,
-        "tools": tool_choice_rule(openai_tool_choice(body.get("tool_choice")), chat_tools(body.get("tools"))),
+        "tools": tool_choice_rule(openai_tool_choice(body.get("tool_choice")), chat_tools(body.get("tools"), function_tool)),
         "chat_template_kwargs": dict(body.get("chat_template_kwargs") or {}),
     }
     if max_tokens is not None:
@@ -257,13 +249,10 @@ class ResponsesEndpoint:
         output = Output()
         try:
             turn.start()
-            with closing(turn.events()) as events:
-                for kind, value in events:
-                    output.feed(kind, value)
+            turn.run(output)
         except Exception as e:  # the generation failed: the client hears why
             self.send_error(500, f"generation failed: {e}")
             return False
-        output.close()
         self.finish(response, output, turn.result)
         self.handler.send_json(200, response)
         return True
@@ -287,12 +276,7 @@ class ResponsesEndpoint:
         send({"type": "response.created", "response": dict(response)})
         send({"type": "response.in_progress", "response": dict(response)})
         try:
-            with closing(turn.events()) as events:
-                for kind, value in events:
-                    for event in output.feed(kind, value):
-                        send(event)
-            for event in output.close():
-                send(event)
+            turn.run(output, send)
         except (BrokenPipeError, ConnectionResetError):
             return False
         except Exception as e:

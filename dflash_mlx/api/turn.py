@@ -13,6 +13,7 @@ renders the resulting events, and the :class:`Result`, in its own shape.
 
 import json
 import uuid
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -94,6 +95,21 @@ def chat_tool(name, description, parameters, where: str) -> dict:
     if description:
         function["description"] = description
     return {"type": "function", "function": function}
+
+
+def chat_tools(tools, convert) -> Optional[list]:
+    """A dialect's tool list as chat-completions tools; ``convert(tool, where)``
+    checks and converts one."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise RequestError(f"tools.{i} must be an object", "tools")
+        out.append(convert(t, f"tools.{i}"))
+    return out or None
 
 
 def chat_tool_call(call_id, name, arguments, where: str) -> dict:
@@ -207,6 +223,18 @@ class Turn:
             result.finish_reason = "tool_calls"
         result.output_tokens = len(tokens)
         result.dflash = ctx.dflash
+
+    def run(self, assembler: "Assembler", send=None):
+        """Feed the turn's events to ``assembler`` until it ends, passing
+        each stream event it returns to ``send`` (when streaming)."""
+        with closing(self.events()) as events:
+            for kind, value in events:
+                for event in assembler.feed(kind, value):
+                    if send is not None:
+                        send(event)
+        for event in assembler.close():
+            if send is not None:
+                send(event)
 
     def stop_word(self, tokens: List[int]) -> Optional[str]:
         """The stop word whose tokens end ``tokens`` (the one that matched)."""
