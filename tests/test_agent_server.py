@@ -134,7 +134,8 @@ def test_tool_call_is_structured_on_every_dialect(served, oai, claude):
     assert final.stop_reason == "tool_use" and final.usage.output_tokens == m.usage.output_tokens
 
     # OpenAI Responses
-    r = oai.responses.create(model="m", input=ASK[0]["content"], tools=[RESPONSES_TOOL], max_output_tokens=MAX_TOKENS)
+    r = oai.responses.create(model="m", input=ASK[0]["content"], tools=[RESPONSES_TOOL, {"type": "web_search"}],
+                             max_output_tokens=MAX_TOKENS)  # a hosted tool, as Codex sends: left out
     (item,) = r.output
     assert item.type == "function_call" and r.status == "completed"
     assert (item.name, json.loads(item.arguments)) == (want["name"], want["arguments"])
@@ -240,7 +241,8 @@ def test_thinking_switch_reaches_the_template(served, oai, claude):
 
 def test_count_tokens_matches_usage(served, claude):
     _, n = reference(served, ASK, [WEATHER_TOOL])
-    count = claude.messages.count_tokens(model="m", messages=ASK, tools=[ANTHROPIC_TOOL],
+    server_tool = {"type": "web_search_20250305", "name": "web_search"}  # hosted by Anthropic: left out
+    count = claude.messages.count_tokens(model="m", messages=ASK, tools=[ANTHROPIC_TOOL, server_tool],
                                          extra_query={"beta": "true"})  # as Claude Code asks
     m = claude.messages.create(model="m", max_tokens=MAX_TOKENS, messages=ASK, tools=[ANTHROPIC_TOOL])
     assert count.input_tokens == n == m.usage.input_tokens + m.usage.cache_read_input_tokens

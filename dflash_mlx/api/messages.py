@@ -85,9 +85,10 @@ def chat_messages(messages) -> list:
     return out
 
 
-def anthropic_tool(t: dict, where: str) -> dict:
+def anthropic_tool(t: dict, where: str) -> Optional[dict]:
+    """A client tool as a chat tool; None for a server tool (``web_search_...``)."""
     if t.get("type") not in (None, "custom"):
-        raise RequestError(f"{where}: {t.get('type')!r} is a server tool; this server runs client tools only", "tools")
+        return None
     return chat_tool(t.get("name"), t.get("description"), t.get("input_schema"), where)
 
 

@@ -108,9 +108,11 @@ def chat_messages(items) -> list:
     return out
 
 
-def function_tool(t: dict, where: str) -> dict:
+def function_tool(t: dict, where: str) -> Optional[dict]:
+    """A function tool as a chat tool; None for the others (``web_search``,
+    ``custom``, ...), which Codex sends by default and only OpenAI runs."""
     if t.get("type") != "function":
-        raise RequestError(f"{where}: {t.get('type')!r} tools are not supported (function tools only)", "tools")
+        return None
     return chat_tool(t.get("name"), t.get("description"), t.get("parameters"), where)
 
 

@@ -12,6 +12,7 @@ renders the resulting events, and the :class:`Result`, in its own shape.
 """
 
 import json
+import logging
 import uuid
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -99,7 +100,9 @@ def chat_tool(name, description, parameters, where: str) -> dict:
 
 def chat_tools(tools, convert) -> Optional[list]:
     """A dialect's tool list as chat-completions tools; ``convert(tool, where)``
-    checks and converts one."""
+    checks and converts one, or gives None for a hosted tool (web search and
+    the like), which this server cannot run: those are left out, with a
+    warning, so an agent that always sends them can still use the server."""
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -108,7 +111,11 @@ def chat_tools(tools, convert) -> Optional[list]:
     for i, t in enumerate(tools):
         if not isinstance(t, dict):
             raise RequestError(f"tools.{i} must be an object", "tools")
-        out.append(convert(t, f"tools.{i}"))
+        tool = convert(t, f"tools.{i}")
+        if tool is None:
+            logging.warning("tools.%d: a %r tool is hosted by the API provider; left out", i, t.get("type"))
+        else:
+            out.append(tool)
     return out or None
 
 
