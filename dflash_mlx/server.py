@@ -393,7 +393,7 @@ class DFlashAPIHandler(APIHandler):
 
     def send_json(self, status: int, obj: dict):
         if status >= 400:
-            self.generator.metrics.error(self.path.partition("?")[0])
+            self.generator.metrics.error(self.route)
         body = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -407,13 +407,18 @@ class DFlashAPIHandler(APIHandler):
         kind = "invalid_request_error" if status < 500 else "server_error"
         self.send_json(status, {"error": {"message": message, "type": kind, "param": param, "code": None}})
 
+    @property
+    def route(self) -> str:
+        """The request's path without its query (Claude Code adds ``?beta=true``)."""
+        return self.path.partition("?")[0]
+
     def start_events(self):
         """Send the headers of a server-sent event stream."""
         self._set_stream_headers(200)
         self.end_headers()
 
     def do_POST(self):
-        kind, route = ROUTES.get(self.path), self.path.partition("?")[0]  # Claude Code adds ?beta=true
+        kind, route = ROUTES.get(self.path), self.route
         if kind is None and route not in ENDPOINTS:
             routes = list(ROUTES) + list(ENDPOINTS)
             return self.send_error_json(404, f"no route {self.path}; use {', '.join(routes)}")

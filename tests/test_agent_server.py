@@ -377,4 +377,21 @@ def test_metrics_parse_and_move(served, claude):
     blocks = sum(v for (name, _), v in after.items() if name == "dflash_verify_blocks_total") - sum(
         v for (name, _), v in before.items() if name == "dflash_verify_blocks_total")
     assert cycles == m.usage.model_extra["dflash"]["cycles"] == blocks
-    assert after[("dflash_queued_requests", ())] == 0 and after[("dflash_generating", ())] == 0
+    assert after[("dflash_queued_requests", ())] == 0 and after[("dflash_generating", ())] in (0, 1)
+
+
+def test_metrics_show_the_queue(served, oai):
+    """Two long prompts at once: one generates while the other waits."""
+    names = (("dflash_generating", ()), ("dflash_queued_requests", ()))
+    threads = [threading.Thread(target=oai.chat.completions.create,
+                                kwargs=dict(model="m", messages=long_conversation(tag), max_tokens=8))
+               for tag in ("queue-a", "queue-b")]
+    for t in threads:
+        t.start()
+    seen = set()
+    while any(t.is_alive() for t in threads):
+        now = metrics(served[0])
+        seen.add(tuple(now[name] for name in names))
+    for t in threads:
+        t.join()
+    assert (1, 1) in seen and metrics(served[0])[names[1]] == 0
