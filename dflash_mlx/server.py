@@ -37,6 +37,7 @@ from http.server import ThreadingHTTPServer
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
+from jinja2 import TemplateError
 from mlx_lm.generate import generation_stream, make_stop_sequences, make_text_state_machine, wired_limit
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import APIHandler, GenerationContext, Response, convert_chat, process_message_content
@@ -51,6 +52,9 @@ from .generate import feed, generate_step
 from .pipeline import STOP, agree_flag, share_request
 
 ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
+
+# The roles of OpenAI's chat messages (what a chat template is written for).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 # mlx-lm request fields the lossless loop cannot honour, with their "off" values.
 UNSUPPORTED = {
@@ -136,9 +140,15 @@ def chat_tokens(tokenizer, body: dict, template_args: dict):
         raise RequestError(f"bad message content: {e}", "messages") from None
     if not getattr(tokenizer, "chat_template", None):  # set after loading too (--chat-template)
         return tokenizer.encode(convert_chat(messages, body.get("role_mapping"))), []
+    role = next((m["role"] for m in messages if m["role"] not in CHAT_ROLES), None)
+    if role is not None:
+        raise RequestError(f"a message has the role {role!r}: use one of {', '.join(CHAT_ROLES)}", "messages")
     tools = tool_choice_rule(openai_tool_choice(body.get("tool_choice")), body.get("tools") or None)
     kwargs = dict(template_args, **(body.get("chat_template_kwargs") or {}), tools=tools)
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    try:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    except TemplateError as e:
+        raise RequestError(f"the chat template refused the messages: {e}", "messages") from None
     boundaries = []
     for i in range(1, len(messages)):
         head = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=False, tokenize=True, **kwargs)

@@ -328,6 +328,7 @@ BAD = [
     ("/v1/responses", {"model": "m", "input": "hi", "tools": [RESPONSES_TOOL], "tool_choice": "required"}, "tool_choice"),
     ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": -1}, "max_tokens"),
     ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "role"),
 ]
 
 
