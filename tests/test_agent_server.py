@@ -192,6 +192,10 @@ def test_previous_response_id_continues_a_stored_response(oai, served):
     )
     assert second.output_text == want and second.previous_response_id == first.id
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens  # the stored turn, reused
+    # a thinking turn, continued: the stored conversation templates as it was generated, reasoning included
+    first = oai.responses.create(model="m", input=THINK[0]["content"], max_output_tokens=MAX_TOKENS)
+    second = oai.responses.create(model="m", previous_response_id=first.id, input="Again?", max_output_tokens=2)
+    assert second.usage.input_tokens_details.cached_tokens == first.usage.input_tokens + first.usage.output_tokens
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         oai.responses.create(model="m", previous_response_id="resp_unknown", input="hi", max_output_tokens=4)
 
@@ -222,6 +226,25 @@ def test_reasoning_is_split_on_every_dialect(served, oai, claude):
     events = list(oai.responses.create(model="m", input=THINK[0]["content"], max_output_tokens=MAX_TOKENS, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
+
+
+def test_earlier_reasoning_is_templated_alike_in_every_dialect(served, oai, claude):
+    raw, _ = reference(served, THINK)
+    reasoning, answer = split_reasoning(raw)
+    again = {"role": "user", "content": "Again?"}
+    _, plain = reference(served, THINK + [{"role": "assistant", "content": answer}, again])
+    r = oai.chat.completions.create(model="m", max_tokens=2, messages=THINK + [
+        {"role": "assistant", "content": answer, "reasoning_content": reasoning}, again])
+    n = r.usage.prompt_tokens
+    assert n > plain  # the template shows the reasoning again
+    count = claude.messages.count_tokens(model="m", messages=THINK + [
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": reasoning, "signature": ""},
+                                          {"type": "text", "text": answer}]}, again])
+    assert count.input_tokens == n
+    r = oai.responses.create(model="m", max_output_tokens=2, input=THINK + [
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": reasoning}]},
+        {"role": "assistant", "content": answer}, again])
+    assert r.usage.input_tokens == n
 
 
 def test_thinking_switch_reaches_the_template(served, oai, claude):

@@ -28,7 +28,8 @@ EOS = "<|im_end|>"
 MARKERS = ["<|im_start|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 # Qwen-style: tools listed in the system turn, calls as <tool_call>{json}</tool_call>,
-# results as tool turns, and an empty think block when thinking is off.
+# results as tool turns, earlier reasoning shown again as it was generated, and
+# an empty think block when thinking is off.
 TEMPLATE = """{%- if messages[0].role == 'system' or tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
 {% endif %}{% if tools %}Tools: {% for tool in tools %}{{ tool.function.name }} {% endfor %}
@@ -38,7 +39,7 @@ TEMPLATE = """{%- if messages[0].role == 'system' or tools %}<|im_start|>system
 {%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}<|im_start|>user
 {{ m.content }}<|im_end|>
 {% elif m.role == 'assistant' %}<|im_start|>assistant
-{{ m.content }}
+{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}
 {%- for tc in m.tool_calls or [] %}{% set tool_call = tc.function %}<tool_call>
 {"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
 </tool_call>

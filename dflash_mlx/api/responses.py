@@ -88,7 +88,11 @@ def chat_messages(items) -> list:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise RequestError(f"{where}.role must be user, assistant, system or developer, not {role!r}", "input")
-            out.append({"role": "system" if role == "developer" else role, "content": content_text(item.get("content"), where)})
+            text = content_text(item.get("content"), where)
+            if role == "assistant" and out and out[-1].get("reasoning_content") is not None and not out[-1]["content"]:
+                out[-1]["content"] = text  # the answer after its reasoning item
+            else:
+                out.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             call = chat_tool_call(item.get("call_id"), item.get("name"), item.get("arguments", "{}"), f"{where} (function_call)")
             if not (out and out[-1]["role"] == "assistant"):
@@ -101,8 +105,10 @@ def chat_messages(items) -> list:
             output = item.get("output", "")
             out.append({"role": "tool", "tool_call_id": call_id,
                         "content": output if isinstance(output, str) else content_text(output, where)})
-        elif kind == "reasoning":
-            continue  # earlier reasoning: chat templates drop it from the history
+        elif kind == "reasoning":  # an assistant turn's reasoning, for the templates that show it again
+            parts = item.get("content") or []
+            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            out.append({"role": "assistant", "content": "", "reasoning_content": text})
         else:
             raise RequestError(f"{where}: {kind!r} items are not supported", "input")
     return out
@@ -203,6 +209,8 @@ class Output(Assembler):
 def assistant_message(result: Result) -> dict:
     """The turn's output as the chat message a follow-up templates."""
     message = {"role": "assistant", "content": result.text}
+    if result.reasoning:
+        message["reasoning_content"] = result.reasoning
     if result.tool_calls:
         message["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
