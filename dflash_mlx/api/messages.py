@@ -8,17 +8,25 @@ long prompt is prefilled; errors as ``{"type": "error", "error": {...}}``.
 """
 
 import json
+import logging
 from typing import List, Optional, Tuple
 
 from ..errors import RequestError
-from .turn import Assembler, Result, Turn, chat_tool, chat_tool_call, chat_tools, event_stream, new_id, read_json_body, tool_choice_rule
-
-ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
-
+from .turn import (
+    Assembler,
+    Result,
+    Turn,
+    chat_tool,
+    chat_tool_call,
+    chat_tools,
+    event_stream,
+    new_id,
+    read_json_body,
+    tool_choice_rule,
+)
 
 def error_body(status: int, message: str) -> dict:
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    kind = "invalid_request_error" if status < 500 else "api_error"
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
@@ -211,6 +219,7 @@ class MessagesEndpoint:
             turn.start()
             turn.run(blocks)
         except Exception as e:  # the generation failed: the client hears why
+            logging.exception("generation failed")
             return self.send_error(500, f"generation failed: {e}")
         result = turn.result
         message.update(content=blocks.items, stop_reason=stop_reason(result),
@@ -222,6 +231,7 @@ class MessagesEndpoint:
         try:
             turn.start(progress=lambda done, total: event_stream(handler, "ping", {"type": "ping"}))
         except Exception as e:
+            logging.exception("generation failed")
             return self.send_error(500, f"generation failed: {e}")
         handler.start_events()
         start = dict(message, usage=dict(usage(turn.result), output_tokens=0))
@@ -231,6 +241,7 @@ class MessagesEndpoint:
         except (BrokenPipeError, ConnectionResetError):
             return
         except Exception as e:
+            logging.exception("generation failed")
             return event_stream(handler, "error", error_body(500, f"generation failed: {e}"))
         result = turn.result
         delta = {"stop_reason": stop_reason(result), "stop_sequence": result.stop_sequence}

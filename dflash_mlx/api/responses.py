@@ -8,6 +8,7 @@ output items ``reasoning``, ``message`` and ``function_call``, the stream's
 server made and still holds (a bounded store, newest kept).
 """
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -261,6 +262,7 @@ class ResponsesEndpoint:
             turn.start()
             turn.run(output)
         except Exception as e:  # the generation failed: the client hears why
+            logging.exception("generation failed")
             self.send_error(500, f"generation failed: {e}")
             return False
         self.finish(response, output, turn.result)
@@ -280,6 +282,7 @@ class ResponsesEndpoint:
         try:
             turn.start(progress=keepalive)
         except Exception as e:
+            logging.exception("generation failed")
             self.send_error(500, f"generation failed: {e}")
             return False
         handler.start_events()
@@ -290,6 +293,7 @@ class ResponsesEndpoint:
         except (BrokenPipeError, ConnectionResetError):
             return False
         except Exception as e:
+            logging.exception("generation failed")
             send({"type": "error", "code": "server_error", "message": f"generation failed: {e}", "param": None})
             return False
         self.finish(response, output, turn.result)
