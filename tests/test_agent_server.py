@@ -10,6 +10,7 @@ decodes of the same templated prompts, in this process.
 """
 
 import copy
+from contextlib import contextmanager
 import http.client
 import json
 import threading
@@ -49,26 +50,37 @@ RESPONSES_ROUND_TRIP = [
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(base URL, target, tokenizer) of a live server over the chat target."""
+def chat_pair(tmp_path_factory):
+    """(target dir, drafter dir, target, tokenizer, drafter) of the trained chat target."""
     root = tmp_path_factory.mktemp("agents")
     target = make_chat_target(root)
     draft_dir = make_chat_draft(root, target)
     model, tokenizer = load(str(target))
-    draft = dflash_mlx.load_draft(draft_dir, model)
-    args = setup_arg_parser().parse_args(
-        ["--model", str(target), "--port", "0", "--prefill-step-size", "64", "--max-tokens", str(MAX_TOKENS)]
-    )
+    return target, draft_dir, model, tokenizer, dflash_mlx.load_draft(draft_dir, model)
+
+
+@contextmanager
+def live_server(chat_pair, *flags):
+    """The base URL of a server over the chat pair, run with ``flags``."""
+    target, draft_dir, model, tokenizer, draft = chat_pair
+    args = setup_arg_parser().parse_args(["--model", str(target), "--port", "0", *flags])
     server = make_server(args, model, tokenizer, draft, str(draft_dir))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     host, port = server.server_address[:2]
     try:
-        yield f"http://{host}:{port}", model, tokenizer
+        yield f"http://{host}:{port}"
     finally:
         server.shutdown()
         server.server_close()
         server.generator.stop_and_join()
+
+
+@pytest.fixture(scope="module")
+def served(chat_pair):
+    """(base URL, target, tokenizer) of the live server the tests share."""
+    with live_server(chat_pair, "--prefill-step-size", "64", "--max-tokens", str(MAX_TOKENS)) as base:
+        yield base, chat_pair[2], chat_pair[3]
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +272,16 @@ def test_thinking_switch_reaches_the_template(served, oai, claude):
     r = oai.chat.completions.create(model="m", messages=THINK, max_tokens=MAX_TOKENS,
                                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.usage.prompt_tokens == n_off and (r.choices[0].message.content or "") == want
+
+
+def test_server_wide_thinking_switch(chat_pair, served):
+    """--chat-template-args sets the default that a request's own switch overrides."""
+    _, n_off = reference(served, THINK, enable_thinking=False)
+    _, n_on = reference(served, THINK)
+    with live_server(chat_pair, "--chat-template-args", '{"enable_thinking": false}') as base:
+        claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=300)
+        assert claude.messages.count_tokens(model="m", messages=THINK).input_tokens == n_off
+        assert claude.messages.count_tokens(model="m", messages=THINK, thinking={"type": "enabled", "budget_tokens": 1024}).input_tokens == n_on
 
 
 def test_count_tokens_matches_usage(served, claude):
