@@ -6,6 +6,8 @@ the built-in exception callers already expect (``ValueError``, and
 ``FileNotFoundError`` for a checkpoint that is not there).
 """
 
+from typing import Optional
+
 
 class DFlashError(Exception):
     """An error the user can fix; its message says what is wrong and how."""
@@ -21,3 +23,11 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class ArgumentError(DFlashError, ValueError):
     """An argument value outside what the command or function accepts."""
+
+
+class RequestError(DFlashError, ValueError):
+    """A bad server request: answered with a 4xx error in the request's API dialect."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status

@@ -7,7 +7,9 @@ not), ``GET /v1/models`` and ``GET /health``. The HTTP side is mlx-lm's own
 ``APIHandler`` (routes, SSE, usage, tool calls, reasoning, stop words in the
 text); this module gives it a generation side that runs the DFlash loop,
 checks requests up front (one OpenAI-style 4xx error each), and adds the
-DFlash statistics to ``usage.dflash``.
+DFlash statistics to ``usage.dflash``. The agent dialects (Anthropic's
+``/v1/messages``, OpenAI's ``/v1/responses``) and ``GET /metrics`` live in
+:mod:`dflash_mlx.api` and run on the same generation side.
 
 Requests run one at a time on one generation thread (MLX streams and the
 prompt caches belong to it); the others wait in a queue. Prompt caches are
@@ -35,18 +37,24 @@ from http.server import ThreadingHTTPServer
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
+from jinja2 import TemplateError
 from mlx_lm.generate import generation_stream, make_stop_sequences, make_text_state_machine, wired_limit
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import APIHandler, GenerationContext, Response, convert_chat, process_message_content
 
 from . import cli
+from .api import ENDPOINTS, Metrics, ResponseStore, read_json_body
+from .api.turn import openai_tool_choice, tool_choice_rule
 from .cache import make_prompt_cache
 from .defaults import DEFAULT_MAX_TOKENS
-from .errors import ArgumentError, DFlashError
+from .errors import ArgumentError, RequestError
 from .generate import feed, generate_step
 from .pipeline import STOP, agree_flag, share_request
 
 ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
+
+# The roles of OpenAI's chat messages (what a chat template is written for).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 # mlx-lm request fields the lossless loop cannot honour, with their "off" values.
 UNSUPPORTED = {
@@ -57,14 +65,6 @@ UNSUPPORTED = {
     "logit_bias": (None, {}),
     "n": (1,),
 }
-
-
-class RequestError(DFlashError, ValueError):
-    """A bad request: answered with a 4xx OpenAI-style error."""
-
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
 
 
 @dataclass
@@ -140,8 +140,15 @@ def chat_tokens(tokenizer, body: dict, template_args: dict):
         raise RequestError(f"bad message content: {e}", "messages") from None
     if not getattr(tokenizer, "chat_template", None):  # set after loading too (--chat-template)
         return tokenizer.encode(convert_chat(messages, body.get("role_mapping"))), []
-    kwargs = dict(template_args, **(body.get("chat_template_kwargs") or {}), tools=body.get("tools") or None)
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    role = next((m["role"] for m in messages if m["role"] not in CHAT_ROLES), None)
+    if role is not None:
+        raise RequestError(f"a message has the role {role!r}: use one of {', '.join(CHAT_ROLES)}", "messages")
+    tools = tool_choice_rule(openai_tool_choice(body.get("tool_choice")), body.get("tools") or None)
+    kwargs = dict(template_args, **(body.get("chat_template_kwargs") or {}), tools=tools)
+    try:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    except TemplateError as e:
+        raise RequestError(f"the chat template refused the messages: {e}", "messages") from None
     boundaries = []
     for i in range(1, len(messages)):
         head = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=False, tokenize=True, **kwargs)
@@ -203,7 +210,9 @@ class DFlashResponseGenerator:
         self.prompt_cache = LRUPromptCache(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
         self.requests: "queue.Queue" = queue.Queue()
         self.tokenizer_lock = threading.Lock()  # handler threads tokenize too
-        self.failed = self.stopping = False
+        self.failed = self.stopping = self.busy = False
+        self.metrics = Metrics()
+        self.stored_responses = ResponseStore()  # for /v1/responses' previous_response_id
         self.done = threading.Event()  # set when the generation thread has ended its work
         # --pipeline: every rank generates what rank 0 receives (pipeline.share_request).
         self.group = mx.distributed.init() if cli_args.pipeline else None
@@ -299,6 +308,7 @@ class DFlashResponseGenerator:
 
     def serve(self, responses, prepared: Prepared, args):
         """One request, start to end; its errors go back to its handler."""
+        self.busy = True
         try:
             tok = self.tokenizer
             with self.tokenizer_lock:
@@ -319,15 +329,19 @@ class DFlashResponseGenerator:
                 mx.random.seed(args.seed)
             start = self.snapshot(cache, tokens, ctx.prompt_cache_count, prepared.boundaries, progress)
             block_size = prepared.block_size or self.cli_args.block_size  # None: adaptive
-            self.decode(cache, tokens[start:], block_size, args, ctx, stop_sequences.matcher(), responses, progress)
+            generated = self.decode(cache, tokens[start:], block_size, args, ctx, stop_sequences.matcher(), responses, progress)
+            self.metrics.served(len(tokens), ctx.prompt_cache_count, generated, ctx.dflash)
             responses.put(None)
             self.prompt_cache.insert_cache(self.key, list(cache.tokens), [cache])
         except Exception as e:
             logging.exception("request failed")
             responses.put(e)
+        finally:
+            self.busy = False
 
-    def decode(self, cache, tokens, block_size, args, ctx, matcher, responses, progress):
-        """Token by token, as mlx-lm's server streams: text, logprobs, finish."""
+    def decode(self, cache, tokens, block_size, args, ctx, matcher, responses, progress) -> int:
+        """Token by token, as mlx-lm's server streams: text, logprobs, finish;
+        returns how many tokens it yielded."""
         tok, eos = self.tokenizer, set(self.tokenizer.eos_token_ids)
         want = args.logprobs or args.top_logprobs > 0
         steps = generate_step(
@@ -367,6 +381,7 @@ class DFlashResponseGenerator:
             block_sizes={b: k for b, k in sorted(sizes.items()) if k},
             tokens_per_cycle=round((yielded - 1) / max(1, cycles), 3),
         )
+        return yielded
 
     def client_gone(self, ctx, from_draft: bool) -> bool:
         """Whether to stop for a client that went away: with ``--pipeline``
@@ -387,6 +402,8 @@ class DFlashAPIHandler(APIHandler):
         super().__init__(RequestScope(generator, self), *args, **kwargs)
 
     def send_json(self, status: int, obj: dict):
+        if status >= 400:
+            self.generator.metrics.error(self.route)
         body = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -400,24 +417,27 @@ class DFlashAPIHandler(APIHandler):
         kind = "invalid_request_error" if status < 500 else "server_error"
         self.send_json(status, {"error": {"message": message, "type": kind, "param": param, "code": None}})
 
+    @property
+    def route(self) -> str:
+        """The request's path without its query (Claude Code adds ``?beta=true``)."""
+        return self.path.partition("?")[0]
+
+    def start_events(self):
+        """Send the headers of a server-sent event stream."""
+        self._set_stream_headers(200)
+        self.end_headers()
+
     def do_POST(self):
-        kind = ROUTES.get(self.path)
-        if kind is None:
-            return self.send_error_json(404, f"no route {self.path}; use {', '.join(ROUTES)}")
+        kind, route = ROUTES.get(self.path), self.route
+        if kind is None and route not in ENDPOINTS:
+            routes = list(ROUTES) + list(ENDPOINTS)
+            return self.send_error_json(404, f"no route {self.path}; use {', '.join(routes)}")
+        self.generator.metrics.request(route)
+        if kind is None:  # an agent dialect (dflash_mlx.api)
+            return ENDPOINTS[route](self).serve()
         try:
-            length = int(self.headers.get("Content-Length", ""))
-            if length < 0:
-                raise ValueError(length)
-        except ValueError:
-            return self.send_error_json(411, "a valid Content-Length header is required")
-        raw = self.rfile.read(length)
-        try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise RequestError("the request body must be a JSON object")
+            body, raw = read_json_body(self)
             self.prepared = self.generator.prepare(body, kind)
-        except json.JSONDecodeError as e:
-            return self.send_error_json(400, f"invalid JSON in the request body: {e}")
         except RequestError as e:
             return self.send_error_json(e.status, str(e), e.param)
         self.rfile = io.BytesIO(raw)  # mlx-lm's handler reads the body again
@@ -433,6 +453,16 @@ class DFlashAPIHandler(APIHandler):
         response = super().completion_usage_response(*args, **kwargs)
         response["usage"]["dflash"] = self.context.dflash
         return response
+
+    def do_GET(self):
+        if self.path != "/metrics":
+            return super().do_GET()
+        text = self.generator.metrics.render(self.generator.requests.qsize(), self.generator.busy).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        self.wfile.write(text)
 
     def handle_models_request(self):
         """The loaded target (with its drafter), the one model served."""

@@ -1,0 +1,71 @@
+"""``GET /metrics``: the server's counters in Prometheus' text format
+(https://prometheus.io/docs/instrumenting/exposition_formats/)."""
+
+import threading
+from collections import Counter
+from typing import Dict
+
+
+class Metrics:
+    """Counters of the requests served, updated by the handlers and the
+    generation thread, read by ``/metrics``."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: Counter = Counter()  # by endpoint
+        self.errors: Counter = Counter()  # 4xx/5xx answers, by endpoint
+        self.totals: Counter = Counter()
+        self.blocks: Counter = Counter()  # verify cycles by block size
+        self.last_tokens_per_cycle = 0.0
+
+    def request(self, endpoint: str):
+        with self.lock:
+            self.requests[endpoint] += 1
+
+    def error(self, endpoint: str):
+        with self.lock:
+            self.errors[endpoint] += 1
+
+    def served(self, prompt_tokens: int, cached_tokens: int, generated_tokens: int, dflash: Dict):
+        """A generation finished (or stopped): its tokens and DFlash cycles."""
+        with self.lock:
+            self.totals.update(
+                generations=1, prompt_tokens=prompt_tokens, cached_tokens=max(0, cached_tokens),
+                generated_tokens=generated_tokens, cycles=dflash.get("cycles", 0),
+                accepted_draft_tokens=dflash.get("accepted_draft_tokens", 0),
+            )
+            self.blocks.update(dflash.get("block_sizes", {}))
+            self.last_tokens_per_cycle = dflash.get("tokens_per_cycle", 0.0)
+
+    def render(self, queued: int, busy: bool) -> str:
+        """The text exposition of every metric; ``queued``: requests waiting
+        for the generation thread, ``busy``: whether it is generating."""
+        lines = []
+
+        def metric(name, kind, help_text, samples):
+            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
+            for labels, value in samples:
+                label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                lines.append(f"{name}{{{label_text}}} {value}" if label_text else f"{name} {value}")
+
+        with self.lock:
+            t = self.totals
+            metric("dflash_requests_total", "counter", "HTTP requests received, by endpoint.",
+                   [({"endpoint": e}, n) for e, n in sorted(self.requests.items())])
+            metric("dflash_request_errors_total", "counter", "Requests answered with an error, by endpoint.",
+                   [({"endpoint": e}, n) for e, n in sorted(self.errors.items())])
+            metric("dflash_generations_total", "counter", "Generations run (finished or stopped).", [({}, t["generations"])])
+            metric("dflash_prompt_tokens_total", "counter", "Prompt tokens of the generations.", [({}, t["prompt_tokens"])])
+            metric("dflash_cached_prompt_tokens_total", "counter", "Prompt tokens restored from the prompt cache.",
+                   [({}, t["cached_tokens"])])
+            metric("dflash_generated_tokens_total", "counter", "Tokens generated.", [({}, t["generated_tokens"])])
+            metric("dflash_cycles_total", "counter", "DFlash draft-and-verify cycles.", [({}, t["cycles"])])
+            metric("dflash_accepted_draft_tokens_total", "counter", "Drafted tokens the target accepted.",
+                   [({}, t["accepted_draft_tokens"])])
+            metric("dflash_verify_blocks_total", "counter", "Verify cycles by the block size chosen.",
+                   [({"block_size": str(b)}, n) for b, n in sorted(self.blocks.items())])
+            metric("dflash_last_tokens_per_cycle", "gauge", "Tokens committed per cycle in the latest generation.",
+                   [({}, self.last_tokens_per_cycle)])
+        metric("dflash_queued_requests", "gauge", "Requests waiting for the generation thread.", [({}, queued)])
+        metric("dflash_generating", "gauge", "1 while the generation thread serves a request.", [({}, int(busy))])
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,324 @@
+"""One chat turn, as every API dialect asks for it and gets it back.
+
+Each dialect translates its request into one internal chat request: a
+chat-completions body (``messages``, ``tools``, ``max_tokens``, sampling,
+``stop``, ``chat_template_kwargs`` with the thinking switch), which the
+server checks and templates exactly as it does ``/v1/chat/completions``.
+The turn runs on the server's DFlash generation thread, and its tokens come
+back split the way mlx-lm's chat-completions handler splits them, with
+mlx-lm's own pieces: the tokenizer's text state machine (reasoning, tool
+and normal text, stop words stripped) and its tool parser. Each dialect
+renders the resulting events, and the :class:`Result`, in its own shape.
+"""
+
+import json
+import logging
+import uuid
+from contextlib import closing
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from mlx_lm.generate import TextStateMachine
+from mlx_lm.server import (
+    GenerationArguments,
+    LogitsProcessorArguments,
+    ModelDescription,
+    SamplingArguments,
+    ToolCallFormatter,
+)
+
+from ..errors import RequestError
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCall:
+    """A parsed tool call: ``arguments`` is a JSON object's text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class Result:
+    """What a turn produced, in every dialect's terms."""
+
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: List[ToolCall] = field(default_factory=list)
+    finish_reason: str = "stop"  # "stop", "length" or "tool_calls", as chat completions says
+    stop_sequence: Optional[str] = None  # the stop word that ended the turn, if one did
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    dflash: Dict[str, Any] = field(default_factory=dict)
+
+
+# Events of a turn: ("reasoning", text), ("text", text) or ("tool_call", ToolCall).
+Event = Tuple[str, Any]
+
+
+def tool_choice_rule(choice: Optional[str], tools: Optional[list]) -> Optional[list]:
+    """The tools to template for a normalised tool choice (``auto``, ``none``,
+    ``required`` or ``named``): the loop decodes the target's own tokens, so
+    it can offer tools or withhold them, never force a call."""
+    if choice in (None, "auto"):
+        return tools
+    if choice == "none":
+        return None
+    raise RequestError(
+        f"tool_choice {choice!r} needs constrained decoding, which the lossless DFlash loop does not do: "
+        "use auto (or none) and let the model choose",
+        "tool_choice",
+    )
+
+
+def openai_tool_choice(choice) -> Optional[str]:
+    """An OpenAI tool choice (chat completions' or Responses'), normalised."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return "named"
+    raise RequestError("tool_choice must be auto, none, required or {type: function, ...}", "tool_choice")
+
+
+def chat_tool(name, description, parameters, where: str) -> dict:
+    """A chat-completions function tool, checked."""
+    if not isinstance(name, str) or not name:
+        raise RequestError(f"{where} needs a name", "tools")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise RequestError(f"{where}'s schema must be a JSON object", "tools")
+    function = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
+    if description:
+        function["description"] = description
+    return {"type": "function", "function": function}
+
+
+def chat_tools(tools, convert) -> Optional[list]:
+    """A dialect's tool list as chat-completions tools; ``convert(tool, where)``
+    checks and converts one, or gives None for a hosted tool (web search and
+    the like), which this server cannot run: those are left out, with a
+    warning, so an agent that always sends them can still use the server."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise RequestError(f"tools.{i} must be an object", "tools")
+        tool = convert(t, f"tools.{i}")
+        if tool is None:
+            logging.warning("tools.%d: a %r tool is hosted by the API provider; left out", i, t.get("type"))
+        else:
+            out.append(tool)
+    return out or None
+
+
+def chat_tool_call(call_id, name, arguments, where: str) -> dict:
+    """A chat-completions assistant tool call, checked (``arguments``: a dict or its JSON text)."""
+    if not isinstance(call_id, str) or not call_id:
+        raise RequestError(f"{where} needs an id", "messages")
+    if not isinstance(name, str) or not name:
+        raise RequestError(f"{where} needs a name", "messages")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError as e:
+            raise RequestError(f"{where}'s arguments are not JSON: {e}", "messages") from None
+    if not isinstance(arguments, dict):
+        raise RequestError(f"{where}'s arguments must be a JSON object", "messages")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def generation_arguments(body: dict, cli_args) -> GenerationArguments:
+    """mlx-lm's generation arguments of a checked chat body, with the
+    server's defaults where the body names none (as mlx-lm's handler fills them)."""
+    stop = body.get("stop") or []
+    return GenerationArguments(
+        model=ModelDescription(model=body.get("model", "default_model"), draft="default_model", adapter=None),
+        sampling=SamplingArguments(
+            temperature=body.get("temperature", cli_args.temp), top_p=body.get("top_p", cli_args.top_p),
+            top_k=body.get("top_k", cli_args.top_k), min_p=body.get("min_p", cli_args.min_p),
+            xtc_probability=0.0, xtc_threshold=0.0,
+        ),
+        logits=LogitsProcessorArguments(None, 0.0, 20, 0.0, 20, 0.0, 20),
+        stop_words=[stop] if isinstance(stop, str) else stop,
+        max_tokens=body.get("max_tokens") or cli_args.max_tokens,
+        num_draft_tokens=cli_args.num_draft_tokens,
+        logprobs=False,
+        top_logprobs=-1,
+        seed=body.get("seed"),
+        chat_template_kwargs=body.get("chat_template_kwargs"),
+    )
+
+
+class Turn:
+    """A chat turn on the server's generation thread.
+
+    Built on the handler's thread: the request is checked and templated
+    there (a bad one raises :class:`RequestError` before anything is queued).
+    :meth:`start` queues it; :meth:`events` then yields its output as it is
+    decoded, and fills :attr:`result`.
+    """
+
+    def __init__(self, generator, body: dict):
+        self.generator, self.body = generator, body
+        self.prepared = generator.prepare(body, "chat")
+        self.args = generation_arguments(body, generator.cli_args)
+        self.result = Result(prompt_tokens=len(self.prepared.tokens))
+
+    def start(self, progress=None):
+        """Queue the turn; returns once its prompt cache is found (cached
+        tokens known). ``progress(done, total)`` hears the prefill."""
+        self.ctx, self.responses = self.generator.generate(None, self.args, progress, self.prepared)
+        self.result.cached_tokens = max(0, self.ctx.prompt_cache_count)
+
+    def events(self) -> Iterator[Event]:
+        """The turn's output, split as mlx-lm's chat-completions handler
+        splits it; stops the generation if the caller stops reading."""
+        ctx, result, eos = self.ctx, self.result, set(self.generator.tokenizer.eos_token_ids)
+        formatter = ToolCallFormatter(ctx.tool_parser, self.body.get("tools"))
+        sm = ctx.text_sm.make_state(ctx.initial_state)
+        prev, tool_text, tokens = ctx.initial_state, "", []
+
+        def close_tool(text):
+            for call in formatter([text]):
+                tc = ToolCall(call["id"], call["function"]["name"], call["function"]["arguments"])
+                result.tool_calls.append(tc)
+                yield "tool_call", tc
+
+        try:
+            for gen in self.responses:
+                tokens.append(gen.token)
+                if gen.finish_reason == "stop":
+                    sm, state = TextStateMachine.discard(sm)
+                    segments = [(state, "")]
+                elif gen.finish_reason == "length":
+                    sm, segments = TextStateMachine.split(sm, gen.text)
+                    sm, flushed, state = TextStateMachine.flush(sm)
+                    segments.append((state, flushed))
+                else:
+                    sm, segments = TextStateMachine.split(sm, gen.text)
+                for state, text in segments:
+                    if state == "tool":
+                        tool_text += text
+                    elif state in ("normal", "reasoning"):
+                        if prev == "tool":
+                            yield from close_tool(tool_text)
+                            tool_text = ""
+                        if text and state == "normal":
+                            result.text += text
+                            yield "text", text
+                        elif text:
+                            result.reasoning += text
+                            yield "reasoning", text
+                    prev = state
+                if gen.finish_reason is not None:
+                    result.finish_reason = gen.finish_reason
+                    if gen.finish_reason == "stop" and gen.token not in eos:
+                        result.stop_sequence = self.stop_word(tokens)
+            if prev == "tool" and tool_text:
+                yield from close_tool(tool_text)
+        finally:
+            ctx.stop()
+        if result.finish_reason == "stop" and result.tool_calls:
+            result.finish_reason = "tool_calls"
+        result.output_tokens = len(tokens)
+        result.dflash = ctx.dflash
+
+    def run(self, assembler: "Assembler", send=None):
+        """Feed the turn's events to ``assembler`` until it ends, passing
+        each stream event it returns to ``send`` (when streaming)."""
+        with closing(self.events()) as events:
+            for kind, value in events:
+                for event in assembler.feed(kind, value):
+                    if send is not None:
+                        send(event)
+        for event in assembler.close():
+            if send is not None:
+                send(event)
+
+    def stop_word(self, tokens: List[int]) -> Optional[str]:
+        """The stop word whose tokens end ``tokens`` (the one that matched)."""
+        tokenizer = self.generator.tokenizer
+        for word in self.args.stop_words:
+            ids = tokenizer.encode(word, add_special_tokens=False)
+            if ids and tokens[-len(ids):] == ids:
+                return word
+        return None
+
+
+class Assembler:
+    """A dialect's answer built from a turn's events: one item (a content
+    block, an output item) per run of text or of reasoning and per tool
+    call. Each step also returns the stream events that build the same
+    items, so a streamed answer and a whole one cannot differ.
+
+    Dialects give the items' shapes and events: :meth:`new_item`,
+    :meth:`started`, :meth:`extended` and :meth:`finished`.
+    """
+
+    def __init__(self):
+        self.items: List[dict] = []
+        self.open: Optional[str] = None  # the event kind the last item takes, until it is finished
+
+    def feed(self, kind: str, value) -> list:
+        events = []
+        if kind == "tool_call" or kind != self.open:
+            events += self.close()
+            self.items.append(self.new_item(kind, value))
+            self.open = kind
+            events += self.started(self.items[-1], len(self.items) - 1)
+        events += self.extended(self.items[-1], len(self.items) - 1, value)
+        return events + (self.close() if kind == "tool_call" else [])
+
+    def close(self) -> list:
+        """Finish the open item (its closing events)."""
+        if self.open is None:
+            return []
+        self.open = None
+        return self.finished(self.items[-1], len(self.items) - 1)
+
+    def new_item(self, kind: str, value) -> dict:
+        raise NotImplementedError
+
+    def started(self, item: dict, index: int) -> list:
+        raise NotImplementedError
+
+    def extended(self, item: dict, index: int, value) -> list:
+        """Add an event's text (or a tool call) to ``item``."""
+        raise NotImplementedError
+
+    def finished(self, item: dict, index: int) -> list:
+        raise NotImplementedError
+
+
+def read_json_body(handler) -> Tuple[dict, bytes]:
+    """The request's JSON object body and its bytes (a :class:`RequestError`
+    if there is none)."""
+    try:
+        length = int(handler.headers.get("Content-Length", ""))
+        if length < 0:
+            raise ValueError(length)
+    except ValueError:
+        raise RequestError("a valid Content-Length header is required", status=411) from None
+    raw = handler.rfile.read(length)
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"invalid JSON in the request body: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body, raw
+
+
+def event_stream(handler, name: Optional[str], data: dict) -> None:
+    """Write one server-sent event (``event:`` line only where named)."""
+    head = f"event: {name}\n" if name else ""
+    handler.wfile.write(f"{head}data: {json.dumps(data)}\n\n".encode())
+    handler.wfile.flush()

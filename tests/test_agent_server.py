@@ -1,0 +1,443 @@
+"""The server's agent dialects, driven by the official anthropic and openai
+clients against a live server on loopback: /v1/messages, /v1/responses and
+/v1/chat/completions give the same turn, with tool calls and reasoning split
+by mlx-lm's parsers, through the DFlash loop.
+
+The target is tests/tiny_chat.py's: trained in the session's setup to
+answer its scripted conversations greedily (a tool call, an answer to the
+tool's result, a reasoned answer). The references are mlx-lm's own greedy
+decodes of the same templated prompts, in this process.
+"""
+
+import copy
+from contextlib import contextmanager
+import http.client
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import anthropic
+import openai
+import pytest
+from mlx_lm import load
+from mlx_lm.server import process_message_content
+from prometheus_client.parser import text_string_to_metric_families
+from tiny import reference_text
+from tiny_chat import ASK, CALLED, RESULT, THINK, WEATHER_TOOL, make_chat_draft, make_chat_target
+
+import dflash_mlx
+from dflash_mlx.server import make_server, setup_arg_parser
+
+MAX_TOKENS = 96
+# The Anthropic and Responses forms of the weather tool.
+ANTHROPIC_TOOL = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+                  "input_schema": WEATHER_TOOL["function"]["parameters"]}
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+                  "parameters": WEATHER_TOOL["function"]["parameters"]}
+
+# The tool round trip (ASK, CALLED, RESULT) in each dialect's own form.
+ARGUMENTS = json.loads(CALLED["tool_calls"][0]["function"]["arguments"])
+ANTHROPIC_ROUND_TRIP = ASK + [
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": ARGUMENTS}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": RESULT["content"]}]},
+]
+RESPONSES_ROUND_TRIP = [
+    {"role": "user", "content": ASK[0]["content"]},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": json.dumps(ARGUMENTS)},
+    {"type": "function_call_output", "call_id": "call_1", "output": RESULT["content"]},
+]
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    """(target dir, drafter dir, target, tokenizer, drafter) of the trained chat target."""
+    root = tmp_path_factory.mktemp("agents")
+    target = make_chat_target(root)
+    draft_dir = make_chat_draft(root, target)
+    model, tokenizer = load(str(target))
+    return target, draft_dir, model, tokenizer, dflash_mlx.load_draft(draft_dir, model)
+
+
+@contextmanager
+def live_server(chat_pair, *flags):
+    """The base URL of a server over the chat pair, run with ``flags``."""
+    target, draft_dir, model, tokenizer, draft = chat_pair
+    args = setup_arg_parser().parse_args(["--model", str(target), "--port", "0", *flags])
+    server = make_server(args, model, tokenizer, draft, str(draft_dir))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host, port = server.server_address[:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.generator.stop_and_join()
+
+
+@pytest.fixture(scope="module")
+def served(chat_pair):
+    """(base URL, target, tokenizer) of the live server the tests share."""
+    with live_server(chat_pair, "--prefill-step-size", "64", "--max-tokens", str(MAX_TOKENS)) as base:
+        yield base, chat_pair[2], chat_pair[3]
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="not-needed", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def claude(served):
+    return anthropic.Anthropic(base_url=served[0], api_key="not-needed", max_retries=0, timeout=300)
+
+
+def reference(served, messages, tools=None, **template):
+    """mlx-lm's greedy text for a chat conversation, templated as the server does."""
+    _, model, tokenizer = served
+    messages = copy.deepcopy(messages)
+    process_message_content(messages)
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **template)
+    return reference_text(model, tokenizer, ids, MAX_TOKENS), len(ids)
+
+
+def split_tool_call(raw: str) -> dict:
+    """The call in mlx-lm's raw text (its markers, then one JSON object)."""
+    head, _, rest = raw.partition("<tool_call>")
+    body, _, tail = rest.partition("</tool_call>")
+    assert head == "" and tail == "", raw
+    return json.loads(body)
+
+
+def split_reasoning(raw: str):
+    """(reasoning, answer) of mlx-lm's raw text: between the think markers, and after."""
+    head, _, rest = raw.partition("<think>")
+    reasoning, _, answer = rest.partition("</think>")
+    assert head == "" and reasoning and answer, raw
+    return reasoning, answer
+
+
+def strip_ids(blocks):
+    return [{k: v for k, v in b.items() if k not in ("id", "call_id")} for b in blocks]
+
+
+def test_tool_call_is_structured_on_every_dialect(served, oai, claude):
+    raw, _ = reference(served, ASK, [WEATHER_TOOL])
+    want = split_tool_call(raw)  # the target's own answer is a call
+    assert want["name"] == "get_weather"
+
+    # chat completions, whole and streamed
+    r = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+    assert {"name": call.function.name, "arguments": json.loads(call.function.arguments)} == want
+    chunks = list(oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS, stream=True))
+    (streamed,) = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert (streamed.function.name, json.loads(streamed.function.arguments)) == (want["name"], want["arguments"])
+
+    # Anthropic Messages
+    m = claude.messages.create(model="m", max_tokens=MAX_TOKENS, messages=ASK, tools=[ANTHROPIC_TOOL])
+    assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"]
+    assert (m.content[0].name, m.content[0].input) == (want["name"], want["arguments"]) and m.content[0].id
+    with claude.messages.stream(model="m", max_tokens=MAX_TOKENS, messages=ASK, tools=[ANTHROPIC_TOOL]) as s:
+        final = s.get_final_message()
+    assert strip_ids(b.model_dump() for b in final.content) == strip_ids(b.model_dump() for b in m.content)
+    assert final.stop_reason == "tool_use" and final.usage.output_tokens == m.usage.output_tokens
+
+    # OpenAI Responses
+    r = oai.responses.create(model="m", input=ASK[0]["content"], tools=[RESPONSES_TOOL, {"type": "web_search"}],
+                             max_output_tokens=MAX_TOKENS)  # a hosted tool, as Codex sends: left out
+    (item,) = r.output
+    assert item.type == "function_call" and r.status == "completed"
+    assert (item.name, json.loads(item.arguments)) == (want["name"], want["arguments"])
+    events = list(oai.responses.create(model="m", input=ASK[0]["content"], tools=[RESPONSES_TOOL],
+                                       max_output_tokens=MAX_TOKENS, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [json.loads(e.arguments) for e in done] == [want["arguments"]]
+    assert strip_ids(i.model_dump() for i in events[-1].response.output) == strip_ids(i.model_dump() for i in r.output)
+
+
+def test_tool_results_are_templated_and_answered(served, oai, claude):
+    want, _ = reference(served, ASK + [CALLED, RESULT], [WEATHER_TOOL])
+    assert want and "<tool_call>" not in want
+
+    r = oai.chat.completions.create(model="m", messages=ASK + [CALLED, RESULT], tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS)
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+
+    messages = ANTHROPIC_ROUND_TRIP
+    m = claude.messages.create(model="m", max_tokens=MAX_TOKENS, messages=messages, tools=[ANTHROPIC_TOOL])
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == want and m.stop_reason == "end_turn"
+    with claude.messages.stream(model="m", max_tokens=MAX_TOKENS, messages=messages, tools=[ANTHROPIC_TOOL]) as s:
+        assert "".join(s.text_stream) == want
+
+    items = RESPONSES_ROUND_TRIP
+    r = oai.responses.create(model="m", input=items, tools=[RESPONSES_TOOL], max_output_tokens=MAX_TOKENS)
+    assert r.output_text == want
+    events = list(oai.responses.create(model="m", input=items, tools=[RESPONSES_TOOL], max_output_tokens=MAX_TOKENS, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+
+
+def test_stop_sequences_and_max_tokens_end_the_turn(served, oai, claude):
+    want, _ = reference(served, ASK + [CALLED, RESULT], [WEATHER_TOOL])
+    stop = want[2:4]
+    kw = dict(model="m", messages=ANTHROPIC_ROUND_TRIP, tools=[ANTHROPIC_TOOL])
+    m = claude.messages.create(max_tokens=MAX_TOKENS, stop_sequences=[stop], **kw)
+    assert (m.stop_reason, m.stop_sequence, m.content[0].text) == ("stop_sequence", stop, want[: want.find(stop)])
+    with claude.messages.stream(max_tokens=MAX_TOKENS, stop_sequences=[stop], **kw) as s:
+        final = s.get_final_message()
+    assert (final.stop_reason, final.stop_sequence, final.content[0].text) == (m.stop_reason, m.stop_sequence, m.content[0].text)
+    m = claude.messages.create(max_tokens=3, **kw)
+    assert (m.stop_reason, m.content[0].text, m.usage.output_tokens) == ("max_tokens", want[:3], 3)
+    r = oai.responses.create(model="m", input=RESPONSES_ROUND_TRIP, tools=[RESPONSES_TOOL], max_output_tokens=3)
+    assert (r.status, r.incomplete_details.reason, r.output_text) == ("incomplete", "max_output_tokens", want[:3])
+
+
+def test_previous_response_id_continues_a_stored_response(oai, served):
+    want, _ = reference(served, ASK + [CALLED, RESULT], [WEATHER_TOOL])
+    first = oai.responses.create(model="m", input=ASK[0]["content"], tools=[RESPONSES_TOOL], max_output_tokens=MAX_TOKENS)
+    (call,) = first.output
+    second = oai.responses.create(
+        model="m", previous_response_id=first.id, tools=[RESPONSES_TOOL], max_output_tokens=MAX_TOKENS,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": RESULT["content"]}],
+    )
+    assert second.output_text == want and second.previous_response_id == first.id
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens  # the stored turn, reused
+    # a thinking turn, continued: the stored conversation templates as it was generated, reasoning included
+    first = oai.responses.create(model="m", input=THINK[0]["content"], max_output_tokens=MAX_TOKENS)
+    second = oai.responses.create(model="m", previous_response_id=first.id, input="Again?", max_output_tokens=2)
+    assert second.usage.input_tokens_details.cached_tokens == first.usage.input_tokens + first.usage.output_tokens
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        oai.responses.create(model="m", previous_response_id="resp_unknown", input="hi", max_output_tokens=4)
+
+
+def test_reasoning_is_split_on_every_dialect(served, oai, claude):
+    raw, _ = reference(served, THINK)
+    reasoning, answer = split_reasoning(raw)
+
+    r = oai.chat.completions.create(model="m", messages=THINK, max_tokens=MAX_TOKENS)
+    message = r.choices[0].message
+    assert (message.model_extra["reasoning"], message.content) == (reasoning, answer)
+    chunks = list(oai.chat.completions.create(model="m", messages=THINK, max_tokens=MAX_TOKENS, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == answer
+
+    m = claude.messages.create(model="m", max_tokens=MAX_TOKENS, messages=THINK,
+                               thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
+        ("thinking", reasoning), ("text", answer)]
+    with claude.messages.stream(model="m", max_tokens=MAX_TOKENS, messages=THINK) as s:
+        final = s.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+
+    r = oai.responses.create(model="m", input=THINK[0]["content"], max_output_tokens=MAX_TOKENS)
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == reasoning and r.output_text == answer
+    events = list(oai.responses.create(model="m", input=THINK[0]["content"], max_output_tokens=MAX_TOKENS, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
+
+
+def test_earlier_reasoning_is_templated_alike_in_every_dialect(served, oai, claude):
+    raw, _ = reference(served, THINK)
+    reasoning, answer = split_reasoning(raw)
+    again = {"role": "user", "content": "Again?"}
+    _, plain = reference(served, THINK + [{"role": "assistant", "content": answer}, again])
+    r = oai.chat.completions.create(model="m", max_tokens=2, messages=THINK + [
+        {"role": "assistant", "content": answer, "reasoning_content": reasoning}, again])
+    n = r.usage.prompt_tokens
+    assert n > plain  # the template shows the reasoning again
+    count = claude.messages.count_tokens(model="m", messages=THINK + [
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": reasoning, "signature": ""},
+                                          {"type": "text", "text": answer}]}, again])
+    assert count.input_tokens == n
+    r = oai.responses.create(model="m", max_output_tokens=2, input=THINK + [
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": reasoning}]},
+        {"role": "assistant", "content": answer}, again])
+    assert r.usage.input_tokens == n
+
+
+def test_thinking_switch_reaches_the_template(served, oai, claude):
+    """Anthropic's thinking and chat_template_kwargs set the template's
+    enable_thinking; the answer is then the target's to that prompt."""
+    want, n_off = reference(served, THINK, enable_thinking=False)
+    _, n_on = reference(served, THINK)
+    assert n_off > n_on  # the template writes an empty think block
+    count = claude.messages.count_tokens(model="m", messages=THINK, thinking={"type": "disabled"})
+    assert count.input_tokens == n_off
+    m = claude.messages.create(model="m", max_tokens=MAX_TOKENS, messages=THINK, thinking={"type": "disabled"})
+    assert "".join(b.text for b in m.content if b.type == "text") == want
+    r = oai.chat.completions.create(model="m", messages=THINK, max_tokens=MAX_TOKENS,
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.prompt_tokens == n_off and (r.choices[0].message.content or "") == want
+
+
+def test_server_wide_thinking_switch(chat_pair, served):
+    """--chat-template-args sets the default that a request's own switch overrides."""
+    _, n_off = reference(served, THINK, enable_thinking=False)
+    _, n_on = reference(served, THINK)
+    with live_server(chat_pair, "--chat-template-args", '{"enable_thinking": false}') as base:
+        claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=300)
+        assert claude.messages.count_tokens(model="m", messages=THINK).input_tokens == n_off
+        assert claude.messages.count_tokens(model="m", messages=THINK, thinking={"type": "enabled", "budget_tokens": 1024}).input_tokens == n_on
+
+
+def test_count_tokens_matches_usage(served, claude):
+    _, n = reference(served, ASK, [WEATHER_TOOL])
+    server_tool = {"type": "web_search_20250305", "name": "web_search"}  # hosted by Anthropic: left out
+    count = claude.messages.count_tokens(model="m", messages=ASK, tools=[ANTHROPIC_TOOL, server_tool],
+                                         extra_query={"beta": "true"})  # as Claude Code asks
+    m = claude.messages.create(model="m", max_tokens=MAX_TOKENS, messages=ASK, tools=[ANTHROPIC_TOOL])
+    assert count.input_tokens == n == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    system = claude.messages.count_tokens(model="m", messages=ASK, system="Be terse.")
+    assert system.input_tokens > claude.messages.count_tokens(model="m", messages=ASK).input_tokens
+
+
+def long_conversation(tag: str, target_tokens: int = 2000) -> list:
+    """A conversation of about ``target_tokens`` byte tokens, its own by ``tag``."""
+    lines = [f"{tag}: note {i} on the build, the cache and the drafter." for i in range(target_tokens // 50)]
+    half = len(lines) // 2
+    return [
+        {"role": "system", "content": f"You review {tag} code."},
+        {"role": "user", "content": "\n".join(lines[:half])},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "\n".join(lines[half:])},
+    ]
+
+
+def raw_post(base: str, path: str, body: dict):
+    """(status, raw text) of a POST, read whole."""
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    return resp.status, resp.read().decode()
+
+
+def test_resent_long_conversation_is_mostly_cached_in_each_dialect(served, oai, claude):
+    base = served[0]
+    # Anthropic: the first turn streams raw, to see the pings of its long prefill
+    convo = long_conversation("anthropic")
+    system, turns = convo[0]["content"], convo[1:]
+    status, raw = raw_post(base, "/v1/messages", {"model": "m", "max_tokens": 4, "system": system,
+                                                 "messages": turns, "stream": True})
+    assert status == 200 and raw.count("event: ping") >= 8 and raw.rstrip().endswith('data: {"type": "message_stop"}')
+    first_text = "".join(json.loads(line[6:])["delta"].get("text", "") for line in raw.splitlines()
+                         if line.startswith("data: ") and '"content_block_delta"' in line)
+    resent = turns + [{"role": "assistant", "content": first_text}, {"role": "user", "content": "And then?"}]
+    m = claude.messages.create(model="m", max_tokens=4, system=system, messages=resent)
+    total = m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert total >= 2000 and m.usage.cache_read_input_tokens >= 0.8 * total
+
+    convo = long_conversation("responses")
+    first = oai.responses.create(model="m", input=convo, max_output_tokens=4)
+    assert first.usage.input_tokens >= 2000 and first.usage.input_tokens_details.cached_tokens < 0.2 * first.usage.input_tokens
+    resent = convo + [{"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And then?"}]
+    r = oai.responses.create(model="m", input=resent, max_output_tokens=4)
+    assert r.usage.input_tokens_details.cached_tokens >= 0.8 * r.usage.input_tokens
+
+    convo = long_conversation("chat")
+    first = oai.chat.completions.create(model="m", messages=convo, max_tokens=4)
+    assert first.usage.prompt_tokens_details.cached_tokens < 0.2 * first.usage.prompt_tokens
+    resent = convo + [{"role": "assistant", "content": first.choices[0].message.content},
+                      {"role": "user", "content": "And then?"}]
+    r = oai.chat.completions.create(model="m", messages=resent, max_tokens=4)
+    assert r.usage.prompt_tokens >= 2000 and r.usage.prompt_tokens_details.cached_tokens >= 0.8 * r.usage.prompt_tokens
+
+
+def post(base: str, path: str, body: dict):
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+USER = [{"role": "user", "content": "hi"}]
+BAD = [
+    ("/v1/messages", {"model": "m", "messages": USER}, "max_tokens"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "role"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER + [
+        {"role": "assistant", "content": [{"type": "tool_use", "name": "get_weather", "input": {}}]}]}, "needs an id"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER, "tools": [ANTHROPIC_TOOL],
+                      "tool_choice": {"type": "any"}}, "tool_choice"),
+    ("/v1/messages", {"model": "m", "max_tokens": 0, "messages": USER}, "max_tokens"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER, "top_k": -1}, "top_k"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "image"),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "role"),
+    ("/v1/responses", {"model": "m", "input": [{"role": "robot", "content": "x"}]}, "role"),
+    ("/v1/responses", {"model": "m", "input": [{"type": "function_call_output", "output": "x"}]}, "call_id"),
+    ("/v1/responses", {"model": "m", "input": "hi", "tools": [RESPONSES_TOOL], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": -1}, "max_tokens"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "role"),
+]
+
+
+@pytest.mark.parametrize("path, body, says", BAD, ids=[f"{p}-{s}" for p, _, s in BAD])
+def test_malformed_requests_get_4xx_in_their_dialect_and_the_server_goes_on(served, oai, path, body, says):
+    status, answer = post(served[0], path, body)
+    assert 400 <= status < 500
+    if path.startswith("/v1/messages"):
+        assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+    else:
+        assert answer["error"]["type"] == "invalid_request_error"
+    assert says in answer["error"]["message"]
+    assert oai.chat.completions.create(model="m", messages=USER, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_anthropic_client_raises_bad_request(claude):
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+        claude.messages.create(model="m", max_tokens=4, messages=USER, tools=[ANTHROPIC_TOOL],
+                               tool_choice={"type": "tool", "name": "get_weather"})
+
+
+def metrics(base: str) -> dict:
+    """{(name, labels): value} of /metrics, parsed as Prometheus text."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_parse_and_move(served, claude):
+    before = metrics(served[0])
+    m = claude.messages.create(model="m", max_tokens=8, messages=USER)
+    after = metrics(served[0])
+    assert after[("dflash_requests_total", (("endpoint", "/v1/messages"),))] == \
+        before.get(("dflash_requests_total", (("endpoint", "/v1/messages"),)), 0) + 1
+    gained = {name: after[(name, ())] - before[(name, ())] for name in (
+        "dflash_generations_total", "dflash_prompt_tokens_total", "dflash_generated_tokens_total",
+        "dflash_cached_prompt_tokens_total")}
+    assert gained == {
+        "dflash_generations_total": 1,
+        "dflash_prompt_tokens_total": m.usage.input_tokens + m.usage.cache_read_input_tokens,
+        "dflash_generated_tokens_total": m.usage.output_tokens,
+        "dflash_cached_prompt_tokens_total": m.usage.cache_read_input_tokens,
+    }
+    cycles = after[("dflash_cycles_total", ())] - before[("dflash_cycles_total", ())]
+    blocks = sum(v for (name, _), v in after.items() if name == "dflash_verify_blocks_total") - sum(
+        v for (name, _), v in before.items() if name == "dflash_verify_blocks_total")
+    assert cycles == m.usage.model_extra["dflash"]["cycles"] == blocks
+    assert after[("dflash_queued_requests", ())] == 0 and after[("dflash_generating", ())] in (0, 1)
+
+
+def test_metrics_show_the_queue(served, oai):
+    """Two long prompts at once: one generates while the other waits."""
+    names = (("dflash_generating", ()), ("dflash_queued_requests", ()))
+    threads = [threading.Thread(target=oai.chat.completions.create,
+                                kwargs=dict(model="m", messages=long_conversation(tag), max_tokens=8))
+               for tag in ("queue-a", "queue-b")]
+    for t in threads:
+        t.start()
+    seen = set()
+    while any(t.is_alive() for t in threads):
+        now = metrics(served[0])
+        seen.add(tuple(now[name] for name in names))
+    for t in threads:
+        t.join()
+    assert (1, 1) in seen and metrics(served[0])[names[1]] == 0

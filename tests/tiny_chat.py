@@ -1,0 +1,164 @@
+"""A tiny chat target that calls tools and thinks, for the server's agent tests.
+
+Its tokenizer has Qwen-style markers (``<|im_start|>``, ``<think>``,
+``<tool_call>``) and a chat template that mlx-lm reads as thinking and
+JSON tool calling (its ``json_tools`` parser), so the server's parsers are
+mlx-lm's own. The weights are a tiny seeded Qwen3 trained for a few seconds
+on a handful of conversations, until its greedy answers are the scripted
+ones: a tool call, an answer to the tool's result, and a reasoned answer.
+Nothing in the generation path knows about the script.
+"""
+
+import copy
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten
+from mlx_lm.server import process_message_content
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from mlx_lm.utils import load_model
+
+from dflash_mlx.random_pair import MASK, QWEN3, draft_config, make_draft, seeded_init
+
+CHAT_TARGET = dict(QWEN3, num_hidden_layers=2)  # small: it trains in the test session's setup
+EOS = "<|im_end|>"
+MARKERS = ["<|im_start|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+# Qwen-style: tools listed in the system turn, calls as <tool_call>{json}</tool_call>,
+# results as tool turns, earlier reasoning shown again as it was generated, and
+# an empty think block when thinking is off.
+TEMPLATE = """{%- if messages[0].role == 'system' or tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+{% endif %}{% if tools %}Tools: {% for tool in tools %}{{ tool.function.name }} {% endfor %}
+{% endif %}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}<|im_start|>user
+{{ m.content }}<|im_end|>
+{% elif m.role == 'assistant' %}<|im_start|>assistant
+{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}
+{%- for tc in m.tool_calls or [] %}{% set tool_call = tc.function %}<tool_call>
+{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>tool
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+ASK = [{"role": "user", "content": "Paris?"}]
+CALLED = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": CALL["name"], "arguments": json.dumps(CALL["arguments"])}}
+]}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+THINK = [{"role": "user", "content": "2+3?"}]
+
+# (messages, tools, the answer the target is trained to give greedily)
+SCRIPT = [
+    (ASK, [WEATHER_TOOL], "<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>"),
+    (ASK + [CALLED, RESULT], [WEATHER_TOOL], "Sunny."),
+    (THINK, None, "<think>\nAdd.\n</think>\n\n5."),
+]
+
+
+def write_chat_tokenizer(path: Path) -> int:
+    """Byte-level BPE with no merges, plus the chat markers as single tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS])
+    tok.add_tokens(MARKERS)
+    tok.add_special_tokens([MASK])  # last: the drafter's mask id is the vocabulary's last
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
+              "model_max_length": 4096, "chat_template": TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.get_vocab_size()
+
+
+def train(model, examples, max_steps: int, check_every: int = 10, seed: int = 0):
+    """Fit ``model`` until it answers each (prompt, answer) pair greedily;
+    returns the steps it took (an AssertionError if ``max_steps`` were not enough)."""
+    mx.random.seed(seed)
+    width = max(len(p) + len(a) for p, a in examples)
+    rows, masks = [], []
+    for p, a in examples:
+        seq = p + a
+        rows.append(seq + [0] * (width - len(seq)))
+        masks.append([0] * (len(p) - 1) + [1] * len(a) + [0] * (width - len(seq)))
+    x, mask = mx.array(rows), mx.array(masks, dtype=mx.float32)[:, : width - 1]
+
+    def loss_fn(m):
+        losses = nn.losses.cross_entropy(m(x[:, :-1]), x[:, 1:], reduction="none")
+        return (losses * mask).sum() / mask.sum()
+
+    opt = optim.Adam(learning_rate=5e-3)
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    for step in range(1, max_steps + 1):
+        _, grads = loss_and_grad(model)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state)
+        if step % check_every == 0 and greedy_answers_match(model, examples):
+            return step
+    raise AssertionError(f"the chat target did not learn its script in {max_steps} steps")
+
+
+def greedy_answers_match(model, examples, margin: float = 2.0) -> bool:
+    """Whether every answer token leads the next best by ``margin`` logits
+    (far from a tie, so every exact decoder picks the same tokens)."""
+    for p, a in examples:
+        logits = model(mx.array([p + a]))[0, len(p) - 1 : -1]
+        top2 = mx.sort(logits, axis=-1)[:, -2:]
+        if mx.argmax(logits, axis=-1).tolist() != a or (top2[:, 1] - top2[:, 0]).min().item() < margin:
+            return False
+    return True
+
+
+def make_chat_target(root: Path, seed: int = 0, max_steps: int = 400) -> Path:
+    """Write the trained chat target (float32, HF layout) under ``root``."""
+    path = Path(root) / "chat-target"
+    vocab = write_chat_tokenizer(path)
+    cfg = dict(CHAT_TARGET, vocab_size=vocab)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    model, _ = load_model(path, strict=False)
+    seeded_init(model, seed, scale=1.0)
+    tokenizer = load_tokenizer(path)
+    eos = tokenizer.eos_token_id
+    examples = []
+    for messages, tools, answer in SCRIPT:
+        messages = copy.deepcopy(messages)
+        process_message_content(messages)  # as the server templates them: tool arguments parsed
+        prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        examples.append((prompt, tokenizer.encode(answer, add_special_tokens=False) + [eos]))
+    train(model, examples, max_steps, seed=seed)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    return path
+
+
+def make_chat_draft(root: Path, target: Path, block_size: int = 4) -> Path:
+    """A random drafter for the chat target (lossless whatever it proposes)."""
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    return make_draft(Path(root) / "chat-draft", draft_config(CHAT_TARGET, vocab, block_size=block_size), seed=1)
