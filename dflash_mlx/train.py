@@ -45,6 +45,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from . import cli
 from .defaults import DEFAULT_BLOCK_SIZE, DTYPES
 from .errors import DFlashError
+from .ops import fast_math
 from .models.dflash import (
     DFlashConfig,
     DFlashDraftModel,
@@ -59,7 +60,7 @@ RUN_KEYS = (
     "model", "data", "num_layers", "block_size", "taps", "steps", "learning_rate",
     "batch_size", "seq_len", "gamma", "anchors_per_seq", "seed", "targets", "warmup",
     "mask_token_id", "intermediate_size", "weight_decay", "grad_clip", "target_dtype",
-    "init_from", "cache_dir", "approximate_target", "draft_vocab", "loss_slots", "answer_mask", "init_from_target",
+    "init_from", "cache_dir", "approximate_target", "approximate_softmax", "draft_vocab", "loss_slots", "answer_mask", "init_from_target",
 )
 MASK_NAME = re.compile(r"^<\|?\s*mask\s*\|?>$", re.IGNORECASE)
 
@@ -127,6 +128,11 @@ class TrainConfig:
     weight_decay: float = option(0.0, "AdamW weight decay")
     grad_clip: float = option(1.0, "global gradient-norm clip")
     seed: int = option(0, "seed of the drafter's initialisation and of the batches")
+    approximate_softmax: bool = option(
+        False,
+        "the drafter's attention softmax and the loss's logsumexp through the approximate fused exp while "
+        "training on the CPU (float32; exact gradients of the approximation's inputs)",
+    )
     # The batches: windows of seq_len tokens, anchors_per_seq blocks each.
     batch_size: int = option(4, "windows per step", type=cli.positive_int)
     seq_len: int = option(512, "tokens per window", type=cli.positive_int)
@@ -196,7 +202,7 @@ def _rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
     return y.reshape(b, L, H, D).transpose(0, 2, 1, 3)
 
 
-def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask):
+def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask, fast=False):
     """``DraftAttention.__call__`` for ``n`` blocks per sequence at once.
 
     Each block attends to ``[context ; its own slots]`` under one softmax,
@@ -225,13 +231,17 @@ def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask):
     rule = layer_visibility(attn, q_pos, positions[:, None, None, :, None, :])
     if rule is not None:
         s_blk = mx.where(rule, s_blk, -mx.inf)
-    p = mx.softmax(mx.concatenate([s_ctx, s_blk], axis=-1), axis=-1, precise=True)
+    scores = mx.concatenate([s_ctx, s_blk], axis=-1)
+    if fast and fast_math.approx_for(scores):
+        p = fast_math.softmax_trainable(scores)
+    else:
+        p = mx.softmax(scores, axis=-1, precise=True)
     out = (p[..., :S].reshape(b, Hk, -1, S) @ ctx_v).reshape(q.shape) + p[..., S:] @ v
     out = out.reshape(b, H, L, D).transpose(0, 2, 1, 3).reshape(b, n, B, -1)
     return attn.o_proj(out)
 
 
-def train_forward(draft: DFlashDraftModel, target_embed, tap_states, blocks, positions, mask):
+def train_forward(draft: DFlashDraftModel, target_embed, tap_states, blocks, positions, mask, fast=False):
     """Final drafter states [b, n, B, hidden] of ``n`` blocks per sequence.
 
     ``DFlashDraftModel.hidden_states`` with the drafter's own modules, so
@@ -243,13 +253,14 @@ def train_forward(draft: DFlashDraftModel, target_embed, tap_states, blocks, pos
     layer (absolute positions ``0..S-1``); block slots ``blocks`` at
     ``positions`` (both [b, n, B]) attend to the context positions ``mask``
     [b, n, S] allows (see :func:`context_mask`) and to their own block, as
-    the layer's causal / sliding-window rule allows.
+    the layer's causal / sliding-window rule allows. ``fast``: the
+    approximate softmax on the CPU (``--approximate-softmax``).
     """
     h, context = draft.layer_inputs(blocks, tap_states, target_embed)
     for layer in draft.layers:
         attn = layer.self_attn
         ctx_k, ctx_v = attn.project_kv(context, draft.rope, 0)
-        h = h + _block_attention(attn, layer.input_layernorm(h), ctx_k, ctx_v, draft.rope, positions, mask)
+        h = h + _block_attention(attn, layer.input_layernorm(h), ctx_k, ctx_v, draft.rope, positions, mask, fast)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return draft.norm(h)
 
@@ -279,16 +290,18 @@ def slot_labels(tokens, greedy, anchors, block_size: int) -> mx.array:
     return mx.take_along_axis(tokens, idx.reshape(b, -1), axis=1).reshape(b, n, block_size - 1)
 
 
-def drafter_loss(draft, target_embed, tap_states, blocks, positions, mask, labels, weights):
+def drafter_loss(draft, target_embed, tap_states, blocks, positions, mask, labels, weights, fast=False):
     """Decayed cross-entropy and accuracy proxies of one batch, over the
     slots ``labels`` covers (``len(weights)`` of them, from slot 1) and, with
     a draft vocabulary, over its ids: ``labels`` are then draft ids, -1 for a
-    token outside it (no loss; never proposed, so never correct)."""
-    hidden = train_forward(draft, target_embed, tap_states, blocks, positions, mask)
+    token outside it (no loss; never proposed, so never correct). ``fast``:
+    the approximate softmax and logsumexp on the CPU."""
+    hidden = train_forward(draft, target_embed, tap_states, blocks, positions, mask, fast)
     hidden = hidden[:, :, 1 : 1 + weights.shape[0]]  # slot 0 is the known anchor
     logits = draft.head_logits(hidden).astype(mx.float32)
     inside = labels >= 0
-    ce = nn.losses.cross_entropy(logits, mx.maximum(labels, 0)) * inside
+    loss_fn = fast_math.cross_entropy_approx if fast and fast_math.approx_for(logits) else nn.losses.cross_entropy
+    ce = loss_fn(logits, mx.maximum(labels, 0)) * inside
     loss = (ce * weights).sum(-1).mean() / weights.sum()
     correct = mx.stop_gradient((mx.argmax(logits, axis=-1) == labels) & inside)
     # 1 + accepted prefix: the tokens a verify cycle would commit.
@@ -788,7 +801,7 @@ def train(args: TrainConfig) -> dict:
         labels = draft_labels(labels[..., :n_slots], vocab_ids, adapter.vocab_size)
         mask = context_mask(anchors, args.seq_len)
         (loss, metrics), grads = value_and_grad(
-            draft, adapter.embed, tap_states, blocks, positions, mask, labels, weights
+            draft, adapter.embed, tap_states, blocks, positions, mask, labels, weights, args.approximate_softmax
         )
         grads, _ = optim.clip_grad_norm(grads, args.grad_clip)
         optimizer.update(draft, grads)

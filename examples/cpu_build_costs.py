@@ -4,11 +4,12 @@ goes), the target's batched answers, and one drafter training step.
 
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
     python examples/cpu_build_costs.py                      # before: every lever off
-    python examples/cpu_build_costs.py --fast-target --draft-vocab 8192 --loss-slots 8 --check 16
+    python examples/cpu_build_costs.py --fast-target --approximate-softmax --draft-vocab 8192 --check 16
 
 The levers: ``--fast-target`` (the data stages' approximate softmax / SiLU,
 ``dflash_mlx.targets.approximate``), ``--batch`` (answers at once),
-``--tap-batch`` (rows per tap pass), ``--draft-vocab`` (the drafter head over
+``--tap-batch`` (rows per tap pass), ``--approximate-softmax`` (the
+training step's softmax and logsumexp), ``--draft-vocab`` (the drafter head over
 K ids), ``--loss-slots`` / ``--anchors`` (positions the head and loss see),
 ``--layers``. ``--check N`` compares N greedy answers of the target as the
 data stages run it with mlx-lm's exact ones and says how many differ and
@@ -158,12 +159,14 @@ def training_step(model, args):
     value_and_grad = nn.value_and_grad(draft, T.drafter_loss)
 
     def step():
-        (loss, _), grads = value_and_grad(draft, adapter.embed, taps, blocks, positions, mask, labels, weights)
+        (loss, _), grads = value_and_grad(draft, adapter.embed, taps, blocks, positions, mask, labels, weights,
+                                          args.approximate_softmax)  # fmt: skip
         optimizer.update(draft, grads)
         return loss, draft.parameters(), optimizer.state
 
     print(f"drafter training step, batch {b}, {n} anchors a row, {slots} loss slots, "
-          f"{args.draft_vocab or vocab} head ids, {args.layers} layers: {seconds(step, args.repeats):.2f} s")  # fmt: skip
+          f"{args.draft_vocab or vocab} head ids, {args.layers} layers, "
+          f"{'approximate' if args.approximate_softmax else 'exact'} softmax: {seconds(step, args.repeats):.2f} s")  # fmt: skip
 
 
 def main():
@@ -182,6 +185,7 @@ def main():
     p.add_argument("--loss-slots", type=int, default=None)
     p.add_argument("--draft-vocab", type=int, default=None)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--approximate-softmax", action="store_true", help="the training step's approximate softmax / logsumexp")
     p.add_argument("--check", type=int, default=0, help="compare N greedy answers with mlx-lm's exact ones")
     p.add_argument("--only", nargs="+", choices=("taps", "distill", "train"), default=("taps", "distill", "train"))
     args = p.parse_args()

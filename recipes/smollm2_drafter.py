@@ -24,6 +24,7 @@ Stages (each resumable; run state lives in ~/.cache/dflash_mlx/smollm2/):
 
 The cheaper build's levers are flags with defaults: --fast-target
 (approximate softmax / SiLU in the target for distillation and the tap pass),
+--fast-softmax (approximate softmax / logsumexp in the drafter's training),
 --answer-anchors (anchors only where the next token is the target's),
 --draft-vocab K, --loss-slots N, --layers, --init-from-target; --variant
 names a run directory of its own for one setting against another.
@@ -122,6 +123,8 @@ def lever_argv(args) -> list:
     argv = ["--num-layers", str(args.layers)]
     if args.fast_target:
         argv.append("--approximate-target")
+    if args.fast_softmax:
+        argv.append("--approximate-softmax")
     if args.answer_anchors:
         argv += ["--answer-mask", str(answers_path(rows_file(args)))]
     if args.draft_vocab:
@@ -325,7 +328,7 @@ mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_conf
 | mask token | `{MASK_TOKEN}` = {cfg['dflash_config']['mask_token_id']} |
 | weights | bfloat16, {size / 1e6:.1f} MB (embedding and LM head are the target's); run in the target's dtype |
 | data | the target's greedy answers to the training requests of `recipes/smollm2_requests.py` (held-out topics excluded), the first {shards} distillation shards ({SHARD_SIZE} requests each), packed into {rows} rows of {args.seq_len} tokens |
-| training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row{' (inside answers)' if args.answer_anchors else ''}, loss on slots 1-{args.loss_slots or cfg['block_size'] - 1}, peak lr {args.lr}; target with {'approximate' if args.fast_target else 'exact'} softmax / SiLU for answers and taps |
+| training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row{' (inside answers)' if args.answer_anchors else ''}, loss on slots 1-{args.loss_slots or cfg['block_size'] - 1}, peak lr {args.lr}; target with {'approximate' if args.fast_target else 'exact'} softmax / SiLU for answers and taps, drafter trained with {'approximate' if args.fast_softmax else 'exact'} softmax / logsumexp |
 | last 20 steps (training rows) | loss {mean[0]}, slot-1 accuracy {mean[1]}, mean slot accuracy {mean[2]}, accepted length per anchor {mean[3]} (per anchor, not per cycle: easy stretches weigh more than in decoding) |
 | tokens per cycle by answer position ({accept['prompts']} held-out requests, {accept['max_tokens']} new tokens, greedy, fixed block {cfg['block_size']}) | {by_position} |
 | wall time (hours; built on {args.built_on}) | {hours} |
@@ -359,6 +362,8 @@ def parser():
     p.add_argument("--layers", type=int, default=LAYERS, help="drafter layers")
     p.add_argument("--fast-target", action=argparse.BooleanOptionalAction, default=True,
                    help="approximate softmax / SiLU in the target for the data stages (answers, taps)")
+    p.add_argument("--fast-softmax", action=argparse.BooleanOptionalAction, default=True,
+                   help="approximate softmax / logsumexp in the drafter's training on the CPU")
     p.add_argument("--answer-anchors", action=argparse.BooleanOptionalAction, default=True,
                    help="anchors only where the next token is one the target wrote")
     p.add_argument("--draft-vocab", type=int, default=None,

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 import numpy as np
 import pytest
@@ -197,3 +198,28 @@ def test_init_from_target_copies_the_last_layers(qwen3_pair):
                 assert name not in source or mx.array_equal(value, source[name]).item()
             else:
                 assert mx.array_equal(value, source[name]).item(), name
+
+
+def test_trainable_approximations_follow_the_exact_gradients():
+    from dflash_mlx.ops import fast_math
+
+    x = mx.random.normal((4, 6, 50), key=mx.random.key(1)) * 4
+    w = mx.random.normal((4, 6, 50), key=mx.random.key(2))
+    labels = mx.random.randint(0, 50, (4, 6), key=mx.random.key(3))
+    for approx, exact in (
+        (lambda x: (fast_math.softmax_trainable(x) * w).sum(), lambda x: (mx.softmax(x, axis=-1) * w).sum()),
+        (lambda x: fast_math.cross_entropy_approx(x, labels).sum(), lambda x: nn.losses.cross_entropy(x, labels).sum()),
+    ):
+        (va, ga), (ve, ge) = mx.value_and_grad(approx)(x), mx.value_and_grad(exact)(x)
+        assert abs(va.item() - ve.item()) < 1e-3 * max(1.0, abs(ve.item()))
+        np.testing.assert_allclose(np.array(ga), np.array(ge), atol=1e-4)
+
+
+def test_approximate_softmax_trains_like_the_exact_one(qwen3_pair, rows, tmp_path):
+    runs = {}
+    for name, extra in (("exact", []), ("fast", ["--approximate-softmax"])):
+        out = tmp_path / name
+        assert cli.run(T.main, small_run(qwen3_pair, rows / "rows.npy", out, "--steps", "4", *extra)) == 0
+        runs[name] = np.array(json.loads((out / T.STATE_DIR / "training_state.json").read_text())["history"])
+    assert np.abs(runs["fast"][:, 0] - runs["exact"][:, 0]).max() < 1e-2
+    assert not np.array_equal(runs["fast"], runs["exact"])  # the approximate path ran
