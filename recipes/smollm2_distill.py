@@ -75,6 +75,24 @@ def shard_seconds(path: Path) -> float:
         return float(z["seconds"])
 
 
+def load_target(args):
+    """(directory, model, tokenizer) of ``--model`` (default: the smollm2
+    pair's target), through the approximate paths with ``--fast-target``."""
+    from mlx_lm import load
+
+    model_dir = args.model
+    if model_dir is None:
+        from dflash_mlx.pair import named_pair_paths
+
+        model_dir = named_pair_paths("smollm2", need_draft=False)[0]
+    model, tokenizer = load(str(model_dir))
+    if args.fast_target:
+        from dflash_mlx.targets.approximate import approximate
+
+        approximate(model)
+    return model_dir, model, tokenizer
+
+
 def greedy_answers(model, tokenizer, prompts, args):
     """mlx-lm's batched greedy answers to token ``prompts`` (in order)."""
     from mlx_lm import batch_generate
@@ -144,23 +162,13 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import mlx.core as mx
-    from mlx_lm import load
 
     out = Path(args.out).expanduser()
     if out.exists() and any(out.glob("shard-*.npz")) and not args.resume:
         raise SystemExit(f"error: {out} holds shards already: pass --resume to continue")
     out.mkdir(parents=True, exist_ok=True)
     requests = json.loads(Path(args.requests).expanduser().read_text())["train"][: args.limit]
-    model_dir = args.model
-    if model_dir is None:
-        from dflash_mlx.pair import named_pair_paths
-
-        model_dir = named_pair_paths("smollm2", need_draft=False)[0]
-    model, tokenizer = load(str(model_dir))
-    if args.fast_target:
-        from dflash_mlx.targets.approximate import approximate
-
-        approximate(model)
+    model_dir, model, tokenizer = load_target(args)
     n_shards = (len(requests) + args.shard_size - 1) // args.shard_size
     log(out, f"start: {len(requests)} requests, {n_shards} shards, model {model_dir}")
     for i in range(n_shards):

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from smollm2_distill import greedy_answers  # noqa: E402
+from smollm2_distill import greedy_answers, load_target  # noqa: E402
 
 WRITE_ASKS = [
     "Write five different questions a curious student might ask about {subject}. Write one question per line.",
@@ -83,18 +83,7 @@ def main(argv=None):
     if data.get("written_questions"):
         print(f"{path} holds the target's questions already")
         return
-    from mlx_lm import load
-
-    model_dir = args.model
-    if model_dir is None:
-        from dflash_mlx.pair import named_pair_paths
-
-        model_dir = named_pair_paths("smollm2", need_draft=False)[0]
-    model, tokenizer = load(str(model_dir))
-    if args.fast_target:
-        from dflash_mlx.targets.approximate import approximate
-
-        approximate(model)
+    _, model, tokenizer = load_target(args)
     new = written_requests(model, tokenizer, data, args)
     data["train"] += new
     data["written_questions"] = len(new)

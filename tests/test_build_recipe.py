@@ -138,3 +138,16 @@ def test_exported_shards_seed_a_new_machine(tmp_path, monkeypatch):
     assert sorted(p.name for p in (new / "distill").glob("*.npz")) == ["shard-00000.npz", "shard-00001.npz"]
     assert smollm2_distill.shard_seconds(new / "distill" / "shard-00001.npz") == 10.0
     assert calls and "--resume" in calls[0]
+
+
+def test_questions_stage_extends_the_requests_once(chat_model, tmp_path):
+    reqs = tmp_path / "requests.json"
+    train = [{"topic": "general:lists", "kind": "general", "request": "Explain lists."}]
+    reqs.write_text(json.dumps({"train": train, "heldout": []}))
+    argv = ["--model", str(chat_model), "--requests", str(reqs), "--max-tokens", "8", "--batch-size", "3"]
+    smollm2_questions.main(argv)
+    data = json.loads(reqs.read_text())
+    assert data["train"][:1] == train and data["written_questions"] == len(data["train"]) - 1
+    before = reqs.read_text()
+    smollm2_questions.main(argv)  # done once: the file stays as it is
+    assert reqs.read_text() == before
