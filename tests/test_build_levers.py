@@ -223,3 +223,15 @@ def test_approximate_softmax_trains_like_the_exact_one(qwen3_pair, rows, tmp_pat
         runs[name] = np.array(json.loads((out / T.STATE_DIR / "training_state.json").read_text())["history"])
     assert np.abs(runs["fast"][:, 0] - runs["exact"][:, 0]).max() < 1e-2
     assert not np.array_equal(runs["fast"], runs["exact"])  # the approximate path ran
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_head_rows_are_the_heads_columns(make_pair, family, quantized):
+    model, _ = load(str(make_pair(family).path))
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    adapter = dflash_mlx.targets.adapter_for(model)
+    ids = [1, 7, 30, 200]
+    h = mx.random.normal((2, 3, adapter.hidden_size), key=mx.random.key(4))
+    np.testing.assert_allclose(np.array(adapter.lm_head_rows(ids)(h)), np.array(adapter.lm_head(h)[..., ids]), atol=1e-4)
