@@ -66,12 +66,12 @@ print("target:", prepare_target("smollm2"))
 EOF
 fi
 
-stage 2 --stage requests
-stage 10 --stage questions --distill-batch-size "$DISTILL_BATCH"
+stage 4 --stage requests
+stage 9 --stage questions --distill-batch-size "$DISTILL_BATCH"
 stage 45 --stage distill --distill-batch-size "$DISTILL_BATCH"
-stage 3 --stage rows
-stage 40 --stage train --steps "$STEPS" --batch-size "$BATCH" --save-every 250
-stage 5 --stage measure
+stage 4 --stage rows
+stage 33 --stage train --steps "$STEPS" --batch-size "$BATCH" --save-every 250
+stage 4 --stage measure
 
 # Pack what a CPU needs to continue: everything but the tap cache (rebuilt
 # from the rows) and the rows themselves (rebuilt from the shards in seconds).

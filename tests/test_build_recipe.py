@@ -151,3 +151,23 @@ def test_questions_stage_extends_the_requests_once(chat_model, tmp_path):
     before = reqs.read_text()
     smollm2_questions.main(argv)  # done once: the file stays as it is
     assert reqs.read_text() == before
+
+
+def test_gpu_script_plans_every_stage_within_its_budget(tmp_path):
+    """Only its plan can run here (it needs MLX's CUDA backend): each stage
+    in order under a timeout that adds up to the budget, then the packing."""
+    import os
+    import re
+    import subprocess
+
+    env = dict(os.environ, WORK=str(tmp_path / "work"), BUDGET_S="720", EXTRA="--draft-vocab 8192")
+    r = subprocess.run(["bash", str(RECIPES / "smollm2_gpu.sh"), "--dry-run", str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    plan = [line for line in r.stdout.splitlines() if line.startswith("+ timeout")]
+    assert [re.search(r"--stage (\w+)", line).group(1) for line in plan] == [
+        "requests", "questions", "distill", "rows", "train", "measure"]  # fmt: skip
+    assert sum(int(line.split()[4]) for line in plan) <= 720
+    assert all("--draft-vocab 8192" in line for line in plan)
+    assert "smollm2-run-state.tar.gz" in r.stdout and not (tmp_path / "out").exists()
+    assert subprocess.run(["bash", str(RECIPES / "smollm2_gpu.sh")], capture_output=True).returncode == 2
