@@ -131,7 +131,7 @@ class TrainConfig:
     approximate_softmax: bool = option(
         False,
         "the drafter's attention softmax and the loss's logsumexp through the approximate fused exp while "
-        "training on the CPU (float32; exact gradients of the approximation's inputs)",
+        "training on the CPU (float32; gradients by the exact functions' formulas)",
     )
     # The batches: windows of seq_len tokens, anchors_per_seq blocks each.
     batch_size: int = option(4, "windows per step", type=cli.positive_int)
@@ -670,6 +670,8 @@ def check_args(args: TrainConfig) -> None:
             raise TrainError(f"--answer-mask file not found: {args.answer_mask}")
     if args.taps is not None and not args.taps:
         raise TrainError("--taps is empty")
+    if args.init_from is not None and args.init_from_target:
+        raise TrainError("--init-from and --init-from-target both set the starting weights: pass one")
     if args.init_from is not None and not (Path(args.init_from) / "config.json").is_file():
         raise TrainError(f"--init-from {args.init_from} holds no drafter checkpoint (config.json)")
     out = Path(args.draft_model)

@@ -174,6 +174,7 @@ def test_lever_flags_are_checked_first(qwen3_pair, rows, tmp_path, capsys):
         "--loss-slots": (["--loss-slots", "8"], "--loss-slots"),
         "--answer-mask shape": (["--answer-mask", str(tmp_path / "m.npy")], "shaped like"),
         "--draft-vocab": (["--draft-vocab", "999999"], "exceeds"),
+        "two inits": (["--init-from-target", "--init-from", str(tmp_path)], "pass one"),
     }
     np.save(tmp_path / "m.npy", np.zeros((3, 3), bool))
     for name, (extra, words) in bad.items():
