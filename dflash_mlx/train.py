@@ -45,6 +45,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from . import cli
 from .defaults import DEFAULT_BLOCK_SIZE, DTYPES
 from .errors import DFlashError
+from .ops import fast_math
 from .models.dflash import (
     DFlashConfig,
     DFlashDraftModel,
@@ -59,7 +60,7 @@ RUN_KEYS = (
     "model", "data", "num_layers", "block_size", "taps", "steps", "learning_rate",
     "batch_size", "seq_len", "gamma", "anchors_per_seq", "seed", "targets", "warmup",
     "mask_token_id", "intermediate_size", "weight_decay", "grad_clip", "target_dtype",
-    "init_from", "cache_dir",
+    "init_from", "cache_dir", "approximate_target", "approximate_softmax", "draft_vocab", "loss_slots", "answer_mask", "init_from_target",
 )
 MASK_NAME = re.compile(r"^<\|?\s*mask\s*\|?>$", re.IGNORECASE)
 
@@ -98,6 +99,16 @@ class TrainConfig:
     )
     intermediate_size: Optional[int] = option(None, "drafter MLP width (default: the target's)")
     mask_token_id: Optional[int] = option(None, "default: the tokenizer's <|mask|>-like token")
+    draft_vocab: Optional[int] = option(
+        None,
+        "score only the K target tokens most frequent in the data (FR-Spec's draft vocabulary), in training "
+        "and drafting; the target still verifies every token (default: the whole vocabulary)",
+    )
+    init_from_target: bool = option(
+        False,
+        "start drafter layer j from the target's layer n - L + j (the last L layers; same width and heads "
+        "needed) instead of a random initialisation",
+    )
     # What each slot learns, and how much a later slot counts.
     targets: str = option(
         "self-distill",
@@ -107,6 +118,9 @@ class TrainConfig:
     gamma: Optional[float] = option(
         None, "slot loss decay exp(-(j-1)/gamma) (default: block-size / 2, i.e. the public 4 for block 8)"
     )
+    loss_slots: Optional[int] = option(
+        None, "train slots 1..N only, those whose decayed weight matters (default: all block-size - 1)"
+    )
     # The optimisation.
     steps: int = option(1000, "optimizer steps", type=cli.positive_int)
     learning_rate: float = option(6e-4, "peak learning rate")
@@ -114,16 +128,31 @@ class TrainConfig:
     weight_decay: float = option(0.0, "AdamW weight decay")
     grad_clip: float = option(1.0, "global gradient-norm clip")
     seed: int = option(0, "seed of the drafter's initialisation and of the batches")
+    approximate_softmax: bool = option(
+        False,
+        "the drafter's attention softmax and the loss's logsumexp through the approximate fused exp while "
+        "training on the CPU (float32; gradients by the exact functions' formulas)",
+    )
     # The batches: windows of seq_len tokens, anchors_per_seq blocks each.
     batch_size: int = option(4, "windows per step", type=cli.positive_int)
     seq_len: int = option(512, "tokens per window", type=cli.positive_int)
     anchors_per_seq: int = option(32, "blocks drawn per window", type=cli.positive_int)
+    answer_mask: Optional[str] = option(
+        None,
+        ".npy of booleans shaped like the one --data .npy, true on answer tokens: anchors are drawn where the "
+        "next token is an answer token (not in prompts or the chat template), others only to fill up",
+    )
     # The frozen target's outputs: its dtype, and whether they are kept.
     target_dtype: Optional[str] = option(
         None,
         "run the frozen target in this dtype (default: as stored; float32 is faster on CPU for a bf16 "
         "checkpoint, its taps differ from bf16 inference by rounding only)",
         choices=tuple(DTYPES),
+    )
+    approximate_target: bool = option(
+        False,
+        "run the frozen target's attention softmax and SiLU through the approximate fused exp on the CPU "
+        "(float32; llama/qwen targets): taps and labels to training precision, much cheaper on x86",
     )
     cache_target: bool = option(
         False,
@@ -173,7 +202,7 @@ def _rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
     return y.reshape(b, L, H, D).transpose(0, 2, 1, 3)
 
 
-def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask):
+def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask, fast=False):
     """``DraftAttention.__call__`` for ``n`` blocks per sequence at once.
 
     Each block attends to ``[context ; its own slots]`` under one softmax,
@@ -202,13 +231,17 @@ def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask):
     rule = layer_visibility(attn, q_pos, positions[:, None, None, :, None, :])
     if rule is not None:
         s_blk = mx.where(rule, s_blk, -mx.inf)
-    p = mx.softmax(mx.concatenate([s_ctx, s_blk], axis=-1), axis=-1, precise=True)
+    scores = mx.concatenate([s_ctx, s_blk], axis=-1)
+    if fast and fast_math.approx_for(scores):
+        p = fast_math.softmax_trainable(scores)
+    else:
+        p = mx.softmax(scores, axis=-1, precise=True)
     out = (p[..., :S].reshape(b, Hk, -1, S) @ ctx_v).reshape(q.shape) + p[..., S:] @ v
     out = out.reshape(b, H, L, D).transpose(0, 2, 1, 3).reshape(b, n, B, -1)
     return attn.o_proj(out)
 
 
-def train_forward(draft: DFlashDraftModel, target_embed, tap_states, blocks, positions, mask):
+def train_forward(draft: DFlashDraftModel, target_embed, tap_states, blocks, positions, mask, fast=False):
     """Final drafter states [b, n, B, hidden] of ``n`` blocks per sequence.
 
     ``DFlashDraftModel.hidden_states`` with the drafter's own modules, so
@@ -220,13 +253,14 @@ def train_forward(draft: DFlashDraftModel, target_embed, tap_states, blocks, pos
     layer (absolute positions ``0..S-1``); block slots ``blocks`` at
     ``positions`` (both [b, n, B]) attend to the context positions ``mask``
     [b, n, S] allows (see :func:`context_mask`) and to their own block, as
-    the layer's causal / sliding-window rule allows.
+    the layer's causal / sliding-window rule allows. ``fast``: the
+    approximate softmax on the CPU (``--approximate-softmax``).
     """
     h, context = draft.layer_inputs(blocks, tap_states, target_embed)
     for layer in draft.layers:
         attn = layer.self_attn
         ctx_k, ctx_v = attn.project_kv(context, draft.rope, 0)
-        h = h + _block_attention(attn, layer.input_layernorm(h), ctx_k, ctx_v, draft.rope, positions, mask)
+        h = h + _block_attention(attn, layer.input_layernorm(h), ctx_k, ctx_v, draft.rope, positions, mask, fast)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return draft.norm(h)
 
@@ -256,17 +290,64 @@ def slot_labels(tokens, greedy, anchors, block_size: int) -> mx.array:
     return mx.take_along_axis(tokens, idx.reshape(b, -1), axis=1).reshape(b, n, block_size - 1)
 
 
-def drafter_loss(draft, target_embed, tap_states, blocks, positions, mask, labels, weights):
-    """Decayed cross-entropy and accuracy proxies of one batch."""
-    hidden = train_forward(draft, target_embed, tap_states, blocks, positions, mask)
-    hidden = hidden[:, :, 1:]  # slot 0 is the known anchor
-    logits = draft.compute_logits(hidden).astype(mx.float32)
-    ce = nn.losses.cross_entropy(logits, labels)
+def drafter_loss(draft, target_embed, tap_states, blocks, positions, mask, labels, weights, fast=False):
+    """Decayed cross-entropy and accuracy proxies of one batch, over the
+    slots ``labels`` covers (``len(weights)`` of them, from slot 1) and, with
+    a draft vocabulary, over its ids: ``labels`` are then draft ids, -1 for a
+    token outside it (no loss; never proposed, so never correct). ``fast``:
+    the approximate softmax and logsumexp on the CPU."""
+    hidden = train_forward(draft, target_embed, tap_states, blocks, positions, mask, fast)
+    hidden = hidden[:, :, 1 : 1 + weights.shape[0]]  # slot 0 is the known anchor
+    logits = draft.head_logits(hidden).astype(mx.float32)
+    inside = labels >= 0
+    loss_fn = fast_math.cross_entropy_approx if fast and fast_math.approx_for(logits) else nn.losses.cross_entropy
+    ce = loss_fn(logits, mx.maximum(labels, 0)) * inside
     loss = (ce * weights).sum(-1).mean() / weights.sum()
-    correct = mx.stop_gradient(mx.argmax(logits, axis=-1) == labels)
+    correct = mx.stop_gradient((mx.argmax(logits, axis=-1) == labels) & inside)
     # 1 + accepted prefix: the tokens a verify cycle would commit.
     accept_len = 1 + mx.cumprod(correct.astype(mx.float32), axis=-1).sum(-1).mean()
     return loss, (correct[..., 0].mean(), correct.mean(), accept_len)
+
+
+def frequent_tokens(docs: List[np.ndarray], k: int, vocab_size: int, answers: Optional[List[np.ndarray]] = None):
+    """The ``k`` ids most frequent in ``docs`` (only on ``answers`` where
+    given), ascending: a draft vocabulary (FR-Spec). Ties go to the lower id."""
+    flat = np.concatenate(docs)
+    if answers is not None:
+        flat = flat[np.concatenate(answers)]
+    counts = np.bincount(flat, minlength=vocab_size)
+    top = np.argsort(-counts, kind="stable")[:k]
+    return sorted(int(i) for i in top)
+
+
+def draft_labels(labels: mx.array, draft_vocab: Optional[List[int]], vocab_size: int) -> mx.array:
+    """Target ids -> draft ids (-1 outside the draft vocabulary); unchanged without one."""
+    if draft_vocab is None:
+        return labels
+    t2d = np.full(vocab_size, -1, np.int32)
+    t2d[draft_vocab] = np.arange(len(draft_vocab))
+    return mx.array(t2d)[labels]
+
+
+def init_from_target_layers(draft: DFlashDraftModel, adapter) -> None:
+    """Drafter layer ``j`` starts as the target's layer ``n - L + j``: every
+    tensor of the drafter layer the target layer holds with the same name and
+    shape (attention projections, MLP, norms); the drafter's own q/k norms,
+    which a llama target lacks, stay at one."""
+    n, L = adapter.num_layers, len(draft.layers)
+    if L > n:
+        raise TrainError(f"--init-from-target: the drafter's {L} layers exceed the target's {n}")
+    for j, layer in enumerate(draft.layers):
+        source = dict(tree_flatten(adapter.backbone.layers[n - L + j].parameters()))
+        own = dict(tree_flatten(layer.parameters()))
+        copied = {k: v.astype(own[k].dtype) for k, v in source.items() if k in own and v.shape == own[k].shape}
+        missing = sorted(k for k in own if k not in copied and not k.endswith(("q_norm.weight", "k_norm.weight")))
+        if missing:
+            raise TrainError(
+                f"--init-from-target: target layer {n - L + j} lacks drafter tensors of the same shape "
+                f"({', '.join(missing[:4])}): a quantized target, or another width or head count"
+            )
+        layer.load_weights(list(copied.items()), strict=False)
 
 
 def target_pass(adapter, tokens: mx.array, taps: Sequence[int]):
@@ -342,17 +423,26 @@ def window_starts(docs: List[np.ndarray], seq_len: int):
     return flat, (np.concatenate(starts) if starts else np.zeros(0, np.int64))
 
 
-def sample_batch(rng: np.random.Generator, data, args):
+def sample_batch(rng: np.random.Generator, data, args, answers: Optional[np.ndarray] = None):
     """Window starts, random windows [batch, seq_len] and sorted anchors
-    [batch, n] with ``1 <= a`` and ``a + B - 1 < seq_len`` (no two alike)."""
+    [batch, n] with ``1 <= a`` and ``a + B - 1 < seq_len`` (no two alike).
+    With ``answers`` (booleans over the flat data), anchors whose next token
+    is an answer token come first; others only fill up a short answer."""
     flat, valid = data
     starts = valid[rng.integers(0, len(valid), size=args.batch_size)]
     windows = np.stack([flat[s : s + args.seq_len] for s in starts])
-    n_valid = args.seq_len - args.block_size
-    anchors = np.stack(
-        [np.sort(rng.choice(n_valid, size=args.anchors_per_seq, replace=False)) + 1 for _ in starts]
-    )
-    return starts, windows, anchors.astype(np.int32)
+    n_valid, n = args.seq_len - args.block_size, args.anchors_per_seq
+    picked = []
+    for s in starts:
+        if answers is None:
+            picked.append(rng.choice(n_valid, size=n, replace=False) + 1)
+            continue
+        inside = answers[s + 2 : s + 2 + n_valid]  # anchor a = 1 + i: its next token is s + a + 1
+        good, rest = np.flatnonzero(inside), np.flatnonzero(~inside)
+        take = rng.choice(good, size=min(n, len(good)), replace=False)
+        fill = rng.choice(rest, size=n - len(take), replace=False)
+        picked.append(np.concatenate([take, fill]) + 1)
+    return starts, windows, np.sort(np.stack(picked), axis=-1).astype(np.int32)
 
 
 class TargetOutputs:
@@ -381,6 +471,8 @@ class TargetOutputs:
             "target": str(Path(args.model).resolve()), "data": [str(Path(d).resolve()) for d in args.data],
             "taps": self.taps_ids, "seq_len": args.seq_len, "rows": n_rows, "target_dtype": args.target_dtype,
         }  # fmt: skip
+        if args.approximate_target:
+            key["approximate_target"] = True
         meta = root / "cache.json"
         fresh = not meta.is_file()
         if not fresh and json.loads(meta.read_text()) != key:
@@ -567,8 +659,19 @@ def check_args(args: TrainConfig) -> None:
         raise TrainError("--cache-dir keeps --cache-target's outputs: pass --cache-target too")
     if args.gamma is not None and args.gamma <= 0:
         raise TrainError("--gamma must be positive")
+    if args.loss_slots is not None and not 1 <= args.loss_slots < args.block_size:
+        raise TrainError(f"--loss-slots must be 1..{args.block_size - 1} (the drafted slots of a block)")
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        raise TrainError("--draft-vocab must be at least 1")
+    if args.answer_mask is not None:
+        if len(args.data) != 1 or Path(args.data[0]).suffix != ".npy":
+            raise TrainError("--answer-mask marks the tokens of one --data .npy file: pass exactly one")
+        if not Path(args.answer_mask).is_file():
+            raise TrainError(f"--answer-mask file not found: {args.answer_mask}")
     if args.taps is not None and not args.taps:
         raise TrainError("--taps is empty")
+    if args.init_from is not None and args.init_from_target:
+        raise TrainError("--init-from and --init-from-target both set the starting weights: pass one")
     if args.init_from is not None and not (Path(args.init_from) / "config.json").is_file():
         raise TrainError(f"--init-from {args.init_from} holds no drafter checkpoint (config.json)")
     out = Path(args.draft_model)
@@ -581,6 +684,7 @@ def prepare(args: TrainConfig):
     defaults that depend on them (taps, mask token, gamma, warmup)."""
     from .loading import load
     from .targets import adapter_for
+    from .targets.approximate import approximate
 
     try:
         model, tokenizer = load(args.model)
@@ -588,6 +692,8 @@ def prepare(args: TrainConfig):
         raise TrainError(f"cannot load target {args.model}: {e}") from None
     if args.target_dtype is not None:
         model.set_dtype(DTYPES[args.target_dtype])
+    if args.approximate_target:
+        approximate(model)
     adapter = adapter_for(model)
     vocab = adapter.vocab_size
     n_target = adapter.num_layers
@@ -605,6 +711,9 @@ def prepare(args: TrainConfig):
 
     docs = read_data(args.data, tokenizer, vocab)
     data = window_starts(docs, args.seq_len)
+    answers = read_answer_mask(args, docs)
+    if args.draft_vocab is not None and args.draft_vocab > vocab:
+        raise TrainError(f"--draft-vocab {args.draft_vocab} exceeds the target vocabulary ({vocab})")
     if not len(data[1]):
         longest = max((len(d) for d in docs), default=0)
         raise TrainError(
@@ -617,7 +726,20 @@ def prepare(args: TrainConfig):
             f"--cache-target needs data that is only 2-D .npy rows of exactly --seq-len "
             f"{args.seq_len} tokens (each window a whole row)"
         )
-    return model, adapter, docs, data
+    return model, adapter, docs, data, answers
+
+
+def read_answer_mask(args: TrainConfig, docs: List[np.ndarray]) -> Optional[np.ndarray]:
+    """``--answer-mask`` as booleans over the flat data (None without one)."""
+    if args.answer_mask is None:
+        return None
+    mask = np.load(args.answer_mask, allow_pickle=False)
+    shape = np.load(args.data[0], mmap_mode="r").shape
+    if mask.dtype != np.bool_ or mask.shape != shape:
+        raise TrainError(
+            f"--answer-mask must be booleans shaped like --data {tuple(shape)}, not {mask.dtype} {mask.shape}"
+        )
+    return mask.reshape(-1)
 
 
 def restore(out: Path, run: dict, draft, optimizer, rng) -> dict:
@@ -635,7 +757,7 @@ def train(args: TrainConfig) -> dict:
     """Run (or, with ``resume``, continue) the training run ``args`` describes;
     returns its state (step, loss history, training seconds)."""
     check_args(args)
-    model, adapter, docs, data = prepare(args)
+    model, adapter, docs, data, answers = prepare(args)
     config = draft_config_for_target(
         adapter.args,
         num_layers=args.num_layers,
@@ -644,9 +766,16 @@ def train(args: TrainConfig) -> dict:
         mask_token_id=args.mask_token_id,
         intermediate_size=args.intermediate_size,
     )
+    vocab_ids = None
+    if args.draft_vocab is not None:
+        mask_docs = None if answers is None else np.split(answers, np.cumsum([len(d) for d in docs[:-1]]))
+        vocab_ids = frequent_tokens(docs, args.draft_vocab, adapter.vocab_size, mask_docs)
+        config["dflash_config"]["draft_vocab"] = vocab_ids
     mx.random.seed(args.seed)  # drafter initialisation
     draft = DFlashDraftModel(DFlashConfig.from_hf(config))
     draft.bind(model)
+    if args.init_from_target:
+        init_from_target_layers(draft, adapter)
     if args.init_from is not None:
         init_weights(draft, Path(args.init_from))
     optimizer = optim.AdamW(learning_rate=lr_at(0, args.steps, args.learning_rate, args.warmup), weight_decay=args.weight_decay)
@@ -659,7 +788,8 @@ def train(args: TrainConfig) -> dict:
         state = restore(out, run, draft, optimizer, rng)
     mx.eval(draft.parameters(), optimizer.state)
 
-    weights = slot_weights(args.block_size, args.gamma)
+    n_slots = args.loss_slots or args.block_size - 1
+    weights = slot_weights(args.block_size, args.gamma)[:n_slots]
     value_and_grad = nn.value_and_grad(draft, drafter_loss)
     mask_id = args.mask_token_id
 
@@ -670,9 +800,10 @@ def train(args: TrainConfig) -> dict:
         tap_states, greedy = target_outputs(starts, windows)
         blocks, positions = make_blocks(tokens, anchors, args.block_size, mask_id)
         labels = slot_labels(tokens, greedy if args.targets == "self-distill" else None, anchors, args.block_size)
+        labels = draft_labels(labels[..., :n_slots], vocab_ids, adapter.vocab_size)
         mask = context_mask(anchors, args.seq_len)
         (loss, metrics), grads = value_and_grad(
-            draft, adapter.embed, tap_states, blocks, positions, mask, labels, weights
+            draft, adapter.embed, tap_states, blocks, positions, mask, labels, weights, args.approximate_softmax
         )
         grads, _ = optim.clip_grad_norm(grads, args.grad_clip)
         optimizer.update(draft, grads)
@@ -688,7 +819,7 @@ def train(args: TrainConfig) -> dict:
     tic = time.perf_counter()
     for step in bar:
         optimizer.learning_rate = lr_at(step, args.steps, args.learning_rate, args.warmup)
-        starts, windows, anchors = sample_batch(rng, data, args)
+        starts, windows, anchors = sample_batch(rng, data, args, answers)
         loss, (acc1, acc, tau) = step_fn(starts, windows, mx.array(anchors))
         mx.eval(loss, acc1, acc, tau, draft.parameters(), optimizer.state)
         record = [round(x.item(), 6) for x in (loss, acc1, acc, tau)]

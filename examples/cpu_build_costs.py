@@ -1,30 +1,52 @@
-"""What building a better SmolLM2 drafter costs on this machine: the target's
-forward over a training row (and where a layer's time goes), the target's
-batched answers, and the drafter's LM head and loss at one training step's
-size.
+"""What building a better SmolLM2 drafter costs on this machine, lever by
+lever: the target's tap pass over a training row (and where a layer's time
+goes), the target's batched answers, and one drafter training step.
 
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
-    python examples/cpu_build_costs.py            # needs the recipe's requests.json and rows file
+    python examples/cpu_build_costs.py                      # before: every lever off
+    python examples/cpu_build_costs.py --fast-target --approximate-softmax --draft-vocab 8192 --check 16
+
+The levers: ``--fast-target`` (the data stages' approximate softmax / SiLU,
+``dflash_mlx.targets.approximate``), ``--batch`` (answers at once),
+``--tap-batch`` (rows per tap pass), ``--approximate-softmax`` (the
+training step's softmax and logsumexp), ``--draft-vocab`` (the drafter head over
+K ids), ``--loss-slots`` / ``--anchors`` (positions the head and loss see),
+``--layers``. ``--check N`` compares N greedy answers of the target as the
+data stages run it with mlx-lm's exact ones and says how many differ and
+where. Rows and requests come from the recipe's run state when it exists,
+else random tokens and the recipe's seeded requests (a new machine).
 
 Prints seconds (the medians of ``--repeats`` timed calls after one untimed
-one). A training step itself is timed by ``mlx-dflash train`` (its progress
-bar); BENCHMARKS.md gives that command.
+one), tokens per second, and the first differing answer positions.
 """
 
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 from mlx_lm import batch_generate, load
 
+from dflash_mlx import train as T
+from dflash_mlx.models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids, draft_config_for_target
 from dflash_mlx.pair import prepare_target
+from dflash_mlx.targets import adapter_for
+from dflash_mlx.targets.approximate import approximate
 
 WORK = Path("~/.cache/dflash_mlx/smollm2").expanduser()
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+TAPS = [1, 8, 14, 20, 27]  # the recipe's
+BLOCK = 16
+
+
+def target_path(args) -> str:
+    return args.model or str(prepare_target("smollm2"))
 
 
 def seconds(fn, repeats: int) -> float:
@@ -37,49 +59,149 @@ def seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def taps_of(adapter) -> list:
+    """The recipe's taps, or a spread of five for a smaller target (``--model``)."""
+    return TAPS if adapter.num_layers == 30 else default_target_layer_ids(adapter.num_layers, 5)
+
+
+def training_rows(args, vocab: int) -> np.ndarray:
+    path = Path(args.rows).expanduser()
+    if path.exists():
+        return np.array(np.load(path, mmap_mode="r")[: args.tap_batch])
+    print(f"({path} not found: random tokens)")
+    return np.random.default_rng(0).integers(0, vocab, (args.tap_batch, args.seq_len)).astype(np.int32)
+
+
+def training_requests(args) -> list:
+    path = Path(args.requests).expanduser()
+    if path.exists():
+        return json.loads(path.read_text())["train"]
+    sys.path.insert(0, str(RECIPES))
+    import smollm2_requests
+
+    return smollm2_requests.requests(0)
+
+
+def chat_prompts(tokenizer, requests) -> list:
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": r["request"]}], add_generation_prompt=True)
+        for r in requests
+    ]
+
+
+def answers(model, tokenizer, prompts, batch: int, max_tokens: int) -> list:
+    return batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True,
+                          completion_batch_size=batch, prefill_batch_size=batch).token_ids  # fmt: skip
+
+
+def tap_pass(model, args, rows):
+    adapter = adapter_for(model)
+    tokens = mx.array(rows)
+    dt = seconds(lambda: T.target_pass(adapter, tokens, taps_of(adapter)), args.repeats)
+    print(f"tap pass, {rows.shape[0]} row(s) of {rows.shape[1]} tokens: {dt:.2f} s "
+          f"({dt / rows.shape[0]:.2f} s a row, {rows.size / dt:.0f} tokens/s)")  # fmt: skip
+    cfg, layer = model.args, model.model.layers[0]
+    h = mx.random.normal((1, rows.shape[1], cfg.hidden_size))
+    scores = mx.random.normal((1, cfg.num_attention_heads, rows.shape[1], rows.shape[1]))
+    a, b = mx.random.normal((rows.shape[1], cfg.hidden_size)), mx.random.normal((cfg.hidden_size, cfg.intermediate_size))
+    flops = 2 * rows.shape[1] * cfg.hidden_size * cfg.intermediate_size
+    print(f"  one layer: {seconds(lambda: layer(h, mask='causal', cache=None), args.repeats):.3f} s, "
+          f"its attention {seconds(lambda: layer.self_attn(h, mask='causal', cache=None), args.repeats):.3f} s, "
+          f"MLX's softmax over its scores {seconds(lambda: mx.softmax(scores, axis=-1), args.repeats):.3f} s, "
+          f"matmuls at {flops / seconds(lambda: a @ b, 10) / 1e9:.0f} GFLOP/s")
+
+
+def distillation(model, tokenizer, args, prompts):
+    for batch in args.batch:
+        tic = time.perf_counter()
+        out = answers(model, tokenizer, prompts[-batch:], batch, args.answer_tokens)
+        n = sum(len(t) for t in out)
+        print(f"batch_generate, {batch} training requests x {args.answer_tokens} tokens: "
+              f"{n / (time.perf_counter() - tic):.0f} answer tokens/s")  # fmt: skip
+
+
+def check_answers(model, tokenizer, args, prompts):
+    """How many of the data stages' greedy answers differ from mlx-lm's, and where."""
+    exact, _ = load(target_path(args))
+    prompts = prompts[: args.check]
+    fast = answers(model, tokenizer, prompts, len(prompts), args.answer_tokens)
+    ref = answers(exact, tokenizer, prompts, len(prompts), args.answer_tokens)
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+             for a, b in zip(fast, ref)]  # fmt: skip
+    differ = [f for f in first if f is not None]
+    print(f"greedy answers as the data stages make them against mlx-lm's: {len(differ)} of {len(prompts)} differ"
+          + (f", first at answer positions {sorted(differ)}" if differ else ""))  # fmt: skip
+
+
+def training_step(model, args):
+    """One drafter step at the recipe's shapes (taps cached): forward, loss,
+    backward and the AdamW update, with random taps and anchors."""
+    adapter = adapter_for(model)
+    vocab = adapter.vocab_size
+    cfg = draft_config_for_target(adapter.args, num_layers=args.layers, block_size=BLOCK, target_layer_ids=taps_of(adapter),
+                                  mask_token_id=0)  # fmt: skip
+    if args.draft_vocab:
+        cfg["dflash_config"]["draft_vocab"] = list(range(args.draft_vocab))  # which ids does not change the cost
+    draft = DFlashDraftModel(DFlashConfig.from_hf(cfg))
+    draft.bind(model)
+    rng = np.random.default_rng(0)
+    b, S, n = args.train_batch, args.seq_len, args.anchors
+    tokens = mx.array(rng.integers(0, vocab, (b, S)), mx.int32)
+    taps = mx.random.normal((b, S, len(taps_of(adapter)) * adapter.hidden_size))
+    anchors = mx.array(np.sort(np.stack([rng.choice(S - BLOCK, n, replace=False) + 1 for _ in range(b)])), mx.int32)
+    slots = args.loss_slots or BLOCK - 1
+    weights = T.slot_weights(BLOCK, BLOCK / 2)[:slots]
+    blocks, positions = T.make_blocks(tokens, anchors, BLOCK, 0)
+    labels = T.slot_labels(tokens, None, anchors, BLOCK)[..., :slots]
+    labels = T.draft_labels(labels, cfg["dflash_config"].get("draft_vocab"), vocab)
+    mask = T.context_mask(anchors, S)
+    optimizer = optim.AdamW(learning_rate=1e-4)
+    value_and_grad = nn.value_and_grad(draft, T.drafter_loss)
+
+    def step():
+        (loss, _), grads = value_and_grad(draft, adapter.embed, taps, blocks, positions, mask, labels, weights,
+                                          args.approximate_softmax)  # fmt: skip
+        optimizer.update(draft, grads)
+        return loss, draft.parameters(), optimizer.state
+
+    print(f"drafter training step, batch {b}, {n} anchors a row, {slots} loss slots, "
+          f"{args.draft_vocab or vocab} head ids, {args.layers} layers, "
+          f"{'approximate' if args.approximate_softmax else 'exact'} softmax: {seconds(step, args.repeats):.2f} s")  # fmt: skip
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="target directory (default: the smollm2 pair's)")
     p.add_argument("--rows", default=str(WORK / "rows-1024-s19.npy"), help="the recipe's packed training rows")
     p.add_argument("--requests", default=str(WORK / "requests.json"), help="the recipe's requests")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seq-len", type=int, default=1024, help="row length where no rows file exists")
+    p.add_argument("--fast-target", action="store_true", help="the data stages' approximate target")
+    p.add_argument("--batch", type=int, nargs="+", default=[32, 64], help="requests answered at once")
+    p.add_argument("--answer-tokens", type=int, default=128)
+    p.add_argument("--tap-batch", type=int, default=1, help="rows per tap pass")
+    p.add_argument("--train-batch", type=int, default=8)
+    p.add_argument("--anchors", type=int, default=16)
+    p.add_argument("--loss-slots", type=int, default=None)
+    p.add_argument("--draft-vocab", type=int, default=None)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--approximate-softmax", action="store_true", help="the training step's approximate softmax / logsumexp")
+    p.add_argument("--check", type=int, default=0, help="compare N greedy answers with mlx-lm's exact ones")
+    p.add_argument("--only", nargs="+", choices=("taps", "distill", "train"), default=("taps", "distill", "train"))
     args = p.parse_args()
-    model, tokenizer = load(str(prepare_target("smollm2")))
-    row = mx.array(np.array(np.load(args.rows, mmap_mode="r")[:1]))
-    print(f"target forward, one {row.shape[1]}-token row: {seconds(lambda: model(row), args.repeats):.2f} s")
-
-    cfg = model.args
-    layer, attn = model.model.layers[0], model.model.layers[0].self_attn
-    h = mx.random.normal((1, row.shape[1], cfg.hidden_size))
-    scores = mx.random.normal((1, attn.n_heads, row.shape[1], row.shape[1]))
-    a, b = mx.random.normal((row.shape[1], cfg.hidden_size)), mx.random.normal((cfg.hidden_size, cfg.intermediate_size))
-    flops = 2 * row.shape[1] * cfg.hidden_size * cfg.intermediate_size
-    print(f"  one layer: {seconds(lambda: layer(h, mask='causal', cache=None), args.repeats):.3f} s, "
-          f"its attention {seconds(lambda: attn(h, mask='causal', cache=None), args.repeats):.3f} s, "
-          f"a softmax over its scores {seconds(lambda: mx.softmax(scores, axis=-1), args.repeats):.3f} s, "
-          f"matmuls at {flops / seconds(lambda: a @ b, 10) / 1e9:.0f} GFLOP/s")
-
-    requests = json.loads(Path(args.requests).read_text())["train"]
-    for batch in (32, 64):
-        prompts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": r["request"]}], add_generation_prompt=True)
-            for r in requests[-batch:]
-        ]
-        tic = time.perf_counter()
-        out = batch_generate(model, tokenizer, prompts, max_tokens=128, return_token_ids=True,
-                             completion_batch_size=batch, prefill_batch_size=batch)
-        n = sum(len(t) for t in out.token_ids)
-        print(f"batch_generate, {batch} training requests x 128 tokens: {n / (time.perf_counter() - tic):.0f} tokens/s")
-
-    # A drafter training step at batch 8, 16 anchors, block 16: 8 x 16 x 15 drafted positions.
-    positions, vocab = 8 * 16 * 15, cfg.vocab_size
-    hidden, head = mx.random.normal((positions, cfg.hidden_size)), mx.random.normal((vocab, cfg.hidden_size)) * 0.02
-    labels = mx.random.randint(0, vocab, (positions,))
-    step = mx.value_and_grad(lambda x, w: nn.losses.cross_entropy(x @ w.T, labels).mean(), argnums=(0, 1))
-    logits = hidden @ head.T
-    print(f"LM head + cross-entropy at {positions} positions, forward and backward: "
-          f"{seconds(lambda: step(hidden, head), args.repeats):.2f} s; of which a logsumexp "
-          f"{seconds(lambda: mx.logsumexp(logits, axis=-1), args.repeats):.2f} s, the head's matmul "
-          f"{seconds(lambda: hidden @ head.T, args.repeats):.2f} s")
+    model, tokenizer = load(target_path(args))
+    if args.fast_target:
+        approximate(model)
+    print(f"levers: {json.dumps({k: v for k, v in vars(args).items() if k not in ('rows', 'requests')})}")
+    prompts = chat_prompts(tokenizer, training_requests(args)[-max(args.batch + [args.check]):])
+    if "taps" in args.only:
+        tap_pass(model, args, training_rows(args, adapter_for(model).vocab_size))
+    if "distill" in args.only:
+        distillation(model, tokenizer, args, prompts)
+    if args.check:
+        check_answers(model, tokenizer, args, prompts)
+    if "train" in args.only:
+        training_step(model, args)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,19 @@
         --out ~/.cache/dflash_mlx/smollm2/distill --resume > /dev/null 2>&1 &
 
 The training requests go through the target's chat template and mlx-lm's
-``batch_generate`` answers them greedily, ``--batch-size`` at a time. Every
-``--shard-size`` requests become one shard, written atomically
-(``shard-00000.npz``: ``tokens`` prompt + answer back to back, ``offsets``,
-``prompt_lens``, and the ``seconds`` it took), so ``--resume`` continues at
-the first missing shard and the drafter's card can add up the time.
-Progress goes to ``progress.log`` in ``--out``.
+``batch_generate`` answers them greedily, ``--batch-size`` at a time; a
+request with ``followups`` is a multi-turn conversation, answered turn by
+turn. Every ``--shard-size`` requests become one shard, written atomically
+(``shard-00000.npz``: ``tokens`` the whole conversation back to back, as
+uint16 where the vocabulary fits, ``offsets``, ``prompt_lens`` (up to the
+last answer), ``answers`` (a packed bit per token: written by the target), and
+the ``seconds`` it took), so ``--resume`` continues at the first missing
+shard and the drafter's card can add up the time. Progress goes to
+``progress.log`` in ``--out``.
+
+The target runs through :func:`dflash_mlx.targets.approximate.approximate`
+unless ``--no-fast-target``: its answers are training data, needed to training
+precision, and on an x86 CPU the exact softmax costs most of a decode step.
 """
 
 import argparse
@@ -28,21 +35,38 @@ def log(out: Path, line: str):
         f.write(f"{stamp} {line}\n")
 
 
-def write_shard(path: Path, rows, prompt_lens, seconds: float):
+def write_shard(path: Path, rows, prompt_lens, seconds: float, answers=None):
+    """One shard, atomically; ``answers`` (bool per token, default: the
+    tokens after each prompt) marks what the target wrote."""
     tmp = path.with_name(path.name + ".tmp.npz")
     offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
+    tokens = np.concatenate(rows)
+    if answers is None:
+        answers = [np.arange(len(r)) >= n for r, n in zip(rows, prompt_lens)]
     np.savez(
-        tmp, tokens=np.concatenate(rows).astype(np.int32), offsets=offsets, prompt_lens=np.array(prompt_lens),
-        seconds=np.float64(seconds),
+        tmp, tokens=tokens.astype(np.uint16 if tokens.max(initial=0) < 1 << 16 else np.int32), offsets=offsets,
+        prompt_lens=np.array(prompt_lens), answers=np.packbits(np.concatenate(answers)), seconds=np.float64(seconds),
     )
     os.replace(tmp, path)
 
 
 def read_shard(path: Path):
-    """(rows, prompt_lens) of a shard: each row is prompt + answer tokens."""
+    """(rows, prompt_lens) of a shard: each row is a conversation's tokens
+    (int32), its last answer after ``prompt_lens``."""
     with np.load(path) as z:
-        tokens, offsets, prompt_lens = z["tokens"], z["offsets"], z["prompt_lens"]
+        tokens, offsets, prompt_lens = z["tokens"].astype(np.int32), z["offsets"], z["prompt_lens"]
     return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])], prompt_lens
+
+
+def read_answers(path: Path):
+    """Per row, a bool per token: written by the target (answers of every
+    turn). Shards from before the field: the tokens after the prompt."""
+    with np.load(path) as z:
+        offsets, prompt_lens = z["offsets"], z["prompt_lens"]
+        bits = np.unpackbits(z["answers"])[: offsets[-1]].astype(bool) if "answers" in z else None
+    if bits is None:
+        return [np.arange(b - a) >= n for a, b, n in zip(offsets[:-1], offsets[1:], prompt_lens)]
+    return [bits[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
 
 def shard_seconds(path: Path) -> float:
@@ -51,14 +75,28 @@ def shard_seconds(path: Path) -> float:
         return float(z["seconds"])
 
 
-def answer(model, tokenizer, requests, args):
-    """Prompt + greedy answer token rows for ``requests`` (in order)."""
+def load_target(args):
+    """(directory, model, tokenizer) of ``--model`` (default: the smollm2
+    pair's target), through the approximate paths with ``--fast-target``."""
+    from mlx_lm import load
+
+    model_dir = args.model
+    if model_dir is None:
+        from dflash_mlx.pair import named_pair_paths
+
+        model_dir = named_pair_paths("smollm2", need_draft=False)[0]
+    model, tokenizer = load(str(model_dir))
+    if args.fast_target:
+        from dflash_mlx.targets.approximate import approximate
+
+        approximate(model)
+    return model_dir, model, tokenizer
+
+
+def greedy_answers(model, tokenizer, prompts, args):
+    """mlx-lm's batched greedy answers to token ``prompts`` (in order)."""
     from mlx_lm import batch_generate
 
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": r["request"]}], add_generation_prompt=True)
-        for r in requests
-    ]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding
     res = batch_generate(
         model,
@@ -69,10 +107,42 @@ def answer(model, tokenizer, requests, args):
         completion_batch_size=args.batch_size,
         prefill_batch_size=args.batch_size,
     )
-    rows = [None] * len(prompts)
+    out = [None] * len(prompts)
     for i, ids in zip(order, res.token_ids):
-        rows[i] = np.asarray(list(prompts[i]) + list(ids), np.int32)
-    return rows, [len(p) for p in prompts]
+        out[i] = list(ids)
+    return out
+
+
+def answer(model, tokenizer, requests, args):
+    """(rows, prompt_lens, answers) for ``requests`` (in order): each row the
+    chat-templated conversation with the target's greedy answers. Turn ``t``
+    of every conversation that has one is answered in one batch; a follow-up
+    sees the earlier answers as text (decoded, then templated again), and
+    ``answers`` marks each answer's tokens inside the final row (the chat
+    template extends a conversation's tokens, as ChatML does)."""
+    turns = [[r["request"], *r.get("followups", [])] for r in requests]
+    chats = [[] for _ in requests]
+    last = [None] * len(requests)
+    for t in range(max(map(len, turns))):
+        live = [i for i in range(len(requests)) if t < len(turns[i])]
+        for i in live:
+            chats[i].append({"role": "user", "content": turns[i][t]})
+        prompts = [tokenizer.apply_chat_template(chats[i], add_generation_prompt=True) for i in live]
+        for i, prompt, ids in zip(live, prompts, greedy_answers(model, tokenizer, prompts, args)):
+            chats[i].append({"role": "assistant", "content": tokenizer.decode(ids)})
+            last[i] = (list(prompt), ids)
+    rows, prompt_lens, answers = [], [], []
+    for chat, (prompt, ids) in zip(chats, last):
+        row = np.asarray(prompt + ids, np.int32)
+        mask = np.arange(len(row)) >= len(prompt)
+        for k in range(1, len(chat) - 1, 2):  # earlier assistant turns
+            start = len(tokenizer.apply_chat_template(chat[:k], add_generation_prompt=True))
+            end = len(tokenizer.apply_chat_template(chat[: k + 1]))
+            mask[start:end] = True
+        rows.append(row)
+        prompt_lens.append(len(prompt))
+        answers.append(mask)
+    return rows, prompt_lens, answers
 
 
 def main(argv=None):
@@ -85,22 +155,20 @@ def main(argv=None):
     p.add_argument("--shard-size", type=int, default=64)
     p.add_argument("--limit", type=int, default=None, help="answer only the first N training requests")
     p.add_argument("--resume", action="store_true", help="continue at the first missing shard")
+    p.add_argument(
+        "--fast-target", action=argparse.BooleanOptionalAction, default=True,
+        help="approximate softmax / SiLU in the target (CPU float32; answers to training precision)",
+    )
     args = p.parse_args(argv)
 
     import mlx.core as mx
-    from mlx_lm import load
 
     out = Path(args.out).expanduser()
     if out.exists() and any(out.glob("shard-*.npz")) and not args.resume:
         raise SystemExit(f"error: {out} holds shards already: pass --resume to continue")
     out.mkdir(parents=True, exist_ok=True)
     requests = json.loads(Path(args.requests).expanduser().read_text())["train"][: args.limit]
-    model_dir = args.model
-    if model_dir is None:
-        from dflash_mlx.pair import named_pair_paths
-
-        model_dir = named_pair_paths("smollm2", need_draft=False)[0]
-    model, tokenizer = load(str(model_dir))
+    model_dir, model, tokenizer = load_target(args)
     n_shards = (len(requests) + args.shard_size - 1) // args.shard_size
     log(out, f"start: {len(requests)} requests, {n_shards} shards, model {model_dir}")
     for i in range(n_shards):
@@ -109,11 +177,11 @@ def main(argv=None):
         if path.exists() and len(read_shard(path)[1]) == len(chunk):
             continue  # done (a shard cut short by an earlier --limit is redone)
         tic = time.perf_counter()
-        rows, prompt_lens = answer(model, tokenizer, chunk, args)
+        rows, prompt_lens, answers = answer(model, tokenizer, chunk, args)
         dt = time.perf_counter() - tic
-        write_shard(path, rows, prompt_lens, dt)
+        write_shard(path, rows, prompt_lens, dt, answers)
         mx.clear_cache()
-        answered = sum(len(r) - n for r, n in zip(rows, prompt_lens))
+        answered = int(sum(a.sum() for a in answers))
         long_rows = sum(len(r) >= 512 for r in rows)
         log(out, f"shard {i + 1}/{n_shards}: {len(rows)} rows, {answered} answer tokens "
                  f"({answered / dt:.1f} tok/s), {long_rows} rows >= 512 tokens, {dt:.0f} s")

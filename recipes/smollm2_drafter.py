@@ -3,7 +3,11 @@
 Stages (each resumable; run state lives in ~/.cache/dflash_mlx/smollm2/):
 
   requests  recipes/smollm2_requests.py: the seeded request set
+  questions recipes/smollm2_questions.py: requests the target writes itself
+            on the training topics (once; --no-questions skips them)
   distill   recipes/smollm2_distill.py: the target's greedy answers, in shards
+            (first restored from recipes/smollm2_shards/ when the committed
+            shards are there and the work directory has none)
   rows      recipes/smollm2_rows.py: shards packed into rows of --seq-len
             (the first --max-shards, or all finished ones; files are named
             by that count, so a run on part of the data stays separate)
@@ -15,6 +19,15 @@ Stages (each resumable; run state lives in ~/.cache/dflash_mlx/smollm2/):
   install   the checkpoint into dflash_mlx/smollm2_pair/draft with a model
             card recording the commands, the acceptance and the time each
             stage took
+  export    the distillation shards (uint16 tokens) into recipes/smollm2_shards/
+            to commit, so a new machine skips their hours (at most 30 MB)
+
+The cheaper build's levers are flags with defaults: --fast-target
+(approximate softmax / SiLU in the target for distillation and the tap pass),
+--fast-softmax (approximate softmax / logsumexp in the drafter's training),
+--answer-anchors (anchors only where the next token is the target's),
+--draft-vocab K, --loss-slots N, --layers, --init-from-target; --variant
+names a run directory of its own for one setting against another.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 nohup nice -n 15 \\
         python recipes/smollm2_drafter.py --stage all > /dev/null 2>&1 &
@@ -25,6 +38,7 @@ the short stages add theirs to a ``times.json``: the work directory's for
 the requests, the run directory's for a data set's rows and measure.
 """
 
+import argparse
 import json
 import sys
 import time
@@ -37,6 +51,7 @@ REPO = RECIPES.parent
 sys.path.insert(0, str(RECIPES))
 sys.path.insert(0, str(REPO))
 
+from smollm2_rows import answers_path  # noqa: E402
 from stages import add_training_arguments, chosen_stages, stage_parser  # noqa: E402
 
 WORK = Path("~/.cache/dflash_mlx/smollm2").expanduser()
@@ -61,7 +76,9 @@ def end_of_turn() -> str:
 
 # The stages whose wall time the recipe records for the card: distillation
 # shards and the training state keep their own seconds, install writes the card.
-TIMED_STAGES = ("requests", "rows", "measure")
+TIMED_STAGES = ("requests", "questions", "rows", "measure")
+COMMITTED = REPO / "recipes" / "smollm2_shards"  # exported shards, for a new machine
+COMMITTED_LIMIT = 30_000_000  # bytes the repository may gain
 
 
 def timed(path: Path, stage: str, fn):
@@ -77,7 +94,7 @@ def timed(path: Path, stage: str, fn):
 def times_file(args, stage: str) -> Path:
     """Where ``stage``'s wall time adds up: the work directory's for the
     requests every data set shares, the run directory's for a data set's own."""
-    return (Path(args.work_dir) if stage == "requests" else run_dir(args)) / "times.json"
+    return (Path(args.work_dir) if stage in ("requests", "questions") else run_dir(args)) / "times.json"
 
 
 def data_name(args) -> str:
@@ -97,19 +114,43 @@ def data_name(args) -> str:
 
 
 def run_dir(args) -> Path:
-    return Path(args.work_dir) / f"drafter_run-{data_name(args)}"
+    variant = f"-{args.variant}" if args.variant else ""
+    return Path(args.work_dir) / f"drafter_run-{data_name(args)}{variant}"
+
+
+def lever_argv(args) -> list:
+    """``mlx-dflash train`` flags of the levers that are on."""
+    argv = ["--num-layers", str(args.layers)]
+    if args.fast_target:
+        argv.append("--approximate-target")
+    if args.fast_softmax:
+        argv.append("--approximate-softmax")
+    if args.answer_anchors:
+        argv += ["--answer-mask", str(answers_path(rows_file(args)))]
+    if args.draft_vocab:
+        argv += ["--draft-vocab", str(args.draft_vocab)]
+    if args.loss_slots:
+        argv += ["--loss-slots", str(args.loss_slots)]
+    if args.init_from_target:
+        argv.append("--init-from-target")
+    return argv
+
+
+def rows_file(args) -> Path:
+    return Path(args.work_dir) / f"rows-{data_name(args)}.npy"
 
 
 def train_argv(args, target: str, mask_id: int) -> list:
     work = Path(args.work_dir)
-    name = data_name(args)
+    name = data_name(args) + ("-approx" if args.fast_target else "")  # the tap cache's key differs
     return [
-        "--model", target, "--data", str(work / f"rows-{name}.npy"), "--draft-model", str(run_dir(args)),
-        "--num-layers", str(LAYERS), "--block-size", str(BLOCK), "--taps", TAPS, "--mask-token-id", str(mask_id),
+        "--model", target, "--data", str(rows_file(args)), "--draft-model", str(run_dir(args)),
+        "--block-size", str(BLOCK), "--taps", TAPS, "--mask-token-id", str(mask_id),
         "--targets", "self-distill", "--steps", str(args.steps), "--learning-rate", str(args.lr),
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--anchors-per-seq", str(args.anchors),
         "--seed", str(args.seed), "--save-every", str(args.save_every), "--target-dtype", "float32",
         "--cache-target", "--cache-dir", str(work / f"target-outputs-{name}"), "--dtype", "float32",
+        *lever_argv(args),
     ]  # fmt: skip
 
 
@@ -123,14 +164,48 @@ def stage_requests(args):
     smollm2_requests.main(["--out", str(requests_file(args)), "--seed", str(args.seed)])
 
 
+def stage_questions(args):
+    import smollm2_questions
+
+    if args.questions:
+        fast = ["--fast-target"] if args.fast_target else ["--no-fast-target"]
+        smollm2_questions.main(["--requests", str(requests_file(args)), "--batch-size", str(args.distill_batch_size), *fast])
+
+
 def stage_distill(args):
+    import shutil
+
     import smollm2_distill
 
+    out = Path(args.work_dir) / "distill"
+    if not any(out.glob("shard-*.npz")) and any(COMMITTED.glob("shard-*.npz")):
+        out.mkdir(parents=True, exist_ok=True)
+        for path in sorted(COMMITTED.glob("shard-*.npz")):
+            shutil.copy(path, out / path.name)
+        print(f"restored {len(list(out.glob('shard-*.npz')))} committed shards from {COMMITTED}")
+    fast = ["--fast-target"] if args.fast_target else ["--no-fast-target"]
     smollm2_distill.main(
-        ["--requests", str(requests_file(args)), "--out", str(Path(args.work_dir) / "distill"),
-         "--batch-size", str(args.distill_batch_size),
-         "--shard-size", str(SHARD_SIZE), "--max-tokens", str(DISTILL_MAX_TOKENS), "--resume"]  # fmt: skip
+        ["--requests", str(requests_file(args)), "--out", str(out), "--batch-size", str(args.distill_batch_size),
+         "--shard-size", str(SHARD_SIZE), "--max-tokens", str(DISTILL_MAX_TOKENS), "--resume", *fast]  # fmt: skip
     )
+
+
+def stage_export(args):
+    """The finished distillation shards into the repository, if they fit
+    ``COMMITTED_LIMIT`` (they are uint16 tokens and packed answer bits)."""
+    import shutil
+
+    shards = sorted((Path(args.work_dir) / "distill").glob("shard-*.npz"))[: args.max_shards]
+    size = sum(p.stat().st_size for p in shards)
+    if not shards:
+        raise SystemExit("error: no distillation shards to export: run --stage distill first")
+    if size > COMMITTED_LIMIT:
+        raise SystemExit(f"error: the {len(shards)} shards take {size / 1e6:.1f} MB, over the repository's "
+                         f"{COMMITTED_LIMIT / 1e6:.0f} MB: export fewer with --max-shards")  # fmt: skip
+    COMMITTED.mkdir(exist_ok=True)
+    for path in shards:
+        shutil.copy(path, COMMITTED / path.name)
+    print(f"exported {len(shards)} shards ({size / 1e6:.1f} MB) to {COMMITTED}")
 
 
 def stage_rows(args):
@@ -138,7 +213,7 @@ def stage_rows(args):
 
     work, name = Path(args.work_dir), data_name(args)
     smollm2_rows.main(
-        ["--shards", str(work / "distill"), "--seq-len", str(args.seq_len), "--out", str(work / f"rows-{name}.npy"),
+        ["--shards", str(work / "distill"), "--seq-len", str(args.seq_len), "--out", str(rows_file(args)),
          "--max-shards", name.rsplit("-s", 1)[1], "--max-tokens", str(DISTILL_MAX_TOKENS),
          "--end-ids", end_of_turn()]  # fmt: skip
     )
@@ -233,6 +308,7 @@ def write_card(out: Path, state: dict, times: dict, accept: dict, args):
     rows = len(np.load(Path(args.work_dir) / f"rows-{name}.npy", mmap_mode="r"))
     shards = name.rsplit("-s", 1)[1]
     by_position = {k: v for k, v in accept.items() if k not in ("prompts", "max_tokens")}
+    init = ", initialised from the target's last layers" if args.init_from_target else ""
     card = f"""# DFlash drafter for SmolLM2-135M-Instruct (dflash_mlx smollm2 pair)
 
 Drafts {cfg['block_size']}-token blocks for SmolLM2-135M-Instruct (the Q4_1 GGUF of the
@@ -246,12 +322,13 @@ mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_conf
 
 | field | value |
 | --- | --- |
-| layers | {cfg['num_hidden_layers']}, hidden {cfg['hidden_size']}, MLP {cfg['intermediate_size']} |
+| layers | {cfg['num_hidden_layers']}, hidden {cfg['hidden_size']}, MLP {cfg['intermediate_size']}{init} |
+| draft vocabulary | {len(cfg['dflash_config'].get('draft_vocab') or []) or 'the whole'} {'most frequent target tokens of the rows' if args.draft_vocab else 'vocabulary'} |
 | target taps | {cfg['dflash_config']['target_layer_ids']} of {cfg['num_target_layers']} |
 | mask token | `{MASK_TOKEN}` = {cfg['dflash_config']['mask_token_id']} |
 | weights | bfloat16, {size / 1e6:.1f} MB (embedding and LM head are the target's); run in the target's dtype |
 | data | the target's greedy answers to the training requests of `recipes/smollm2_requests.py` (held-out topics excluded), the first {shards} distillation shards ({SHARD_SIZE} requests each), packed into {rows} rows of {args.seq_len} tokens |
-| training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row, peak lr {args.lr} |
+| training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row{' (inside answers)' if args.answer_anchors else ''}, loss on slots 1-{args.loss_slots or cfg['block_size'] - 1}, peak lr {args.lr}; target with {'approximate' if args.fast_target else 'exact'} softmax / SiLU for answers and taps, drafter trained with {'approximate' if args.fast_softmax else 'exact'} softmax / logsumexp |
 | last 20 steps (training rows) | loss {mean[0]}, slot-1 accuracy {mean[1]}, mean slot accuracy {mean[2]}, accepted length per anchor {mean[3]} (per anchor, not per cycle: easy stretches weigh more than in decoding) |
 | tokens per cycle by answer position ({accept['prompts']} held-out requests, {accept['max_tokens']} new tokens, greedy, fixed block {cfg['block_size']}) | {by_position} |
 | wall time (hours; built on {args.built_on}) | {hours} |
@@ -261,15 +338,18 @@ mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_conf
 
 STAGES = {
     "requests": stage_requests,
+    "questions": stage_questions,
     "distill": stage_distill,
     "rows": stage_rows,
     "train": stage_train,
     "measure": stage_measure,
     "install": stage_install,
+    "export": stage_export,
 }
 
 
-def main(argv=None):
+def parser():
+    """The recipe's command line."""
     p = stage_parser(__doc__.splitlines()[0], STAGES, WORK)
     p.add_argument("--pkg-dir", default=str(PKG_DIR), help="where the drafter is installed (a trial build: elsewhere)")
     add_training_arguments(p, "the drafter", steps=2000, seq_len=1024, batch_size=8, lr=6e-4)
@@ -279,6 +359,20 @@ def main(argv=None):
     )
     p.add_argument("--distill-batch-size", type=int, default=32, help="requests the target answers at once")
     p.add_argument("--anchors", type=int, default=16)
+    p.add_argument("--layers", type=int, default=LAYERS, help="drafter layers")
+    p.add_argument("--fast-target", action=argparse.BooleanOptionalAction, default=True,
+                   help="approximate softmax / SiLU in the target for the data stages (answers, taps)")
+    p.add_argument("--fast-softmax", action=argparse.BooleanOptionalAction, default=True,
+                   help="approximate softmax / logsumexp in the drafter's training on the CPU")
+    p.add_argument("--answer-anchors", action=argparse.BooleanOptionalAction, default=True,
+                   help="anchors only where the next token is one the target wrote")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="the drafter's head over the K most frequent target tokens of the rows (FR-Spec)")
+    p.add_argument("--loss-slots", type=int, default=None, help="train only slots 1..N of each block")
+    p.add_argument("--init-from-target", action="store_true", help="drafter layers start as the target's last ones")
+    p.add_argument("--questions", action=argparse.BooleanOptionalAction, default=True,
+                   help="the questions stage adds requests the target writes")
+    p.add_argument("--variant", default="", help="suffix of the run directory: one setting against another")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--measure-prompts", type=int, default=16, help="held-out requests the measure stage decodes")
     p.add_argument("--measure-tokens", type=int, default=1024)
@@ -286,10 +380,14 @@ def main(argv=None):
         "--built-on", default="a 2-core CPU shared with other work",
         help="the machines the stages ran on, for the card's wall times",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    for name in chosen_stages(STAGES, args.stage):
+    for name in [n for n in chosen_stages(STAGES, args.stage) if args.stage != "all" or n != "export"]:
         if name == "requests" and requests_file(args).exists():
             continue  # seeded: the same file again
         print(f"== stage {name}", flush=True)

@@ -2,13 +2,16 @@
 
     python recipes/smollm2_requests.py --out ~/.cache/dflash_mlx/smollm2/requests.json
 
-Three kinds, mixed: questions about the Python standard library written from
-its own docstrings (the functions and classes of the modules this Python
-ships), programming tasks, and general questions. Every request carries a
-topic key (the stdlib module, the task's subject, the question's subject); the
-held-out requests (the benchmark's) take whole topics, so none of their topics
-is seen in training. Requests ask for long, worked answers, since the drafter
-must hold its acceptance over long responses.
+Kinds, mixed: questions about the Python standard library written from its
+own docstrings (the functions and classes of the modules this Python ships),
+programming tasks, general questions, short asks (a sentence, a list, a
+definition: answers of every length, not only long ones) and multi-turn
+conversations (a request and one or two ``followups``). Every request carries
+a topic key (the stdlib module, the task's subject, the question's subject);
+the held-out requests (the benchmark's) take whole topics, so none of their
+topics is seen in training. Most requests ask for long, worked answers, since
+the drafter must hold its acceptance over long responses.
+``recipes/smollm2_questions.py`` adds requests the target itself writes.
 """
 
 import argparse
@@ -74,6 +77,23 @@ GENERAL_TOPICS = [
 ]
 
 
+SHORT_ASKS = [
+    "In one sentence, what is {topic}?",
+    "List five key facts about {topic}.",
+    "Give a short definition of {topic} and one example.",
+    "Write a short poem about {topic}.",
+    "Summarize {topic} in three bullet points.",
+]
+FOLLOWUPS = [
+    "Can you give another example?",
+    "Explain that again more simply, as if I were ten years old.",
+    "Summarize your answer in three bullet points.",
+    "What are common mistakes or misconceptions about this?",
+    "Can you go into more detail on the most important point?",
+    "Write a short quiz with answers about what you just explained.",
+]
+
+
 def documented(tree: ast.Module):
     """(name, first docstring paragraph) of the public functions, classes and
     methods of a module."""
@@ -124,6 +144,28 @@ def requests(seed: int):
     return out
 
 
+def more_requests(seed: int):
+    """Short asks and multi-turn conversations on the same topics, drawn
+    apart from :func:`requests` so its list (and the held-out set, the
+    benchmark's prompts) stays what it was; they go after it, so shards made
+    from the old list stay valid."""
+    rng = random.Random(f"more-{seed}")
+    out = []
+    for key, subject in [(f"general:{t}", t) for t in GENERAL_TOPICS] + [
+        (f"task:{t}", f"writing Python code that {t}") for t in TASKS
+    ]:
+        for ask in SHORT_ASKS:
+            out.append({"topic": key, "kind": "short", "request": ask.format(topic=subject)})
+        first = rng.choice(GENERAL_ASKS).format(topic=subject)
+        followups = rng.sample(FOLLOWUPS, rng.choice((1, 2)))
+        out.append({"topic": key, "kind": "multi-turn", "request": first, "followups": followups})
+    rng.shuffle(out)
+    return out
+
+
+KINDS = ("stdlib", "task", "general", "short", "multi-turn")
+
+
 def is_heldout(topic: str, percent: int) -> bool:
     return int(hashlib.sha256(topic.encode()).hexdigest(), 16) % 100 < percent
 
@@ -140,11 +182,12 @@ def main(argv=None):
     pool = [r for r in reqs if is_heldout(r["topic"], args.heldout_percent)]
     firsts = list({r["topic"]: r for r in reversed(pool)}.values())  # one per topic first
     heldout = (firsts + [r for r in pool if r not in firsts])[: args.heldout_max]
+    train += [r for r in more_requests(args.seed) if not is_heldout(r["topic"], args.heldout_percent)]
     assert not {r["topic"] for r in heldout} & {r["topic"] for r in train}
     out = Path(args.out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"seed": args.seed, "train": train, "heldout": heldout}, indent=1))
-    kinds = {k: sum(r["kind"] == k for r in train) for k in ("stdlib", "task", "general")}
+    kinds = {k: sum(r["kind"] == k for r in train) for k in KINDS}
     print(f"{len(train)} training requests {kinds}, {len(heldout)} held out, -> {out}")
 
 

@@ -9,7 +9,9 @@ shard order and are cut into rows of exactly ``--seq-len`` tokens,
 as in language-model pre-training: a row may end one conversation and start
 the next, which the target reads as a longer chat. The leftover shorter than
 a row is dropped. Rows are a 2-D int32 ``.npy`` (each row one training
-window, as ``--cache-target`` wants), written atomically.
+window, as ``--cache-target`` wants), written atomically, and beside them
+``*-answers.npy``: booleans of the same shape, true on the tokens the target
+wrote (``mlx-dflash train --answer-mask``: anchors inside answers only).
 """
 
 import argparse
@@ -20,26 +22,41 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from smollm2_distill import read_shard  # noqa: E402
+from smollm2_distill import read_answers, read_shard  # noqa: E402
 
 
 def pack(shards, seq_len: int, max_shards=None, end_ids=(), max_tokens=None):
-    """(rows [n, seq_len] int32, conversations read, conversations >= seq_len).
+    """(rows [n, seq_len] int32, answers [n, seq_len] bool, conversations
+    read, conversations >= seq_len).
 
     An answer shorter than ``max_tokens`` stopped at the end-of-turn token,
     which the shards leave out (mlx-lm returns answers without it): ``end_ids``
-    (the chat template's end of a turn) are put back after it.
+    (the chat template's end of a turn) are put back after it, as answer tokens.
     """
-    convs = []
+    convs, marks = [], []
+    end = np.asarray(end_ids, np.int32)
     for path in sorted(shards)[:max_shards]:
         rows, prompt_lens = read_shard(path)
-        for row, n in zip(rows, prompt_lens):
+        for row, n, answer in zip(rows, prompt_lens, read_answers(path)):
             stopped = max_tokens is not None and len(row) - n < max_tokens
-            convs.append(np.concatenate([row, np.asarray(end_ids, np.int32)]) if stopped else row)
+            convs.append(np.concatenate([row, end]) if stopped else row)
+            marks.append(np.concatenate([answer, np.ones(len(end), bool)]) if stopped else answer)
     stream = np.concatenate(convs) if convs else np.zeros(0, np.int32)
+    marked = np.concatenate(marks) if marks else np.zeros(0, bool)
     n = len(stream) // seq_len
     rows = stream[: n * seq_len].reshape(n, seq_len).astype(np.int32)
-    return rows, len(convs), sum(len(c) >= seq_len for c in convs)
+    return rows, marked[: n * seq_len].reshape(n, seq_len), len(convs), sum(len(c) >= seq_len for c in convs)
+
+
+def answers_path(rows: Path) -> Path:
+    """The answer mask written beside a rows file."""
+    return rows.with_name(rows.stem + "-answers.npy")
+
+
+def save_atomically(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, array)
+    os.replace(tmp, path)
 
 
 def main(argv=None):
@@ -55,11 +72,10 @@ def main(argv=None):
     if not shards:
         raise SystemExit(f"error: no shard-*.npz in {args.shards}: run recipes/smollm2_distill.py first")
     end_ids = [int(t) for t in args.end_ids.split(",") if t]
-    rows, n_conv, n_long = pack(shards, args.seq_len, args.max_shards, end_ids, args.max_tokens)
+    rows, answers, n_conv, n_long = pack(shards, args.seq_len, args.max_shards, end_ids, args.max_tokens)
     out = Path(args.out).expanduser()
-    tmp = out.with_name(out.name + ".tmp.npy")
-    np.save(tmp, rows)
-    os.replace(tmp, out)
+    save_atomically(answers_path(out), answers)
+    save_atomically(out, rows)
     print(f"{n_conv} conversations ({n_long} of >= {args.seq_len} tokens) -> {rows.shape[0]} rows of {args.seq_len} -> {out}")
 
 

@@ -59,7 +59,11 @@ def test_requests_are_seeded_and_held_out_by_topic(tmp_path):
     assert len(d["train"]) > 2000 and len(d["heldout"]) == 64
     assert not {r["topic"] for r in d["heldout"]} & {r["topic"] for r in d["train"]}
     assert not {r["request"] for r in d["heldout"]} & {r["request"] for r in d["train"]}
-    assert {r["kind"] for r in d["train"]} == {"stdlib", "task", "general"}
+    assert {r["kind"] for r in d["train"]} == set(smollm2_requests.KINDS)
+    assert all(1 <= len(r["followups"]) <= 2 for r in d["train"] if r["kind"] == "multi-turn")
+    # The held-out requests are the SmolLM2 pair's benchmark prompts, none of them trained on.
+    bench = json.loads((RECIPES.parent / "dflash_mlx" / "smollm2_pair" / "prompts.json").read_text())
+    assert [r["request"] for r in d["heldout"]] == bench
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +78,7 @@ def test_distill_shards_are_the_targets_greedy_answers_and_resume(chat_model, tm
     reqs.write_text(json.dumps({"train": train, "heldout": []}))
     out = tmp_path / "shards"
     argv = ["--model", str(chat_model), "--requests", str(reqs), "--out", str(out),
-            "--shard-size", "2", "--batch-size", "1", "--max-tokens", "12"]  # fmt: skip
+            "--shard-size", "2", "--batch-size", "1", "--max-tokens", "12", "--no-fast-target"]  # fmt: skip
     smollm2_distill.main(argv + ["--limit", "3"])
     assert sorted(p.name for p in out.glob("shard-*.npz")) == ["shard-00000.npz", "shard-00001.npz"]
     with pytest.raises(SystemExit):  # shards exist: only --resume continues

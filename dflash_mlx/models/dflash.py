@@ -79,6 +79,18 @@ def draft_layer_types(cfg: Dict[str, Any], dflash: Dict[str, Any], n_layers: int
     return layer_types, int(sliding_window) if sliding_window else None
 
 
+def check_draft_vocab(ids, vocab_size: int) -> List[int]:
+    """``dflash_config.draft_vocab`` as a list of ints: distinct target ids,
+    ascending, inside the vocabulary."""
+    ids = [int(i) for i in ids]
+    if not ids or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0 or ids[-1] >= vocab_size:
+        raise DraftConfigError(
+            f"draft_vocab must be distinct ascending target ids in 0..{vocab_size - 1} "
+            f"({len(ids)} given)"
+        )
+    return ids
+
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -110,6 +122,9 @@ class DFlashConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
+    # A draft vocabulary (FR-Spec, arXiv 2502.14856; EAGLE-3's d2t map): the
+    # target ids the head scores, ascending; None scores the whole vocabulary.
+    draft_vocab: Optional[List[int]] = None
 
     @classmethod
     def from_hf(cls, cfg: Dict[str, Any]) -> "DFlashConfig":
@@ -157,6 +172,9 @@ class DFlashConfig:
 
         arch = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
         softcap = pick("final_logit_softcapping")
+        draft_vocab = pick("draft_vocab")
+        if draft_vocab is not None:
+            draft_vocab = check_draft_vocab(draft_vocab, int(cfg["vocab_size"]))
         return cls(
             hidden_size=int(cfg["hidden_size"]),
             num_hidden_layers=n_layers,
@@ -186,6 +204,7 @@ class DFlashConfig:
             input_embedding_scale=float(pick("input_embedding_scale", 1.0) or 1.0),
             output_multiplier=float(pick("output_multiplier", 1.0) or 1.0),
             final_logit_softcapping=float(softcap) if softcap else None,
+            draft_vocab=draft_vocab,
         )
 
     @property
@@ -432,6 +451,7 @@ class DFlashDraftModel(nn.Module):
         # Borrowed from the target by bind(); kept out of the parameter tree
         # so saving or quantizing the drafter never touches them.
         self._target = None
+        self._draft_head = None  # the target's head rows of the draft vocabulary
 
     @property
     def block_size(self) -> int:
@@ -454,6 +474,7 @@ class DFlashDraftModel(nn.Module):
         bound = self._target
         if bound is None or (target_model is not bound and target_model is not bound.model):
             object.__setattr__(self, "_target", adapter_for(target_model, self.config))
+            object.__setattr__(self, "_draft_head", None)
         return self
 
     @property
@@ -487,14 +508,34 @@ class DFlashDraftModel(nn.Module):
             h = layer(h, context, self.rope, c)
         return self.norm(h)
 
-    def compute_logits(self, hidden: mx.array) -> mx.array:
-        logits = self.target.lm_head(hidden)
+    def head_logits(self, hidden: mx.array) -> mx.array:
+        """Logits over the draft vocabulary, ``[..., K]`` (the whole
+        vocabulary when the config has none): what training's loss reads."""
+        if self.config.draft_vocab is None:
+            logits = self.target.lm_head(hidden)
+        else:
+            if self._draft_head is None:
+                object.__setattr__(self, "_draft_head", self.target.lm_head_rows(self.config.draft_vocab))
+            logits = self._draft_head(hidden)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
             logits = mx.tanh(logits / cap) * cap
         return logits
+
+    def compute_logits(self, hidden: mx.array) -> mx.array:
+        """Logits over the target vocabulary. With a draft vocabulary only its
+        ids are scored and every other id is ``-inf``: greedy proposals are
+        target ids, and a sampled slot's ``q`` is a proper distribution over
+        target ids (zero outside), so speculative sampling stays exact."""
+        logits = self.head_logits(hidden)
+        ids = self.config.draft_vocab
+        if ids is None:
+            return logits
+        full = mx.full((*logits.shape[:-1], self.config.vocab_size), -mx.inf, logits.dtype)
+        index = mx.broadcast_to(mx.array(ids, mx.int32), logits.shape)
+        return mx.put_along_axis(full, index, logits, axis=-1)
 
     def __call__(self, block_tokens, target_hidden, cache) -> mx.array:
         return self.compute_logits(self.hidden_states(block_tokens, target_hidden, cache))

@@ -158,3 +158,33 @@ def swiglu_approx(gate, x):
 def approx_for(x: mx.array) -> bool:
     """Take the approximate path for ``x``: float32 on the CPU."""
     return x.dtype == mx.float32 and mx.default_device() == mx.cpu
+
+
+# Differentiable versions for training the drafter: the approximate forward
+# with the analytic VJP of the exact function, evaluated at its output.
+softmax_trainable = mx.custom_function(softmax_approx)
+
+
+@softmax_trainable.vjp
+def _softmax_vjp(scores, cotangent, probs):
+    return probs * (cotangent - (cotangent * probs).sum(-1, keepdims=True))
+
+
+@partial(mx.compile, shapeless=True)
+def _logsumexp_approx(x):
+    m = mx.max(x, axis=-1, keepdims=True)
+    return (m + mx.log(mx.sum(_exp_nonpositive(x - m), axis=-1, keepdims=True))).squeeze(-1)
+
+
+logsumexp_trainable = mx.custom_function(_logsumexp_approx)
+
+
+@logsumexp_trainable.vjp
+def _logsumexp_vjp(x, cotangent, _):
+    return softmax_approx(x) * cotangent[..., None]
+
+
+def cross_entropy_approx(logits: mx.array, labels: mx.array) -> mx.array:
+    """Cross-entropy per position with the approximate ``logsumexp``."""
+    picked = mx.take_along_axis(logits, labels[..., None], axis=-1).squeeze(-1)
+    return logsumexp_trainable(logits) - picked

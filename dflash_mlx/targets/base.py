@@ -105,6 +105,22 @@ class TargetAdapter:
             return self.backbone.embed_tokens.as_linear(hidden)
         return self.text_model.lm_head(hidden)
 
+    def lm_head_rows(self, ids: Sequence[int]):
+        """The LM head over the rows ``ids`` only (a drafter's draft
+        vocabulary): a function of the hidden states giving ``[..., len(ids)]``
+        logits, equal to ``lm_head``'s columns ``ids``. The rows are gathered
+        once, so scoring K ids costs K / vocab of the full head."""
+        head = self.backbone.embed_tokens if self.tied else self.text_model.lm_head
+        rows = mx.array(list(ids), mx.int32)
+        weight = head.weight[rows]
+        bias = head["bias"][rows] if "bias" in head else 0.0
+        if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            scales = head.scales[rows]
+            biases = head["biases"][rows] if "biases" in head else None
+            kw = dict(transpose=True, group_size=head.group_size, bits=head.bits, mode=head.mode)
+            return lambda h: mx.quantized_matmul(h, weight, scales, biases, **kw) + bias
+        return lambda h: h @ weight.T + bias
+
     def make_cache(self) -> TargetCache:
         return TargetCache(make_prompt_cache(self.model))
 

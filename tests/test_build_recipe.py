@@ -1,0 +1,173 @@
+"""The SmolLM2 recipe's cheaper, resumable build on tiny stand-ins:
+multi-turn distillation with its answer marks, compact shards, the answer
+mask beside the rows, the target's own questions kept off the held-out
+topics, the levers reaching ``mlx-dflash train``, and committed shards."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlx_lm import load as mlx_lm_load
+from mlx_lm import stream_generate as mlx_lm_stream_generate
+
+from tiny_gguf import make_fixture
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+sys.path.insert(0, str(RECIPES))
+
+import smollm2_distill  # noqa: E402
+import smollm2_drafter  # noqa: E402
+import smollm2_questions  # noqa: E402
+import smollm2_rows  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny llama with a real chat template (the GGUF fixture's HF side)."""
+    return make_fixture(tmp_path_factory.mktemp("chat"))["src"]
+
+
+def test_multi_turn_distillation_marks_every_answer(chat_model, tmp_path):
+    reqs = tmp_path / "requests.json"
+    train = [{"request": "Question: def f(x):"}, {"request": "Tell me about lists", "followups": ["And tuples?"]}]
+    reqs.write_text(json.dumps({"train": train, "heldout": []}))
+    out = tmp_path / "shards"
+    smollm2_distill.main(["--model", str(chat_model), "--requests", str(reqs), "--out", str(out), "--batch-size", "2",
+                          "--max-tokens", "8", "--no-fast-target"])  # fmt: skip
+    path = out / "shard-00000.npz"
+    with np.load(path) as z:
+        assert z["tokens"].dtype == np.uint16
+    rows, prompt_lens = smollm2_distill.read_shard(path)
+    answers = smollm2_distill.read_answers(path)
+    model, tok = mlx_lm_load(str(chat_model))
+    greedy = lambda chat: [g.token for g in mlx_lm_stream_generate(  # noqa: E731
+        model, tok, tok.apply_chat_template(chat, add_generation_prompt=True), max_tokens=8)]
+    # single turn: prompt + the target's greedy answer, the answer marked
+    chat = [{"role": "user", "content": train[0]["request"]}]
+    first = greedy(chat)
+    assert rows[0].dtype == np.int32 and rows[0].tolist()[prompt_lens[0]:] == first
+    assert answers[0].tolist() == [False] * prompt_lens[0] + [True] * len(first)
+    # two turns: the follow-up sees the first answer; both answers are marked
+    chat = [{"role": "user", "content": train[1]["request"]}]
+    one = greedy(chat)
+    chat += [{"role": "assistant", "content": tok.decode(one)}, {"role": "user", "content": "And tuples?"}]
+    prompt = tok.apply_chat_template(chat, add_generation_prompt=True)
+    two = greedy(chat)
+    assert rows[1].tolist() == prompt + two and prompt_lens[1] == len(prompt)
+    start = len(tok.apply_chat_template(chat[:1], add_generation_prompt=True))
+    end = len(tok.apply_chat_template(chat[:2]))
+    marked = np.flatnonzero(answers[1])
+    assert marked.tolist() == list(range(start, end)) + list(range(len(prompt), len(prompt) + len(two)))
+    # the rows file has its answer mask beside it, the same shape
+    rows_out = tmp_path / "rows.npy"
+    smollm2_rows.main(["--shards", str(out), "--seq-len", "16", "--out", str(rows_out)])
+    packed, mask = np.load(rows_out), np.load(smollm2_rows.answers_path(rows_out))
+    flat = np.concatenate(answers)[: packed.size]
+    assert mask.shape == packed.shape and mask.dtype == bool and np.array_equal(mask.reshape(-1), flat)
+
+
+def test_written_questions_skip_held_out_subjects(monkeypatch):
+    text = "1. What?\n- How do I sort with shlex quickly?\nNot a question\n3) Why use tuples in Python?"
+    assert list(smollm2_questions.questions(text)) == [
+        "How do I sort with shlex quickly?", "Why use tuples in Python?"]  # fmt: skip
+    data = {"train": [{"topic": "general:lists", "request": "x"}, {"topic": "stdlib:shlex", "request": "y"}],
+            "heldout": [{"topic": "stdlib:shlex", "request": "Why use tuples in Python?"}]}  # fmt: skip
+    asked = []
+
+    def fake_answers(model, tokenizer, prompts, args):
+        asked.extend(prompts)
+        return [[0]] * len(prompts)
+
+    class Tok:
+        def apply_chat_template(self, chat, add_generation_prompt):
+            return chat[0]["content"]
+
+        def decode(self, ids):
+            return text + "\nWhat are Python lists good for?"
+
+    monkeypatch.setattr(smollm2_questions, "greedy_answers", fake_answers)
+    args = type("A", (), {"limit": None})
+    new = smollm2_questions.written_requests(None, Tok(), data, args)
+    assert len(asked) == len(smollm2_questions.WRITE_ASKS) and all("lists" in a for a in asked)  # training topic only
+    assert [r["request"] for r in new] == ["What are Python lists good for?"]
+    assert {r["topic"] for r in new} == {"general:lists"} and {r["kind"] for r in new} == {"written"}
+
+
+def test_levers_reach_the_training_command(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    np.save(work / "rows-64-s2.npy", np.zeros((3, 64), np.int32))
+    base = ["--work-dir", str(work), "--seq-len", "64", "--max-shards", "2", "--stage", "train"]
+    def argv(*extra):
+        args = smollm2_drafter.parser().parse_args(base + list(extra))
+        return smollm2_drafter.train_argv(args, "T", 16), args
+
+    cmd, args = argv()
+    assert "--approximate-target" in cmd and "--approximate-softmax" in cmd and "--answer-mask" in cmd and cmd[cmd.index("--num-layers") + 1] == "2"
+    assert cmd[cmd.index("--answer-mask") + 1] == str(work / "rows-64-s2-answers.npy")
+    assert cmd[cmd.index("--cache-dir") + 1].endswith("target-outputs-64-s2-approx")
+    cmd, args = argv("--no-fast-target", "--no-fast-softmax", "--no-answer-anchors", "--draft-vocab", "8192", "--loss-slots", "8",
+                     "--layers", "4", "--init-from-target", "--variant", "deep")  # fmt: skip
+    assert not {"--approximate-target", "--approximate-softmax", "--answer-mask"} & set(cmd)
+    assert cmd[cmd.index("--draft-vocab") + 1] == "8192" and cmd[cmd.index("--loss-slots") + 1] == "8"
+    assert cmd[cmd.index("--num-layers") + 1] == "4" and "--init-from-target" in cmd
+    assert cmd[cmd.index("--draft-model") + 1] == str(work / "drafter_run-64-s2-deep")
+
+
+def test_exported_shards_seed_a_new_machine(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    old, new = tmp_path / "old", tmp_path / "new"
+    (old / "distill").mkdir(parents=True)
+    for i in range(2):
+        rows = [rng.integers(0, 400, size=40).astype(np.int32) for _ in range(2)]
+        smollm2_distill.write_shard(old / "distill" / f"shard-{i:05d}.npz", rows, [5, 5], 10.0)
+    committed = tmp_path / "committed"
+    monkeypatch.setattr(smollm2_drafter, "COMMITTED", committed)
+    smollm2_drafter.main(["--stage", "export", "--work-dir", str(old)])
+    assert sorted(p.name for p in committed.glob("*.npz")) == ["shard-00000.npz", "shard-00001.npz"]
+    monkeypatch.setattr(smollm2_drafter, "COMMITTED_LIMIT", 10)
+    with pytest.raises(SystemExit, match="over the repository"):
+        smollm2_drafter.main(["--stage", "export", "--work-dir", str(old)])
+    # A new machine: the distill stage starts from the committed shards (all
+    # requests answered already, so nothing is generated) and keeps their seconds.
+    calls = []
+    monkeypatch.setattr(smollm2_distill, "main", lambda argv: calls.append(argv))
+    smollm2_drafter.main(["--stage", "distill", "--work-dir", str(new)])
+    assert sorted(p.name for p in (new / "distill").glob("*.npz")) == ["shard-00000.npz", "shard-00001.npz"]
+    assert smollm2_distill.shard_seconds(new / "distill" / "shard-00001.npz") == 10.0
+    assert calls and "--resume" in calls[0]
+
+
+def test_questions_stage_extends_the_requests_once(chat_model, tmp_path):
+    reqs = tmp_path / "requests.json"
+    train = [{"topic": "general:lists", "kind": "general", "request": "Explain lists."}]
+    reqs.write_text(json.dumps({"train": train, "heldout": []}))
+    argv = ["--model", str(chat_model), "--requests", str(reqs), "--max-tokens", "8", "--batch-size", "3"]
+    smollm2_questions.main(argv)
+    data = json.loads(reqs.read_text())
+    assert data["train"][:1] == train and data["written_questions"] == len(data["train"]) - 1
+    before = reqs.read_text()
+    smollm2_questions.main(argv)  # done once: the file stays as it is
+    assert reqs.read_text() == before
+
+
+def test_gpu_script_plans_every_stage_within_its_budget(tmp_path):
+    """Only its plan can run here (it needs MLX's CUDA backend): each stage
+    in order under a timeout that adds up to the budget, then the packing."""
+    import os
+    import re
+    import subprocess
+
+    env = dict(os.environ, WORK=str(tmp_path / "work"), BUDGET_S="720", EXTRA="--draft-vocab 8192")
+    r = subprocess.run(["bash", str(RECIPES / "smollm2_gpu.sh"), "--dry-run", str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    plan = [line for line in r.stdout.splitlines() if line.startswith("+ timeout")]
+    assert [re.search(r"--stage (\w+)", line).group(1) for line in plan] == [
+        "requests", "questions", "distill", "rows", "train", "measure"]  # fmt: skip
+    assert sum(int(line.split()[4]) for line in plan) <= 720
+    assert all("--draft-vocab 8192" in line for line in plan)
+    assert "smollm2-run-state.tar.gz" in r.stdout and not (tmp_path / "out").exists()
+    assert subprocess.run(["bash", str(RECIPES / "smollm2_gpu.sh")], capture_output=True).returncode == 2
