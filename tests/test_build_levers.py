@@ -51,10 +51,9 @@ def test_draft_vocab_scores_only_its_ids(small_vocab):
 
 
 def test_draft_vocab_greedy_is_lossless(small_vocab):
-    prompt = "".join(map(chr, PROMPT))
-    got, responses = tiny.dflash_tokens(small_vocab.model, small_vocab.draft, small_vocab.tokenizer, prompt, [],
-                                        max_tokens=40)  # fmt: skip
-    assert got == tiny.reference_tokens(small_vocab.model, small_vocab.tokenizer, prompt, 40, [])
+    # token ids, not text: the tokenizer's ids reach past this model's V-row embedding
+    got, _ = tiny.dflash_tokens(small_vocab.model, small_vocab.draft, small_vocab.tokenizer, PROMPT, [], max_tokens=40)
+    assert got == tiny.reference_tokens(small_vocab.model, small_vocab.tokenizer, PROMPT, 40, [])
     tokens = small_vocab.draft.propose(
         mx.array([[1, 4, 4, 4]]), mx.zeros((1, 2, small_vocab.draft.config.fc_input_size)),
         small_vocab.draft.make_cache(),
