@@ -29,6 +29,8 @@ from .defaults import DTYPES
 from .errors import DFlashError
 from .loading import (
     DRAFT_ARCHITECTURES,
+    QUANTIZED_BITS,
+    QUANTIZED_GROUP_SIZES,
     build_draft,
     casts_to,
     check_draft_architecture,
@@ -42,8 +44,6 @@ from .loading import (
 )
 from .models.dflash import DFlashConfig, DraftConfigError
 
-Q_BITS = (2, 3, 4, 5, 6, 8)
-Q_GROUP_SIZES = (32, 64, 128)
 DEFAULT_SHARD_GB = 2.0
 # Besides weights and config.json, files worth carrying over (model card,
 # tokenizer, chat template, generation config, licence, remote code).
@@ -294,8 +294,8 @@ def summary_line(kind: str, dst: Path, stats: dict, seconds: float, q: Optional[
 def check_options(dtype: Optional[str], quantize: bool, q_bits: int, q_group_size: int):
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if quantize and (q_bits not in Q_BITS or q_group_size not in Q_GROUP_SIZES):
-        raise ConvertError(f"quantization needs bits in {Q_BITS} and group size in {Q_GROUP_SIZES}")
+    if quantize and (q_bits not in QUANTIZED_BITS or q_group_size not in QUANTIZED_GROUP_SIZES):
+        raise ConvertError(f"quantization needs bits in {QUANTIZED_BITS} and group size in {QUANTIZED_GROUP_SIZES}")
 
 
 def import_gguf(gguf_path: str, mlx_path: str, options: dict, force: bool, max_shard_gb: float) -> dict:
@@ -433,8 +433,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="type of the float tensors (default: as stored)")
     p.add_argument("-q", "--quantize", action="store_true", help="quantize the linear layers")
-    p.add_argument("--q-bits", type=int, choices=Q_BITS, default=None, help="bits per weight (default 4)")
-    p.add_argument("--q-group-size", type=int, choices=Q_GROUP_SIZES, default=None, help="group size (default 64)")
+    p.add_argument("--q-bits", type=int, choices=QUANTIZED_BITS, default=None, help="bits per weight (default 4)")
+    p.add_argument("--q-group-size", type=int, choices=QUANTIZED_GROUP_SIZES, default=None, help="group size (default 64)")
     p.add_argument("--force", action="store_true", help="replace an existing destination (after success)")
     p.add_argument(
         "--max-shard-size",

@@ -18,7 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import cli
 from .adaptive import BlockSizer, plan
 from .cache import PromptCache, bound_target, make_prompt_cache
-from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
+from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
 from .errors import ArgumentError
 from .sampling import ACCEPTANCE_RULES, processed_probs, speculative_accept
 
@@ -176,8 +176,8 @@ def max_block_size(draft, block_size: Optional[int], sizer: Optional[BlockSizer]
     if sizer is not None and block_size is not None:
         raise ArgumentError("pass block_size or sizer, not both (a sizer's max_block is its largest block)")
     max_block = draft.block_size if block_size is None and sizer is None else sizer.max_block if sizer else int(block_size)
-    if max_block < 1:
-        raise ArgumentError(f"block_size must be at least 1, got {max_block}")
+    if not 1 <= max_block <= MAX_BLOCK_SIZE:
+        raise ArgumentError(f"block_size must be from 1 to {MAX_BLOCK_SIZE}, got {max_block}")
     draft.check_block_size(max_block)
     return max_block
 
