@@ -113,9 +113,9 @@ def draft_architecture(cfg: dict) -> Optional[str]:
 def check_draft_architecture(cfg: dict, path) -> str:
     arch = draft_architecture(cfg)
     if arch is None:
-        found = cfg.get("architectures")
+        found = (cfg.get("architectures") or [None])[0]  # a list of names (draft_architecture checked)
         raise DraftLoadError(
-            f"{path}: config.json's architectures {found!r} names no DFlash drafter; supported: "
+            f"{path}: architecture {found!r} is not a DFlash drafter; supported: "
             f"{', '.join(DRAFT_ARCHITECTURES)}"
         )
     return arch

@@ -503,7 +503,7 @@ def test_gguf_tensor_name_not_utf8_is_refused(gguf_fixture, tmp_path):
         ("num_key_value_heads", 3, "num_key_value_heads 3 does not divide"),
         ("vocab_size", "", "vocab_size must be an integer"),
         ("architectures", {"": None}, "architectures must be a list of class names"),
-        ("architectures", ["LlamaForCausalLM"], "architectures .* names no DFlash drafter"),
+        ("architectures", ["LlamaForCausalLM"], "architecture 'LlamaForCausalLM' is not a DFlash drafter"),
         ("quantization", {"bits": -4, "group_size": 64}, "quantization .* needs bits in"),
         ("intermediate_size", KeyError, "lacks intermediate_size"),
     ],
