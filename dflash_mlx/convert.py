@@ -55,6 +55,23 @@ class ConvertError(DFlashError, ValueError):
     """A conversion that cannot proceed; the message is shown as is."""
 
 
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step, where the system can: Linux's
+    renameat2(RENAME_EXCHANGE), macOS's renamex_np(RENAME_SWAP). False where
+    it cannot (another system, a file system without it)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    a, b = os.fsencode(a), os.fsencode(b)
+    if hasattr(libc, "renameat2"):
+        at_fdcwd, rename_exchange = -100, 2
+        return libc.renameat2(at_fdcwd, a, at_fdcwd, b, rename_exchange) == 0
+    if hasattr(libc, "renamex_np"):
+        rename_swap = 2
+        return libc.renamex_np(a, b, rename_swap) == 0
+    return False
+
+
 class Staging:
     """A private directory beside DST that becomes DST only on commit().
 
@@ -79,6 +96,8 @@ class Staging:
         if os.path.lexists(self.dst):
             if not self.force:
                 raise ConvertError(f"{self.dst} appeared during the conversion; left it alone")
+            if exchange(self.path, self.dst):  # one step: DST is never missing
+                return self.discard()
             os.replace(self.dst, old)
         try:
             os.replace(self.path, self.dst)
