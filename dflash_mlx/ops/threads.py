@@ -1,9 +1,10 @@
 """``mx.compile``, one compiled function per thread.
 
-MLX (0.32) aborts the process at exit ("terminate called without an active
-exception") after a function compiled on one thread ran on another thread
-that has since ended; compiled and run on the same thread, it does not. So a
-module-level compiled function is compiled anew on each thread that calls it.
+MLX (0.32) can abort the process at exit ("terminate called without an
+active exception") when a compiled function that ran on a thread that has
+since ended is destroyed with the interpreter. A module-level compiled
+function lives that long; compiled anew for each calling thread and held in
+thread-local storage, it goes with its thread instead.
 """
 
 import threading
