@@ -66,6 +66,20 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> L
     return [int(round(start + i * step)) for i in range(num_draft_layers)]
 
 
+def tap_layer_ids(tap_ids, num_target_layers: Optional[int], n_layers: int) -> List[int]:
+    """The config's ``target_layer_ids``, checked, or the default ones."""
+    if tap_ids is None:
+        if num_target_layers is None:
+            raise DraftConfigError(
+                "drafter config.json names neither dflash_config.target_layer_ids "
+                "nor num_target_layers, so the target taps are unknown"
+            )
+        return default_target_layer_ids(num_target_layers, n_layers)
+    if not isinstance(tap_ids, list) or not tap_ids:
+        raise DraftConfigError(f"target_layer_ids must be a non-empty list of layer indices, not {tap_ids!r}")
+    return [whole("target_layer_ids", i, 0) for i in tap_ids]
+
+
 def draft_rope(cfg: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
     """(rope_theta, scaling config for ``initialize_rope`` or None).
 
@@ -176,17 +190,7 @@ class DFlashConfig:
         num_target_layers = cfg.get("num_target_layers")
         if num_target_layers is not None:
             num_target_layers = whole("num_target_layers", num_target_layers, 1)
-        tap_ids = pick("target_layer_ids")
-        if tap_ids is None:
-            if num_target_layers is None:
-                raise DraftConfigError(
-                    "drafter config.json names neither dflash_config.target_layer_ids "
-                    "nor num_target_layers, so the target taps are unknown"
-                )
-            tap_ids = default_target_layer_ids(num_target_layers, n_layers)
-        if not isinstance(tap_ids, list) or not tap_ids:
-            raise DraftConfigError(f"target_layer_ids must be a non-empty list of layer indices, not {tap_ids!r}")
-        tap_ids = [whole("target_layer_ids", i, 0) for i in tap_ids]
+        tap_ids = tap_layer_ids(pick("target_layer_ids"), num_target_layers, n_layers)
         mask_id = pick("mask_token_id")
         if mask_id is None:
             raise DraftConfigError("drafter config.json lacks dflash_config.mask_token_id")
@@ -196,9 +200,7 @@ class DFlashConfig:
         rope_theta, rope = draft_rope(cfg)
         layer_types, sliding_window = draft_layer_types(cfg, dflash, n_layers)
 
-        is_causal = cfg.get("is_causal")
-        if is_causal is None:
-            is_causal = dflash.get("causal")
+        is_causal = dflash.get("causal") if cfg.get("is_causal") is None else cfg["is_causal"]
         for name, flag in (("is_causal", is_causal), ("attention_bias", cfg.get("attention_bias", False))):
             if flag is not None and not isinstance(flag, bool):
                 raise DraftConfigError(f"{name} must be true or false, not {flag!r}")
