@@ -11,6 +11,7 @@ the result appears at the destination only once it is complete.
 """
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -55,6 +56,16 @@ class ConvertError(DFlashError, ValueError):
     """A conversion that cannot proceed; the message is shown as is."""
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one atomic step, where the system can: Linux's
     renameat2(RENAME_EXCHANGE), macOS's renamex_np(RENAME_SWAP). False where
@@ -86,10 +97,20 @@ class Staging:
         if os.path.lexists(self.dst) and not force:
             raise ConvertError(f"{dst} already exists: pass --force to replace it")
         self.dst.parent.mkdir(parents=True, exist_ok=True)
-        self.root = Path(tempfile.mkdtemp(prefix=f".{self.dst.name}.", suffix=".tmp", dir=self.dst.parent))
+        self.remove_orphans()
+        prefix = f".{self.dst.name}.{os.getpid()}."
+        self.root = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=self.dst.parent))
         # Writers create this themselves (mlx-lm insists on a new path); being
         # made by mkdir, it gets ordinary permissions, unlike mkdtemp's 0700.
         self.path = self.root / "out"
+
+    def remove_orphans(self):
+        """Delete the staging directories beside DST that a killed process
+        left (named after its pid, which is no longer running here)."""
+        for stale in self.dst.parent.glob(f".{glob.escape(self.dst.name)}.*.tmp"):
+            pid = stale.name[len(self.dst.name) + 2 :].split(".")[0]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
 
     def commit(self):
         old = self.root / "old"
