@@ -11,6 +11,7 @@ the result appears at the destination only once it is complete.
 """
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -29,6 +30,8 @@ from .defaults import DTYPES
 from .errors import DFlashError
 from .loading import (
     DRAFT_ARCHITECTURES,
+    QUANTIZED_BITS,
+    QUANTIZED_GROUP_SIZES,
     build_draft,
     casts_to,
     check_draft_architecture,
@@ -43,8 +46,6 @@ from .loading import (
 from .models.dflash import DFlashConfig, DraftConfigError
 from .shards import shard_units, write_shards
 
-Q_BITS = (2, 3, 4, 5, 6, 8)
-Q_GROUP_SIZES = (32, 64, 128)
 DEFAULT_SHARD_GB = 2.0
 # Besides weights and config.json, files worth carrying over (model card,
 # tokenizer, chat template, generation config, licence, remote code).
@@ -54,6 +55,33 @@ SOURCE_WEIGHT_FILES = {"config.json", "model.safetensors.index.json"}
 
 class ConvertError(DFlashError, ValueError):
     """A conversion that cannot proceed; the message is shown as is."""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step, where the system can: Linux's
+    renameat2(RENAME_EXCHANGE), macOS's renamex_np(RENAME_SWAP). False where
+    it cannot (another system, a file system without it)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    a, b = os.fsencode(a), os.fsencode(b)
+    if hasattr(libc, "renameat2"):
+        at_fdcwd, rename_exchange = -100, 2
+        return libc.renameat2(at_fdcwd, a, at_fdcwd, b, rename_exchange) == 0
+    if hasattr(libc, "renamex_np"):
+        rename_swap = 2
+        return libc.renamex_np(a, b, rename_swap) == 0
+    return False
 
 
 class Staging:
@@ -70,16 +98,28 @@ class Staging:
         if os.path.lexists(self.dst) and not force:
             raise ConvertError(f"{dst} already exists: pass --force to replace it")
         self.dst.parent.mkdir(parents=True, exist_ok=True)
-        self.root = Path(tempfile.mkdtemp(prefix=f".{self.dst.name}.", suffix=".tmp", dir=self.dst.parent))
+        self.remove_orphans()
+        prefix = f".{self.dst.name}.{os.getpid()}."
+        self.root = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=self.dst.parent))
         # Writers create this themselves (mlx-lm insists on a new path); being
         # made by mkdir, it gets ordinary permissions, unlike mkdtemp's 0700.
         self.path = self.root / "out"
+
+    def remove_orphans(self):
+        """Delete the staging directories beside DST that a killed process
+        left (named after its pid, which is no longer running here)."""
+        for stale in self.dst.parent.glob(f".{glob.escape(self.dst.name)}.*.tmp"):
+            pid = stale.name[len(self.dst.name) + 2 :].split(".")[0]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
 
     def commit(self):
         old = self.root / "old"
         if os.path.lexists(self.dst):
             if not self.force:
                 raise ConvertError(f"{self.dst} appeared during the conversion; left it alone")
+            if exchange(self.path, self.dst):  # one step: DST is never missing
+                return self.discard()
             os.replace(self.dst, old)
         try:
             os.replace(self.path, self.dst)
@@ -250,8 +290,8 @@ def summary_line(kind: str, dst: Path, stats: dict, seconds: float, q: Optional[
 def check_options(dtype: Optional[str], quantize: bool, q_bits: int, q_group_size: int):
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if quantize and (q_bits not in Q_BITS or q_group_size not in Q_GROUP_SIZES):
-        raise ConvertError(f"quantization needs bits in {Q_BITS} and group size in {Q_GROUP_SIZES}")
+    if quantize and (q_bits not in QUANTIZED_BITS or q_group_size not in QUANTIZED_GROUP_SIZES):
+        raise ConvertError(f"quantization needs bits in {QUANTIZED_BITS} and group size in {QUANTIZED_GROUP_SIZES}")
 
 
 def import_gguf(gguf_path: str, mlx_path: str, options: dict, force: bool, max_shard_gb: float) -> dict:
@@ -389,8 +429,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="type of the float tensors (default: as stored)")
     p.add_argument("-q", "--quantize", action="store_true", help="quantize the linear layers")
-    p.add_argument("--q-bits", type=int, choices=Q_BITS, default=None, help="bits per weight (default 4)")
-    p.add_argument("--q-group-size", type=int, choices=Q_GROUP_SIZES, default=None, help="group size (default 64)")
+    p.add_argument("--q-bits", type=int, choices=QUANTIZED_BITS, default=None, help="bits per weight (default 4)")
+    p.add_argument("--q-group-size", type=int, choices=QUANTIZED_GROUP_SIZES, default=None, help="group size (default 64)")
     p.add_argument("--force", action="store_true", help="replace an existing destination (after success)")
     p.add_argument(
         "--max-shard-size",

@@ -19,6 +19,9 @@ DEFAULT_BENCH_MAX_TOKENS = 128
 DEFAULT_BENCH_REPEATS = 2
 # Verify width of a drafter config that names none (z-lab's drafters use 16).
 DEFAULT_BLOCK_SIZE = 16
+# The widest verify block a generation accepts: blocks are meant to be about
+# the drafter's trained size, and an absurd one would only exhaust memory.
+MAX_BLOCK_SIZE = 256
 # The float types a checkpoint can be written in (convert --dtype, train --dtype).
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -32,5 +35,6 @@ __all__ = [
     "DEFAULT_PROMPTS",
     "DEFAULT_TARGET",
     "DTYPES",
+    "MAX_BLOCK_SIZE",
     "PAIR_DIR",
 ]

@@ -4,9 +4,10 @@
 """
 
 import sys
+import threading
 import time
 from collections import Counter
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from typing import Callable, Generator, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -18,8 +19,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import cli
 from .adaptive import BlockSizer, plan
 from .cache import PromptCache, bound_target, make_prompt_cache
-from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
+from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
 from .errors import ArgumentError
+from .ops.threads import compile_per_thread
 from .sampling import ACCEPTANCE_RULES, processed_probs, speculative_accept
 
 
@@ -77,7 +79,7 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     return mx.array(prompt, dtype=mx.int32)
 
 
-@mx.compile  # a handful of tiny ops, fused: one task instead of seven per cycle
+@compile_per_thread  # a handful of tiny ops, fused: one task instead of seven per cycle
 def accept_greedy(draft_tokens: mx.array, target_tokens: mx.array) -> Tuple[mx.array, mx.array]:
     """Longest prefix where the draft equals the target's choice, and the
     target's own token at the first mismatch (or after the last slot).
@@ -98,19 +100,25 @@ def feed(target, cache: PromptCache, tokens: List[int], step: int = DEFAULT_PREF
     still produce that position's logits later).
 
     Chunks of ``step`` tokens, as mlx-lm's ``generate_step`` prefills; the
-    tap states go to ``cache.target_hidden`` for the drafter.
+    tap states go to ``cache.target_hidden`` for the drafter. The cache
+    holds what the target ran after every chunk, so an interruption between
+    chunks (``progress`` raising KeyboardInterrupt, say) leaves it usable.
     """
-    todo = cache.pending + list(tokens)
+    tokens = list(tokens)
+    todo, held = cache.pending + tokens, len(cache.pending)
     body = todo[:-1]
     for start in range(0, len(body), step):
         chunk = body[start : start + step]
         _, target_hidden = target.forward(mx.array([chunk]), cache.target, last_logits_only=True, record=False)
         mx.eval(target_hidden, [c.state for c in cache.target])
         cache.add_hidden(target_hidden)
+        ran = start + len(chunk) - held  # of ``tokens``
+        cache.tokens.extend(tokens[max(0, ran - len(chunk)) : max(0, ran)])
+        cache.pending = []
         if progress is not None:
             progress(start + len(chunk), len(todo))
+    cache.tokens.extend(tokens[max(0, len(body) - held) :])
     cache.pending = todo[-1:]
-    cache.tokens.extend(tokens)
 
 
 def prefill(target, cache: PromptCache, tokens: List[int], step: int, progress=None) -> mx.array:
@@ -176,10 +184,42 @@ def max_block_size(draft, block_size: Optional[int], sizer: Optional[BlockSizer]
     if sizer is not None and block_size is not None:
         raise ArgumentError("pass block_size or sizer, not both (a sizer's max_block is its largest block)")
     max_block = draft.block_size if block_size is None and sizer is None else sizer.max_block if sizer else int(block_size)
-    if max_block < 1:
-        raise ArgumentError(f"block_size must be at least 1, got {max_block}")
+    if not 1 <= max_block <= MAX_BLOCK_SIZE:
+        raise ArgumentError(f"block_size must be from 1 to {MAX_BLOCK_SIZE}, got {max_block}")
     draft.check_block_size(max_block)
     return max_block
+
+
+GENERATING: dict = {}  # id(drafter) -> (thread generating with it, generations open there)
+GENERATING_LOCK = threading.Lock()
+
+
+@contextmanager
+def one_thread_per_pair(draft):
+    """Refuse a generation on a pair that another thread is generating with.
+
+    A pair's adapter, compiled functions and MLX stream are shared state;
+    one thread may hold several generations (a conversation's turns), two
+    threads may not run at once.
+    """
+    me = threading.get_ident()
+    with GENERATING_LOCK:
+        owner, depth = GENERATING.get(id(draft), (me, 0))
+        if owner != me:
+            raise ArgumentError(
+                "this drafter and its target are generating in another thread: run one "
+                "generation per pair at a time (wait for it, queue requests on one thread "
+                "as mlx-dflash server does, or load a second pair for the second thread)"
+            )
+        GENERATING[id(draft)] = (me, depth + 1)
+    try:
+        yield
+    finally:
+        with GENERATING_LOCK:
+            if depth:
+                GENERATING[id(draft)] = (me, depth)
+            else:
+                del GENERATING[id(draft)]
 
 
 def generate_step(
@@ -250,7 +290,7 @@ def generate_step(
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt and not cache.pending:
         raise ArgumentError("the prompt is empty")
-    with mx.stream(stream):
+    with one_thread_per_pair(draft), mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
             sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer)

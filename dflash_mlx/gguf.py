@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from .defaults import DTYPES
+from .errors import CheckpointError
 from .shards import shard_units, write_shards
 
 # llama.cpp architecture -> (mlx-lm model_type, HF class, Q/K permuted by llama.cpp)
@@ -57,8 +58,11 @@ TENSOR_NAMES = [
 DIGIT_SPLIT_PRE = ("smollm",)
 
 
-class GGUFError(ValueError):
+class GGUFError(CheckpointError):
     """A GGUF file that cannot be imported; the message is shown as is."""
+
+
+DAMAGED = "the file is damaged; download it again"
 
 
 def value(v):
@@ -161,10 +165,14 @@ def build_tokenizer(md: dict, arch: str):
     }
     if "tokens" not in spec:
         raise GGUFError("the GGUF metadata has no tokenizer.ggml.tokens: no tokenizer to rebuild")
+    check_tokenizer_spec({f"tokenizer.{k}": spec[name] for k, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items() if name in spec})
+    for key in ("tokenizer.chat_template", f"{arch}.context_length"):
+        if key in md and not isinstance(value(md[key]), str if key.endswith("template") else int):
+            raise GGUFError(f"the GGUF metadata's {key} is {value(md[key])!r}: {DAMAGED}")
     try:
         backend, _ = convert_gguf_tokenizer(arch, spec)
-    except ValueError as e:
-        raise GGUFError(f"cannot rebuild the tokenizer: {e}") from e
+    except Exception as e:  # tokenizers reports a bad vocabulary as a bare Exception
+        raise GGUFError(f"cannot rebuild the tokenizer from tokenizer.ggml.*: {e}; {DAMAGED}") from e
     if spec.get("pre_tokenizer_type") in DIGIT_SPLIT_PRE:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -184,6 +192,25 @@ def build_tokenizer(md: dict, arch: str):
         if f"tokenizer.ggml.{flag}" in md:
             extra[flag] = bool(value(md[f"tokenizer.ggml.{flag}"]))
     return PreTrainedTokenizerFast(tokenizer_object=backend, **named, **extra)
+
+
+def check_tokenizer_spec(md: dict) -> None:
+    """Refuse tokenizer metadata the builders would fail on inside, naming
+    the key: string lists that are not, token ids outside the vocabulary."""
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.model", "tokenizer.ggml.pre"):
+        v = md.get(key)
+        is_list = key.endswith(("tokens", "merges"))
+        if (v is not None or key.endswith("tokens")) and not (
+            isinstance(v, list) and all(isinstance(t, str) for t in v) if is_list else isinstance(v, str)
+        ):
+            raise GGUFError(f"the GGUF metadata's {key} is not {'a list of strings' if is_list else 'a string'}: {DAMAGED}")
+    n = len(md["tokenizer.ggml.tokens"])
+    types = md.get("tokenizer.ggml.token_type")
+    if types is not None and not (isinstance(types, list) and len(types) == n and all(type(t) is int for t in types)):
+        raise GGUFError(f"the GGUF metadata's tokenizer.ggml.token_type is not {n} integers, one per token: {DAMAGED}")
+    for key, v in md.items():
+        if key.endswith("_token_id") and not (type(v) is int and 0 <= v < n):
+            raise GGUFError(f"the GGUF metadata's {key} is {v!r}, not a token id below the vocabulary size {n}: {DAMAGED}")
 
 
 def hf_name(gguf_base: str) -> str:
@@ -260,8 +287,8 @@ def read_gguf(path: Path):
     arch = check_file(path)
     try:
         tensors, md = mx.load(str(path), return_metadata=True)
-    except RuntimeError as e:
-        raise GGUFError(f"{path}: MLX cannot read it: {e}") from e
+    except (RuntimeError, ValueError) as e:  # ValueError: a name or string that is not UTF-8
+        raise GGUFError(f"{path}: MLX cannot read it: {e}; {DAMAGED}") from e
     return arch, md, tensors
 
 

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from .errors import CheckpointError, CheckpointNotFoundError
-from .models.dflash import DFlashConfig, DFlashDraftModel, DraftConfigError
+from .models.dflash import MAX_POSITIONS, DFlashConfig, DFlashDraftModel, DraftConfigError, real, whole
 
 DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
@@ -29,6 +29,11 @@ TENSOR_ALIASES = (
 # DFlash2 stores its selector codebooks as bare tensors ("..._codebook");
 # as MLX embeddings they are "..._codebook.weight".
 CODEBOOK = "_codebook"
+
+
+# What mx.quantize takes (affine mode).
+QUANTIZED_BITS = (2, 3, 4, 5, 6, 8)
+QUANTIZED_GROUP_SIZES = (32, 64, 128)
 
 
 class DraftLoadError(CheckpointError):
@@ -96,7 +101,10 @@ def draft_architecture(cfg: dict) -> Optional[str]:
 
     Early z-lab configs name no architecture but carry a ``dflash_config``.
     """
-    arch = (cfg.get("architectures") or [None])[0]
+    archs = cfg.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise CheckpointError(f"config.json's architectures must be a list of class names, not {archs!r}")
+    arch = archs[0] if archs else None
     if arch is None and "dflash_config" in cfg:
         return "DFlashDraftModel"
     return arch if arch in DRAFT_ARCHITECTURES else None
@@ -105,7 +113,7 @@ def draft_architecture(cfg: dict) -> Optional[str]:
 def check_draft_architecture(cfg: dict, path) -> str:
     arch = draft_architecture(cfg)
     if arch is None:
-        found = (cfg.get("architectures") or [None])[0]
+        found = (cfg.get("architectures") or [None])[0]  # a list of names (draft_architecture checked)
         raise DraftLoadError(
             f"{path}: architecture {found!r} is not a DFlash drafter; supported: "
             f"{', '.join(DRAFT_ARCHITECTURES)}"
@@ -173,6 +181,22 @@ def draft_model_class(config: DFlashConfig):
     return DFlashDraftModel
 
 
+def quantization_of(cfg: dict, path) -> Optional[dict]:
+    """config.json's ``quantization`` entry (mlx-lm's layout), checked."""
+    q = cfg.get("quantization")
+    if q is None:
+        return None
+    ok = isinstance(q, dict) and all(
+        isinstance(q.get(k), int) and not isinstance(q.get(k), bool) for k in ("group_size", "bits")
+    )
+    if not ok or q["bits"] not in QUANTIZED_BITS or q["group_size"] not in QUANTIZED_GROUP_SIZES:
+        raise DraftLoadError(
+            f"{path}/config.json: quantization {q!r} is not one MLX can load: it needs bits in "
+            f"{QUANTIZED_BITS} and group_size in {QUANTIZED_GROUP_SIZES} (convert again with mlx-dflash convert -q)"
+        )
+    return q
+
+
 def build_draft(config: DFlashConfig, quantization: Optional[dict] = None, weights=None):
     model = draft_model_class(config)(config)
     if quantization:
@@ -227,7 +251,7 @@ def load_draft(
     except DraftConfigError as e:
         raise DraftLoadError(f"{path}/config.json: {e}") from e
     weights = normalize_tensor_names(read_safetensors(path))
-    model = build_draft(config, cfg.get("quantization"), weights)
+    model = build_draft(config, quantization_of(cfg, path), weights)
     check_weights(model, weights, path)
     model.load_weights(list(weights.items()), strict=True)
     if dtype is not None:
@@ -244,11 +268,62 @@ def load_draft(
     return model
 
 
+# Target config.json fields mlx-lm reads as sizes and as positive reals.
+TARGET_SIZES = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+    "vocab_size", "head_dim", "sliding_window",
+)  # fmt: skip
+TARGET_REALS = ("rms_norm_eps", "rope_theta", "layer_norm_eps")
+
+
+def check_target_config(cfg: dict, path) -> None:
+    """Refuse the config.json values mlx-lm would fail on deep inside (or
+    build absurd models from), naming the field; ``text_config`` too."""
+    where = f"{path}/config.json"
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{where} must hold a JSON object")
+    if not isinstance(cfg.get("model_type"), str):
+        raise CheckpointError(f"{where}: model_type must name an mlx-lm model family, not {cfg.get('model_type')!r}")
+    for section in (cfg, cfg.get("text_config")):
+        if not isinstance(section, dict):
+            continue
+        for key in TARGET_SIZES:
+            if section.get(key) is not None:
+                whole(f"{where}: {key}", section[key], 1, error=CheckpointError)
+        if section.get("max_position_embeddings") is not None:
+            whole(f"{where}: max_position_embeddings", section["max_position_embeddings"], 1, MAX_POSITIONS, CheckpointError)
+        for key in TARGET_REALS:
+            if section.get(key) is not None:
+                real(f"{where}: {key}", section[key], 0, error=CheckpointError)
+    for key in ("text_config", "rope_scaling", "quantization"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise CheckpointError(f"{where}: {key} must be an object, not {cfg[key]!r}")
+
+
 def load(path_or_hub_id: Union[str, Path], **kwargs) -> Tuple[nn.Module, object]:
-    """Load a target model and tokenizer with mlx-lm (local path or hub id)."""
+    """Load a target model and tokenizer with mlx-lm (local path or hub id).
+
+    A local checkpoint's config.json is checked first; what mlx-lm still
+    refuses while building the model from it comes back as a CheckpointError.
+    """
     from mlx_lm import load as mlx_lm_load
 
     path = local_checkpoint(path_or_hub_id)
-    if path is not None:
-        read_config(path)  # a missing or broken config.json fails here, clearly
-    return mlx_lm_load(str(path_or_hub_id), **kwargs)
+    if path is None:
+        return mlx_lm_load(str(path_or_hub_id), **kwargs)
+    from huggingface_hub.errors import StrictDataclassError  # transformers' config checks
+
+    check_target_config(read_config(path), path)
+    try:
+        return mlx_lm_load(str(path_or_hub_id), **kwargs)
+    except (
+        ValueError, TypeError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError,
+        AssertionError,  # mlx-lm's ModelArgs assert some fields
+        StrictDataclassError,
+    ) as e:  # fmt: skip
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(
+            f"{path}: mlx-lm cannot build the model its config.json describes ({type(e).__name__}: {e}); "
+            "fix config.json or convert the checkpoint again"
+        ) from e

@@ -46,8 +46,8 @@ from . import cli
 from .api import ENDPOINTS, Metrics, ResponseStore, read_json_body
 from .api.turn import openai_tool_choice, tool_choice_rule
 from .cache import make_prompt_cache
-from .defaults import DEFAULT_MAX_TOKENS
-from .errors import ArgumentError, RequestError
+from .defaults import DEFAULT_MAX_TOKENS, MAX_BLOCK_SIZE
+from .errors import ArgumentError, DFlashError, RequestError
 from .generate import feed, generate_step
 from .pipeline import STOP, agree_flag, share_request
 
@@ -110,8 +110,8 @@ def check_fields(body: dict) -> None:
     number("top_p", 0, 1)
     number("top_k", 0, None, int)
     number("min_p", 0, 1)
-    number("seed", None, None, int)
-    number("num_draft_tokens", 0, None, int)
+    number("seed", 0, 2**64 - 1, int)  # what mx.random.seed takes
+    number("num_draft_tokens", 0, MAX_BLOCK_SIZE - 1, int)
     number("top_logprobs", 0, 11, int)
     for name in ("stream", "logprobs"):
         if name in body and not isinstance(body[name], bool):
@@ -138,6 +138,9 @@ def chat_tokens(tokenizer, body: dict, template_args: dict):
         process_message_content(messages)
     except (ValueError, KeyError, TypeError) as e:
         raise RequestError(f"bad message content: {e}", "messages") from None
+    for name, kind in (("chat_template_kwargs", dict), ("role_mapping", dict), ("tools", list)):
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise RequestError(f"{name} must be {'an object' if kind is dict else 'a list'}", name)
     if not getattr(tokenizer, "chat_template", None):  # set after loading too (--chat-template)
         return tokenizer.encode(convert_chat(messages, body.get("role_mapping"))), []
     role = next((m["role"] for m in messages if m["role"] not in CHAT_ROLES), None)
@@ -145,15 +148,15 @@ def chat_tokens(tokenizer, body: dict, template_args: dict):
         raise RequestError(f"a message has the role {role!r}: use one of {', '.join(CHAT_ROLES)}", "messages")
     tools = tool_choice_rule(openai_tool_choice(body.get("tool_choice")), body.get("tools") or None)
     kwargs = dict(template_args, **(body.get("chat_template_kwargs") or {}), tools=tools)
-    try:
+    try:  # the template meets the client's messages and tools here
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-    except TemplateError as e:
-        raise RequestError(f"the chat template refused the messages: {e}", "messages") from None
-    boundaries = []
-    for i in range(1, len(messages)):
-        head = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=False, tokenize=True, **kwargs)
-        if 0 < len(head) < len(prompt) and prompt[: len(head)] == head:
-            boundaries.append(len(head))
+        boundaries = []
+        for i in range(1, len(messages)):
+            head = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=False, tokenize=True, **kwargs)
+            if 0 < len(head) < len(prompt) and prompt[: len(head)] == head:
+                boundaries.append(len(head))
+    except (TemplateError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise RequestError(f"the chat template cannot render these messages or tools: {e}", "messages") from None
     return prompt, boundaries
 
 

@@ -7,6 +7,7 @@ into every layer as extra keys/values (KV injection); block slots attend to
 that context and to each other (non-causal unless the config says otherwise).
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -26,6 +27,34 @@ class DraftConfigError(CheckpointError):
     """A drafter config.json that cannot be honoured."""
 
 
+# The largest size a drafter dimension may have: MLX shapes are int32, and
+# no published drafter comes near it.
+MAX_DIM = 1 << 24
+MAX_POSITIONS = (1 << 31) - 1
+
+
+def whole(name: str, value, lo: Optional[int] = None, hi: int = MAX_DIM, error=None) -> int:
+    """A config.json integer (from ``lo`` to ``hi`` when ``lo`` is given),
+    refused with its name, as ``error`` (default DraftConfigError), when it
+    is anything else."""
+    error = error or DraftConfigError
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise error(f"{name} must be an integer, not {value!r}: fix config.json")
+    if lo is not None and not lo <= value <= hi:
+        raise error(f"{name} must be from {lo} to {hi}, not {value}: fix config.json")
+    return value
+
+
+def real(name: str, value, lo: Optional[float] = None, error=None) -> float:
+    """A config.json number (finite; above ``lo`` when given), refused with its name."""
+    error = error or DraftConfigError
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise error(f"{name} must be a finite number, not {value!r}: fix config.json")
+    if lo is not None and value <= lo:
+        raise error(f"{name} must be above {lo}, not {value}: fix config.json")
+    return float(value)
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
     """Tap layers when the config names none: one in the middle for a
     one-layer drafter, else evenly spaced from layer 1 to
@@ -37,6 +66,20 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> L
     return [int(round(start + i * step)) for i in range(num_draft_layers)]
 
 
+def tap_layer_ids(tap_ids, num_target_layers: Optional[int], n_layers: int) -> List[int]:
+    """The config's ``target_layer_ids``, checked, or the default ones."""
+    if tap_ids is None:
+        if num_target_layers is None:
+            raise DraftConfigError(
+                "drafter config.json names neither dflash_config.target_layer_ids "
+                "nor num_target_layers, so the target taps are unknown"
+            )
+        return default_target_layer_ids(num_target_layers, n_layers)
+    if not isinstance(tap_ids, list) or not tap_ids:
+        raise DraftConfigError(f"target_layer_ids must be a non-empty list of layer indices, not {tap_ids!r}")
+    return [whole("target_layer_ids", i, 0) for i in tap_ids]
+
+
 def draft_rope(cfg: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
     """(rope_theta, scaling config for ``initialize_rope`` or None).
 
@@ -46,6 +89,8 @@ def draft_rope(cfg: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
     drafter applies one RoPE to all its layers.
     """
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if rope is not None and not isinstance(rope, dict):
+        raise DraftConfigError(f"rope_parameters / rope_scaling must be an object, not {rope!r}: fix config.json")
     if rope and all(isinstance(v, dict) for v in rope.values()):
         kinds = list(rope.values())
         if any(k != kinds[0] for k in kinds):
@@ -57,13 +102,15 @@ def draft_rope(cfg: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
     rope_theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta", 10000.0)
     if rope is not None and (rope.get("rope_type") or rope.get("type")) in (None, "default"):
         rope = None  # plain RoPE: nothing for initialize_rope to scale
-    return float(rope_theta), rope
+    return real("rope_theta", rope_theta, 0), rope
 
 
 def draft_layer_types(cfg: Dict[str, Any], dflash: Dict[str, Any], n_layers: int):
     """(layer_types, sliding_window) from every variant published configs use."""
     sliding_window = cfg.get("sliding_window") or dflash.get("swa_window_size")
-    layer_types = list(cfg.get("layer_types") or [])
+    layer_types = cfg.get("layer_types") or []
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        raise DraftConfigError(f"layer_types must be a list of layer type names, not {layer_types!r}")
     if not layer_types:
         use_swa = dflash.get("use_swa", cfg.get("use_sliding_window", False))
         layer_types = [SLIDING if use_swa and sliding_window else FULL] * n_layers
@@ -76,13 +123,17 @@ def draft_layer_types(cfg: Dict[str, Any], dflash: Dict[str, Any], n_layers: int
         raise DraftConfigError(f"unsupported layer_types {sorted(unknown)}")
     if SLIDING in layer_types and not sliding_window:
         raise DraftConfigError("sliding_attention layers need sliding_window")
-    return layer_types, int(sliding_window) if sliding_window else None
+    return layer_types, whole("sliding_window", sliding_window, 1) if sliding_window else None
 
 
-def check_draft_vocab(ids, vocab_size: int) -> List[int]:
+def check_draft_vocab(ids, vocab_size: int) -> Optional[List[int]]:
     """``dflash_config.draft_vocab`` as a list of ints: distinct target ids,
-    ascending, inside the vocabulary."""
-    ids = [int(i) for i in ids]
+    ascending, inside the vocabulary (None: the whole vocabulary)."""
+    if ids is None:
+        return None
+    if not isinstance(ids, list):
+        raise DraftConfigError(f"draft_vocab must be a list of target ids, not {type(ids).__name__}: fix config.json")
+    ids = [whole("draft_vocab[]", i) for i in ids]
     if not ids or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0 or ids[-1] >= vocab_size:
         raise DraftConfigError(
             f"draft_vocab must be distinct ascending target ids in 0..{vocab_size - 1} "
@@ -128,83 +179,84 @@ class DFlashConfig:
 
     @classmethod
     def from_hf(cls, cfg: Dict[str, Any]) -> "DFlashConfig":
-        """Parse every config variant found in published drafters."""
-        dflash = dict(cfg.get("dflash_config") or {})
+        """Parse every config variant found in published drafters; a value of
+        the wrong type or range is refused, naming its field."""
+        if not isinstance(cfg, dict):
+            raise DraftConfigError("drafter config.json must hold a JSON object")
+        dflash = cfg.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise DraftConfigError(f"dflash_config must be an object, not {dflash!r}")
 
         def pick(name, default=None):
             return dflash.get(name, cfg.get(name, default))
 
         missing = [
             k
-            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
             if k not in cfg
         ]
         if missing:
             raise DraftConfigError(f"drafter config.json lacks {', '.join(missing)}")
-        n_layers = int(cfg["num_hidden_layers"])
-        n_heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads)
+        hidden = whole("hidden_size", cfg["hidden_size"], 1)
+        n_layers = whole("num_hidden_layers", cfg["num_hidden_layers"], 1)
+        n_heads = whole("num_attention_heads", cfg["num_attention_heads"], 1)
+        n_kv_heads = whole("num_key_value_heads", cfg.get("num_key_value_heads") or n_heads, 1)
+        if n_heads % n_kv_heads:
+            raise DraftConfigError(f"num_key_value_heads {n_kv_heads} does not divide num_attention_heads {n_heads}")
+        head_dim = whole("head_dim", cfg.get("head_dim") or hidden // n_heads, 1)
+        vocab = whole("vocab_size", cfg["vocab_size"], 1)
 
         num_target_layers = cfg.get("num_target_layers")
-        tap_ids = pick("target_layer_ids")
-        if tap_ids is None:
-            if num_target_layers is None:
-                raise DraftConfigError(
-                    "drafter config.json names neither dflash_config.target_layer_ids "
-                    "nor num_target_layers, so the target taps are unknown"
-                )
-            tap_ids = default_target_layer_ids(int(num_target_layers), n_layers)
+        if num_target_layers is not None:
+            num_target_layers = whole("num_target_layers", num_target_layers, 1)
+        tap_ids = tap_layer_ids(pick("target_layer_ids"), num_target_layers, n_layers)
         mask_id = pick("mask_token_id")
         if mask_id is None:
             raise DraftConfigError("drafter config.json lacks dflash_config.mask_token_id")
-        if not 0 <= int(mask_id) < int(cfg["vocab_size"]):
-            raise DraftConfigError(
-                f"mask_token_id {mask_id} is outside the drafter vocabulary (vocab_size "
-                f"{cfg['vocab_size']})"
-            )
+        if not 0 <= whole("mask_token_id", mask_id) < vocab:
+            raise DraftConfigError(f"mask_token_id {mask_id} is outside the drafter vocabulary (vocab_size {vocab})")
 
         rope_theta, rope = draft_rope(cfg)
         layer_types, sliding_window = draft_layer_types(cfg, dflash, n_layers)
 
-        is_causal = cfg.get("is_causal")
-        if is_causal is None:
-            is_causal = dflash.get("causal")
+        is_causal = dflash.get("causal") if cfg.get("is_causal") is None else cfg["is_causal"]
+        for name, flag in (("is_causal", is_causal), ("attention_bias", cfg.get("attention_bias", False))):
+            if flag is not None and not isinstance(flag, bool):
+                raise DraftConfigError(f"{name} must be true or false, not {flag!r}")
 
-        arch = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
+        archs = cfg.get("architectures") or ["DFlashDraftModel"]
         softcap = pick("final_logit_softcapping")
-        draft_vocab = pick("draft_vocab")
-        if draft_vocab is not None:
-            draft_vocab = check_draft_vocab(draft_vocab, int(cfg["vocab_size"]))
+        target_hidden = cfg.get("target_hidden_size")
         return cls(
-            hidden_size=int(cfg["hidden_size"]),
+            hidden_size=hidden,
             num_hidden_layers=n_layers,
             num_attention_heads=n_heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            num_key_value_heads=n_kv_heads,
             head_dim=head_dim,
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            target_layer_ids=[int(i) for i in tap_ids],
-            mask_token_id=int(mask_id),
-            block_size=int(pick("block_size", DEFAULT_BLOCK_SIZE)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            intermediate_size=whole("intermediate_size", cfg["intermediate_size"], 1),
+            vocab_size=vocab,
+            target_layer_ids=tap_ids,
+            mask_token_id=mask_id,
+            block_size=whole("block_size", pick("block_size", DEFAULT_BLOCK_SIZE), 1),
+            rms_norm_eps=real("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6), 0),
             rope_theta=rope_theta,
             rope_scaling=rope,
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            max_position_embeddings=whole("max_position_embeddings", cfg.get("max_position_embeddings") or 32768, 1, MAX_POSITIONS),
+            attention_bias=cfg.get("attention_bias", False),
             num_target_layers=num_target_layers,
-            target_hidden_size=cfg.get("target_hidden_size"),
+            target_hidden_size=None if target_hidden is None else whole("target_hidden_size", target_hidden, 1),
             layer_types=layer_types,
             sliding_window=sliding_window,
-            is_causal=None if is_causal is None else bool(is_causal),
-            architecture=arch,
-            conv_kernel_size=int(pick("conv_kernel_size", 0) or 0),
-            conv_group_size=int(pick("conv_group_size", 0) or 0),
-            selector_rank=int(pick("selector_rank", 0) or 0),
-            selector_top_k=int(pick("selector_top_k", 0) or 0),
-            input_embedding_scale=float(pick("input_embedding_scale", 1.0) or 1.0),
-            output_multiplier=float(pick("output_multiplier", 1.0) or 1.0),
-            final_logit_softcapping=float(softcap) if softcap else None,
-            draft_vocab=draft_vocab,
+            is_causal=is_causal,
+            architecture=archs[0] if isinstance(archs, list) and archs else archs,
+            conv_kernel_size=whole("conv_kernel_size", pick("conv_kernel_size", 0) or 0, 0),
+            conv_group_size=whole("conv_group_size", pick("conv_group_size", 0) or 0, 0),
+            selector_rank=whole("selector_rank", pick("selector_rank", 0) or 0, 0),
+            selector_top_k=whole("selector_top_k", pick("selector_top_k", 0) or 0, 0),
+            input_embedding_scale=real("input_embedding_scale", pick("input_embedding_scale", 1.0) or 1.0),
+            output_multiplier=real("output_multiplier", pick("output_multiplier", 1.0) or 1.0),
+            final_logit_softcapping=real("final_logit_softcapping", softcap, 0) if softcap else None,
+            draft_vocab=check_draft_vocab(pick("draft_vocab"), vocab),
         )
 
     @property

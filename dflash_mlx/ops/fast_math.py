@@ -29,6 +29,8 @@ from functools import lru_cache, partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from .threads import compile_per_thread
+
 _LOG2E = 1.442695  # the float32 constant MLX multiplies by
 # MLX's (Cephes) coefficients for 2**f on [-0.5, 0.5], highest degree first.
 _POLY = (
@@ -82,10 +84,10 @@ def _with_gradient_of(fused, reference):
 
 # Compiled per input shape (``view`` rules out shapeless compilation): the
 # shapes that matter repeat every cycle, so each is traced once.
-exp = _with_gradient_of(mx.compile(_exp), mx.exp)
-sigmoid = _with_gradient_of(mx.compile(_sigmoid), mx.sigmoid)
-silu = _with_gradient_of(mx.compile(lambda x: x * _sigmoid(x)), nn.silu)
-swiglu = _with_gradient_of(mx.compile(lambda gate, x: gate * _sigmoid(gate) * x), lambda gate, x: nn.silu(gate) * x)
+exp = _with_gradient_of(compile_per_thread(_exp), mx.exp)
+sigmoid = _with_gradient_of(compile_per_thread(_sigmoid), mx.sigmoid)
+silu = _with_gradient_of(compile_per_thread(lambda x: x * _sigmoid(x)), nn.silu)
+swiglu = _with_gradient_of(compile_per_thread(lambda gate, x: gate * _sigmoid(gate) * x), lambda gate, x: nn.silu(gate) * x)
 
 
 def available(device=None) -> bool:
@@ -143,13 +145,13 @@ def _exp_nonpositive(x):
     return p
 
 
-@partial(mx.compile, shapeless=True)
+@compile_per_thread(shapeless=True)
 def softmax_approx(scores):
     e = _exp_nonpositive(scores - mx.max(scores, axis=-1, keepdims=True))
     return e / mx.sum(e, axis=-1, keepdims=True)
 
 
-@partial(mx.compile, shapeless=True)
+@compile_per_thread(shapeless=True)
 def swiglu_approx(gate, x):
     e = _exp_nonpositive(-mx.abs(gate))
     return gate * mx.where(gate >= 0, 1 / (1 + e), e / (1 + e)) * x

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
+
 import mlx.nn as nn
+
+from .threads import compile_per_thread
 
 
 def log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
@@ -62,7 +65,7 @@ def _wy_chunk(q, k, v, log_g, beta, state):
 
 # Fusing the chunk's ~30 small ops saves per-op dispatch on the CPU (see
 # BENCHMARKS.md); the result is bit-identical to the uncompiled graph.
-_wy_chunk_compiled = mx.compile(_wy_chunk)
+_wy_chunk_compiled = compile_per_thread(_wy_chunk)
 
 
 @dataclass

@@ -11,6 +11,7 @@ matmul). The layer's projections (the weight reads decode time is made of)
 never run again, and a fully accepted block needs no replay at all.
 """
 
+import threading
 from dataclasses import dataclass
 from functools import partial
 from typing import Optional
@@ -192,11 +193,15 @@ class HybridTarget(TargetAdapter):
             raise ArgumentError("recurrence must be 'auto', 'chunked' or 'sequential'")
         self.chunked = recurrence == "chunked" or (recurrence == "auto" and not has_fused_recurrence())
         self.compile_layers = compile_layers
-        self._compiled_layers = {}
+        self._compiled = threading.local()  # per thread: see ops.threads
+
+    @property
+    def _compiled_layers(self) -> dict:
+        return self._compiled.__dict__.setdefault("layers", {})
 
     @property
     def compiled_layers(self) -> int:
-        """How many GatedDeltaNet layers have run as compiled functions so far."""
+        """How many GatedDeltaNet layers have run as compiled functions so far (on this thread)."""
         return len(self._compiled_layers)
 
     def _fused_linear_layer(self, i, layer, h, cache, records):

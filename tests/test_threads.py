@@ -1,0 +1,174 @@
+"""Threads and interruptions: one pair, two threads, and generations cut off
+mid-cycle.
+
+Threads here are long-lived workers that never end, as the server's
+generation thread: MLX (0.32) can abort the process at exit after compiled
+functions ran on a thread that has ended (see dflash_mlx/ops/threads.py and
+docs/robustness.md), and mlx-lm's own compiled functions are among them.
+"""
+
+import queue
+import threading
+
+import mlx.core as mx
+import pytest
+from test_state import assert_like_fresh_prefill
+from tiny import reference_tokens
+
+import dflash_mlx
+from dflash_mlx.errors import ArgumentError
+
+
+class Worker:
+    """A daemon thread that runs what it is given and never ends."""
+
+    def __init__(self):
+        self.jobs = queue.Queue()
+        threading.Thread(target=self.loop, daemon=True).start()
+
+    def loop(self):
+        while True:
+            fn, done = self.jobs.get()
+            try:
+                done.put((True, fn()))
+            except BaseException as e:  # handed back to the caller
+                done.put((False, e))
+
+    def submit(self, fn) -> "queue.Queue":
+        done = queue.Queue()
+        self.jobs.put((fn, done))
+        return done
+
+
+@pytest.fixture(scope="module")
+def workers():
+    return Worker(), Worker()
+
+
+@pytest.fixture(scope="module")
+def pair_and_draft(qwen3_pair, tmp_path_factory):
+    draft = dflash_mlx.load_draft(qwen3_pair.make_draft(tmp_path_factory.mktemp("d") / "d", block_size=4), qwen3_pair.model)
+    return qwen3_pair, draft
+
+
+PROMPTS = [[5, 9, 13, 40, 41, 42, 7] * 3, [100, 3, 3, 60, 61, 8] * 3]
+
+
+def test_two_threads_on_one_pair_are_exact_or_told_what_to_do(pair_and_draft, workers):
+    """Both start together; each either matches mlx-lm or is refused with an
+    error that says what to do, and the pair works afterwards."""
+    pair, draft = pair_and_draft
+    start = threading.Barrier(2)
+
+    def job(prompt):
+        def run():
+            start.wait()
+            return [t for r in dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, prompt, max_tokens=24) for t in r.tokens]
+
+        return run
+
+    pending = [w.submit(job(p)) for w, p in zip(workers, PROMPTS)]
+    outcomes = [done.get(timeout=300) for done in pending]
+    want = [pair.reference(p, 24, eos_ids=None) for p in PROMPTS]
+    exact = [ok and got == w for (ok, got), w in zip(outcomes, want)]
+    refused = [not ok and isinstance(got, ArgumentError) and "one generation per pair" in str(got) for ok, got in outcomes]
+    assert all(e or r for e, r in zip(exact, refused)), outcomes
+    assert any(exact)
+    ok, got = workers[1].submit(lambda: dflash_mlx.generate(pair.model, draft, pair.tokenizer, PROMPTS[1], max_tokens=24)).get(timeout=300)
+    assert ok and got == pair.tokenizer.decode(want[1])
+
+
+def test_a_refused_thread_leaves_the_running_one_exact(pair_and_draft, workers):
+    """The second thread asks while the first is between tokens."""
+    pair, draft = pair_and_draft
+    first_token, resume = threading.Event(), threading.Event()
+
+    def first():
+        out = []
+        for r in dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, PROMPTS[0], max_tokens=24):
+            out += r.tokens
+            first_token.set()
+            resume.wait()
+        return out
+
+    done = workers[0].submit(first)
+    first_token.wait(timeout=300)
+    ok, err = workers[1].submit(lambda: dflash_mlx.generate(pair.model, draft, pair.tokenizer, PROMPTS[1], max_tokens=4)).get(timeout=300)
+    resume.set()
+    assert not ok and isinstance(err, ArgumentError) and "another thread" in str(err)
+    ok, got = done.get(timeout=300)
+    assert ok and got == pair.reference(PROMPTS[0], 24, eos_ids=None)
+
+
+class Interrupt(KeyboardInterrupt):
+    pass
+
+
+class InterruptingDrafter:
+    """The drafter, raising KeyboardInterrupt at its ``n``-th proposal (mid
+    cycle: after the last cycle's commit, before this one's verify)."""
+
+    def __init__(self, draft, n):
+        self.draft, self.n = draft, n
+
+    def __getattr__(self, name):
+        return getattr(self.draft, name)
+
+    def propose(self, *args):
+        self.n -= 1
+        if self.n == 0:
+            raise Interrupt
+        return self.draft.propose(*args)
+
+
+def next_turn_is_exact(pair, draft, cache):
+    """After an interruption the cache is a fresh prefill's, and the next
+    turn equals mlx-lm's continuation of everything the cache holds."""
+    assert_like_fresh_prefill(cache, pair.model, draft)
+    turn = [77, 78, 79, 80]
+    want = pair.reference(cache.tokens + turn, 12, eos_ids=None)
+    got = [t for r in dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, turn, max_tokens=12, prompt_cache=cache) for t in r.tokens]
+    assert got == want
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 5, 9])
+def test_closing_the_generator_mid_cycle_leaves_the_cache_usable(pair_and_draft, stop_after):
+    """At every yield the next cycle is already queued (verified, not read):
+    closing the generator there rolls it back."""
+    pair, draft = pair_and_draft
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft)
+    steps = dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, PROMPTS[0], max_tokens=40, prompt_cache=cache, block_size=4)
+    for _ in range(stop_after):
+        next(steps)
+    assert cache.target.undo is not None  # a cycle is in flight
+    steps.close()
+    assert cache.target.undo is None
+    next_turn_is_exact(pair, draft, cache)
+
+
+@pytest.mark.parametrize("at", [1, 3])
+def test_keyboard_interrupt_mid_cycle_leaves_the_cache_usable(pair_and_draft, at):
+    pair, draft = pair_and_draft
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in dflash_mlx.stream_generate(
+            pair.model, InterruptingDrafter(draft, at), pair.tokenizer, PROMPTS[1], max_tokens=40, prompt_cache=cache, block_size=4
+        ):
+            pass
+    next_turn_is_exact(pair, draft, cache)
+
+
+def test_keyboard_interrupt_in_the_prefill_leaves_the_cache_usable(pair_and_draft):
+    pair, draft = pair_and_draft
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft)
+
+    def progress(done, total):
+        if done >= 8:
+            raise Interrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        list(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, PROMPTS[0] * 2, max_tokens=8,
+                                        prompt_cache=cache, prefill_step_size=4, prompt_progress_callback=progress))
+    assert cache.tokens == (PROMPTS[0] * 2)[:8] and cache.pending == []  # the chunks that ran
+    next_turn_is_exact(pair, draft, cache)
+    mx.clear_cache()
