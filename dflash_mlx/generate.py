@@ -16,11 +16,12 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import cli
-from .adaptive import BlockSizer, plan
+from .adaptive import BlockSizer, TreeChoice, TreeWalk, plan
 from .cache import PromptCache, bound_target, make_prompt_cache
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
 from .sampling import ACCEPTANCE_RULES, processed_probs, speculative_accept
+from .tree import build_tree, candidates, walked_ranks
 
 
 @dataclass
@@ -39,8 +40,11 @@ class GenerationResponse:
         peak_memory: in GB.
         finish_reason: "stop" (eos), "length" (max_tokens) or None.
         block_size: tokens verified this cycle (1: plain decoding, no draft;
-            0: the prefill's response). Varies from cycle to cycle unless
-            ``block_size`` was fixed.
+            0: the prefill's response; a tree's rows: the anchor and its
+            nodes). Varies from cycle to cycle unless ``block_size`` was fixed.
+        tree_size: nodes of the draft tree this cycle verified (0: a chain
+            or plain decoding); ``committed`` is then the walked path's
+            length plus the target's token after it.
     """
 
     text: str
@@ -54,6 +58,7 @@ class GenerationResponse:
     peak_memory: float
     finish_reason: Optional[str] = None
     block_size: int = 0
+    tree_size: int = 0
 
 
 def cycle_lengths(responses: Sequence[GenerationResponse]) -> List[int]:
@@ -182,6 +187,25 @@ def max_block_size(draft, block_size: Optional[int], sizer: Optional[BlockSizer]
     return max_block
 
 
+def check_tree_budget(target, draft, tree_budget: Optional[int], sizer) -> None:
+    """Refuse a tree budget this generation cannot honour, before any work."""
+    if tree_budget is None or tree_budget == 0:
+        return
+    if tree_budget < 0:
+        raise ArgumentError(f"tree_budget must be None (adaptive), 0 (chains only) or a node count, got {tree_budget}")
+    if sizer is not None:
+        raise ArgumentError("pass tree_budget or sizer, not both (a sizer makes every choice)")
+    if target.no_trees:
+        raise ArgumentError(target.no_trees)
+    if not hasattr(draft, "slot_logits"):
+        raise ArgumentError("this drafter gives no per-slot logits to build a tree from: use tree_budget=0")
+
+
+def trees_allowed(target, draft, tree_budget: Optional[int], sizer) -> bool:
+    """Whether the adaptive sizer may choose trees this generation."""
+    return tree_budget is None and sizer is None and not target.no_trees and hasattr(draft, "slot_logits")
+
+
 def generate_step(
     prompt: Union[List[int], mx.array],
     model,
@@ -191,6 +215,7 @@ def generate_step(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     block_size: Optional[int] = None,
     sizer: Optional[BlockSizer] = None,
+    tree_budget: Optional[int] = None,
     temperature: float = 0.0,
     top_p: float = 0.0,
     top_k: int = 0,
@@ -202,10 +227,11 @@ def generate_step(
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stream=generation_stream,
-) -> Generator[Tuple[int, Optional[mx.array], bool, int], None, None]:
-    """Yield each committed token as ``(token, logprobs, from_draft, block)``,
-    like mlx-lm's ``speculative_generate_step`` plus the length of the block
-    its cycle verified (0 for the prefill's token).
+) -> Generator[Tuple[int, Optional[mx.array], bool, int, int], None, None]:
+    """Yield each committed token as ``(token, logprobs, from_draft, block,
+    tree)``, like mlx-lm's ``speculative_generate_step`` plus the rows its
+    cycle verified (0 for the prefill's token) and the nodes of the draft
+    tree it verified (0: a chain or plain decoding).
 
     ``prompt`` holds only the tokens new to ``prompt_cache`` (it may be empty
     when the cache has a pending token). ``logprobs`` (the target's
@@ -240,12 +266,21 @@ def generate_step(
     seeded (``mx.random``) sampled run repeats only with a fixed
     ``block_size``; a ``sizer`` (:class:`~dflash_mlx.adaptive.BlockSizer`)
     makes the choices instead, up to its ``max_block``.
+
+    ``tree_budget`` (:mod:`dflash_mlx.tree`): ``None`` lets the sizer choose
+    between plain decoding, chains and draft trees each cycle; ``0`` keeps
+    to chains; ``n`` verifies a tree of ``n`` nodes every drafting cycle,
+    at most ``block_size - 1`` deep (the drafter's block). A tree is walked
+    by the target's own choice at each node (its argmax, or its sample
+    under the request's sampler, a custom one included), so it is exact
+    under either ``acceptance`` rule, which applies to chains.
     """
     rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
     if max_tokens < 1:
         raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
     max_block = max_block_size(draft, block_size, sizer)
     target = bound_target(model, draft)
+    check_tree_budget(target, draft, tree_budget, sizer)
     cache = make_prompt_cache(model, draft) if prompt_cache is None else prompt_cache
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt and not cache.pending:
@@ -253,7 +288,10 @@ def generate_step(
     with mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-            sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer)
+            sizer, settle = plan(
+                target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer,
+                tree_budget or 0, trees_allowed(target, draft, tree_budget, sizer),
+            )
             eos = set(eos_token_ids)
             yield from decode(target, draft, cache, logits, rule, sizer, settle, max_tokens, eos, logprobs)
         finally:
@@ -264,14 +302,33 @@ def generate_step(
 
 @dataclass
 class Cycle:
-    """A queued cycle: the verified block's length, its outcome
-    (:meth:`AcceptanceRule.outcome`, not yet read), the target's logits and
-    its tap states for the block."""
+    """A queued cycle: what the sizer chose (a block length or a
+    :class:`~dflash_mlx.adaptive.TreeChoice`), its outcome
+    (:meth:`AcceptanceRule.outcome`, or for a tree the target's choice at
+    every row; not yet read), the target's logits and its tap states for
+    the verified rows; for a tree, the tree and its candidates."""
 
-    block: int
+    choice: Union[int, TreeChoice]
     outcome: mx.array
     logits: mx.array
     target_hidden: mx.array
+    tree: Optional[object] = None
+    ids: Optional[object] = None
+
+    @property
+    def rows(self) -> int:
+        return self.tree.rows if self.tree is not None else self.choice
+
+    def read(self):
+        """``(rows kept, proposed tokens along them, accepted count, the
+        target's token after them, what a tree's walk showed)`` in one host read."""
+        if self.tree is None:
+            accepted, token, proposed = read_outcome(self.outcome)
+            return list(range(accepted + 1)), proposed, accepted, token, None
+        choices = self.outcome.tolist()
+        path, token = self.tree.walk(choices)
+        walk = TreeWalk(walked_ranks(self.tree, self.ids, path, choices), self.tree.spine)
+        return path, [self.tree.tokens[r] for r in path[1:]], len(path) - 1, token, walk
 
 
 def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_tokens, eos, want_logprobs):
@@ -287,7 +344,25 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
     """
     speculative = rule.sampling is not None
 
-    def launch(anchor, length):
+    def launch_tree(anchor, nodes, remaining):
+        """Queue a tree cycle: the drafter's whole block, its best
+        candidates per slot (one host read: the tree is built on the host),
+        a tree of ``nodes`` nodes at most ``remaining - 1`` deep, verified
+        in one forward; the outcome is the target's choice at every row."""
+        block = mx.array([[anchor] + [draft.mask_token_id] * (sizer.max_block - 1)])
+        slot_logits = draft.slot_logits(block, cache.target_hidden, cache.draft)[0, : remaining - 1]
+        cache.target_hidden = None  # injected into the drafter's context
+        ids, logprobs = candidates(slot_logits, nodes)
+        tree = build_tree(anchor, ids, logprobs, nodes)
+        logits, target_hidden = target.forward(mx.array([tree.tokens]), cache.target, tree=tree)
+        outcome = rule.choose(logits[0]).astype(mx.int32)
+        mx.async_eval(outcome)
+        return Cycle(TreeChoice(nodes), outcome, logits, target_hidden, tree, ids)
+
+    def launch(anchor, choice, remaining):
+        if isinstance(choice, TreeChoice):
+            return launch_tree(anchor, choice.nodes, remaining)
+        length = choice
         """Queue the cycle after ``anchor``: draft a whole block from the tap
         states the drafter has not seen, verify the anchor and the first
         ``length - 1`` drafted tokens (``length`` 1: plain decoding, no
@@ -319,37 +394,45 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
     cache.tokens.append(anchor)
     n = 1
     if n == max_tokens or anchor in eos:
-        yield anchor, lp, False, 0
+        yield anchor, lp, False, 0, 0
         return
-    cycle = launch(anchor, sizer.choose(max_tokens - n))  # never more slots than tokens left
-    yield anchor, lp, False, 0
+    cycle = launch(anchor, sizer.choose(max_tokens - n), max_tokens - n)  # never more slots than tokens left
+    yield anchor, lp, False, 0, 0
     tic = time.perf_counter()  # cycles are timed without the caller's time
     while True:
-        accepted, bonus, proposed = read_outcome(cycle.outcome)
+        rows, proposed, accepted, bonus, walk = cycle.read()
         # A cycle's cost: from the previous read to this one, less the
         # caller's time with the tokens, which is the same per token
         # whatever the block and so has no say in choosing it.
         now = time.perf_counter()
-        sizer.observe(cycle.block, accepted, now - tic)  # before the next choice
+        if walk is None:
+            sizer.observe(cycle.choice, accepted, now - tic)  # before the next choice
+        else:
+            sizer.observe(cycle.choice, accepted, now - tic, walk)
         tic = now
         new_tokens = proposed[:accepted] + [bonus]
         stop = next((i for i, t in enumerate(new_tokens) if t in eos), None)
         if stop is not None:
             new_tokens = new_tokens[: stop + 1]
+        rows = rows[: len(new_tokens)]
         n += len(new_tokens)
         ends = n >= max_tokens or stop is not None
         anchor = new_tokens[-1]
-        target.rollback(cache.target, len(new_tokens))
-        cache.add_hidden(cycle.target_hidden[:, : len(new_tokens)])
+        if cycle.tree is None:
+            target.rollback(cache.target, len(rows))
+            cache.add_hidden(cycle.target_hidden[:, : len(rows)])
+        else:
+            target.rollback(cache.target, rows)
+            cache.add_hidden(cycle.target_hidden[:, mx.array(rows)])
         cache.pending = [anchor]
         cache.tokens.extend(new_tokens)
-        logits, block = cycle.logits, cycle.block
+        logits, block, tree = cycle.logits, cycle.rows, 0 if cycle.tree is None else cycle.tree.nodes
         if not ends:
-            cycle = launch(anchor, sizer.choose(max_tokens - n))
+            cycle = launch(anchor, sizer.choose(max_tokens - n), max_tokens - n)
         lp = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True) if want_logprobs else None
         paused = time.perf_counter()
         for i, t in enumerate(new_tokens):
-            yield t, None if lp is None else lp[i], i < accepted, block
+            yield t, None if lp is None else lp[rows[i]], i < accepted, block, tree
         if ends:
             return
         tic += time.perf_counter() - paused
@@ -387,7 +470,7 @@ def stream_generate(
     with wired_limit(model, [stream]), closing(steps):
         tic = time.perf_counter()
         n_out, prompt_tps, cycle, accepted = 0, None, [], 0
-        for token, _, from_draft, block in steps:
+        for token, _, from_draft, block, tree in steps:
             if prompt_tps is None:
                 prompt_tps = prompt.size / (time.perf_counter() - tic)
                 tic = time.perf_counter()
@@ -414,6 +497,7 @@ def stream_generate(
                 peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=finish,
                 block_size=block,
+                tree_size=tree,
             )
             if finish:
                 return

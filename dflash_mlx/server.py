@@ -342,7 +342,7 @@ class DFlashResponseGenerator:
         n = yielded = accepted = 0
         sizes, cycle_starts = Counter(), False  # verified block lengths; the prefill's token is no cycle
         with wired_limit(self.model, [generation_stream]), closing(steps):
-            for token, logprobs, from_draft, block in steps:
+            for token, logprobs, from_draft, block, _ in steps:
                 yielded += 1
                 accepted += from_draft
                 sizes[block] += cycle_starts

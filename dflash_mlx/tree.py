@@ -37,8 +37,9 @@ import numpy as np
 class DraftTree:
     """A verify block shaped as a tree.
 
-    ``tokens[r]``, ``parents[r]`` (-1 for the root), ``depths[r]`` and
+    ``tokens[r]``, ``parents[r]`` (-1 for the root), ``depths[r]``,
     ``ranks[r]`` (the token's rank among its slot's candidates, best 0; 0 for
+    the root) and ``scores[r]`` (the path's summed log-probability, 0 for
     the root) per row ``r``; row 0 is the anchor.
     """
 
@@ -46,6 +47,7 @@ class DraftTree:
     parents: List[int]
     depths: List[int]
     ranks: List[int]
+    scores: Optional[List[float]] = None
     children: Dict[Tuple[int, int], int] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -87,6 +89,15 @@ class DraftTree:
             path.append(row)
             row = self.parents[row]
         return path[::-1]
+
+    @property
+    def spine(self) -> int:
+        """Depth of the chain of best candidates the tree holds (rank 0 at every slot)."""
+        row, depth = 0, 0
+        for r in range(1, self.rows):
+            if self.parents[r] == row and self.ranks[r] == 0:
+                row, depth = r, depth + 1
+        return depth
 
     def levels(self) -> List[List[int]]:
         """Rows grouped by depth, shallowest first."""
@@ -147,7 +158,20 @@ def build_tree(anchor: int, ids: np.ndarray, logprobs: np.ndarray, budget: int) 
         if depth < slots:
             order += 1
             heapq.heappush(frontier, (-(scores[row] + logprobs[depth, 0]), order, row, depth + 1, 0))
-    return DraftTree(tokens, parents, depths, ranks)
+    return DraftTree(tokens, parents, depths, ranks, scores)
+
+
+def walked_ranks(tree: DraftTree, ids: np.ndarray, path: Sequence[int], choices: Sequence[int]) -> List[Optional[int]]:
+    """The rank among slot ``d + 1``'s candidates ``ids`` of the target's
+    token at each walked row of depth ``d`` (None: not a candidate), for
+    the slots the candidates cover: what :class:`~dflash_mlx.adaptive.TreeWalk` learns from."""
+    out = []
+    for row in path:
+        slot = tree.depths[row]
+        if slot < len(ids):
+            hits = np.nonzero(ids[slot] == choices[row])[0]
+            out.append(int(hits[0]) if hits.size else None)
+    return out
 
 
 def candidates(slot_logits, k: int):
@@ -164,9 +188,3 @@ def candidates(slot_logits, k: int):
     ids, values = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
     mx.eval(ids, values)
     return np.array(ids), np.array(values)
-
-
-def rank_of(ids: np.ndarray, slot: int, token: int) -> Optional[int]:
-    """``token``'s rank among slot ``slot``'s candidates (1-based slot), None if absent."""
-    hits = np.nonzero(ids[slot - 1] == token)[0]
-    return int(hits[0]) if hits.size else None

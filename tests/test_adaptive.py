@@ -282,7 +282,7 @@ def test_plain_cycles_queue_the_next_step_and_closing_undoes_it(qwen3_pair, tmp_
     for stop_after in range(1, 7):
         cache = dflash_mlx.make_prompt_cache(pair.model, draft)
         steps = dflash_mlx.generate_step(prompt_of(5), pair.model, draft, prompt_cache=cache, block_size=1, max_tokens=6)
-        for i, (token, _, from_draft, block) in enumerate(steps, 1):
+        for i, (token, _, from_draft, block, _) in enumerate(steps, 1):
             assert not from_draft and block in (0, 1)
             assert (cache.target.undo is not None) == (i < 6)  # the last token queues nothing
             if i == stop_after:

@@ -4,7 +4,8 @@ and rollback against fresh decoding of every path."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny import prompt_of, scaled_error
+import tiny
+from tiny import ScriptedDrafter, committed_sequence, prompt_of, scaled_error
 
 from dflash_mlx.targets import adapter_for
 from dflash_mlx.tree import DraftTree, build_tree, chain
@@ -107,3 +108,80 @@ def test_tree_rows_and_every_rollback_match_fresh_decoding(make_pair, name):
         target.rollback(cache, 1)
         want = pair.model(mx.array([seq + [nxt]]))[0, -1]
         assert scaled_error(step_logits[0, -1], want) < 1e-4, f"row {row} path {path}"
+
+
+# ---------------------------------------------------------------------------
+# The loop with trees
+
+
+class TreeDrafter(ScriptedDrafter):
+    """Slot logits whose best candidate is the target's greedy token except
+    at a planted slot, where it is the second best (or, every third cycle,
+    absent from the top candidates): the tree's walk then takes branches
+    other than the best chain."""
+
+    def slot_logits(self, block, context, cache):
+        n = block.shape[1] - 1
+        seq = committed_sequence(self.prompt, block, context, cache, self.reference)
+        truth = self.draft(seq, n)  # the scripted chain, a mistake planted in it
+        at = len(seq) - 1 - len(self.prompt)
+        right = (self.reference[at + 1 : at + 1 + n] + [0] * n)[:n]
+        cache["last"] = [seq[-1]] + right  # what a walk that follows the target commits
+        self.cycle = getattr(self, "cycle", 0) + 1
+        self.planted = getattr(self, "planted", [])
+        self.planted.append(next((j for j, (t, r) in enumerate(zip(truth, right)) if t != r), None))
+        logits = np.zeros((n, self.vocab), np.float32)
+        for j, (t, r) in enumerate(zip(truth, right)):
+            logits[j, (t * 5 + j) % self.vocab] = 2.0  # a decoy
+            logits[j, t] = 4.0
+            if t != r and self.cycle % 3:
+                logits[j, r] = 3.0  # the truth as runner-up
+        return mx.array(logits)[None]
+
+
+def tree_run(pair, prompt, budget, max_tokens, block=16, eos_ids=(), **kw):
+    """Greedy DFlash with forced trees and mlx-lm's decode (no eos unless given)."""
+    ref = pair.reference(prompt, max_tokens + block, eos_ids=eos_ids)
+    plain = pair.reference(prompt, max_tokens + block, eos_ids=())
+    drafter = TreeDrafter(plain, prompt, block, range(block), pair.vocab)
+    got, responses = pair.dflash(drafter, prompt, eos_ids=eos_ids, tree_budget=budget, block_size=block,
+                                 max_tokens=max_tokens, **kw)
+    return got, ref, responses, drafter
+
+
+CASES = [  # (family, budget, prompt length): every family, every budget, short and long prompts
+    ("llama", 4, 300), ("qwen2", 16, 1), ("qwen3", 32, 120), ("qwen3_moe", 64, 7),
+    ("qwen3_5", 16, 300), ("qwen3_5_moe", 4, 33), ("qwen3_5_multimodal", 64, 2),
+    ("gemma4_text", 32, 50), ("gemma4", 4, 1), ("gemma4_unified", 16, 9),
+]
+
+
+@pytest.mark.parametrize("name, budget, prompt_len", CASES)
+def test_forced_trees_are_lossless(make_pair, name, budget, prompt_len):
+    """200 new tokens with a tree every cycle, against mlx-lm's greedy
+    decode: walks that leave the best chain, depths past the sliding
+    windows (Gemma's of 8 and 16 wrap many times) and the conv kernel."""
+    pair = make_pair(name)
+    got, ref, responses, drafter = tree_run(pair, prompt_of(prompt_len), budget, 200)
+    assert got == ref[:200]
+    cycles = responses[1:]
+    assert all(r.tree_size == budget or r.block_size == 1 for r in cycles)
+    assert all(r.block_size == r.tree_size + 1 for r in cycles if r.tree_size)
+    trees = [r for r in cycles if r.tree_size]
+    assert len(trees) == len(drafter.planted)
+    # walks that took a runner-up went past the planted mistake; without one they stopped there
+    past = [r.committed > p + 1 for r, p in zip(trees, drafter.planted) if p is not None]
+    assert any(past) and not all(past)
+
+
+@pytest.mark.parametrize("eos_at", [3, 17])
+def test_eos_and_max_tokens_inside_a_tree(qwen3_5_pair, eos_at):
+    pair = qwen3_5_pair
+    prompt = prompt_of(12)
+    plain = pair.reference(prompt, 60)
+    eos = plain[eos_at]
+    got, ref, responses, _ = tree_run(pair, prompt, 16, 60, eos_ids=[eos])
+    assert got == ref and responses[-1].finish_reason == "stop" and eos not in got
+    for max_tokens in (1, 2, 13):
+        got, ref, responses, _ = tree_run(pair, prompt, 16, max_tokens)
+        assert got == ref[:max_tokens] and responses[-1].finish_reason == "length"
