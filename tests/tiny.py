@@ -583,6 +583,26 @@ class DoubleDrafter(FakeDrafter):
         return mx.array([tokens]), mx.stack(self.qs)[None]
 
 
+class TreeDoubleDrafter(DoubleDrafter):
+    """:class:`DoubleDrafter`'s slot logits, for draft trees: the target's
+    own logits (plus the noise) along its greedy continuation. A tree's
+    walk commits the target's samples, which no proposal tells, so it reads
+    the committed tokens from the prompt cache it follows (:meth:`follow`)."""
+
+    def follow(self, prompt_cache):
+        self.followed = prompt_cache
+        return prompt_cache
+
+    def slot_logits(self, block, context, cache):
+        seq = list(self.followed.tokens)
+        assert seq[-1] == int(block[0, 0].item()), "the anchor is the last committed token"
+        rows, tokens = [], []
+        for _ in range(block.shape[1] - 1):
+            rows.append(self._target.model(mx.array([seq + tokens]))[0, -1] + self.noise)
+            tokens.append(int(mx.argmax(rows[-1]).item()))
+        return mx.stack(rows)[None]
+
+
 class EchoDFlash2(DFlash2DraftModel):
     """A real DFlash2 drafter (its selector walk, its ``propose_with_probs``)
     whose slot states are the target's own final states along the target's
