@@ -16,7 +16,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import cli
-from .adaptive import BlockSizer, TreeChoice, TreeWalk, plan
+from .adaptive import BlockSizer, TreeChoice, TreeWalk
+from .calibration import plan
 from .cache import PromptCache, bound_target, make_prompt_cache
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
@@ -530,6 +531,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
         help="rule for drafted tokens at --temp > 0: rejection sampling or exact match (both lossless)",
     )
     cli.add_block_size_argument(p)
+    cli.add_tree_budget_argument(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is")
     p.add_argument("--system-prompt", default=None)
     cli.add_prefill_step_size_argument(p)
@@ -576,6 +578,7 @@ def main(argv=None):
         tokenizer,
         prompt,
         block_size=args.block_size,
+        tree_budget=args.tree_budget,
         max_tokens=args.max_tokens,
         temperature=args.temp,
         top_p=args.top_p,
@@ -594,8 +597,11 @@ def main(argv=None):
         print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
         if cycles:
             print(f"Mean tokens per cycle: {mean_tokens_per_cycle(cycles):.2f} over {len(cycles)} cycles")
-            sizes = Counter(r.block_size for r in responses[1:])
+            sizes = Counter(r.block_size for r in responses[1:] if not r.tree_size)
             print("Block sizes (size:cycles): " + " ".join(f"{b}:{k}" for b, k in sorted(sizes.items())))
+            trees = Counter(r.tree_size for r in responses[1:] if r.tree_size)
+            if trees:
+                print("Draft trees (nodes:cycles): " + " ".join(f"{n}:{k}" for n, k in sorted(trees.items())))
         print(f"Peak memory: {last.peak_memory:.3f} GB")
     return 0
 

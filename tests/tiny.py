@@ -468,7 +468,7 @@ def committed_sequence(prompt, block, context, cache, reference=None) -> list:
     n = context.shape[1]
     anchor = int(block[0, 0].item())
     if cache["last"] is None and n == 1 < len(prompt):
-        # dflash_mlx.adaptive.calibrate's timing probe: a fresh scratch cache
+        # dflash_mlx.calibration.calibrate's timing probe: a fresh scratch cache
         # fed one context position; nothing of the sequence to track (with a
         # one-token prompt it reads as a first call, which is as harmless)
         cache["probe"] = True
