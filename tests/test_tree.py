@@ -174,14 +174,38 @@ def test_forced_trees_are_lossless(make_pair, name, budget, prompt_len):
     assert any(past) and not all(past)
 
 
-@pytest.mark.parametrize("eos_at", [3, 17])
-def test_eos_and_max_tokens_inside_a_tree(qwen3_5_pair, eos_at):
+def test_eos_and_max_tokens_inside_a_tree(qwen3_5_pair):
     pair = qwen3_5_pair
     prompt = prompt_of(12)
     plain = pair.reference(prompt, 60)
-    eos = plain[eos_at]
+    eos = plain[17]
     got, ref, responses, _ = tree_run(pair, prompt, 16, 60, eos_ids=[eos])
     assert got == ref and responses[-1].finish_reason == "stop" and eos not in got
-    for max_tokens in (1, 2, 13):
+    assert responses[-1].committed < responses[-1].block_size  # the tree went past the eos
+    for max_tokens in (1, 13):
         got, ref, responses, _ = tree_run(pair, prompt, 16, max_tokens)
         assert got == ref[:max_tokens] and responses[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma4_text"])
+def test_three_turn_conversation_with_trees_equals_mlx_lm(make_pair, name):
+    """A prompt cache across three turns, a tree every cycle, from a
+    drafter close to the target (its walks go deep); Gemma's window of 8
+    wraps in the first turn."""
+    from test_prompt_cache import dflash_conversation, mlx_lm_conversation, random_turns, tokens_of, without_eos
+
+    import dflash_mlx
+
+    pair = make_pair(name)
+    noise = mx.random.normal((pair.vocab,), key=mx.random.key(7)) * 0.05
+    drafter = tiny.TreeDoubleDrafter(prompt_of(1), noise, block_size=8, scale=4.0)
+    cache = drafter.follow(dflash_mlx.make_prompt_cache(pair.model, drafter))
+    turns = random_turns((11, 7, 5))
+    want, offset = mlx_lm_conversation(pair.model, pair.tokenizer, turns, 30, eos=[])
+    got, cache = dflash_conversation(pair.model, drafter, pair.tokenizer, turns, 30, eos=[], cache=cache, tree_budget=16)
+    for w, g in zip(want, got):
+        assert tokens_of(g) == without_eos(w, pair.tokenizer, [])
+    assert cache.offset == offset and cache.tokens == [t for p, w in zip(turns, want) for t in p + w]
+    cycles = [r for turn in got for r in turn[1:]]
+    assert all(r.tree_size == 16 for r in cycles if r.block_size > 1)
+    assert max(r.accepted for r in cycles) >= 5  # deep walks
