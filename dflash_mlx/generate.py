@@ -188,23 +188,21 @@ def max_block_size(draft, block_size: Optional[int], sizer: Optional[BlockSizer]
     return max_block
 
 
-def check_tree_budget(target, draft, tree_budget: Optional[int], sizer) -> None:
-    """Refuse a tree budget this generation cannot honour, before any work."""
-    if tree_budget is None or tree_budget == 0:
-        return
-    if tree_budget < 0:
+def tree_plan(target, draft, tree_budget: Optional[int], sizer) -> Tuple[int, bool]:
+    """``(nodes of the tree every drafting cycle verifies (0: none forced),
+    whether the sizer may choose trees)``; a budget this generation cannot
+    honour is refused before any work."""
+    if tree_budget is not None and tree_budget < 0:
         raise ArgumentError(f"tree_budget must be None (adaptive), 0 (chains only) or a node count, got {tree_budget}")
-    if sizer is not None:
-        raise ArgumentError("pass tree_budget or sizer, not both (a sizer makes every choice)")
-    if target.no_trees:
-        raise ArgumentError(target.no_trees)
-    if not hasattr(draft, "slot_logits"):
-        raise ArgumentError("this drafter gives no per-slot logits to build a tree from: use tree_budget=0")
-
-
-def trees_allowed(target, draft, tree_budget: Optional[int], sizer) -> bool:
-    """Whether the adaptive sizer may choose trees this generation."""
-    return tree_budget is None and sizer is None and not target.no_trees and hasattr(draft, "slot_logits")
+    able = not target.no_trees and hasattr(draft, "slot_logits")
+    if tree_budget:
+        if sizer is not None:
+            raise ArgumentError("pass tree_budget or sizer, not both (a sizer makes every choice)")
+        if target.no_trees:
+            raise ArgumentError(target.no_trees)
+        if not able:
+            raise ArgumentError("this drafter gives no per-slot logits to build a tree from: use tree_budget=0")
+    return tree_budget or 0, able and tree_budget is None and sizer is None
 
 
 def generate_step(
@@ -231,8 +229,7 @@ def generate_step(
 ) -> Generator[Tuple[int, Optional[mx.array], bool, int, int], None, None]:
     """Yield each committed token as ``(token, logprobs, from_draft, block,
     tree)``, like mlx-lm's ``speculative_generate_step`` plus the rows its
-    cycle verified (0 for the prefill's token) and the nodes of the draft
-    tree it verified (0: a chain or plain decoding).
+    cycle verified (0 for the prefill's token) and its draft tree's nodes.
 
     ``prompt`` holds only the tokens new to ``prompt_cache`` (it may be empty
     when the cache has a pending token). ``logprobs`` (the target's
@@ -262,26 +259,18 @@ def generate_step(
     p that rejection sampling needs, so it always uses exact match.
 
     By default each cycle verifies the length (up to the drafter's trained
-    size; 1: plain decoding) that maximises expected committed tokens per
-    second (:mod:`dflash_mlx.adaptive`). It follows measured speed, so a
-    seeded (``mx.random``) sampled run repeats only with a fixed
-    ``block_size``; a ``sizer`` (:class:`~dflash_mlx.adaptive.BlockSizer`)
-    makes the choices instead, up to its ``max_block``.
-
-    ``tree_budget`` (:mod:`dflash_mlx.tree`): ``None`` lets the sizer choose
-    between plain decoding, chains and draft trees each cycle; ``0`` keeps
-    to chains; ``n`` verifies a tree of ``n`` nodes every drafting cycle,
-    at most ``block_size - 1`` deep (the drafter's block). A tree is walked
-    by the target's own choice at each node (its argmax, or its sample
-    under the request's sampler, a custom one included), so it is exact
-    under either ``acceptance`` rule, which applies to chains.
+    size; 1: plain decoding) or the draft tree (:mod:`dflash_mlx.tree`;
+    ``tree_budget`` 0: none, ``n``: one of n nodes every cycle) that
+    maximises expected committed tokens per second (:mod:`dflash_mlx.adaptive`).
+    It follows measured speed, so a seeded sampled run repeats only with a
+    fixed ``block_size`` or ``tree_budget``; a ``sizer`` makes the choices instead.
     """
     rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
     if max_tokens < 1:
         raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
     max_block = max_block_size(draft, block_size, sizer)
     target = bound_target(model, draft)
-    check_tree_budget(target, draft, tree_budget, sizer)
+    trees = tree_plan(target, draft, tree_budget, sizer)
     cache = make_prompt_cache(model, draft) if prompt_cache is None else prompt_cache
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt and not cache.pending:
@@ -289,10 +278,7 @@ def generate_step(
     with mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-            sizer, settle = plan(
-                target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer,
-                tree_budget or 0, trees_allowed(target, draft, tree_budget, sizer),
-            )
+            sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)
             eos = set(eos_token_ids)
             yield from decode(target, draft, cache, logits, rule, sizer, settle, max_tokens, eos, logprobs)
         finally:
@@ -332,10 +318,84 @@ class Cycle:
         return path, [self.tree.tokens[r] for r in path[1:]], len(path) - 1, token, walk
 
 
+@dataclass
+class Drafting:
+    """What every cycle of one generation drafts and verifies with; queues
+    each cycle (:meth:`launch`) and commits what it kept (:meth:`commit`)."""
+
+    target: object
+    draft: object
+    cache: PromptCache
+    rule: AcceptanceRule
+    max_block: int
+    settle: Callable
+
+    def block(self, anchor) -> mx.array:
+        """The drafter's input: the anchor and a whole block of masks. It
+        always fills all ``max_block`` slots: it guesses each slot from the
+        whole block of masks, and a shorter block of masks than it was
+        trained on makes its early slots worse (measured in BENCHMARKS.md)."""
+        return mx.array([[anchor] + [self.draft.mask_token_id] * (self.max_block - 1)])
+
+    def launch(self, anchor, choice, remaining) -> Cycle:
+        """Queue the cycle after ``anchor`` the sizer chose, never more than
+        ``remaining`` tokens' worth."""
+        if isinstance(choice, TreeChoice):
+            return self.tree(anchor, choice.nodes, remaining)
+        return self.chain(anchor, choice)
+
+    def chain(self, anchor, length) -> Cycle:
+        """Draft a whole block from the tap states the drafter has not seen,
+        verify the anchor and the first ``length - 1`` drafted tokens
+        (``length`` 1: plain decoding, no draft), and the outcome."""
+        cache, rule = self.cache, self.rule
+        verify_in, q = mx.array([[anchor]]), None
+        if length > 1:
+            if rule.sampling is not None:
+                drafted, q = self.draft.propose_with_probs(self.block(anchor), cache.target_hidden, cache.draft, **rule.sampling)
+                q = q[0, : length - 1]
+            else:
+                drafted = self.draft.propose(self.block(anchor), cache.target_hidden, cache.draft)
+            cache.target_hidden = None  # injected into the drafter's context
+            drafted = drafted[:, : length - 1]
+            self.settle(drafted)
+            verify_in = mx.concatenate([verify_in, drafted.astype(mx.int32)], axis=1)
+        logits, target_hidden = self.target.forward(verify_in, cache.target)
+        outcome = rule.outcome(logits[0], verify_in[0, 1:], q)
+        mx.async_eval(outcome)
+        return Cycle(length, outcome, logits, target_hidden)
+
+    def tree(self, anchor, nodes, remaining) -> Cycle:
+        """Draft the whole block, take its best candidates per slot (one host
+        read: the tree is built on the host), build a tree of ``nodes``
+        nodes at most ``remaining - 1`` deep and verify it in one forward;
+        the outcome is the target's choice at every row."""
+        cache = self.cache
+        slot_logits = self.draft.slot_logits(self.block(anchor), cache.target_hidden, cache.draft)
+        cache.target_hidden = None  # injected into the drafter's context
+        ids, logprobs = candidates(slot_logits[0, : remaining - 1], nodes)
+        tree = build_tree(anchor, ids, logprobs, nodes)
+        logits, target_hidden = self.target.forward(mx.array([tree.tokens]), cache.target, tree=tree)
+        outcome = self.rule.choose(logits[0]).astype(mx.int32)
+        mx.async_eval(outcome)
+        return Cycle(TreeChoice(nodes), outcome, logits, target_hidden, tree, ids)
+
+    def commit(self, cycle: Cycle, rows: List[int]) -> None:
+        """Keep the verified ``rows`` (a chain's prefix, a tree's walked
+        path) in the target's caches, and their taps for the drafter."""
+        if cycle.tree is None:
+            self.target.rollback(self.cache.target, len(rows))
+            self.cache.add_hidden(cycle.target_hidden[:, : len(rows)])
+        else:
+            self.target.rollback(self.cache.target, rows)
+            self.cache.add_hidden(cycle.target_hidden[:, mx.array(rows)])
+
+
 def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_tokens, eos, want_logprobs):
     """The cycles: draft, verify, accept, roll back, commit, one host sync
-    each. ``sizer`` chooses each block from the cycles before it; ``settle``
-    evaluates the draft (``mx.eval``, or ``mx.async_eval`` to overlap).
+    each. ``sizer`` chooses each block or tree from the cycles before it;
+    ``settle`` evaluates the draft (``mx.eval``, or ``mx.async_eval`` to
+    overlap).
 
     Each cycle is queued before the previous one's tokens are yielded, as
     mlx-lm queues its next step, so the caller's work on them (detokenizing,
@@ -343,51 +403,7 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
     closing the generator at a yield rolls it back (see
     :func:`generate_step`).
     """
-    speculative = rule.sampling is not None
-
-    def launch_tree(anchor, nodes, remaining):
-        """Queue a tree cycle: the drafter's whole block, its best
-        candidates per slot (one host read: the tree is built on the host),
-        a tree of ``nodes`` nodes at most ``remaining - 1`` deep, verified
-        in one forward; the outcome is the target's choice at every row."""
-        block = mx.array([[anchor] + [draft.mask_token_id] * (sizer.max_block - 1)])
-        slot_logits = draft.slot_logits(block, cache.target_hidden, cache.draft)[0, : remaining - 1]
-        cache.target_hidden = None  # injected into the drafter's context
-        ids, logprobs = candidates(slot_logits, nodes)
-        tree = build_tree(anchor, ids, logprobs, nodes)
-        logits, target_hidden = target.forward(mx.array([tree.tokens]), cache.target, tree=tree)
-        outcome = rule.choose(logits[0]).astype(mx.int32)
-        mx.async_eval(outcome)
-        return Cycle(TreeChoice(nodes), outcome, logits, target_hidden, tree, ids)
-
-    def launch(anchor, choice, remaining):
-        if isinstance(choice, TreeChoice):
-            return launch_tree(anchor, choice.nodes, remaining)
-        length = choice
-        """Queue the cycle after ``anchor``: draft a whole block from the tap
-        states the drafter has not seen, verify the anchor and the first
-        ``length - 1`` drafted tokens (``length`` 1: plain decoding, no
-        draft), and the outcome. The drafter always fills all
-        ``sizer.max_block`` slots: it guesses each slot from the whole block
-        of masks, and a shorter block of masks than it was trained on makes
-        its early slots worse (measured in BENCHMARKS.md)."""
-        verify_in, q = mx.array([[anchor]]), None
-        if length > 1:
-            block = mx.array([[anchor] + [draft.mask_token_id] * (sizer.max_block - 1)])
-            if speculative:
-                drafted, q = draft.propose_with_probs(block, cache.target_hidden, cache.draft, **rule.sampling)
-                q = q[0, : length - 1]
-            else:
-                drafted = draft.propose(block, cache.target_hidden, cache.draft)
-            cache.target_hidden = None  # injected into the drafter's context
-            drafted = drafted[:, : length - 1]
-            settle(drafted)
-            verify_in = mx.concatenate([verify_in, drafted.astype(mx.int32)], axis=1)
-        logits, target_hidden = target.forward(verify_in, cache.target)
-        outcome = rule.outcome(logits[0], verify_in[0, 1:], q)
-        mx.async_eval(outcome)
-        return Cycle(length, outcome, logits, target_hidden)
-
+    drafting = Drafting(target, draft, cache, rule, sizer.max_block, settle)
     token = rule.choose(logits)
     lp = logits[0] - mx.logsumexp(logits[0]) if want_logprobs else None
     anchor = token.item()
@@ -397,7 +413,7 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
     if n == max_tokens or anchor in eos:
         yield anchor, lp, False, 0, 0
         return
-    cycle = launch(anchor, sizer.choose(max_tokens - n), max_tokens - n)  # never more slots than tokens left
+    cycle = drafting.launch(anchor, sizer.choose(max_tokens - n), max_tokens - n)  # never more slots than tokens left
     yield anchor, lp, False, 0, 0
     tic = time.perf_counter()  # cycles are timed without the caller's time
     while True:
@@ -406,10 +422,7 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
         # caller's time with the tokens, which is the same per token
         # whatever the block and so has no say in choosing it.
         now = time.perf_counter()
-        if walk is None:
-            sizer.observe(cycle.choice, accepted, now - tic)  # before the next choice
-        else:
-            sizer.observe(cycle.choice, accepted, now - tic, walk)
+        sizer.observe(cycle.choice, accepted, now - tic, *([walk] if walk else []))  # before the next choice
         tic = now
         new_tokens = proposed[:accepted] + [bonus]
         stop = next((i for i, t in enumerate(new_tokens) if t in eos), None)
@@ -419,17 +432,12 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
         n += len(new_tokens)
         ends = n >= max_tokens or stop is not None
         anchor = new_tokens[-1]
-        if cycle.tree is None:
-            target.rollback(cache.target, len(rows))
-            cache.add_hidden(cycle.target_hidden[:, : len(rows)])
-        else:
-            target.rollback(cache.target, rows)
-            cache.add_hidden(cycle.target_hidden[:, mx.array(rows)])
+        drafting.commit(cycle, rows)
         cache.pending = [anchor]
         cache.tokens.extend(new_tokens)
         logits, block, tree = cycle.logits, cycle.rows, 0 if cycle.tree is None else cycle.tree.nodes
         if not ends:
-            cycle = launch(anchor, sizer.choose(max_tokens - n), max_tokens - n)
+            cycle = drafting.launch(anchor, sizer.choose(max_tokens - n), max_tokens - n)
         lp = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True) if want_logprobs else None
         paused = time.perf_counter()
         for i, t in enumerate(new_tokens):
