@@ -209,3 +209,28 @@ def test_three_turn_conversation_with_trees_equals_mlx_lm(make_pair, name):
     cycles = [r for turn in got for r in turn[1:]]
     assert all(r.tree_size == 16 for r in cycles if r.block_size > 1)
     assert max(r.accepted for r in cycles) >= 5  # deep walks
+
+
+def test_tree_budgets_that_cannot_be_honoured_are_refused(qwen3_pair, tmp_path):
+    """Pipelined targets verify chains only: a forced tree is refused with
+    the reason, and the sizer keeps to chains there; so do drafters without
+    per-slot logits, and a budget beside a sizer."""
+    from types import SimpleNamespace
+
+    import dflash_mlx
+    from dflash_mlx.errors import ArgumentError
+    from dflash_mlx.generate import tree_plan
+    from dflash_mlx.targets.pipeline import PipelineTarget
+
+    draft = dflash_mlx.load_draft(qwen3_pair.make_draft(tmp_path / "d"), qwen3_pair.model)
+    pipelined = SimpleNamespace(no_trees=PipelineTarget.no_trees)
+    with pytest.raises(ArgumentError, match="pipelined targets.*--tree-budget 0"):
+        tree_plan(pipelined, draft, 8, None)
+    assert tree_plan(pipelined, draft, None, None) == (0, False)
+    assert tree_plan(draft.target, draft, None, None) == (0, True)
+    assert tree_plan(draft.target, draft, 0, None) == (0, False)
+    scripted = ScriptedDrafter([], [1], 4, [0], qwen3_pair.vocab)
+    with pytest.raises(ArgumentError, match="per-slot logits"):
+        next(dflash_mlx.stream_generate(qwen3_pair.model, scripted, qwen3_pair.tokenizer, "x", tree_budget=4))
+    with pytest.raises(ArgumentError, match="tree_budget or sizer"):
+        tree_plan(draft.target, draft, 4, tiny.ScriptedSizer([2]))
