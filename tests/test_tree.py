@@ -84,11 +84,12 @@ def prefilled(target, prompt):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe", "qwen3_5", "gemma4_text"])
-def test_tree_rows_and_every_rollback_match_fresh_decoding(make_pair, name):
+def test_tree_rows_and_every_rollback_match_fresh_decoding(make_pair, name, device):
     """Each tree row's logits and taps equal a fresh forward of its path;
     after rolling back to any row's path, the next token's logits equal a
     fresh decode of that path (sliding windows of 8 wrap inside the tree;
-    Gemma's KV-shared layers; a hybrid's GatedDeltaNet states)."""
+    Gemma's KV-shared layers; a hybrid's GatedDeltaNet states), on each
+    device (``mx.fast.rope`` with one offset per row among them)."""
     pair = make_pair(name)
     target = adapter_for(pair.model)
     target.tap_ids = [0, target.num_layers - 1]
@@ -141,8 +142,8 @@ class TreeDrafter(ScriptedDrafter):
 
 def tree_run(pair, prompt, budget, max_tokens, block=16, eos_ids=(), **kw):
     """Greedy DFlash with forced trees and mlx-lm's decode (no eos unless given)."""
-    ref = pair.reference(prompt, max_tokens + block, eos_ids=eos_ids)
     plain = pair.reference(prompt, max_tokens + block, eos_ids=())
+    ref = pair.reference(prompt, max_tokens + block, eos_ids=eos_ids) if eos_ids else plain
     drafter = TreeDrafter(plain, prompt, block, range(block), pair.vocab)
     got, responses = pair.dflash(drafter, prompt, eos_ids=eos_ids, tree_budget=budget, block_size=block,
                                  max_tokens=max_tokens, **kw)
