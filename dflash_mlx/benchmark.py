@@ -356,14 +356,16 @@ def tokens_per_cycle_by_position(runs: List[dict], max_tokens: int) -> Dict[str,
 
 
 def cycle_summary(runs: List[dict], max_block: int) -> dict:
-    """Tokens per cycle and the chosen block sizes of DFlash ``runs``."""
+    """Tokens per cycle, the chosen block sizes and draft-tree sizes of DFlash ``runs``."""
     committed = [c for r in runs for c in r["committed"]]
-    blocks = [b for r in runs for b in r["block_sizes"]]
+    blocks = [b for r in runs for b, t in zip(r["block_sizes"], r["tree_sizes"]) if not t]
+    trees = Counter(t for r in runs for t in r["tree_sizes"] if t)
     hist, chosen = Counter(committed), Counter(blocks)
     return {
         "mean_tokens_per_cycle": mean_tokens_per_cycle(committed),
         "acceptance_histogram": {str(k): hist.get(k, 0) for k in range(1, max_block + 1)},
         "block_size_histogram": {str(k): chosen.get(k, 0) for k in range(1, max_block + 1)},
+        "tree_size_histogram": {str(k): v for k, v in sorted(trees.items())},
         "mean_block_size": statistics.mean(blocks) if blocks else 1.0,
     }
 
@@ -530,6 +532,9 @@ def print_report(r: dict) -> None:
         print(f"  by answer position     {by_pos}")
     chosen = " ".join(f"{k}:{v}" for k, v in r["block_size_histogram"].items() if v)
     print(f"chosen block sizes       {chosen}  (mean {r['mean_block_size']:.2f})")
+    if r.get("tree_size_histogram"):
+        trees = " ".join(f"{k}:{v}" for k, v in r["tree_size_histogram"].items())
+        print(f"chosen draft trees       {trees}  (nodes:cycles)")
     print(
         f"forwards (ms)            target x1 {r['forward_ms']['target_1']:.2f}, "
         f"target x{B} {r['forward_ms'][f'target_{B}']:.2f}, drafter {r['forward_ms']['drafter']:.2f}"

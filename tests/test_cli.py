@@ -83,7 +83,7 @@ def test_bench_json_and_plot(tiny_dirs, tmp_path, capsys):
     assert report["outputs_identical"] is True and report["repeats"] == 2
     assert set(report["phase_ms_per_cycle"]) == {"draft", "verify", "rollback", "host"}
     cycles = sum(report["acceptance_histogram"].values())
-    assert cycles > 0 and sum(report["block_size_histogram"].values()) == cycles
+    assert cycles > 0 and sum(report["block_size_histogram"].values()) + sum(report["tree_size_histogram"].values()) == cycles
     assert report["adaptive"] and report["fixed_block_tps"] > 0 and report["fixed_block_speedup"] > 0
     assert len(report["trace"]["committed"]) == len(report["trace"]["block_size"]) > 0
     assert report["phase_ms_per_cycle"]["verify"] > 0  # the timed drafter times its target
