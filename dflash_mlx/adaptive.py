@@ -36,6 +36,7 @@ cycles' own timings after that) and hands this module seconds and
 acceptance, so it is tested on numbers alone.
 """
 
+import itertools
 import math
 import statistics
 from collections import deque
@@ -47,8 +48,11 @@ import numpy as np
 from .errors import ArgumentError
 from .tree import build_tree
 
-# The largest draft tree the sizer considers (nodes).
+# The largest draft tree the sizer considers (nodes), and the candidates per
+# slot its acceptance model tells apart (a target token ranked lower counts
+# as no candidate's).
 MAX_TREE_NODES = 64
+MODELLED_RANKS = 16
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,7 @@ class RankAcceptance:
     cycles have shown anything).
     """
 
-    def __init__(self, ranks: int = MAX_TREE_NODES, prior: float = 0.5, prior_weight: float = 4.0, decay: float = 0.9):
+    def __init__(self, ranks: int = MODELLED_RANKS, prior: float = 0.5, prior_weight: float = 4.0, decay: float = 0.9):
         self.prior = [0.0] + [prior * 0.5 ** (r - 1) * 0.5 for r in range(1, ranks)]
         self.prior_weight, self.decay = prior_weight, decay
         self.counts = [0.0] * ranks  # decayed misses of the best candidate that were rank r
@@ -192,11 +196,10 @@ def expected_tree_tokens(rates: List[float], shares: List[float], nodes: int) ->
     if not rates or nodes < 1:
         return [1.0] * (nodes + 1)
     k = min(nodes, len(shares))
-    table = np.array([[a] + [(1 - a) * q for q in shares[1:k]] for a in rates])
-    table = -np.sort(-table, axis=1)
-    with np.errstate(divide="ignore"):
-        tree = build_tree(0, np.broadcast_to(np.arange(k), table.shape), np.log(table), nodes)
-    out = np.cumsum([1.0] + list(np.exp(tree.scores[1:]))).tolist()
+    rows = [sorted([a] + [(1 - a) * q for q in shares[1:k]], reverse=True) for a in rates]
+    logs = [[math.log(p) if p > 0 else -math.inf for p in row] for row in rows]
+    tree = build_tree(0, [list(range(k))] * len(rows), logs, nodes)
+    out = list(itertools.accumulate([1.0] + [math.exp(x) for x in tree.scores[1:]]))
     return out + [out[-1]] * (nodes + 1 - len(out))
 
 

@@ -136,28 +136,28 @@ def build_tree(anchor: int, ids: np.ndarray, logprobs: np.ndarray, budget: int) 
     and every node is added after its parent. Ties go to the node offered
     first, so the tree is a function of the numbers alone.
     """
-    ids, logprobs = np.asarray(ids), np.asarray(logprobs, dtype=np.float64)
-    slots, k = ids.shape
+    ids, logprobs = (a.tolist() if isinstance(a, np.ndarray) else a for a in (ids, logprobs))  # scalars read fast
+    slots, k = len(ids), len(ids[0]) if ids else 0
     tokens, parents, depths, ranks = [int(anchor)], [-1], [0], [0]
     scores = [0.0]
     order = 0
     frontier: List[Tuple[float, int, int, int, int]] = []  # (-score, order, parent, depth, rank)
     if slots and k and budget > 0:
-        frontier.append((-logprobs[0, 0], order, 0, 1, 0))
+        frontier.append((-logprobs[0][0], order, 0, 1, 0))
     while frontier and len(tokens) <= budget:
         neg, _, parent, depth, rank = heapq.heappop(frontier)
         row = len(tokens)
-        tokens.append(int(ids[depth - 1, rank]))
+        tokens.append(int(ids[depth - 1][rank]))
         parents.append(parent)
         depths.append(depth)
         ranks.append(rank)
         scores.append(-neg)
         if rank + 1 < k:
             order += 1
-            heapq.heappush(frontier, (-(scores[parent] + logprobs[depth - 1, rank + 1]), order, parent, depth, rank + 1))
+            heapq.heappush(frontier, (-(scores[parent] + logprobs[depth - 1][rank + 1]), order, parent, depth, rank + 1))
         if depth < slots:
             order += 1
-            heapq.heappush(frontier, (-(scores[row] + logprobs[depth, 0]), order, row, depth + 1, 0))
+            heapq.heappush(frontier, (-(scores[row] + logprobs[depth][0]), order, row, depth + 1, 0))
     return DraftTree(tokens, parents, depths, ranks, scores)
 
 
