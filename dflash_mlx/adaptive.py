@@ -271,8 +271,11 @@ class CycleCosts:
         """A cycle at ``choice`` (a block length or a :class:`TreeChoice`) took ``seconds``."""
         if not self.follow:
             return
-        if choice not in self.warm:
-            self.warm.add(choice)
+        # Trees of any size share one first cycle: a tree compiles nothing
+        # per size, and each size seen once would never be counted.
+        key = "tree" if isinstance(choice, TreeChoice) else choice
+        if key not in self.warm:
+            self.warm.add(key)
             return
         if isinstance(choice, TreeChoice):
             self.tree_recent.append((choice.nodes, seconds))

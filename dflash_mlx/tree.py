@@ -30,6 +30,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import mlx.core as mx
 import numpy as np
 
 
@@ -177,8 +178,6 @@ def walked_ranks(tree: DraftTree, ids: np.ndarray, path: Sequence[int], choices:
 def candidates(slot_logits, k: int):
     """The best ``k`` tokens of each slot and their log-probabilities, best
     first, as numpy arrays ``[slots, k]`` (one host read)."""
-    import mlx.core as mx
-
     logprobs = slot_logits.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     k = min(k, logprobs.shape[-1])

@@ -384,3 +384,15 @@ def test_a_tree_budget_forces_trees_and_zero_keeps_chains():
     chains = BlockSizer(16, CycleCosts({1: 1.0, 2: 1.0, 16: 1.0}))
     chains.begin(trees=False)
     assert all(isinstance(chains.choose(100), int) for _ in range(20))
+
+
+def test_tree_costs_start_as_chains_and_follow_tree_cycles():
+    from dflash_mlx.adaptive import TreeChoice
+
+    costs = CycleCosts({1: 1.0, 2: 1.5, 16: 2.9})  # a draft of 1.4, 0.1 more per verified row
+    assert costs.trees(4) == pytest.approx([1.4 + 0.1 * k for k in range(5)])  # n nodes: a chain of n + 1 rows
+    costs.observe(TreeChoice(8), 100.0)  # the first tree cycle is not counted, whatever its size
+    for nodes in (4, 8, 16, 32, 4, 12):  # building, masking and walking a tree cost 1.2 more here
+        costs.observe(TreeChoice(nodes), 2.6 + 0.1 * nodes)
+    assert costs.trees(32) == pytest.approx([2.6 + 0.1 * k for k in range(33)])
+    assert costs.upto(16) == pytest.approx([1.0] + [1.4 + 0.1 * b for b in range(1, 16)])  # chains unchanged

@@ -120,12 +120,11 @@ def tree_mask(tree, context: int, window: Optional[int]) -> mx.array:
     only those less than ``window`` positions back (``None``: all)."""
     depths = np.asarray(tree.depths)
     seen = tree.ancestors()
+    if window is None:  # built on the device: the context may be long
+        return mx.concatenate([mx.ones((tree.rows, context), dtype=mx.bool_), mx.array(seen)], axis=1)
     back = context - np.arange(context)[None, :] + depths[:, None]  # distance to each context key
-    ctx = np.ones((tree.rows, context), dtype=bool)
-    if window is not None:
-        ctx = back < window
-        seen = seen & (depths[:, None] - depths[None, :] < window)
-    return mx.array(np.concatenate([ctx, seen], axis=1))
+    seen = seen & (depths[:, None] - depths[None, :] < window)
+    return mx.array(np.concatenate([back < window, seen], axis=1))
 
 
 def tree_masks(tree, caches: Sequence, windows: Sequence[Optional[int]]) -> List[mx.array]:
