@@ -20,24 +20,63 @@ drafter keeps failing (at most ``PROBE_BUDGET`` of the plain decoding time),
 so drafting comes back when acceptance recovers. What a pair's sizer has
 learnt carries over to its next generation in the process.
 
-How each phase is evaluated (``mx.eval``, so the host waits, or
-``mx.async_eval``, so the host builds the next graph meanwhile) is measured
-too, once per process with the costs (:func:`calibrate`): which is faster
-depends on the backend and the machine.
+A cycle may also verify a draft tree of ``n`` nodes (:mod:`dflash_mlx.tree`):
+its expected committed tokens ``T(n)`` come from the same slot acceptance
+and, for the drafter's other candidates, from how often the target's token
+was the drafter's r-th candidate at the slots past walks reached
+(:class:`RankAcceptance`); its cost is measured on its own line
+(:class:`CycleCosts`). The sizer takes the best of plain decoding, chains and
+trees by expected tokens per second, so a backend whose verify cost grows
+fast with rows gets small trees or none, and one where it hardly grows gets
+large ones (the crossover is worked out in docs/ddtree.md).
+
+The policy is numbers only: the loop runs every forward, measures them
+(:mod:`dflash_mlx.calibration` for the table a generation starts from, the
+cycles' own timings after that) and hands this module seconds and
+acceptance, so it is tested on numbers alone.
 """
 
+import itertools
 import math
 import statistics
-import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
-import mlx.core as mx
 import numpy as np
 
 from .errors import ArgumentError
+from .tree import build_tree
+
+# The largest draft tree the sizer considers (nodes), and the candidates per
+# slot its acceptance model tells apart (a target token ranked lower counts
+# as no candidate's).
+MAX_TREE_NODES = 64
+MODELLED_RANKS = 16
+
+
+@dataclass(frozen=True)
+class TreeChoice:
+    """A cycle that verifies a draft tree of ``nodes`` nodes (and the anchor)."""
+
+    nodes: int
+
+
+@dataclass
+class TreeWalk:
+    """What a tree cycle showed: for each slot its walk reached, the rank of
+    the target's token among the drafter's candidates there (None: not one
+    of them); and the depth of the best-candidate chain the tree held."""
+
+    ranks: List[Optional[int]]
+    spine: int
+
+    @property
+    def chain_accepted(self) -> int:
+        """What a chain of the tree's spine would have accepted: the slots
+        up to the first where the target's token was not the best candidate."""
+        lead = next((i for i, r in enumerate(self.ranks) if r != 0), len(self.ranks))
+        return min(lead, self.spine)
 
 
 @dataclass
@@ -112,13 +151,65 @@ class SlotAcceptance:
         return out
 
 
+class RankAcceptance:
+    """How often the target's token at a slot the walk reached is the
+    drafter's r-th candidate, for r >= 1 (r = 0 is the chain's acceptance,
+    :class:`SlotAcceptance`), as shares of the slots where it was not the
+    best one, pooled over slots: ``q_r``, so that the probability of rank
+    ``r`` at slot ``j`` is ``(1 - a_j) q_r``. Decayed as the slot shares
+    are, and drawn toward a prior: half the misses go to the next
+    candidates, halving with each rank (so trees get tried before the
+    cycles have shown anything).
+    """
+
+    def __init__(self, ranks: int = MODELLED_RANKS, prior: float = 0.5, prior_weight: float = 4.0, decay: float = 0.9):
+        self.prior = [0.0] + [prior * 0.5 ** (r - 1) * 0.5 for r in range(1, ranks)]
+        self.prior_weight, self.decay = prior_weight, decay
+        self.counts = [0.0] * ranks  # decayed misses of the best candidate that were rank r
+        self.total = 0.0  # decayed misses of the best candidate
+
+    def observe(self, ranks: List[Optional[int]]) -> None:
+        misses = [r for r in ranks if r != 0]
+        if not misses:
+            return
+        self.total *= self.decay
+        self.counts = [c * self.decay for c in self.counts]
+        for r in misses:
+            self.total += 1
+            if r is not None and r < len(self.counts):
+                self.counts[r] += 1
+
+    def shares(self) -> List[float]:
+        """``q_r`` for r = 0..ranks-1 (``q_0`` is 0)."""
+        w = self.prior_weight
+        return [(c + w * p) / (self.total + w) for c, p in zip(self.counts, self.prior)]
+
+
+def expected_tree_tokens(rates: List[float], shares: List[float], nodes: int) -> List[float]:
+    """``T(n)`` for n = 0..nodes: expected tokens a cycle commits with the
+    best tree of n nodes when slot ``j``'s rank-r candidate is the target's
+    token with probability ``rates[j-1]`` (r = 0) or ``(1 - rates[j-1])
+    shares[r]``, independently per slot given the walk reached it. A node
+    adds the probability that the walk reaches it and the target takes it;
+    the best-first build (the drafter's, on these probabilities) adds the
+    most probable nodes first, so ``T(n)`` is 1 plus the first n of them."""
+    if not rates or nodes < 1:
+        return [1.0] * (nodes + 1)
+    k = min(nodes, len(shares))
+    rows = [sorted([a] + [(1 - a) * q for q in shares[1:k]], reverse=True) for a in rates]
+    logs = [[math.log(p) if p > 0 else -math.inf for p in row] for row in rows]
+    tree = build_tree(0, [list(range(k))] * len(rows), logs, nodes)
+    out = list(itertools.accumulate([1.0] + [math.exp(x) for x in tree.scores[1:]]))
+    return out + [out[-1]] * (nodes + 1 - len(out))
+
+
 class CycleCosts:
     """Seconds per cycle at each block length, measured.
 
     A plain step costs ``C(1)``; a drafting cycle ``C(b) = D + s (b - 1)``:
     one draft of the whole block, plus a verify growing by ``s`` per token. The
     table a generation starts from (``calibrated``: the plain step and
-    drafting lengths, see :func:`calibrate`) gives all three. Online,
+    drafting lengths, see :func:`dflash_mlx.calibration.calibrate`) gives all three. Online,
     ``C(1)`` is the median of the last ``window`` plain cycles; ``s`` is
     fitted by least squares to the last ``window`` drafting cycles, drawn
     toward the table's slope as much as if the table were one more cycle
@@ -131,6 +222,12 @@ class CycleCosts:
     not counted: it may include compiling that length's graphs.
     ``follow=False`` keeps the table as given, so that the choices depend
     on acceptance alone (tests, simulations, pipelined ranks).
+
+    A tree of ``n`` nodes verifies ``n + 1`` rows and costs
+    ``C_tree(n) = D_t + s_t n``: it starts as the chain of as many rows
+    costs, and follows tree cycles the same way (its own window, the chain's
+    slope as its prior), since building, masking and walking it cost what
+    they cost on this backend.
     """
 
     def __init__(self, calibrated: Dict[int, float], window: int = 32, follow: bool = True):
@@ -150,32 +247,55 @@ class CycleCosts:
         self.warm = set()
         self.plain_recent = deque(maxlen=window)
         self.drafting_recent = deque(maxlen=window)  # (b - 1, seconds)
+        self.tree_recent = deque(maxlen=window)  # (nodes, seconds)
+        self.tree_draft, self.tree_slope = None, None  # None: as the chain of as many rows
 
-    def observe(self, block: int, seconds: float) -> None:
+    def fit(self, recent, prior_slope: float):
+        """(intercept, slope) of ``recent`` (x, seconds) pairs: least squares
+        for the slope, drawn toward ``prior_slope`` as if it were one more
+        cycle at each end of the block range, kept >= 0; the intercept the
+        median of the cycles less their slope part."""
+        # Plain Python: a few dozen numbers, on the path between two cycles.
+        n = len(recent)
+        x_mean = sum(x for x, _ in recent) / n
+        y_mean = sum(y for _, y in recent) / n
+        spread = sum((x - x_mean) ** 2 for x, _ in recent)
+        fitted = sum((x - x_mean) * (y - y_mean) for x, y in recent)
+        ends = (self.max_block - 2) ** 2 / 2  # the table as one cycle at each end of b - 1 = 1..max-1
+        slope = prior_slope
+        if spread + ends > 0:  # else one drafting length: no slope to fit
+            slope = max(0.0, (fitted + ends * prior_slope) / (spread + ends))
+        return statistics.median(y - slope * x for x, y in recent), slope
+
+    def observe(self, choice, seconds: float) -> None:
+        """A cycle at ``choice`` (a block length or a :class:`TreeChoice`) took ``seconds``."""
         if not self.follow:
             return
-        if block not in self.warm:
-            self.warm.add(block)
+        # Trees of any size share one first cycle: a tree compiles nothing
+        # per size, and each size seen once would never be counted.
+        key = "tree" if isinstance(choice, TreeChoice) else choice
+        if key not in self.warm:
+            self.warm.add(key)
             return
-        if block == 1:
+        if isinstance(choice, TreeChoice):
+            self.tree_recent.append((choice.nodes, seconds))
+            self.tree_draft, self.tree_slope = self.fit(self.tree_recent, self.slope)
+        elif choice == 1:
             self.plain_recent.append(seconds)
             self.plain = statistics.median(self.plain_recent)
-            return
-        self.drafting_recent.append((block - 1, seconds))
-        # Plain Python: a few dozen numbers, on the path between two cycles.
-        n = len(self.drafting_recent)
-        x_mean = sum(x for x, _ in self.drafting_recent) / n
-        y_mean = sum(y for _, y in self.drafting_recent) / n
-        spread = sum((x - x_mean) ** 2 for x, _ in self.drafting_recent)
-        fitted = sum((x - x_mean) * (y - y_mean) for x, y in self.drafting_recent)
-        ends = (self.max_block - 2) ** 2 / 2  # the table as one cycle at each end of b - 1 = 1..max-1
-        if spread + ends > 0:  # else one drafting length: no slope to fit
-            self.slope = max(0.0, (fitted + ends * self.prior_slope) / (spread + ends))
-        self.draft = statistics.median(y - self.slope * x for x, y in self.drafting_recent)
+        else:
+            self.drafting_recent.append((choice - 1, seconds))
+            self.draft, self.slope = self.fit(self.drafting_recent, self.prior_slope)
 
     def upto(self, n: int) -> List[float]:
         """Seconds per cycle at b = 1..n."""
         return [self.plain] + [self.draft + self.slope * (b - 1) for b in range(2, n + 1)]
+
+    def trees(self, n: int) -> List[float]:
+        """Seconds per cycle of trees of 0..n nodes (0: the anchor alone)."""
+        if self.tree_draft is None:
+            return [self.draft + self.slope * k for k in range(n + 1)]
+        return [self.tree_draft + self.tree_slope * k for k in range(n + 1)]
 
 
 # The most a drafter that never agrees may slow plain decoding down by
@@ -184,20 +304,29 @@ PROBE_BUDGET = 0.01
 
 
 class BlockSizer:
-    """Chooses each cycle's block length; ``fixed`` pins it (``--block-size``).
+    """Chooses each cycle's block length, or a draft tree
+    (:class:`TreeChoice`); ``fixed`` pins the block (``--block-size``), and
+    with ``tree_nodes`` every drafting cycle is a tree of that many nodes.
 
     The loop calls :meth:`choose` before drafting and :meth:`observe` after
-    the cycle; ``chosen`` counts the lengths chosen (a histogram). Anything
-    with these two methods and ``max_block`` can stand in for it.
+    the cycle; ``chosen`` counts the choices made (a histogram). Anything
+    with these two methods and ``max_block`` can stand in for it. Trees are
+    considered while ``trees`` is true (:meth:`begin`).
     """
 
-    def __init__(self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False, probe_block: Optional[int] = None):
+    def __init__(
+        self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False,
+        probe_block: Optional[int] = None, tree_nodes: int = 0,
+    ):
         if costs is not None and costs.max_block < max_block:
             raise ArgumentError(f"the cost table stops at block {costs.max_block}; it must reach max_block {max_block}")
         self.max_block = max_block
         self.costs = costs
         self.fixed = fixed or max_block == 1 or costs is None
+        self.tree_nodes = tree_nodes
+        self.trees = False
         self.acceptance = SlotAcceptance(max_block)
+        self.ranks = RankAcceptance()
         # A probe drafts a whole block: a drafter's acceptance comes in runs,
         # and one probe of every slot tells more than one of the first slot.
         self.probe_block = max_block if probe_block is None else min(probe_block, max_block)
@@ -205,25 +334,36 @@ class BlockSizer:
         self.plain_run = 0
         self.chosen: Dict[int, int] = {}
 
-    def begin(self) -> None:
-        """Start a generation: a new histogram, the rest carried over (what
-        the acceptance and the costs have shown so far still holds)."""
+    def begin(self, trees: bool = False) -> None:
+        """Start a generation (``trees``: whether it may verify draft trees):
+        a new histogram, the rest carried over (what the acceptance and the
+        costs have shown so far still holds)."""
         self.chosen = {}
+        self.trees = trees
 
-    def choose(self, remaining: int) -> int:
-        """Block length for the next cycle, at most ``remaining`` tokens."""
+    def choose(self, remaining: int):
+        """Block length or :class:`TreeChoice` for the next cycle, never
+        more than ``remaining`` tokens' worth."""
         cap = max(1, min(self.max_block, remaining))
-        if self.fixed:
-            block = cap
+        if self.tree_nodes and cap > 1:
+            choice = TreeChoice(self.tree_nodes)
+        elif self.fixed:
+            choice = cap
         else:
             rate = [e / c for e, c in zip(self.acceptance.expected[:cap], self.costs.upto(cap))]
-            block = rate.index(max(rate)) + 1
-            if block == 1:
+            choice = rate.index(max(rate)) + 1
+            if self.trees and cap > 1:
+                expected = expected_tree_tokens(self.acceptance.rates()[: cap - 1], self.ranks.shares(), MAX_TREE_NODES)
+                tree_rate = [e / c for e, c in zip(expected, self.costs.trees(MAX_TREE_NODES))]
+                nodes = max(range(1, MAX_TREE_NODES + 1), key=tree_rate.__getitem__)
+                if tree_rate[nodes] > max(rate):
+                    choice = TreeChoice(nodes)
+            if choice == 1:
                 self.plain_run += 1
                 if self.plain_run >= self.patience:
-                    block = min(self.probe_block, cap)
-        self.chosen[block] = self.chosen.get(block, 0) + 1
-        return block
+                    choice = min(self.probe_block, cap)
+        self.chosen[choice] = self.chosen.get(choice, 0) + 1
+        return choice
 
     def longest_wait(self, probe: int) -> int:
         """Plain cycles between failed probes at most: enough that probing a
@@ -233,11 +373,18 @@ class BlockSizer:
         plain, probing = costs[0], costs[-1]
         return max(4, math.ceil((probing - plain) / (PROBE_BUDGET * plain)))
 
-    def observe(self, block: int, accepted: int, seconds: float) -> None:
-        """The cycle at ``block`` accepted ``accepted`` drafted tokens in ``seconds``."""
-        if self.fixed:
+    def observe(self, block, accepted: int, seconds: float, walk: Optional[TreeWalk] = None) -> None:
+        """The cycle at ``block`` (a length or a :class:`TreeChoice`, whose
+        ``walk`` says what it showed) accepted ``accepted`` drafted tokens
+        in ``seconds``."""
+        if self.fixed or self.tree_nodes:
             return
         self.costs.observe(block, seconds)
+        if isinstance(block, TreeChoice):
+            self.acceptance.observe(walk.spine, walk.chain_accepted)
+            self.ranks.observe(walk.ranks)
+            self.plain_run, self.patience = 0, 4
+            return
         self.acceptance.observe(block - 1, accepted)
         if block > 1 and self.plain_run >= self.patience:  # that was a probe
             self.plain_run = 0
@@ -246,109 +393,3 @@ class BlockSizer:
         elif block > 1:
             self.plain_run = 0
             self.patience = 4
-
-
-@dataclass
-class Calibration:
-    """What :func:`calibrate` measured: seconds per cycle at a few block
-    lengths, and whether overlapping the phases (``mx.async_eval``) beat
-    evaluating each in turn (``mx.eval``); and the pair's sizer, which every
-    adaptive generation with this pair continues, so that what one
-    generation learnt (acceptance, measured costs, the probing back-off)
-    is not paid for again by the next turn or request."""
-
-    costs: Dict[int, float]
-    overlap: bool
-    sizer: BlockSizer
-
-    @property
-    def settle(self) -> Callable:
-        """How the loop evaluates each phase."""
-        return mx.async_eval if self.overlap else mx.eval
-
-
-def cycle_seconds(target, draft, cache, context: mx.array, block: int, settle: Callable, cycles: int = 1) -> float:
-    """Seconds per cycle of a mock decoding cycle at ``block``: draft (for
-    ``block > 1``), verify, one host read of the outcome, roll back; on the
-    live ``cache`` (left as it was) and a fresh scratch drafter cache per
-    cycle, each fed one context position."""
-    scratches = [draft.make_cache() for _ in range(cycles)]
-    head = mx.zeros((1, 1), dtype=mx.int32)
-    tic = time.perf_counter()
-    for scratch in scratches:
-        verify_in = head
-        if block > 1:
-            drafted = draft.propose(mx.array([[0] + [draft.mask_token_id] * (block - 1)]), context, scratch)
-            settle(drafted)
-            verify_in = mx.concatenate([head, drafted.astype(mx.int32)], axis=1)
-        logits, taps = target.forward(verify_in, cache)
-        mx.argmax(logits[0], axis=-1).tolist()
-        target.rollback(cache, 0)
-        settle([c.state for c in cache], taps)
-    mx.eval([c.state for c in cache])
-    return (time.perf_counter() - tic) / cycles
-
-
-def median_seconds(fn: Callable[[], float], repeats: int = 3) -> float:
-    """Median of ``fn()``'s own timings after one untimed call (which compiles)."""
-    fn()
-    return float(np.median([fn() for _ in range(repeats)]))
-
-
-_calibrations: Dict[int, dict] = {}  # id(drafter) -> {(target id, device, max block): Calibration}
-
-
-def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibration:
-    """Measure cycle costs at a few block lengths up to ``max_block``, and
-    the faster evaluation strategy (cycles at ``max_block``, the two
-    strategies alternating).
-
-    Runs on the live cache (each verify is rolled back), once per process
-    for each drafter, target, device and maximum block: the costs are
-    properties of the models and the backend, and the online measurements
-    rescale them to the current context. The pair's sizer is made here too,
-    once, and kept with the costs. What is measured goes through the
-    target's ``agreed``, so the ranks of a pipelined target (which run
-    these mock cycles together) all take rank 0's costs and strategy; its
-    sizer then keeps that table (``local_timings`` false): following each
-    cycle's timings would need one more collective per cycle to agree on
-    them.
-    """
-    key = (id(target.model), str(mx.default_device()), max_block)
-    saved = _calibrations.get(id(draft))
-    if saved is None:  # modules are dicts, so unhashable: key by id, forget on collection
-        saved = _calibrations[id(draft)] = {}
-        weakref.finalize(draft, _calibrations.pop, id(draft), None)
-    if key in saved:
-        return saved[key]
-    # What is queued (the prefill) runs first: it is not part of the cycles'
-    # cost, and a pipelined target's ranks must run their collectives in one
-    # order, which a mock cycle evaluated before the prefill's would break.
-    mx.eval(context, [c.state for c in cache])
-    context = context[:, -1:]
-    grid = sorted({1, max_block})
-    measured = [median_seconds(lambda: cycle_seconds(target, draft, cache, context, b, mx.eval)) for b in grid]
-    timings = {mx.eval: [], mx.async_eval: []}
-    for _ in range(3):
-        for settle in timings:
-            timings[settle].append(cycle_seconds(target, draft, cache, context, max_block, settle, cycles=3))
-    faster = np.median(timings[mx.async_eval]) < np.median(timings[mx.eval])
-    *measured, overlap = target.agreed([*measured, float(faster)])
-    costs = dict(zip(grid, measured))
-    sizer = BlockSizer(max_block, CycleCosts(costs, follow=target.local_timings))
-    saved[key] = Calibration(costs, bool(overlap), sizer)
-    return saved[key]
-
-
-def plan(target, draft, cache, context: mx.array, max_block: int, fixed: bool, sizer=None):
-    """The generation's block sizer and how it evaluates each phase, both
-    from the calibration; a ``fixed`` block (never with a ``sizer``) takes
-    only the evaluation strategy from it."""
-    calibration = calibrate(target, draft, cache, context, max_block)
-    if fixed:
-        return BlockSizer(max_block, None, fixed=True), calibration.settle
-    if sizer is None:
-        sizer = calibration.sizer
-        sizer.begin()
-    return sizer, calibration.settle
-

@@ -125,6 +125,9 @@ class TimedDraft:
     def propose_with_probs(self, *args, **kwargs):
         return self.timer.run("draft", self.draft.propose_with_probs, *args, **kwargs)
 
+    def slot_logits(self, *args, **kwargs):
+        return self.timer.run("draft", self.draft.slot_logits, *args, **kwargs)
+
 
 def repeated_4gram_share(tokens: List[int]) -> float:
     """Fraction of tokens that complete a 4-gram already seen in the output."""
@@ -146,13 +149,16 @@ def run_autoregressive(model, tokenizer, prompt, max_tokens):
     return {"tokens": tokens, "tps": last.generation_tps, "peak_memory": last.peak_memory}
 
 
-def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=None):
-    """One generation (``block_size=None``: adaptive); tok/s counted from the
-    first token, like mlx-lm. With a ``timer`` (``draft`` a :class:`TimedDraft`
-    on it), the forwards and rollbacks are timed and the rest of each cycle
-    counts as host time."""
+def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=None, tree_budget=None):
+    """One generation (``block_size=None``: adaptive; ``tree_budget`` as
+    :func:`~dflash_mlx.generate.generate_step` takes it); tok/s counted from
+    the first token, like mlx-lm. With a ``timer`` (``draft`` a
+    :class:`TimedDraft` on it), the forwards and rollbacks are timed and the
+    rest of each cycle counts as host time."""
     responses = []
-    for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size):
+    for r in stream_generate(
+        model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, tree_budget=tree_budget
+    ):
         if not responses and timer is not None:  # the cycles start after the prefill's token
             timer.start_cycles()
         responses.append(r)
@@ -164,6 +170,7 @@ def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=No
         "accepted": [r.accepted for r in responses[1:]],
         "committed": cycle_lengths(responses),
         "block_sizes": [r.block_size for r in responses[1:]],
+        "tree_sizes": [r.tree_size for r in responses[1:]],
         "peak_memory": responses[-1].peak_memory,
     }
 
@@ -349,25 +356,47 @@ def tokens_per_cycle_by_position(runs: List[dict], max_tokens: int) -> Dict[str,
 
 
 def cycle_summary(runs: List[dict], max_block: int) -> dict:
-    """Tokens per cycle and the chosen block sizes of DFlash ``runs``."""
+    """Tokens per cycle, the chosen block sizes and draft-tree sizes of DFlash ``runs``."""
     committed = [c for r in runs for c in r["committed"]]
-    blocks = [b for r in runs for b in r["block_sizes"]]
+    blocks = [b for r in runs for b, t in zip(r["block_sizes"], r["tree_sizes"]) if not t]
+    trees = Counter(t for r in runs for t in r["tree_sizes"] if t)
     hist, chosen = Counter(committed), Counter(blocks)
     return {
         "mean_tokens_per_cycle": mean_tokens_per_cycle(committed),
         "acceptance_histogram": {str(k): hist.get(k, 0) for k in range(1, max_block + 1)},
         "block_size_histogram": {str(k): chosen.get(k, 0) for k in range(1, max_block + 1)},
+        "tree_size_histogram": {str(k): v for k, v in sorted(trees.items())},
         "mean_block_size": statistics.mean(blocks) if blocks else 1.0,
     }
 
 
-def timed_runs(model, draft, tokenizer, prompts, max_tokens, configs: Dict[str, object], repeats):
+def configuration_summary(runs: List[dict], ar_tps: float, max_block: int) -> dict:
+    """One configuration side by side with the others: tok/s (pooled) and
+    its speedup, tokens and seconds per cycle, the committed path lengths
+    (a histogram) and the mean tree size verified."""
+    cycles = [c for r in runs for c in r["committed"]]
+    seconds = sum(len(r["tokens"]) / r["tps"] for r in runs)
+    trees = [t for r in runs for t in r["tree_sizes"]]
+    hist = Counter(cycles)
+    tps = pooled_tps(runs)
+    return {
+        "tps": tps,
+        "speedup": tps / ar_tps,
+        "tokens_per_cycle": mean_tokens_per_cycle(cycles),
+        "ms_per_cycle": 1e3 * seconds / max(1, len(cycles)),
+        "path_length_histogram": {str(k): hist.get(k, 0) for k in range(1, max_block + 1)},
+        "mean_tree_size": statistics.mean(trees) if trees else 0.0,
+        "tree_cycle_share": sum(t > 0 for t in trees) / max(1, len(trees)),
+    }
+
+
+def timed_runs(model, draft, tokenizer, prompts, max_tokens, configs: Dict[str, tuple], repeats):
     """Per prompt: ``{"autoregressive": [...], name: [...]}`` over ``repeats``
-    rounds in which every configuration runs once, alternating (mlx-lm first,
-    then the others in turn); and the forward timings taken right after each
-    prompt's runs."""
+    rounds in which every configuration (``(block_size, tree_budget)``) runs
+    once, alternating (mlx-lm first, then the others in turn); and the
+    forward timings taken right after each prompt's runs."""
     per_prompt, timings = [], []
-    max_block = max(b or draft.block_size for b in configs.values())
+    max_block = max(b or draft.block_size for b, _ in configs.values())
     names = list(configs)
     for i, prompt in enumerate(prompts):
         runs = {"autoregressive": [], **{name: [] for name in configs}}
@@ -377,7 +406,8 @@ def timed_runs(model, draft, tokenizer, prompts, max_tokens, configs: Dict[str, 
             # in BENCHMARKS.md), so the configurations take turns to be it.
             turn = (i * repeats + r) % len(names)
             for name in names[turn:] + names[:turn]:
-                runs[name].append(run_dflash(model, draft, tokenizer, prompt, max_tokens, configs[name]))
+                block_size, tree_budget = configs[name]
+                runs[name].append(run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, tree_budget=tree_budget))
         per_prompt.append(runs)
         # The forwards that bound the speedup, timed right after the runs they
         # bound and at this prompt's context, so that drift on a shared
@@ -389,37 +419,46 @@ def timed_runs(model, draft, tokenizer, prompts, max_tokens, configs: Dict[str, 
     return per_prompt, timings
 
 
-def phase_timings(model, draft, tokenizer, prompts, max_tokens, block_size) -> Dict[str, float]:
+def phase_timings(model, draft, tokenizer, prompts, max_tokens, block_size, tree_budget=None) -> Dict[str, float]:
     """ms per cycle of each phase over ``prompts``, in runs of their own
     (every phase syncs). A warm-up run first, not counted: the timed drafter
     is calibrated anew."""
     timer = PhaseTimer()
     timed = TimedDraft(draft, timer)
-    run_dflash(model, timed, tokenizer, prompts[0], 16, block_size)
+    run_dflash(model, timed, tokenizer, prompts[0], 16, block_size, tree_budget=tree_budget)
     timer.reset()
     for prompt in prompts:
-        run_dflash(model, timed, tokenizer, prompt, max_tokens, block_size, timer=timer)
+        run_dflash(model, timed, tokenizer, prompt, max_tokens, block_size, timer=timer, tree_budget=tree_budget)
     return {k: 1e3 * v / max(1, timer.cycles) for k, v in timer.seconds.items() if k != "prefill"}
 
 
 def benchmark(
     model, draft, tokenizer, prompts: List[str], max_tokens=DEFAULT_BENCH_MAX_TOKENS, block_size=None,
-    repeats=DEFAULT_BENCH_REPEATS,
+    repeats=DEFAULT_BENCH_REPEATS, tree_budget=None, tree_budgets=(),
 ):
     """The report, and mlx-lm's run of each prompt (the reference outputs).
 
     ``block_size=None`` benchmarks the adaptive loop and, in the same pass,
-    the fixed trained block size. Each prompt's runs alternate ``repeats``
-    times; tok/s pools every timed run, which steadies the speedup on a
-    shared machine. Outputs and acceptance come from the first run of each.
+    the fixed trained block size (a chain). ``tree_budgets`` adds, side by
+    side, the chain-only adaptive loop and a draft tree of each budget every
+    cycle (``report["configurations"]``); ``tree_budget`` is the main
+    configuration's (None: the sizer chooses). Each prompt's runs alternate
+    ``repeats`` times; tok/s pools every timed run, which steadies the
+    speedup on a shared machine. Outputs and acceptance come from the first
+    run of each.
     """
     max_block = block_size or draft.block_size
-    configs = {"dflash": block_size} if block_size else {"dflash": None, "fixed": max_block}
+    configs = {"dflash": (block_size, tree_budget)}
+    if not block_size:
+        configs["fixed"] = (max_block, 0)
+    if tree_budgets:
+        configs["chain"] = (block_size, 0)
+        configs.update({f"tree_{n}": (max_block, n) for n in tree_budgets})
     draft.bind(model)
     warm = prompts[0]
     run_autoregressive(model, tokenizer, warm, 16)
-    for b in configs.values():
-        run_dflash(model, draft, tokenizer, warm, 16, b)
+    for b, t in configs.values():
+        run_dflash(model, draft, tokenizer, warm, 16, b, tree_budget=t)
     compile_block_lengths(draft, encode_prompt(tokenizer, warm), max_block)
     timed, timings = timed_runs(model, draft, tokenizer, prompts, max_tokens, configs, repeats)
 
@@ -449,7 +488,7 @@ def benchmark(
         "tokens_per_cycle_by_position": tokens_per_cycle_by_position(first["dflash"], max_tokens),
         # On the first prompt: the split is the pair's and the length's, and
         # every prompt would cost the bench another whole decode.
-        "phase_ms_per_cycle": phase_timings(model, draft, tokenizer, prompts[:1], max_tokens, block_size),
+        "phase_ms_per_cycle": phase_timings(model, draft, tokenizer, prompts[:1], max_tokens, block_size, tree_budget),
         "forward_ms": forwards,
         "ideal_speedup": ideal,
         "fraction_of_ideal": speedup / ideal,
@@ -464,6 +503,11 @@ def benchmark(
         report["fixed_block_speedup"] = pooled["fixed"] / pooled["autoregressive"]
         report["fixed_block_tokens_per_cycle"] = at_max
         report["fixed_block_tokens_per_cycle_by_position"] = tokens_per_cycle_by_position(first["fixed"], max_tokens)
+    if tree_budgets:
+        report["configurations"] = {
+            name: configuration_summary([r for runs in timed for r in runs[name]], pooled["autoregressive"], max_block)
+            for name in configs
+        }
     return report, first["autoregressive"]
 
 
@@ -488,6 +532,9 @@ def print_report(r: dict) -> None:
         print(f"  by answer position     {by_pos}")
     chosen = " ".join(f"{k}:{v}" for k, v in r["block_size_histogram"].items() if v)
     print(f"chosen block sizes       {chosen}  (mean {r['mean_block_size']:.2f})")
+    if r.get("tree_size_histogram"):
+        trees = " ".join(f"{k}:{v}" for k, v in r["tree_size_histogram"].items())
+        print(f"chosen draft trees       {trees}  (nodes:cycles)")
     print(
         f"forwards (ms)            target x1 {r['forward_ms']['target_1']:.2f}, "
         f"target x{B} {r['forward_ms'][f'target_{B}']:.2f}, drafter {r['forward_ms']['drafter']:.2f}"
@@ -500,6 +547,8 @@ def print_report(r: dict) -> None:
     print(f"repeated 4-gram share    {100 * r['repeated_4gram_share']:.1f}%")
     print(f"outputs identical to AR  {r['outputs_identical']}")
     print(f"peak memory              {r['peak_memory_gb']:.3f} GB")
+    if "configurations" in r:
+        print_configurations(r["configurations"])
     if "second_turn_ttft" in r:
         t = r["second_turn_ttft"]
         print(
@@ -521,6 +570,20 @@ def print_report(r: dict) -> None:
         )
     for impl, share in r.get("conv_selector_share", {}).items():
         print(f"DFlash2 conv+selector    {impl}: {100 * share['share']:.1f}% of a draft forward ({1e3 * share['draft_s']:.2f} ms)")
+
+
+CONFIGURATION_NAMES = {"dflash": "adaptive", "fixed": "chain, fixed block", "chain": "chain, adaptive"}
+
+
+def print_configurations(configurations: Dict[str, dict]) -> None:
+    """Chains, trees and the adaptive loop side by side (same prompts, same runs)."""
+    print(f"{'configuration':<22} {'tok/s':>8} {'speedup':>8} {'tok/cycle':>10} {'ms/cycle':>9}  committed path lengths")
+    for name, c in configurations.items():
+        label = CONFIGURATION_NAMES.get(name, name.replace("_", " "))
+        hist = " ".join(f"{k}:{v}" for k, v in c["path_length_histogram"].items() if v)
+        print(
+            f"{label:<22} {c['tps']:8.1f} {c['speedup']:7.2f}x {c['tokens_per_cycle']:10.2f} {c['ms_per_cycle']:9.2f}  {hist}"
+        )
 
 
 def plot(reports: List[dict], path: str) -> None:
@@ -576,6 +639,12 @@ def setup_arg_parser() -> cli.ArgumentParser:
         f"lengths, else {DEFAULT_BENCH_MAX_TOKENS})",
     )
     cli.add_block_size_argument(p)
+    cli.add_tree_budget_argument(p)
+    p.add_argument(
+        "--tree-budgets", type=cli.positive_int, nargs="*", default=[8, 16, 32, 64],
+        help="also run the chain-only adaptive loop and a draft tree of each of these node budgets every cycle, "
+        "side by side (none: skip)",
+    )
     p.add_argument("--repeats", type=cli.positive_int, default=DEFAULT_BENCH_REPEATS, help="timed runs per prompt of each configuration, alternating")
     p.add_argument("--ar-draft-model", default=None, help="also run mlx-lm's classic speculative decoding with this autoregressive drafter")
     p.add_argument("--num-draft-tokens", type=cli.positive_int, default=3, help="draft tokens per step for --ar-draft-model")
@@ -630,7 +699,9 @@ def main(argv=None):
 def full_report(args, model, tokenizer, draft, ar_draft, prompts, max_tokens) -> dict:
     """:func:`benchmark` at ``max_tokens`` and the comparisons the flags ask
     for (``ar_draft``: the ``--ar-draft-model``, or None)."""
-    report, ar_runs = benchmark(model, draft, tokenizer, prompts, max_tokens, args.block_size, args.repeats)
+    report, ar_runs = benchmark(
+        model, draft, tokenizer, prompts, max_tokens, args.block_size, args.repeats, args.tree_budget, args.tree_budgets
+    )
     if ar_draft is not None:
         report.update(speculative_baseline(model, ar_draft, tokenizer, prompts, max_tokens, ar_runs, args.num_draft_tokens))
     if args.temp:

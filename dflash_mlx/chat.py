@@ -25,6 +25,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     cli.add_sampling_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="PRNG seed")
     cli.add_block_size_argument(p)
+    cli.add_tree_budget_argument(p)
     p.add_argument("--system-prompt", default=None)
     cli.add_prefill_step_size_argument(p)
     p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started (see docs/pipeline.md)")
@@ -73,7 +74,7 @@ def main(argv=None, input_fn=input):
         reused, responses = cache.offset, []
         for r in stream_generate(
             model, draft, tokenizer, turn_prompt(tokenizer, query, args.system_prompt),
-            prompt_cache=cache, block_size=args.block_size, max_tokens=args.max_tokens,
+            prompt_cache=cache, block_size=args.block_size, tree_budget=args.tree_budget, max_tokens=args.max_tokens,
             temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             prefill_step_size=args.prefill_step_size,
         ):

@@ -51,15 +51,24 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(1)
 
 
-def positive_int(text: str) -> int:
-    """argparse ``type`` for counts that must be at least 1 (tokens, block size, step size)."""
+def int_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type`` for counts that must be at least 1 (tokens, block size, step size)."""
+    return int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse ``type`` for counts that may be 0 (a tree budget: 0 = none)."""
+    return int_at_least(text, 0)
 
 
 def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +87,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_block_size_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=positive_int, default=None, help="fix the verify width (default: adaptive, chosen each cycle up to the drafter's trained block size; 1 = plain decoding)")
+
+
+def add_tree_budget_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tree-budget", type=non_negative_int, default=None,
+        help="draft-tree nodes verified per cycle (default: chosen each cycle from measured cost; 0 = chains only; "
+        "see docs/ddtree.md)",
+    )
 
 
 def add_prefill_step_size_argument(parser: argparse.ArgumentParser) -> None:

@@ -17,12 +17,14 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import cli
-from .adaptive import BlockSizer, plan
+from .adaptive import BlockSizer, TreeChoice, TreeWalk
+from .calibration import plan
 from .cache import PromptCache, bound_target, make_prompt_cache
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
 from .errors import ArgumentError
 from .ops.threads import compile_per_thread
 from .sampling import ACCEPTANCE_RULES, processed_probs, speculative_accept
+from .tree import build_tree, candidates, walked_ranks
 
 
 @dataclass
@@ -41,8 +43,11 @@ class GenerationResponse:
         peak_memory: in GB.
         finish_reason: "stop" (eos), "length" (max_tokens) or None.
         block_size: tokens verified this cycle (1: plain decoding, no draft;
-            0: the prefill's response). Varies from cycle to cycle unless
-            ``block_size`` was fixed.
+            0: the prefill's response; a tree's rows: the anchor and its
+            nodes). Varies from cycle to cycle unless ``block_size`` was fixed.
+        tree_size: nodes of the draft tree this cycle verified (0: a chain
+            or plain decoding); ``committed`` is then the walked path's
+            length plus the target's token after it.
     """
 
     text: str
@@ -56,6 +61,7 @@ class GenerationResponse:
     peak_memory: float
     finish_reason: Optional[str] = None
     block_size: int = 0
+    tree_size: int = 0
 
 
 def cycle_lengths(responses: Sequence[GenerationResponse]) -> List[int]:
@@ -222,6 +228,23 @@ def one_thread_per_pair(draft):
                 del GENERATING[id(draft)]
 
 
+def tree_plan(target, draft, tree_budget: Optional[int], sizer) -> Tuple[int, bool]:
+    """``(nodes of the tree every drafting cycle verifies (0: none forced),
+    whether the sizer may choose trees)``; a budget this generation cannot
+    honour is refused before any work."""
+    if tree_budget is not None and tree_budget < 0:
+        raise ArgumentError(f"tree_budget must be None (adaptive), 0 (chains only) or a node count, got {tree_budget}")
+    able = not target.no_trees and hasattr(draft, "slot_logits")
+    if tree_budget:
+        if sizer is not None:
+            raise ArgumentError("pass tree_budget or sizer, not both (a sizer makes every choice)")
+        if target.no_trees:
+            raise ArgumentError(target.no_trees)
+        if not able:
+            raise ArgumentError("this drafter gives no per-slot logits to build a tree from: use tree_budget=0")
+    return tree_budget or 0, able and tree_budget is None and sizer is None
+
+
 def generate_step(
     prompt: Union[List[int], mx.array],
     model,
@@ -231,6 +254,7 @@ def generate_step(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     block_size: Optional[int] = None,
     sizer: Optional[BlockSizer] = None,
+    tree_budget: Optional[int] = None,
     temperature: float = 0.0,
     top_p: float = 0.0,
     top_k: int = 0,
@@ -242,10 +266,10 @@ def generate_step(
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stream=generation_stream,
-) -> Generator[Tuple[int, Optional[mx.array], bool, int], None, None]:
-    """Yield each committed token as ``(token, logprobs, from_draft, block)``,
-    like mlx-lm's ``speculative_generate_step`` plus the length of the block
-    its cycle verified (0 for the prefill's token).
+) -> Generator[Tuple[int, Optional[mx.array], bool, int, int], None, None]:
+    """Yield each committed token as ``(token, logprobs, from_draft, block,
+    tree)``, like mlx-lm's ``speculative_generate_step`` plus the rows its
+    cycle verified (0 for the prefill's token) and its draft tree's nodes.
 
     ``prompt`` holds only the tokens new to ``prompt_cache`` (it may be empty
     when the cache has a pending token). ``logprobs`` (the target's
@@ -275,17 +299,18 @@ def generate_step(
     p that rejection sampling needs, so it always uses exact match.
 
     By default each cycle verifies the length (up to the drafter's trained
-    size; 1: plain decoding) that maximises expected committed tokens per
-    second (:mod:`dflash_mlx.adaptive`). It follows measured speed, so a
-    seeded (``mx.random``) sampled run repeats only with a fixed
-    ``block_size``; a ``sizer`` (:class:`~dflash_mlx.adaptive.BlockSizer`)
-    makes the choices instead, up to its ``max_block``.
+    size; 1: plain decoding) or the draft tree (:mod:`dflash_mlx.tree`;
+    ``tree_budget`` 0: none, ``n``: one of n nodes every cycle) that
+    maximises expected committed tokens per second (:mod:`dflash_mlx.adaptive`).
+    It follows measured speed, so a seeded sampled run repeats only with a
+    fixed ``block_size`` or ``tree_budget``; a ``sizer`` makes the choices instead.
     """
     rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
     if max_tokens < 1:
         raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
     max_block = max_block_size(draft, block_size, sizer)
     target = bound_target(model, draft)
+    trees = tree_plan(target, draft, tree_budget, sizer)
     cache = make_prompt_cache(model, draft) if prompt_cache is None else prompt_cache
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt and not cache.pending:
@@ -293,7 +318,7 @@ def generate_step(
     with one_thread_per_pair(draft), mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-            sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer)
+            sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)
             eos = set(eos_token_ids)
             yield from decode(target, draft, cache, logits, rule, sizer, settle, max_tokens, eos, logprobs)
         finally:
@@ -304,20 +329,113 @@ def generate_step(
 
 @dataclass
 class Cycle:
-    """A queued cycle: the verified block's length, its outcome
-    (:meth:`AcceptanceRule.outcome`, not yet read), the target's logits and
-    its tap states for the block."""
+    """A queued cycle: what the sizer chose (a block length or a
+    :class:`~dflash_mlx.adaptive.TreeChoice`), its outcome
+    (:meth:`AcceptanceRule.outcome`, or for a tree the target's choice at
+    every row; not yet read), the target's logits and its tap states for
+    the verified rows; for a tree, the tree and its candidates."""
 
-    block: int
+    choice: Union[int, TreeChoice]
     outcome: mx.array
     logits: mx.array
     target_hidden: mx.array
+    tree: Optional[object] = None
+    ids: Optional[object] = None
+
+    @property
+    def rows(self) -> int:
+        return self.tree.rows if self.tree is not None else self.choice
+
+    def read(self):
+        """``(rows kept, proposed tokens along them, accepted count, the
+        target's token after them, what a tree's walk showed)`` in one host read."""
+        if self.tree is None:
+            accepted, token, proposed = read_outcome(self.outcome)
+            return list(range(accepted + 1)), proposed, accepted, token, None
+        choices = self.outcome.tolist()
+        path, token = self.tree.walk(choices)
+        walk = TreeWalk(walked_ranks(self.tree, self.ids, path, choices), self.tree.spine)
+        return path, [self.tree.tokens[r] for r in path[1:]], len(path) - 1, token, walk
+
+
+@dataclass
+class Drafting:
+    """What every cycle of one generation drafts and verifies with; queues
+    each cycle (:meth:`launch`) and commits what it kept (:meth:`commit`)."""
+
+    target: object
+    draft: object
+    cache: PromptCache
+    rule: AcceptanceRule
+    max_block: int
+    settle: Callable
+
+    def block(self, anchor) -> mx.array:
+        """The drafter's input: the anchor and a whole block of masks. It
+        always fills all ``max_block`` slots: it guesses each slot from the
+        whole block of masks, and a shorter block of masks than it was
+        trained on makes its early slots worse (measured in BENCHMARKS.md)."""
+        return mx.array([[anchor] + [self.draft.mask_token_id] * (self.max_block - 1)])
+
+    def launch(self, anchor, choice, remaining) -> Cycle:
+        """Queue the cycle after ``anchor`` the sizer chose, never more than
+        ``remaining`` tokens' worth."""
+        if isinstance(choice, TreeChoice):
+            return self.tree(anchor, choice.nodes, remaining)
+        return self.chain(anchor, choice)
+
+    def chain(self, anchor, length) -> Cycle:
+        """Draft a whole block from the tap states the drafter has not seen,
+        verify the anchor and the first ``length - 1`` drafted tokens
+        (``length`` 1: plain decoding, no draft), and the outcome."""
+        cache, rule = self.cache, self.rule
+        verify_in, q = mx.array([[anchor]]), None
+        if length > 1:
+            if rule.sampling is not None:
+                drafted, q = self.draft.propose_with_probs(self.block(anchor), cache.target_hidden, cache.draft, **rule.sampling)
+                q = q[0, : length - 1]
+            else:
+                drafted = self.draft.propose(self.block(anchor), cache.target_hidden, cache.draft)
+            cache.target_hidden = None  # injected into the drafter's context
+            drafted = drafted[:, : length - 1]
+            self.settle(drafted)
+            verify_in = mx.concatenate([verify_in, drafted.astype(mx.int32)], axis=1)
+        logits, target_hidden = self.target.forward(verify_in, cache.target)
+        outcome = rule.outcome(logits[0], verify_in[0, 1:], q)
+        mx.async_eval(outcome)
+        return Cycle(length, outcome, logits, target_hidden)
+
+    def tree(self, anchor, nodes, remaining) -> Cycle:
+        """Draft the whole block, take its best candidates per slot (one host
+        read: the tree is built on the host), build a tree of ``nodes``
+        nodes at most ``remaining - 1`` deep and verify it in one forward;
+        the outcome is the target's choice at every row."""
+        cache = self.cache
+        slot_logits = self.draft.slot_logits(self.block(anchor), cache.target_hidden, cache.draft)
+        cache.target_hidden = None  # injected into the drafter's context
+        ids, logprobs = candidates(slot_logits[0, : remaining - 1], nodes)
+        tree = build_tree(anchor, ids, logprobs, nodes)
+        logits, target_hidden = self.target.forward(mx.array([tree.tokens]), cache.target, tree=tree)
+        outcome = self.rule.choose(logits[0]).astype(mx.int32)
+        mx.async_eval(outcome)
+        return Cycle(TreeChoice(nodes), outcome, logits, target_hidden, tree, ids)
+
+    def commit(self, cycle: Cycle, rows: List[int]) -> None:
+        """Keep the verified ``rows`` (a chain's prefix, a tree's walked
+        path) in the target's caches, and their taps for the drafter."""
+        if cycle.tree is None:
+            self.target.rollback(self.cache.target, len(rows))
+            self.cache.add_hidden(cycle.target_hidden[:, : len(rows)])
+        else:
+            self.target.rollback(self.cache.target, rows)
+            self.cache.add_hidden(cycle.target_hidden[:, mx.array(rows)])
 
 
 def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_tokens, eos, want_logprobs):
     """The cycles: draft, verify, accept, roll back, commit, one host sync
-    each. ``sizer`` chooses each block from the cycles before it; ``settle``
-    evaluates the draft (``mx.eval``, or ``mx.async_eval`` to overlap).
+    each. ``sizer`` chooses each block or tree from the cycles before it;
+    ``settle`` evaluates the draft (``mx.eval``, or ``mx.async_eval`` to
+    overlap).
 
     Each cycle is queued before the previous one's tokens are yielded, as
     mlx-lm queues its next step, so the caller's work on them (detokenizing,
@@ -325,33 +443,7 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
     closing the generator at a yield rolls it back (see
     :func:`generate_step`).
     """
-    speculative = rule.sampling is not None
-
-    def launch(anchor, length):
-        """Queue the cycle after ``anchor``: draft a whole block from the tap
-        states the drafter has not seen, verify the anchor and the first
-        ``length - 1`` drafted tokens (``length`` 1: plain decoding, no
-        draft), and the outcome. The drafter always fills all
-        ``sizer.max_block`` slots: it guesses each slot from the whole block
-        of masks, and a shorter block of masks than it was trained on makes
-        its early slots worse (measured in BENCHMARKS.md)."""
-        verify_in, q = mx.array([[anchor]]), None
-        if length > 1:
-            block = mx.array([[anchor] + [draft.mask_token_id] * (sizer.max_block - 1)])
-            if speculative:
-                drafted, q = draft.propose_with_probs(block, cache.target_hidden, cache.draft, **rule.sampling)
-                q = q[0, : length - 1]
-            else:
-                drafted = draft.propose(block, cache.target_hidden, cache.draft)
-            cache.target_hidden = None  # injected into the drafter's context
-            drafted = drafted[:, : length - 1]
-            settle(drafted)
-            verify_in = mx.concatenate([verify_in, drafted.astype(mx.int32)], axis=1)
-        logits, target_hidden = target.forward(verify_in, cache.target)
-        outcome = rule.outcome(logits[0], verify_in[0, 1:], q)
-        mx.async_eval(outcome)
-        return Cycle(length, outcome, logits, target_hidden)
-
+    drafting = Drafting(target, draft, cache, rule, sizer.max_block, settle)
     token = rule.choose(logits)
     lp = logits[0] - mx.logsumexp(logits[0]) if want_logprobs else None
     anchor = token.item()
@@ -359,37 +451,37 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
     cache.tokens.append(anchor)
     n = 1
     if n == max_tokens or anchor in eos:
-        yield anchor, lp, False, 0
+        yield anchor, lp, False, 0, 0
         return
-    cycle = launch(anchor, sizer.choose(max_tokens - n))  # never more slots than tokens left
-    yield anchor, lp, False, 0
+    cycle = drafting.launch(anchor, sizer.choose(max_tokens - n), max_tokens - n)  # never more slots than tokens left
+    yield anchor, lp, False, 0, 0
     tic = time.perf_counter()  # cycles are timed without the caller's time
     while True:
-        accepted, bonus, proposed = read_outcome(cycle.outcome)
+        rows, proposed, accepted, bonus, walk = cycle.read()
         # A cycle's cost: from the previous read to this one, less the
         # caller's time with the tokens, which is the same per token
         # whatever the block and so has no say in choosing it.
         now = time.perf_counter()
-        sizer.observe(cycle.block, accepted, now - tic)  # before the next choice
+        sizer.observe(cycle.choice, accepted, now - tic, *([walk] if walk else []))  # before the next choice
         tic = now
         new_tokens = proposed[:accepted] + [bonus]
         stop = next((i for i, t in enumerate(new_tokens) if t in eos), None)
         if stop is not None:
             new_tokens = new_tokens[: stop + 1]
+        rows = rows[: len(new_tokens)]
         n += len(new_tokens)
         ends = n >= max_tokens or stop is not None
         anchor = new_tokens[-1]
-        target.rollback(cache.target, len(new_tokens))
-        cache.add_hidden(cycle.target_hidden[:, : len(new_tokens)])
+        drafting.commit(cycle, rows)
         cache.pending = [anchor]
         cache.tokens.extend(new_tokens)
-        logits, block = cycle.logits, cycle.block
+        logits, block, tree = cycle.logits, cycle.rows, 0 if cycle.tree is None else cycle.tree.nodes
         if not ends:
-            cycle = launch(anchor, sizer.choose(max_tokens - n))
+            cycle = drafting.launch(anchor, sizer.choose(max_tokens - n), max_tokens - n)
         lp = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True) if want_logprobs else None
         paused = time.perf_counter()
         for i, t in enumerate(new_tokens):
-            yield t, None if lp is None else lp[i], i < accepted, block
+            yield t, None if lp is None else lp[rows[i]], i < accepted, block, tree
         if ends:
             return
         tic += time.perf_counter() - paused
@@ -427,7 +519,7 @@ def stream_generate(
     with wired_limit(model, [stream]), closing(steps):
         tic = time.perf_counter()
         n_out, prompt_tps, cycle, accepted = 0, None, [], 0
-        for token, _, from_draft, block in steps:
+        for token, _, from_draft, block, tree in steps:
             if prompt_tps is None:
                 prompt_tps = prompt.size / (time.perf_counter() - tic)
                 tic = time.perf_counter()
@@ -454,6 +546,7 @@ def stream_generate(
                 peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=finish,
                 block_size=block,
+                tree_size=tree,
             )
             if finish:
                 return
@@ -486,6 +579,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
         help="rule for drafted tokens at --temp > 0: rejection sampling or exact match (both lossless)",
     )
     cli.add_block_size_argument(p)
+    cli.add_tree_budget_argument(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is")
     p.add_argument("--system-prompt", default=None)
     cli.add_prefill_step_size_argument(p)
@@ -534,6 +628,7 @@ def main(argv=None):
         tokenizer,
         prompt,
         block_size=args.block_size,
+        tree_budget=args.tree_budget,
         max_tokens=args.max_tokens,
         temperature=args.temp,
         top_p=args.top_p,
@@ -552,8 +647,11 @@ def main(argv=None):
         print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
         if cycles:
             print(f"Mean tokens per cycle: {mean_tokens_per_cycle(cycles):.2f} over {len(cycles)} cycles")
-            sizes = Counter(r.block_size for r in responses[1:])
+            sizes = Counter(r.block_size for r in responses[1:] if not r.tree_size)
             print("Block sizes (size:cycles): " + " ".join(f"{b}:{k}" for b, k in sorted(sizes.items())))
+            trees = Counter(r.tree_size for r in responses[1:] if r.tree_size)
+            if trees:
+                print("Draft trees (nodes:cycles): " + " ".join(f"{n}:{k}" for n, k in sorted(trees.items())))
         print(f"Peak memory: {last.peak_memory:.3f} GB")
     return 0
 

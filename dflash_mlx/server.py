@@ -332,7 +332,8 @@ class DFlashResponseGenerator:
                 mx.random.seed(args.seed)
             start = self.snapshot(cache, tokens, ctx.prompt_cache_count, prepared.boundaries, progress)
             block_size = prepared.block_size or self.cli_args.block_size  # None: adaptive
-            generated = self.decode(cache, tokens[start:], block_size, args, ctx, stop_sequences.matcher(), responses, progress)
+            tree_budget = 0 if prepared.block_size else self.cli_args.tree_budget  # num_draft_tokens: a chain
+            generated = self.decode(cache, tokens[start:], block_size, tree_budget, args, ctx, stop_sequences.matcher(), responses, progress)
             self.metrics.served(len(tokens), ctx.prompt_cache_count, generated, ctx.dflash)
             responses.put(None)
             self.prompt_cache.insert_cache(self.key, list(cache.tokens), [cache])
@@ -342,14 +343,14 @@ class DFlashResponseGenerator:
         finally:
             self.busy = False
 
-    def decode(self, cache, tokens, block_size, args, ctx, matcher, responses, progress) -> int:
+    def decode(self, cache, tokens, block_size, tree_budget, args, ctx, matcher, responses, progress) -> int:
         """Token by token, as mlx-lm's server streams: text, logprobs, finish;
         returns how many tokens it yielded."""
         tok, eos = self.tokenizer, set(self.tokenizer.eos_token_ids)
         want = args.logprobs or args.top_logprobs > 0
         steps = generate_step(
             tokens, self.model, self.draft, prompt_cache=cache, max_tokens=args.max_tokens,
-            block_size=block_size, temperature=args.sampling.temperature,
+            block_size=block_size, tree_budget=tree_budget, temperature=args.sampling.temperature,
             top_p=args.sampling.top_p, top_k=args.sampling.top_k, min_p=args.sampling.min_p,
             eos_token_ids=eos, logprobs=want, prefill_step_size=self.cli_args.prefill_step_size,
             prompt_progress_callback=progress,
@@ -358,11 +359,13 @@ class DFlashResponseGenerator:
         detok.reset()
         n = yielded = accepted = 0
         sizes, cycle_starts = Counter(), False  # verified block lengths; the prefill's token is no cycle
+        trees = Counter()  # nodes of the draft trees verified
         with wired_limit(self.model, [generation_stream]), closing(steps):
-            for token, logprobs, from_draft, block in steps:
+            for token, logprobs, from_draft, block, tree in steps:
                 yielded += 1
                 accepted += from_draft
-                sizes[block] += cycle_starts
+                sizes[block] += cycle_starts and not tree
+                trees[tree] += cycle_starts and tree > 0
                 cycle_starts = not from_draft  # each cycle ends with the target's own token
                 finish = "stop" if token in eos else None
                 if finish is None:
@@ -378,10 +381,11 @@ class DFlashResponseGenerator:
                     break
         if ctx.stopped:
             logging.info("request stopped by the client after %d tokens", n)
-        cycles = sum(sizes.values())
+        cycles = sum(sizes.values()) + sum(trees.values())
         ctx.dflash.update(
             cycles=cycles, accepted_draft_tokens=accepted,
             block_sizes={b: k for b, k in sorted(sizes.items()) if k},
+            tree_sizes={n: k for n, k in sorted(trees.items()) if k},
             tokens_per_cycle=round((yielded - 1) / max(1, cycles), 3),
         )
         return yielded
@@ -510,6 +514,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--port", type=port_number, default=8080, help="port to listen on (0 picks a free one)")
     p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=["*"], help="comma-separated CORS origins")
     p.add_argument("--block-size", type=cli.positive_int, default=None, help="fix the verify width (default: adaptive, up to the drafter's trained size; a request's num_draft_tokens fixes block_size - 1)")
+    cli.add_tree_budget_argument(p)  # a request's num_draft_tokens fixes a chain
     p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS, help="default max_tokens of a request")
     cli.add_sampling_arguments(p)  # a request's defaults
     p.add_argument("--prompt-cache-size", type=cli.positive_int, default=10, help="most prompt caches kept")
@@ -544,6 +549,8 @@ def make_generator(args, model, tokenizer, draft, draft_id: str) -> DFlashRespon
     elif args.use_default_chat_template and tokenizer.chat_template is None:
         tokenizer.chat_template = tokenizer.default_chat_template
     args.num_draft_tokens = (args.block_size or draft.block_size) - 1  # mlx-lm's default for requests
+    if args.tree_budget and draft.target.no_trees:
+        raise ArgumentError(draft.target.no_trees)
     return DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
 
 

@@ -10,7 +10,8 @@ import pytest
 from tiny import ScriptedDrafter, ScriptedSizer, prompt_of
 
 import dflash_mlx
-from dflash_mlx.adaptive import BlockSizer, CycleCosts, SlotAcceptance, calibrate
+from dflash_mlx.adaptive import BlockSizer, CycleCosts, SlotAcceptance
+from dflash_mlx.calibration import calibrate
 from dflash_mlx.errors import ArgumentError
 from dflash_mlx.generate import prefill
 
@@ -282,7 +283,7 @@ def test_plain_cycles_queue_the_next_step_and_closing_undoes_it(qwen3_pair, tmp_
     for stop_after in range(1, 7):
         cache = dflash_mlx.make_prompt_cache(pair.model, draft)
         steps = dflash_mlx.generate_step(prompt_of(5), pair.model, draft, prompt_cache=cache, block_size=1, max_tokens=6)
-        for i, (token, _, from_draft, block) in enumerate(steps, 1):
+        for i, (token, _, from_draft, block, _) in enumerate(steps, 1):
             assert not from_draft and block in (0, 1)
             assert (cache.target.undo is not None) == (i < 6)  # the last token queues nothing
             if i == stop_after:
@@ -297,3 +298,101 @@ def test_costs_with_one_drafting_length_stay_flat():
     for seconds in (2.0, 2.0, 2.0):
         costs.observe(2, seconds)
     assert costs.upto(2) == [1.0, 2.0] and costs.slope == 0.0
+
+
+# ---------------------------------------------------------------------------
+# Draft trees in the policy, on numbers alone
+
+
+def test_expected_tree_tokens_by_hand_and_as_a_chain():
+    from dflash_mlx.adaptive import expected_tree_tokens
+
+    # slot 1: best candidate 0.5, runner-up 0.5 * 0.4; slot 2: 0.8 and 0.2 * 0.4
+    got = expected_tree_tokens([0.5, 0.8], [0.0, 0.4, 0.1], 4)
+    # nodes best first: s1r0 .5, s1r0-s2r0 .4, s1r1 .2, s1r1-s2r0 .16 (s1r0-s2r1 .04 is left out)
+    assert got == pytest.approx([1.0, 1.5, 1.9, 2.1, 2.26])
+    acc = SlotAcceptance(8)
+    for accepted in (7, 2, 0, 5, 1):
+        acc.observe(7, accepted)
+    chain = expected_tree_tokens(acc.rates(), [0.0], 7)  # one candidate per slot: the chain
+    assert chain == pytest.approx(acc.expected_tokens())
+
+
+def simulate(sizer, rank_probs, costs_of, cycles, rng):
+    """Drive ``sizer``: at every slot the target's token is the drafter's
+    rank-r candidate with ``rank_probs[r]`` (else none of them), the same at
+    every slot and whatever the path (the model trees are built on); a tree
+    is the best-first tree over those probabilities. Returns the choices."""
+    from dflash_mlx.adaptive import TreeChoice, TreeWalk
+    from dflash_mlx.tree import build_tree
+
+    probs = np.array(rank_probs)
+    chosen = []
+    for _ in range(cycles):
+        choice = sizer.choose(10_000)
+        slots = sizer.max_block - 1
+        ranks = [int(r) if r < len(probs) else None for r in rng.choice(len(probs) + 1, slots, p=[*probs, 1 - probs.sum()])]
+        if isinstance(choice, TreeChoice):
+            k = min(choice.nodes, len(probs))
+            tree = build_tree(0, np.tile(np.arange(k), (slots, 1)), np.tile(np.log(probs[:k]), (slots, 1)), choice.nodes)
+            path, _ = tree.walk([r if r is not None else -1 for r in ranks] + [-1] * tree.rows)
+            walked = [ranks[tree.depths[r]] for r in path if tree.depths[r] < slots]
+            sizer.observe(choice, len(path) - 1, costs_of(choice), TreeWalk(walked, tree.spine))
+        else:
+            accepted = next((i for i, r in enumerate(ranks[: choice - 1]) if r != 0), choice - 1)
+            sizer.observe(choice, accepted, costs_of(choice))
+        chosen.append(choice)
+    return chosen
+
+
+def test_trees_are_chosen_where_rows_are_cheap_and_not_where_they_are_dear():
+    """A drafter whose best guess is right 40% of the time and its second
+    30%: with a verify that hardly grows with its rows (a GPU at these
+    sizes) the sizer verifies large trees; where each row costs a tenth of
+    a plain step (this CPU) small ones, and at a third plain decoding. The
+    choice comes from the measured costs only: one rule, three cost lines."""
+    from dflash_mlx.adaptive import TreeChoice
+
+    def run(per_row):
+        table = {1: 1.0, 2: 1.2 + per_row, 16: 1.2 + 15 * per_row}
+        sizer = BlockSizer(16, CycleCosts(table))
+        sizer.begin(trees=True)
+
+        def costs_of(choice):
+            rows = choice.nodes + 1 if isinstance(choice, TreeChoice) else choice
+            return 1.0 if rows == 1 else 1.2 + (rows - 1) * per_row
+
+        chosen = simulate(sizer, [0.4, 0.3, 0.1], costs_of, 300, np.random.default_rng(0))
+        return chosen[100:], sizer
+
+    flat, sizer = run(0.002)
+    trees = [c.nodes for c in flat if isinstance(c, TreeChoice)]
+    assert len(trees) > 0.9 * len(flat) and np.median(trees) >= 32
+    assert sizer.ranks.shares()[1] == pytest.approx(0.3 / 0.6, abs=0.1)  # learnt from the walks
+    steep, _ = run(0.1)
+    trees = [c.nodes for c in steep if isinstance(c, TreeChoice)]
+    assert len(trees) > 0.5 * len(steep) and np.median(trees) <= 6
+    dear, _ = run(0.3)
+    assert dear.count(1) > 0.7 * len(dear)
+
+
+def test_a_tree_budget_forces_trees_and_zero_keeps_chains():
+    from dflash_mlx.adaptive import TreeChoice
+
+    forced = BlockSizer(16, None, fixed=True, tree_nodes=32)
+    assert forced.choose(100) == TreeChoice(32) and forced.choose(1) == 1
+    chains = BlockSizer(16, CycleCosts({1: 1.0, 2: 1.0, 16: 1.0}))
+    chains.begin(trees=False)
+    assert all(isinstance(chains.choose(100), int) for _ in range(20))
+
+
+def test_tree_costs_start_as_chains_and_follow_tree_cycles():
+    from dflash_mlx.adaptive import TreeChoice
+
+    costs = CycleCosts({1: 1.0, 2: 1.5, 16: 2.9})  # a draft of 1.4, 0.1 more per verified row
+    assert costs.trees(4) == pytest.approx([1.4 + 0.1 * k for k in range(5)])  # n nodes: a chain of n + 1 rows
+    costs.observe(TreeChoice(8), 100.0)  # the first tree cycle is not counted, whatever its size
+    for nodes in (4, 8, 16, 32, 4, 12):  # building, masking and walking a tree cost 1.2 more here
+        costs.observe(TreeChoice(nodes), 2.6 + 0.1 * nodes)
+    assert costs.trees(32) == pytest.approx([2.6 + 0.1 * k for k in range(33)])
+    assert costs.upto(16) == pytest.approx([1.0] + [1.4 + 0.1 * b for b in range(1, 16)])  # chains unchanged

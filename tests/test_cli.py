@@ -29,6 +29,17 @@ def test_generate_streams_and_reports(tiny_dirs, capsys):
         assert line in out
 
 
+def test_generate_with_trees_reports_them(tiny_dirs, qwen3_5_pair, capsys):
+    import dflash_mlx
+
+    model, draft_dir = tiny_dirs
+    assert generate.main(["--model", model, "--draft-model", draft_dir, "--prompt", "abc", "-m", "16", "--tree-budget", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "Draft trees (nodes:cycles): 6:" in out
+    draft = dflash_mlx.load_draft(draft_dir, qwen3_5_pair.model)
+    assert out.startswith("abc" + dflash_mlx.generate(qwen3_5_pair.model, draft, qwen3_5_pair.tokenizer, "abc", max_tokens=16))
+
+
 def test_generate_matches_library_text(tiny_dirs, qwen3_5_pair, capsys):
     import dflash_mlx
 
@@ -66,20 +77,28 @@ def test_bench_json_and_plot(tiny_dirs, tmp_path, capsys):
         "--model", model, "--draft-model", draft, "--prompts", str(prompts), "--max-tokens", "12",
         "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"),
         "--ar-draft-model", model, "--temp", "0.7",  # the target drafting itself
+        "--tree-budgets", "3", "6",
     ])
     assert rc == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["outputs_identical"] is True and report["repeats"] == 2
     assert set(report["phase_ms_per_cycle"]) == {"draft", "verify", "rollback", "host"}
     cycles = sum(report["acceptance_histogram"].values())
-    assert cycles > 0 and sum(report["block_size_histogram"].values()) == cycles
+    assert cycles > 0 and sum(report["block_size_histogram"].values()) + sum(report["tree_size_histogram"].values()) == cycles
     assert report["adaptive"] and report["fixed_block_tps"] > 0 and report["fixed_block_speedup"] > 0
     assert len(report["trace"]["committed"]) == len(report["trace"]["block_size"]) > 0
     assert report["phase_ms_per_cycle"]["verify"] > 0  # the timed drafter times its target
     assert (tmp_path / "r.png").stat().st_size > 1000
     assert "trimmable" in report["speculative_unavailable"]  # mlx-lm cannot for hybrid targets
     assert set(report["sampled_tokens_per_cycle"]) == {"speculative", "exact-match"}
-    assert "speedup" in capsys.readouterr().out
+    configs = report["configurations"]  # chains, trees and the adaptive loop side by side
+    assert list(configs) == ["dflash", "fixed", "chain", "tree_3", "tree_6"]
+    assert configs["tree_6"]["mean_tree_size"] == pytest.approx(6, abs=3) and configs["chain"]["mean_tree_size"] == 0
+    for c in configs.values():
+        assert c["tps"] > 0 and c["ms_per_cycle"] > 0 and 1 <= c["tokens_per_cycle"] <= 4
+        assert sum(c["path_length_histogram"].values()) > 0
+    out = capsys.readouterr().out
+    assert "speedup" in out and "tree 6" in out and "chain, adaptive" in out
 
 
 def test_repeated_4gram_share():
@@ -132,6 +151,7 @@ def assert_one_error_line(done, *needles):
         (["--max-tokens", "-5"], ["--max-tokens", "at least 1, got -5"]),
         (["--block-size", "-2"], ["--block-size", "at least 1, got -2"]),
         (["--max-tokens", "many"], ["--max-tokens", "expected an integer"]),
+        (["--tree-budget", "-1"], ["--tree-budget", "at least 0, got -1"]),
     ],
 )
 def test_every_command_rejects_bad_counts_in_one_line(command, args, needles):

@@ -38,6 +38,7 @@ from tiny import (
 )
 
 import dflash_mlx
+import dflash_mlx.tree
 import tiny
 from dflash_mlx.benchmark import tokens_per_cycle_by_rule
 from dflash_mlx.models.dflash import DFlashConfig
@@ -372,3 +373,62 @@ def test_tokens_per_cycle_hook(small):
     got = tokens_per_cycle_by_rule(small.model, small.draft, small.tokenizer, prompts, max_tokens=20)
     assert set(got) == {"speculative", "exact-match"}
     assert all(1.0 <= v <= small.draft.block_size for v in got.values())
+
+
+# ---------------------------------------------------------------------------
+# Draft trees: the target samples every row, the walk follows its samples
+
+
+def tree_runs(pair, setting, budget, runs, **kw):
+    """Seeded sampled generations with a draft tree every cycle, from a
+    drafter whose candidates are the target's likely tokens; the tokens of
+    each and the accepted count of every cycle."""
+    drafter = tiny.TreeDoubleDrafter(PROMPT, draft_noise())
+    out, accepted = [], []
+    for seed in range(runs):
+        cache = drafter.follow(dflash_mlx.make_prompt_cache(pair.model, drafter))
+        tokens, rs = generated_tokens(pair.model, drafter, pair.tokenizer, seed, tiny.REAL_TOKENS, prompt_cache=cache,
+                                      tree_budget=budget, block_size=4, **setting, **kw)
+        out.append(tokens)
+        accepted += [r.accepted for r in rs[1:]]
+    return out, accepted
+
+
+@pytest.mark.parametrize("setting, budget", [(dict(temperature=1.0), 8), (TRUNCATED, 16)], ids=["T1", "top_p+top_k"])
+def test_trees_sample_the_target(small, setting, budget):
+    tokens, accepted = tree_runs(small, setting, budget, 3)
+    ks, bound, outside = pit_check(small.model, tokens, setting, np.random.default_rng(3))
+    assert outside == 0 and ks < bound
+    assert min(accepted) == 0 and max(accepted) >= 2  # walks that stop at once and walks that go deep
+    assert np.mean(accepted) > 0.75  # drafted tokens are most of what is committed: the check has power
+
+
+def test_the_tree_check_rejects_a_walk_that_ignores_the_target(small, monkeypatch):
+    """Power through the real loop: a walk that always takes a row's first
+    child commits the drafter's tokens, not the target's samples."""
+    def first_child(tree, choices):
+        path = [0]
+        while any(p == path[-1] for p in tree.parents):
+            path.append(tree.parents.index(path[-1]))
+        return path, int(choices[path[-1]])
+
+    monkeypatch.setattr(dflash_mlx.tree.DraftTree, "walk", first_child)
+    tokens, _ = tree_runs(small, dict(temperature=1.0), 8, 2)
+    ks, bound, _ = pit_check(small.model, tokens, dict(temperature=1.0), np.random.default_rng(0))
+    assert ks > bound
+
+
+def test_seed_reproduces_a_tree_run(small):
+    kw = dict(temperature=1.0, top_k=12, block_size=4, tree_budget=8)
+    run = lambda seed: generated_tokens(small.model, small.draft, small.tokenizer, seed, 24, **kw)[0]  # noqa: E731
+    first = run(5)
+    assert run(5) == first
+    assert run(6) != first
+
+
+def test_custom_sampler_decides_every_tree_row(small):
+    def always_nine(logprobs):
+        return mx.full(logprobs.shape[:-1], 9, mx.int32)
+
+    got, _ = generated_tokens(small.model, small.draft, small.tokenizer, 0, 20, sampler=always_nine, tree_budget=8)
+    assert got == [9] * 20

@@ -468,7 +468,7 @@ def committed_sequence(prompt, block, context, cache, reference=None) -> list:
     n = context.shape[1]
     anchor = int(block[0, 0].item())
     if cache["last"] is None and n == 1 < len(prompt):
-        # dflash_mlx.adaptive.calibrate's timing probe: a fresh scratch cache
+        # dflash_mlx.calibration.calibrate's timing probe: a fresh scratch cache
         # fed one context position; nothing of the sequence to track (with a
         # one-token prompt it reads as a first call, which is as harmless)
         cache["probe"] = True
@@ -581,6 +581,31 @@ class DoubleDrafter(FakeDrafter):
         tokens = self.draft(seq, block.shape[1] - 1, pick)
         cache["last"] = [seq[-1]] + tokens
         return mx.array([tokens]), mx.stack(self.qs)[None]
+
+
+class TreeDoubleDrafter(DoubleDrafter):
+    """:class:`DoubleDrafter`'s slot logits, for draft trees: the target's
+    own logits (plus the noise) along its greedy continuation. A tree's
+    walk commits the target's samples, which no proposal tells, so it reads
+    the committed tokens from the prompt cache it follows (:meth:`follow`).
+    ``scale`` sharpens its logits: a surer drafter, deeper trees."""
+
+    def __init__(self, prompt, noise, block_size=4, scale=1.0):
+        super().__init__(prompt, noise, block_size)
+        self.scale = scale
+
+    def follow(self, prompt_cache):
+        self.followed = prompt_cache
+        return prompt_cache
+
+    def slot_logits(self, block, context, cache):
+        seq = list(self.followed.tokens)
+        assert seq[-1] == int(block[0, 0].item()), "the anchor is the last committed token"
+        rows, tokens = [], []
+        for _ in range(block.shape[1] - 1):
+            rows.append((self._target.model(mx.array([seq + tokens]))[0, -1] + self.noise) * self.scale)
+            tokens.append(int(mx.argmax(rows[-1]).item()))
+        return mx.stack(rows)[None]
 
 
 class EchoDFlash2(DFlash2DraftModel):

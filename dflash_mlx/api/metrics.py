@@ -16,6 +16,7 @@ class Metrics:
         self.errors: Counter = Counter()  # 4xx/5xx answers, by endpoint
         self.totals: Counter = Counter()
         self.blocks: Counter = Counter()  # verify cycles by block size
+        self.trees: Counter = Counter()  # tree cycles by their node count
         self.last_tokens_per_cycle = 0.0
 
     def request(self, endpoint: str):
@@ -35,6 +36,7 @@ class Metrics:
                 accepted_draft_tokens=dflash.get("accepted_draft_tokens", 0),
             )
             self.blocks.update(dflash.get("block_sizes", {}))
+            self.trees.update(dflash.get("tree_sizes", {}))
             self.last_tokens_per_cycle = dflash.get("tokens_per_cycle", 0.0)
 
     def render(self, queued: int, busy: bool) -> str:
@@ -64,6 +66,8 @@ class Metrics:
                    [({}, t["accepted_draft_tokens"])])
             metric("dflash_verify_blocks_total", "counter", "Verify cycles by the block size chosen.",
                    [({"block_size": str(b)}, n) for b, n in sorted(self.blocks.items())])
+            metric("dflash_verify_trees_total", "counter", "Verify cycles that checked a draft tree, by its node count.",
+                   [({"tree_size": str(k)}, n) for k, n in sorted(self.trees.items())])
             metric("dflash_last_tokens_per_cycle", "gauge", "Tokens committed per cycle in the latest generation.",
                    [({}, self.last_tokens_per_cycle)])
         metric("dflash_queued_requests", "gauge", "Requests waiting for the generation thread.", [({}, queued)])

@@ -11,13 +11,23 @@ rejected rows off the end (as z-lab's ``dflash`` 0.1.0 does; a bare
 ``trim`` would leave them behind, and a one-token step would then evict live
 rows instead). The buffer stays in time order, which both of mlx-lm's update
 paths accept.
+
+A draft tree (:mod:`dflash_mlx.tree`) is verified in one forward too: its
+rows go through the same concat path, each row seeing the context and its
+own ancestors (:func:`tree_masks`) at position context + depth
+(:class:`TreeRope`). Rolling back to the walked path first moves that
+path's rows to the front of the block (a gather, :func:`keep_rows`), then
+cuts the rest off as for a chain.
 """
 
-from typing import List, Optional, Sequence
+from contextlib import contextmanager
+from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 
 def layer_masks(h: mx.array, caches: Sequence, windows: Sequence[Optional[int]]) -> List:
@@ -52,13 +62,105 @@ def rewind_rotating(cache: RotatingKVCache, length: int, keep: int) -> None:
     cache.state = (keys, values, offset, sink, max_size, rows)
 
 
-def rewind_caches(caches: Sequence, length: int, keep: int) -> None:
-    """Roll every attention cache back to ``keep`` of the last forward's
-    ``length`` tokens."""
-    if length - keep <= 0:
+Keep = Union[int, Sequence[int]]
+
+
+def kept_rows(keep: Keep) -> List[int]:
+    """A rollback's ``keep`` as rows of the last forward: a count keeps the
+    first rows (a chain's accepted prefix), a list keeps those rows (a
+    tree's walked path, in increasing order)."""
+    return list(range(keep)) if isinstance(keep, int) else [int(r) for r in keep]
+
+
+def keep_rows(cache, length: int, rows: Sequence[int]) -> None:
+    """Move ``rows`` of the last forward's ``length`` rows to the front of
+    them, in order (their keys and values only: positions were applied
+    before caching); the rows after them are then cut off as a chain's."""
+    keys, values = cache.keys, cache.values
+    start = (cache.offset if isinstance(cache, KVCache) else keys.shape[2]) - length
+    idx = mx.array(np.asarray(rows, dtype=np.int32) + start)
+    end = start + len(rows)
+    keys[..., start:end, :] = keys[..., idx, :]
+    values[..., start:end, :] = values[..., idx, :]
+    cache.keys, cache.values = keys, values
+
+
+def rewind_caches(caches: Sequence, length: int, keep: Keep) -> None:
+    """Roll every attention cache back to ``keep`` (see :func:`kept_rows`)
+    of the last forward's ``length`` rows."""
+    rows = kept_rows(keep)
+    if length - len(rows) <= 0:
         return
+    gather = rows != list(range(len(rows)))
     for c in caches:
+        if gather:
+            keep_rows(c, length, rows)
         if isinstance(c, RotatingKVCache):
-            rewind_rotating(c, length, keep)
+            rewind_rotating(c, length, len(rows))
         else:
-            c.trim(length - keep)
+            c.trim(length - len(rows))
+
+
+def context_rows(cache) -> int:
+    """Keys of the context the next multi-row forward on ``cache`` attends
+    to: all of a full cache; at most ``window - 1`` of a sliding one (what
+    its concat path keeps in front of a block, in time order)."""
+    if not isinstance(cache, RotatingKVCache):
+        return cache.offset
+    keys, _, offset, _, max_size, idx = cache.state
+    if keys is None:
+        return 0
+    held = keys.shape[2] if idx == keys.shape[2] or idx < offset else idx
+    return min(held, max_size - 1)
+
+
+def tree_mask(tree, context: int, window: Optional[int]) -> mx.array:
+    """``[rows, context + rows]`` bool: each tree row sees the ``context``
+    keys before the block (the most recent last) and its own ancestors,
+    only those less than ``window`` positions back (``None``: all)."""
+    depths = np.asarray(tree.depths)
+    seen = tree.ancestors()
+    if window is None:  # built on the device: the context may be long
+        return mx.concatenate([mx.ones((tree.rows, context), dtype=mx.bool_), mx.array(seen)], axis=1)
+    back = context - np.arange(context)[None, :] + depths[:, None]  # distance to each context key
+    seen = seen & (depths[:, None] - depths[None, :] < window)
+    return mx.array(np.concatenate([back < window, seen], axis=1))
+
+
+def tree_masks(tree, caches: Sequence, windows: Sequence[Optional[int]]) -> List[mx.array]:
+    """:func:`tree_mask` per layer, from the first cache with that layer's window."""
+    built = {}
+    for c, window in zip(caches, windows):
+        if window not in built:
+            built[window] = tree_mask(tree, context_rows(c), window)
+    return [built[w] for w in windows]
+
+
+class TreeRope(nn.Module):
+    """A layer's rope at explicit positions, one per row: the rows become
+    the batch of ``mx.fast.rope``, which takes one offset per batch entry
+    (bit-identical to the row at that offset alone). The attention's own
+    offset argument is ignored."""
+
+    def __init__(self, rope, positions: mx.array):
+        super().__init__()
+        self.rope = rope
+        self.positions = positions
+
+    def __call__(self, x, offset=0):
+        return self.rope(x.swapaxes(0, 2), offset=self.positions).swapaxes(0, 2)
+
+
+@contextmanager
+def tree_positions(attentions: Sequence[nn.Module], positions: np.ndarray):
+    """For one forward's graph, each of these attention modules (this
+    model instance's, never the class) rotates its rows at ``positions``."""
+    positions = mx.array(positions)
+    saved = [a.rope for a in attentions]
+    try:
+        for a, rope in zip(attentions, saved):
+            a.rope = TreeRope(rope, positions)
+        yield
+    finally:
+        for a, rope in zip(attentions, saved):
+            a.rope = rope

@@ -1,5 +1,6 @@
 """What every target adapter provides to the DFlash loop."""
 
+from contextlib import nullcontext
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -7,6 +8,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import DFlashError
+from .attention import tree_positions
 
 
 class TargetError(DFlashError, ValueError):
@@ -29,12 +31,17 @@ class TargetAdapter:
 
     ``forward(tokens, cache)`` returns ``(logits, taps)`` and stores in
     ``cache.undo`` what it needs to undo; ``rollback(cache, keep)`` then keeps
-    only the first ``keep`` tokens of that forward in every cache.
+    only the first ``keep`` tokens of that forward in every cache. With
+    ``tree`` (a :class:`~dflash_mlx.tree.DraftTree` whose tokens are
+    ``tokens``) each row sees only the context and its ancestors, at
+    position context + depth, and ``keep`` may be the walked path's rows.
     """
 
     # Whether this process's timings are the generation's, free to follow
     # cycle by cycle; pipelined ranks must first agree on them (``agreed``).
     local_timings = True
+    # Why this adapter verifies chains only (None: it verifies trees too).
+    no_trees: Optional[str] = None
 
     def __init__(self, model: nn.Module, text_model: nn.Module, backbone: nn.Module):
         self.model = model
@@ -133,11 +140,22 @@ class TargetAdapter:
         taps: Optional[Sequence[int]] = None,
         last_logits_only: bool = False,
         record: bool = True,
+        tree=None,
     ) -> Tuple[mx.array, Optional[mx.array]]:
         raise NotImplementedError
 
-    def rollback(self, cache: Sequence, keep: int) -> None:
+    def rollback(self, cache: Sequence, keep) -> None:
         raise NotImplementedError
+
+    def tree_scope(self, tree, cache):
+        """While a tree's forward is built, every attention layer of this
+        instance rotates its rows at the tree's positions (nothing without
+        a tree)."""
+        if tree is None:
+            return nullcontext()
+        offset = next(c.offset for c in cache if hasattr(c, "offset"))
+        attentions = [layer.self_attn for layer in self.backbone.layers if hasattr(layer, "self_attn")]
+        return tree_positions(attentions, tree.positions(offset))
 
     def _finish(self, h, captured, last_logits_only):
         if last_logits_only:

@@ -13,7 +13,7 @@ logits through the tied head, soft-capped. Rollback is the transformer one
 
 from mlx_lm.models.gemma4_text import logit_softcap
 
-from .attention import layer_masks
+from .attention import layer_masks, tree_masks
 from .transformer import TransformerTarget
 
 SLIDING = "sliding_attention"
@@ -46,7 +46,7 @@ class Gemma4Target(TransformerTarget):
         inputs = (projected + from_ids.reshape(*h.shape[:2], *shape)) * bb.per_layer_input_scale
         return [inputs[:, :, i, :] for i in range(n)]
 
-    def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True):
+    def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True, tree=None):
         taps = self.tap_ids if taps is None else taps
         bb = self.backbone
         h = self.embed(tokens)
@@ -54,16 +54,17 @@ class Gemma4Target(TransformerTarget):
         # KV-shared layers have no cache of their own.
         caches = list(cache) + [None] * (len(bb.layers) - len(cache))
         windows = [bb.window_size if layer.layer_type == SLIDING else None for layer in bb.layers]
-        masks = layer_masks(h, caches, windows)
+        masks = layer_masks(h, caches, windows) if tree is None else tree_masks(tree, caches, windows)
         shared = [(None, None)] * len(bb.layers)  # per layer: its keys/values and RoPE offset
         captured = {}
-        for i, layer in enumerate(bb.layers):
-            kvs, offset = shared[bb.previous_kvs[i]]
-            h, kvs, offset = layer(
-                h, masks[i], caches[i], per_layer_input=per_layer[i], shared_kv=kvs, offset=offset
-            )
-            shared[i] = (kvs, offset)
-            captured[i] = h
+        with self.tree_scope(tree, cache):
+            for i, layer in enumerate(bb.layers):
+                kvs, offset = shared[bb.previous_kvs[i]]
+                h, kvs, offset = layer(
+                    h, masks[i], caches[i], per_layer_input=per_layer[i], shared_kv=kvs, offset=offset
+                )
+                shared[i] = (kvs, offset)
+                captured[i] = h
         if record:
             cache.undo = tokens.shape[1]
         return self._finish(h, [captured[t] for t in taps], last_logits_only)

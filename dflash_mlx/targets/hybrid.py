@@ -9,15 +9,21 @@ kept tokens, bit-identical to a token-by-token decode), or the chunk's WY
 deltas when the chunked form ran (the state after any prefix is one more
 matmul). The layer's projections (the weight reads decode time is made of)
 never run again, and a fully accepted block needs no replay at all.
+
+A draft tree runs the recurrence parent-indexed (:func:`gated_delta_tree`):
+level by level, each node's conv window and state taken from its parent's
+path, mlx-lm's one-token update over a batch of the level's nodes. Every
+node's states are kept, so rollback installs the walked leaf's.
 """
 
 import threading
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextRMSNormGated
@@ -25,6 +31,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextRMSNormGated
 from ..errors import ArgumentError
 from ..ops import fast_math
 from ..ops.gated_delta import DeltaChunk, chunked_gated_delta, log_decay
+from .attention import context_rows, kept_rows, rewind_caches, tree_mask
 from .base import TargetAdapter
 
 
@@ -152,6 +159,92 @@ def linear_layer_block(layer, h, conv_state, state):
     return h, view[0], view[1], rec.conv_input, c.u, c.L, c.k
 
 
+@dataclass
+class TreeDeltaRecord:
+    """What a GatedDeltaNet layer keeps of a tree verify: its caches before
+    it, and each row's conv window and state after it (by depth level)."""
+
+    conv_state: Optional[mx.array]
+    state: Optional[mx.array]
+    windows: mx.array  # [rows, K, conv_dim]: each row's conv input, itself last
+    levels: List[mx.array]  # per depth: states [nodes at that depth, Hv, Dv, Dk]
+    slot: List[int]  # per row: its index within its level
+
+
+def conv_windows(parents: List[int], kernel: int) -> np.ndarray:
+    """``[rows, kernel]`` indices into ``[conv state (kernel - 1 rows); tree
+    rows]``: each row's conv input along its own path, itself last."""
+    before = kernel - 1
+    parent = [r - 1 for r in range(before)] + [before + p if p >= 0 else before - 1 for p in parents]
+    out = np.zeros((len(parents), kernel), dtype=np.int32)
+    for r in range(len(parents)):
+        at = before + r
+        for j in range(kernel - 1, -1, -1):
+            out[r, j] = at
+            at = max(parent[at], 0)  # only rows of the zero-padded start repeat
+    return out
+
+
+def gated_delta_tree(gdn, x, cache, tree) -> mx.array:
+    """mlx-lm's ``GatedDeltaNet.__call__`` over a draft tree's rows: every
+    projection row by row as usual; the conv over each row's own path and
+    the recurrence level by level, each node continuing its parent's state.
+    Leaves the cache's slots as they were before (rollback installs the
+    walked leaf's, see :class:`TreeDeltaRecord`); returns the output and the record."""
+    B, S, _ = x.shape
+    qkv = gdn.in_proj_qkv(x)
+    z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
+    b = gdn.in_proj_b(x)[0]
+    a = gdn.in_proj_a(x)[0]
+    conv_state, state0 = cache[0], cache[1]
+    if conv_state is None:
+        conv_state = mx.zeros((B, gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=x.dtype)
+    if state0 is None:
+        state0 = mx.zeros((B, gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim), dtype=mx.float32)
+    rows = mx.concatenate([conv_state, qkv], axis=1)[0]
+    windows = rows[mx.array(conv_windows(tree.parents, gdn.conv_kernel_size))]  # [S, K, C]
+    conv_out = silu(gdn.conv1d(windows))[:, -1]  # [S, C]
+    q, k, v = [
+        t.reshape(S, 1, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
+            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
+            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    levels, outs, order, slot = [], [], [], [0] * S
+    for depth, level in enumerate(tree.levels()):
+        for i, r in enumerate(level):
+            slot[r] = i
+        if depth == 0:
+            before = state0
+        else:
+            before = levels[-1][mx.array([slot[tree.parents[r]] for r in level])]
+        idx = mx.array(level)
+        out, after = gated_delta_update(
+            q[idx], k[idx], v[idx], a[idx][:, None], b[idx][:, None], gdn.A_log, gdn.dt_bias,
+            before, None, use_kernel=not gdn.training,
+        )
+        levels.append(after)
+        outs.append(out)
+        order += level
+    out = mx.concatenate(outs)[mx.array(np.argsort(order))].reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
+    rec = TreeDeltaRecord(cache[0], cache[1], windows, levels, slot)
+    out = gated_norm(gdn.norm, out, z)
+    return gdn.out_proj(out.reshape(B, S, -1)), rec
+
+
+def rewind_tree(cache, rec: TreeDeltaRecord, tree, rows: List[int]) -> None:
+    """Set ``cache`` to the state after the walked ``rows`` of a tree."""
+    if not rows:
+        cache[0], cache[1] = rec.conv_state, rec.state
+        return
+    leaf = rows[-1]
+    cache[0] = rec.windows[leaf, 1:][None]
+    cache[1] = rec.levels[tree.depths[leaf]][rec.slot[leaf]][None]
+
+
 def rewind_gated_delta(gdn, cache, rec: DeltaRecord, keep: int) -> None:
     """Set ``cache`` to the state after the first ``keep`` tokens of ``rec``."""
     n_keep = gdn.conv_kernel_size - 1
@@ -219,7 +312,9 @@ class HybridTarget(TargetAdapter):
         records[i] = DeltaRecord(conv_input, state0, DeltaChunk(u, L, k, state0))
         return h
 
-    def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True):
+    def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True, tree=None):
+        if tree is not None:
+            return self.tree_forward(tokens, cache, tree, taps, last_logits_only)
         taps = self.tap_ids if taps is None else taps
         bb = self.backbone
         h = bb.embed_tokens(tokens)
@@ -247,9 +342,36 @@ class HybridTarget(TargetAdapter):
             cache.undo = (tokens.shape[1], records)
         return self._finish(h, [captured[t] for t in taps], last_logits_only)
 
+    def tree_forward(self, tokens, cache, tree, taps, last_logits_only):
+        """:meth:`forward` over a draft tree (see :func:`gated_delta_tree`)."""
+        taps = self.tap_ids if taps is None else taps
+        bb = self.backbone
+        h = bb.embed_tokens(tokens)
+        fa_mask = tree_mask(tree, context_rows(cache[bb.fa_idx]), None)
+        records, captured = {}, {}
+        with self.tree_scope(tree, cache):
+            for i, (layer, c) in enumerate(zip(bb.layers, cache)):
+                if layer.is_linear:
+                    r, records[i] = gated_delta_tree(layer.linear_attn, layer.input_layernorm(h), c, tree)
+                else:
+                    r = layer.self_attn(layer.input_layernorm(h), fa_mask, c)
+                h = h + r
+                h = h + mlp_forward(layer.mlp, layer.post_attention_layernorm(h))
+                captured[i] = h
+        cache.undo = (tree, records)
+        return self._finish(h, [captured[t] for t in taps], last_logits_only)
+
     def rollback(self, cache, keep):
         length, records = cache.undo
         cache.undo = None
+        if not isinstance(length, int):  # a tree: keep its walked rows
+            tree, rows = length, kept_rows(keep)
+            for i, (layer, c) in enumerate(zip(self.backbone.layers, cache)):
+                if layer.is_linear:
+                    rewind_tree(c, records[i], tree, rows)
+                else:
+                    rewind_caches([c], tree.rows, rows)
+            return
         drop = length - keep
         if drop <= 0:
             return

@@ -71,6 +71,10 @@ class PipelineTarget(TargetAdapter):
     """
 
     local_timings = False  # each rank times its own cycles: see ``agreed``
+    no_trees = (
+        "tree verification is not supported on pipelined targets (each rank would need the "
+        "tree's mask and positions and a gathered rollback): use --tree-budget 0"
+    )
 
     def __init__(self, model, group):
         stage = adapter_for(model)

@@ -8,7 +8,7 @@ the kept prefix (:mod:`.attention`).
 
 from mlx_lm.models.cache import RotatingKVCache
 
-from .attention import layer_masks, rewind_caches
+from .attention import layer_masks, rewind_caches, tree_masks
 from .base import TargetAdapter
 
 
@@ -17,15 +17,16 @@ class TransformerTarget(TargetAdapter):
         text = getattr(model, "language_model", model)
         super().__init__(model, text, text.model)
 
-    def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True):
+    def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True, tree=None):
         taps = self.tap_ids if taps is None else taps
         h = self.backbone.embed_tokens(tokens)
         windows = [c.max_size if isinstance(c, RotatingKVCache) else None for c in cache]
-        masks = layer_masks(h, cache, windows)
+        masks = layer_masks(h, cache, windows) if tree is None else tree_masks(tree, cache, windows)
         captured = {}
-        for i, (layer, c, mask) in enumerate(zip(self.backbone.layers, cache, masks)):
-            h = layer(h, mask, c)
-            captured[i] = h
+        with self.tree_scope(tree, cache):
+            for i, (layer, c, mask) in enumerate(zip(self.backbone.layers, cache, masks)):
+                h = layer(h, mask, c)
+                captured[i] = h
         if record:
             cache.undo = tokens.shape[1]
         return self._finish(h, [captured[t] for t in taps], last_logits_only)
