@@ -13,9 +13,12 @@ keeps more, and :class:`PromptCache` holds all of it in one object:
   not run yet (the loop feeds the last committed token only with the next
   verify);
 - ``target_hidden``: the target's tap states for positions the drafter has
-  not injected yet (the drafter's context lags the target);
+  not injected yet (the drafter's context lags the target), less those no
+  drafter layer would read (``hole``, see :meth:`PromptCache.add_hidden`);
 - ``tokens``: the token ids the cache holds, pending ones included (the
-  key a server stores it under).
+  key a server stores it under);
+- ``draft_window``/``draft_sink``: the draft window the drafter's context
+  was made with (None: the whole context).
 
 It follows mlx-lm's cache protocol where it fits (``state``, ``nbytes``,
 ``is_trimmable``/``trim``), so mlx-lm's ``LRUPromptCache`` can hold it as a
@@ -24,13 +27,15 @@ one-element cache list, and :func:`save_prompt_cache` /
 """
 
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as lm_cache
 
+from .defaults import DEFAULT_DRAFT_SINK, DEFAULT_DRAFT_WINDOW
 from .errors import ArgumentError
+from .models.dflash import ContextCache
 from .targets.base import TargetCache
 
 
@@ -40,14 +45,28 @@ def bound_target(model, draft):
     return draft.bind(model).target
 
 
+def rows_of(chunks: List[mx.array], start: int, stop: int) -> List[mx.array]:
+    """Rows ``start..stop-1`` (axis 1) of the chunks taken as one array, as chunks."""
+    out, at = [], 0
+    for c in chunks:
+        n = c.shape[1]
+        a, b = max(start - at, 0), min(stop - at, n)
+        if a < b:
+            out.append(c if (a, b) == (0, n) else c[:, a:b])
+        at += n
+    return out
+
+
 class PromptCache:
     """A DFlash conversation's state (see the module docstring)."""
 
-    def __init__(self, target: TargetCache, draft: List[Any]):
+    def __init__(self, target: TargetCache, draft: List[Any], draft_window: Optional[int] = None, draft_sink: int = 0):
         self.target = target
         self.draft = draft
+        self.draft_window, self.draft_sink = draft_window, draft_sink
         self.pending: List[int] = []
         self.hidden_chunks: List[mx.array] = []
+        self.hole: Optional[Tuple[int, int]] = None
         self.tokens: List[int] = []
 
     @property
@@ -55,14 +74,53 @@ class PromptCache:
         """Tokens in the sequence (mlx-lm's ``offset``): prompt and output so far."""
         return len(self.tokens)
 
+    def context_bound(self) -> Tuple[int, Optional[int]]:
+        """(first, last): a drafter layer may still read the first ``first``
+        context positions and the last ``last``; ``last`` None: any."""
+        if not self.draft or not all(isinstance(c, ContextCache) for c in self.draft):
+            return 0, None
+        if any(c.window is None for c in self.draft):
+            return 0, None
+        # at least one row: the drafter's forward takes the newest context
+        return max(c.sink for c in self.draft), max(1, max(c.window for c in self.draft))
+
+    def lag_rows(self) -> int:
+        return sum(c.shape[1] for c in self.hidden_chunks)
+
     def add_hidden(self, target_hidden: mx.array) -> None:
-        """Append tap states of positions the target just ran.
+        """Append tap states of positions the target just ran, and drop those
+        no drafter layer can read any more (outside every layer's sink and
+        window: new positions only push them further out); the dropped
+        positions are the ``hole``, which the drafter's context caches skip.
 
         Kept as chunks and joined once, when read: plain decoding adds one
         row per token for many tokens before the drafter takes them, and
         joining at every step would copy the whole backlog each time.
         """
         self.hidden_chunks.append(target_hidden)
+        sink, window = self.context_bound()
+        if window is None:
+            return
+        injected = self.draft[0].offset
+        h0, h1 = self.hole or (injected, injected)
+        head = h0 - injected  # rows before the hole
+        last = h1 + self.lag_rows() - head  # one past the newest position
+        first = max(h1, sink)  # the oldest position that may go
+        cut = last - window
+        if cut <= first:
+            return
+        rows = self.lag_rows()
+        self.hidden_chunks = rows_of(self.hidden_chunks, 0, head + first - h1) + rows_of(
+            self.hidden_chunks, head + cut - h1, rows
+        )
+        self.set_hole((h0 if self.hole else first, cut))
+
+    def set_hole(self, hole: Optional[Tuple[int, int]]) -> None:
+        """Record the hole here and in the drafter's context caches, which skip it."""
+        self.hole = hole
+        for c in self.draft:
+            if isinstance(c, ContextCache):
+                c.skipped = hole
 
     @property
     def target_hidden(self) -> Optional[mx.array]:
@@ -73,7 +131,9 @@ class PromptCache:
 
     @target_hidden.setter
     def target_hidden(self, value: Optional[mx.array]) -> None:
+        """Replace the pending tap states (None: the drafter took them all)."""
         self.hidden_chunks = [] if value is None else [value]
+        self.set_hole(None)
 
     @property
     def state(self):
@@ -97,7 +157,10 @@ class PromptCache:
         """Drop the last ``n`` tokens of the sequence; returns how many went.
 
         Pending tokens go first; then the target's caches and, where the
-        drafter had injected the dropped positions, its context.
+        drafter had injected the dropped positions, its context. Tap states
+        dropped before (the hole) or rows a windowed drafter evicted are not
+        recovered: its context then lacks them until newer positions replace
+        them (a weaker draft, the same output).
         """
         n = max(0, min(n, len(self.tokens)))
         keep = len(self.tokens) - n
@@ -107,23 +170,70 @@ class PromptCache:
         else:
             for c in self.target:
                 c.trim(seen - keep)
-            lag = 0 if self.target_hidden is None else self.target_hidden.shape[1]
-            injected = seen - lag
+            h0, h1 = self.hole or (seen, seen)
+            injected = seen - self.lag_rows() - (h1 - h0)
             if keep >= injected:
-                self.target_hidden = self.target_hidden[:, : keep - injected] if keep > injected else None
+                rows = min(keep, h0) - injected + max(0, keep - h1)  # lag rows before keep
+                self.hidden_chunks = rows_of(self.hidden_chunks, 0, rows)
+                self.set_hole((h0, min(h1, keep)) if self.hole and keep > h0 else None)
             else:
                 for c in self.draft:
                     c.trim(injected - keep)
-                self.target_hidden = None
+                self.hidden_chunks = []
+                self.set_hole(None)
             self.pending = []
         del self.tokens[keep:]
         return n
 
 
-def make_prompt_cache(model, draft) -> PromptCache:
+def check_draft_window(draft_window: Optional[int], draft_sink: int) -> Tuple[Optional[int], int]:
+    """``(draft_window, draft_sink)`` checked and normalised: without a
+    window the drafter reads every context position, a sink included."""
+    if draft_window is not None and (isinstance(draft_window, bool) or not isinstance(draft_window, int) or draft_window < 1):
+        raise ArgumentError(
+            f"draft_window must be a whole number of at least 1 (or None: the whole context), not {draft_window!r}"
+        )
+    if isinstance(draft_sink, bool) or not isinstance(draft_sink, int) or draft_sink < 0:
+        raise ArgumentError(f"draft_sink must be a whole number of at least 0, not {draft_sink!r}")
+    return (None, 0) if draft_window is None else (draft_window, draft_sink)
+
+
+def make_prompt_cache(
+    model, draft, draft_window: Optional[int] = DEFAULT_DRAFT_WINDOW, draft_sink: int = DEFAULT_DRAFT_SINK
+) -> PromptCache:
     """An empty prompt cache for ``model`` decoded with ``draft`` (mlx-lm's
-    ``make_prompt_cache``, for a target and its drafter)."""
-    return PromptCache(bound_target(model, draft).make_cache(), draft.make_cache())
+    ``make_prompt_cache``, for a target and its drafter).
+
+    ``draft_window`` W and ``draft_sink`` S set the draft window: the
+    drafter's full-attention layers read only the first S and the last W
+    context positions, and nothing else of the context is projected or kept
+    (None: the whole context). Output is the same whatever the window: the
+    target verifies every token.
+    """
+    draft_window, draft_sink = check_draft_window(draft_window, draft_sink)
+    draft_cache = draft.make_cache() if draft_window is None else draft.make_cache(draft_window, draft_sink)
+    return PromptCache(bound_target(model, draft).make_cache(), draft_cache, draft_window, draft_sink)
+
+
+def prompt_cache_for(model, draft, prompt_cache: Optional[PromptCache], draft_window=None, draft_sink=None) -> PromptCache:
+    """A generation's prompt cache: ``prompt_cache``, whose draft window must
+    be the one asked for (None: not asked), or a new one with that window."""
+    if prompt_cache is None:
+        return make_prompt_cache(
+            model, draft, DEFAULT_DRAFT_WINDOW if draft_window is None else draft_window,
+            DEFAULT_DRAFT_SINK if draft_sink is None else draft_sink,
+        )
+    have = (prompt_cache.draft_window, prompt_cache.draft_sink)
+    asked = check_draft_window(
+        have[0] if draft_window is None else draft_window, have[1] if draft_sink is None else draft_sink
+    )
+    if asked != have:
+        raise ArgumentError(
+            f"the prompt cache was made with draft_window={have[0]}, draft_sink={have[1]}, but this call asks for "
+            f"draft_window={asked[0]}, draft_sink={asked[1]}: make the cache with make_prompt_cache(model, draft, "
+            "draft_window=..., draft_sink=...) and leave them out here, or pass the cache's"
+        )
+    return prompt_cache
 
 
 def save_prompt_cache(file_name: str, cache: PromptCache, metadata: Optional[Dict[str, str]] = None) -> None:
@@ -138,6 +248,8 @@ def save_prompt_cache(file_name: str, cache: PromptCache, metadata: Optional[Dic
         "scalars": {k: v for k, v in leaves if not isinstance(v, mx.array)},
         "pending": cache.pending,
         "tokens": cache.tokens,
+        "draft_window": [cache.draft_window, cache.draft_sink],
+        "hole": cache.hole,
     }
     mx.save_safetensors(file_name, arrays, {**(metadata or {}), "dflash_mlx": json.dumps(info)})
 
@@ -163,6 +275,7 @@ def load_prompt_cache(file_name: str, draft, return_metadata: bool = False):
         )
     for c, s, meta in zip(draft_cache, draft_states, tree["meta"]):
         c.state, c.meta_state = s, meta
-    cache = PromptCache(target, draft_cache)
+    cache = PromptCache(target, draft_cache, *info.get("draft_window", (None, 0)))
     cache.pending, cache.tokens, cache.target_hidden = info["pending"], info["tokens"], target_hidden
+    cache.set_hole(tuple(info["hole"]) if info.get("hole") else None)
     return (cache, metadata) if return_metadata else cache

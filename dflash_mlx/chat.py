@@ -28,6 +28,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     cli.add_tree_budget_argument(p)
     p.add_argument("--system-prompt", default=None)
     cli.add_prefill_step_size_argument(p)
+    cli.add_draft_window_arguments(p)
     p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started (see docs/pipeline.md)")
     return p
 
@@ -59,7 +60,7 @@ def main(argv=None, input_fn=input):
     mx.random.seed(args.seed)
     templated = bool(getattr(tokenizer, "chat_template", None))
     print("[q quits, r resets]" + ("" if templated else " [no chat template: text continuation]"))
-    cache = make_prompt_cache(model, draft)
+    cache = make_prompt_cache(model, draft, args.draft_window, args.draft_sink)
     while True:
         try:
             query = input_fn(">> ")
@@ -68,7 +69,7 @@ def main(argv=None, input_fn=input):
         if query.strip() == "q":
             break
         if query.strip() == "r":
-            cache = make_prompt_cache(model, draft)
+            cache = make_prompt_cache(model, draft, args.draft_window, args.draft_sink)
             print("[conversation reset]")
             continue
         reused, responses = cache.offset, []

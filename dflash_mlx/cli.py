@@ -10,7 +10,7 @@ import importlib
 import sys
 from typing import Callable, Optional, Sequence
 
-from .defaults import DEFAULT_PREFILL_STEP_SIZE, DEFAULT_TARGET
+from .defaults import DEFAULT_DRAFT_SINK, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_STEP_SIZE, DEFAULT_TARGET
 from .errors import DFlashError
 
 COMMANDS = {
@@ -67,7 +67,7 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
-    """argparse ``type`` for counts that may be 0 (a tree budget: 0 = none)."""
+    """argparse ``type`` for counts that may be 0 (a tree budget: 0 = none; the draft sink)."""
     return int_at_least(text, 0)
 
 
@@ -99,6 +99,19 @@ def add_tree_budget_argument(parser: argparse.ArgumentParser) -> None:
 
 def add_prefill_step_size_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-step-size", type=positive_int, default=DEFAULT_PREFILL_STEP_SIZE, help="prompt tokens per prefill forward")
+
+
+def add_draft_window_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """``--draft-window`` and ``--draft-sink`` (``several``: windows to compare, ``bench``)."""
+    parser.add_argument(
+        "--draft-window", type=positive_int, default=DEFAULT_DRAFT_WINDOW, nargs="+" if several else None,
+        help="the drafter's full-attention layers read only the last W context positions (and the first "
+        "--draft-sink); rows outside are never projected or kept (default: the whole context; see docs/long-prompts.md)",
+    )
+    parser.add_argument(
+        "--draft-sink", type=non_negative_int, default=DEFAULT_DRAFT_SINK,
+        help="with --draft-window: the first S context positions the drafter always reads",
+    )
 
 
 def main(argv=None):

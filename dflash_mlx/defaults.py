@@ -22,6 +22,12 @@ DEFAULT_BLOCK_SIZE = 16
 # The widest verify block a generation accepts: blocks are meant to be about
 # the drafter's trained size, and an absurd one would only exhaust memory.
 MAX_BLOCK_SIZE = 256
+# The draft window (`--draft-window`, `--draft-sink`): context positions a
+# drafter's full-attention layers read, the last W and the first S. None reads
+# the whole context; docs/long-prompts.md has the command that measures a
+# default.
+DEFAULT_DRAFT_WINDOW = None
+DEFAULT_DRAFT_SINK = 0
 # The float types a checkpoint can be written in (convert --dtype, train --dtype).
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -30,6 +36,8 @@ __all__ = [
     "DEFAULT_BENCH_REPEATS",
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_DRAFT",
+    "DEFAULT_DRAFT_SINK",
+    "DEFAULT_DRAFT_WINDOW",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_PREFILL_STEP_SIZE",
     "DEFAULT_PROMPTS",

@@ -19,7 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import cli
 from .adaptive import BlockSizer, TreeChoice, TreeWalk
 from .calibration import plan
-from .cache import PromptCache, bound_target, make_prompt_cache
+from .cache import PromptCache, bound_target, prompt_cache_for
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
 from .errors import ArgumentError
 from .ops.threads import compile_per_thread
@@ -266,6 +266,7 @@ def generate_step(
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stream=generation_stream,
+    draft_window: Optional[int] = None, draft_sink: Optional[int] = None,
 ) -> Generator[Tuple[int, Optional[mx.array], bool, int, int], None, None]:
     """Yield each committed token as ``(token, logprobs, from_draft, block,
     tree)``, like mlx-lm's ``speculative_generate_step`` plus the rows its
@@ -277,7 +278,8 @@ def generate_step(
     for. Generation ends after ``max_tokens`` tokens or an eos (yielded, and
     kept in the cache as mlx-lm keeps it). While a token is out, the next
     cycle may already be queued on the cache; closing the generator rolls
-    it back, so the cache is consistent after any token.
+    it back, so the cache is consistent after any token. The draft window
+    (``draft_window``, ``draft_sink``): :func:`~dflash_mlx.cache.prompt_cache_for`.
 
     Greedy (``temperature == 0`` and no ``sampler``) output is token-identical
     to the target's own greedy decode. With ``temperature > 0`` every committed
@@ -311,7 +313,7 @@ def generate_step(
     max_block = max_block_size(draft, block_size, sizer)
     target = bound_target(model, draft)
     trees = tree_plan(target, draft, tree_budget, sizer)
-    cache = make_prompt_cache(model, draft) if prompt_cache is None else prompt_cache
+    cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink)
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt and not cache.pending:
         raise ArgumentError("the prompt is empty")
@@ -583,6 +585,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is")
     p.add_argument("--system-prompt", default=None)
     cli.add_prefill_step_size_argument(p)
+    cli.add_draft_window_arguments(p)
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="stream text and print statistics")
     p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started (see docs/pipeline.md)")
     return p
@@ -636,6 +639,8 @@ def main(argv=None):
         min_p=args.min_p,
         acceptance=args.acceptance,
         prefill_step_size=args.prefill_step_size,
+        draft_window=args.draft_window,
+        draft_sink=args.draft_sink,
     ):
         if args.verbose:
             print(r.text, end="", flush=True)

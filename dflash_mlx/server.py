@@ -293,7 +293,8 @@ class DFlashResponseGenerator:
         """The nearest cached state for ``tokens`` (a copy) and how many of
         the tokens it already holds."""
         entry, rest = self.prompt_cache.fetch_nearest_cache(self.key, tokens)
-        cache = entry[0] if entry is not None else make_prompt_cache(self.model, self.draft)
+        args = self.cli_args
+        cache = entry[0] if entry is not None else make_prompt_cache(self.model, self.draft, args.draft_window, args.draft_sink)
         return cache, len(tokens) - len(rest)
 
     def snapshot(self, cache, tokens, start, boundaries, progress):
@@ -520,6 +521,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--prompt-cache-size", type=cli.positive_int, default=10, help="most prompt caches kept")
     p.add_argument("--prompt-cache-bytes", type=cli.positive_int, default=1 << 63, help="most bytes of prompt caches kept")
     cli.add_prefill_step_size_argument(p)
+    cli.add_draft_window_arguments(p)
     p.add_argument("--chat-template", default=None, help="a chat template to use instead of the tokenizer's")
     p.add_argument("--use-default-chat-template", action="store_true", help="use the tokenizer's default template when it has none")
     p.add_argument("--chat-template-args", type=json.loads, default={}, help="JSON arguments for the chat template")

@@ -267,22 +267,66 @@ class DFlashConfig:
 class ContextCache:
     """Per-layer K/V of the injected target context, committed positions only.
 
-    ``offset`` counts every context position ever appended (absolute RoPE
-    position of the next one). A sliding layer keeps just the last
-    ``window - 1`` positions: the anchor (first block slot) sits one past the
-    context, so nothing older is visible to any block slot.
+    ``offset`` counts every context position ever injected (the absolute
+    RoPE position of the next one). The cache keeps the first ``sink``
+    positions and the last ``window`` (None: all of them) and projects only
+    those: a position outside both is never read again, since new context
+    only pushes it further out. A sliding layer keeps ``window - 1`` (its
+    trained window less one: the anchor, the first block slot, sits one past
+    the context) and no sink, which its mask would hide anyway.
+
+    The rows held are the sink's, then the tail: the contiguous run of
+    positions that ends at ``offset``. ``skipped`` is set by the prompt
+    cache when it dropped pending tap states nothing would read: the
+    positions ``(start, end)`` that the next injected context lacks.
     """
 
     step = 256
 
-    def __init__(self, max_size: Optional[int] = None):
-        self.max_size = max_size
+    def __init__(self, window: Optional[int] = None, sink: int = 0):
+        self.window = window
+        self.sink = sink if window is not None else 0
         self.keys = self.values = None
-        self.offset = 0  # absolute positions appended so far
-        self.start = 0  # absolute position of keys[..., 0, :]
-        self.size = 0
+        self.offset = 0  # absolute positions injected so far
+        self.size = 0  # rows held: sink rows first, then the tail
+        self.sink_size = 0  # rows at positions 0..sink_size-1
+        self.skipped: Optional[Tuple[int, int]] = None
 
-    def append(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+    def positions(self) -> mx.array:
+        """Absolute positions of the rows held, in their order."""
+        tail = self.size - self.sink_size
+        return mx.concatenate([mx.arange(self.sink_size), mx.arange(self.offset - tail, self.offset)])
+
+    def inject(self, context: mx.array, project) -> Tuple[mx.array, mx.array]:
+        """Take the next context rows ``[B, n, D]`` (all positions past
+        ``offset``, less ``skipped``): ``project(rows, position)`` gives the
+        K/V of the rows this cache keeps, at their absolute positions.
+        Returns every row held."""
+        n = context.shape[1]
+        start, end = self.skipped or (self.offset + n, self.offset + n)
+        gap = end - start
+        last = self.offset + n + gap  # one past the last position injected
+
+        def rows(a, b):  # context rows of positions a..b-1, all on one side of the gap
+            i = a - self.offset - (gap if a >= end else 0)
+            return context[:, i : i + b - a]
+
+        if self.offset < min(self.sink, last):
+            self.append(*project(rows(self.offset, min(self.sink, last)), self.offset))
+            self.sink_size = self.size
+        first = max(self.offset, self.sink, last - self.window if self.window is not None else 0)
+        if first < end and start < last:  # the tail cannot span dropped positions
+            first = max(first, end)
+        if first > self.offset:  # the tail restarts at first: nothing older is contiguous with it
+            self.drop(self.size - self.sink_size)
+        if first < last:
+            self.append(*project(rows(first, last), first))
+        self.offset, self.skipped = last, None
+        if self.window is not None and self.size - self.sink_size > self.window:
+            self.drop(self.size - self.sink_size - self.window)
+        return self.fetch()
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
         n = keys.shape[2]
         if self.keys is None or self.size + n > self.keys.shape[2]:
             grow = ((self.size + n + self.step - 1) // self.step) * self.step
@@ -296,14 +340,18 @@ class ContextCache:
         self.keys[..., self.size : self.size + n, :] = keys
         self.values[..., self.size : self.size + n, :] = values
         self.size += n
-        self.offset += n
-        if self.max_size is not None and self.size > self.max_size:
-            drop = self.size - self.max_size
-            self.keys = self.keys[..., drop:, :]
-            self.values = self.values[..., drop:, :]
-            self.size -= drop
-            self.start += drop
-        return self.fetch()
+
+    def drop(self, n: int) -> None:
+        """Evict the ``n`` oldest tail rows."""
+        if n <= 0:
+            return
+        s = self.sink_size
+        if s:
+            self.keys = mx.concatenate([self.keys[..., :s, :], self.keys[..., s + n :, :]], axis=2)
+            self.values = mx.concatenate([self.values[..., :s, :], self.values[..., s + n :, :]], axis=2)
+        else:
+            self.keys, self.values = self.keys[..., n:, :], self.values[..., n:, :]
+        self.size -= n
 
     def fetch(self) -> Tuple[Optional[mx.array], Optional[mx.array]]:
         if self.keys is None:
@@ -321,26 +369,33 @@ class ContextCache:
 
     @property
     def meta_state(self):
-        return [self.max_size, self.offset, self.start]
+        return [self.window, self.sink, self.offset, self.sink_size]
 
     @meta_state.setter
     def meta_state(self, v):
-        self.max_size, self.offset, self.start = v
+        self.window, self.sink, self.offset, self.sink_size = v
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.fetch() if a is not None)
 
     def is_trimmable(self) -> bool:
-        """Trimmable while nothing has slid out of a sliding window (mlx-lm's
-        rule for its ``RotatingKVCache``)."""
-        return self.start == 0
+        """Always: trimming back past rows this cache evicted leaves the
+        drafter's context without them (a weaker draft, never a different
+        output: the target verifies every token)."""
+        return True
 
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` injected positions (a prompt cache rewound)."""
-        n = min(self.size, n)
-        self.size -= n
+        """Forget the last ``n`` injected positions (a prompt cache rewound);
+        rows evicted before stay gone."""
+        n = max(0, min(self.offset, n))
         self.offset -= n
+        self.skipped = None
+        tail = max(0, self.size - self.sink_size - n)
+        self.sink_size = min(self.sink_size, self.offset)
+        self.size = self.sink_size + tail
+        if self.size == 0:
+            self.keys = self.values = None
         return n
 
 
@@ -421,7 +476,7 @@ class DraftAttention(nn.Module):
         B, L, _ = x.shape
         # Inject the new context first: the block starts right after it.
         if context.shape[1]:
-            ctx_k, ctx_v = cache.append(*self.project_kv(context, rope, cache.offset))
+            ctx_k, ctx_v = cache.inject(context, lambda rows, at: self.project_kv(rows, rope, at))
         else:
             ctx_k, ctx_v = cache.fetch()
         block_start = cache.offset
@@ -435,7 +490,7 @@ class DraftAttention(nn.Module):
             out = self.cpu_attention(q, k, v)
             return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         mask = draft_attention_mask(
-            mx.arange(cache.start, cache.start + cache.size),
+            cache.positions(),
             mx.arange(block_start, block_start + L),
             is_causal=self.is_causal,
             sliding_window=self.sliding_window,
@@ -535,10 +590,13 @@ class DFlashDraftModel(nn.Module):
             raise RuntimeError("drafter is not bound: call draft.bind(target_model) first")
         return self._target
 
-    def make_cache(self) -> List[ContextCache]:
-        window = self.config.sliding_window
+    def make_cache(self, window: Optional[int] = None, sink: int = 0) -> List[ContextCache]:
+        """One context cache per layer. ``window``/``sink`` (the draft
+        window) bound the full-attention layers' context; sliding layers keep
+        their trained window (see :class:`ContextCache`)."""
+        sliding = self.config.sliding_window
         return [
-            ContextCache(window - 1 if t == SLIDING else None) for t in self.config.layer_types
+            ContextCache(sliding - 1) if t == SLIDING else ContextCache(window, sink) for t in self.config.layer_types
         ]
 
     def fuse(self, target_hidden: mx.array) -> mx.array:
