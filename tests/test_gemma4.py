@@ -294,7 +294,7 @@ def test_zlab_gemma_drafters_fit_targets_of_their_shape(shaped, tmp_path, name):
     model, tokenizer = shaped[name]
     draft = dflash_mlx.load_draft(tiny.make_draft(tmp_path / "d", cfg), model)
     assert draft.target.embed_scale == SHAPE_HIDDEN**0.5
-    assert [c.max_size for c in draft.make_cache()] == [2047] * 4 + [None]
+    assert [c.window for c in draft.make_cache()] == [2047] * 4 + [None]
     other = next(n for n in shaped if n != name)  # the other size's drafter: taps out of range or fewer layers
     with pytest.raises(TargetError, match="layers"):
         dflash_mlx.load_draft(tmp_path / "d", shaped[other][0])

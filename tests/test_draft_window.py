@@ -1,0 +1,236 @@
+"""The draft window: a drafter reading only the first S and the last W
+context positions decodes exactly what mlx-lm decodes, and keeps no more."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+from test_prompt_cache import dflash_conversation, mlx_lm_conversation, random_turns, tokens_of, without_eos
+from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
+from tiny import FULL, SLIDING, Pair, prompt_of, reference_responses
+
+import dflash_mlx
+from dflash_mlx import server as dserver
+from dflash_mlx.cache import load_prompt_cache, save_prompt_cache
+from dflash_mlx.errors import ArgumentError
+from dflash_mlx.generate import feed
+from dflash_mlx.random_pair import LLAMA
+
+FAMILIES = ["qwen3", "qwen3_5", "llama", "gemma4_text"]
+PROMPT = prompt_of(200)
+
+
+def held_positions(cache):
+    return [c.positions().tolist() for c in cache.draft]
+
+
+def window_rows(offset, window, sink):
+    """Positions a full-attention layer holds after ``offset`` positions."""
+    return sorted(set(range(min(sink, offset))) | set(range(max(0, offset - window), offset)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_with_a_window_on_every_family(make_pair, tmp_path, family):
+    pair = make_pair(family)
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=4), pair.model)
+    want = pair.reference(PROMPT, 16)
+    for window in (1, 16, 1024):
+        for sink in (0, 64):
+            cache = dflash_mlx.make_prompt_cache(pair.model, draft, draft_window=window, draft_sink=sink)
+            # a fixed block drafts every cycle; small prefill chunks drop tap states chunk by chunk
+            got, _ = pair.dflash(draft, PROMPT, max_tokens=16, block_size=4, prefill_step_size=64, prompt_cache=cache)
+            assert got == want, (window, sink)
+            offset = cache.draft[0].offset
+            assert offset > len(PROMPT) and all(p == window_rows(offset, window, sink) for p in held_positions(cache))
+
+
+def test_rows_held_are_the_full_contexts_at_their_positions(qwen3_pair, tmp_path):
+    """A sliding layer keeps its trained window, the full layer the sink and
+    window; each row is the unwindowed drafter's row at the same absolute
+    position (RoPE included), whatever the prefill's chunking."""
+    pair = qwen3_pair
+    path = pair.make_draft(tmp_path / "d", block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    draft = dflash_mlx.load_draft(path, pair.model)
+    runs = {}
+    for name, window, step in (("full", None, 512), ("windowed", 16, 512), ("chunked", 16, 7)):
+        cache = dflash_mlx.make_prompt_cache(pair.model, draft, draft_window=window, draft_sink=3)
+        tokens, _ = pair.dflash(draft, PROMPT, max_tokens=20, block_size=4, prefill_step_size=step, prompt_cache=cache)
+        runs[name] = tokens, cache
+    assert runs["full"][0] == runs["windowed"][0] == runs["chunked"][0] == pair.reference(PROMPT, 20)
+    full, windowed, chunked = (runs[k][1] for k in ("full", "windowed", "chunked"))
+    offset = full.draft[0].offset
+    assert held_positions(windowed) == held_positions(chunked) == [
+        list(range(offset - 5, offset)), window_rows(offset, 16, 3)
+    ]
+    assert held_positions(full)[1] == list(range(offset))
+    for cache in (windowed, chunked):
+        for c, ref in zip(cache.draft, full.draft):
+            at = c.positions()
+            for got, want in zip(c.fetch(), ref.fetch()):
+                want = want[:, :, at] if ref.window is None else want
+                np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,window,sink", [("qwen3", 1, 0), ("qwen3_5", 16, 64), ("llama", 16, 0)])
+def test_three_turns_with_a_window_equal_mlx_lm(make_pair, tmp_path, family, window, sink):
+    pair = make_pair(family)
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=4), pair.model)
+    turns = random_turns((90, 20, 7), seed=3)
+    want, offset = mlx_lm_conversation(pair.model, pair.tokenizer, turns, 12)
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft, draft_window=window, draft_sink=sink)
+    got, cache = dflash_conversation(pair.model, draft, pair.tokenizer, turns, 12, cache=cache, block_size=4)
+    for w, g in zip(want, got):
+        assert tokens_of(g) == without_eos(w, pair.tokenizer)
+    assert cache.offset == offset
+    assert all(c.size <= window + sink for c in cache.draft)
+
+
+def test_trim_back_past_evicted_rows(qwen3_pair, tmp_path):
+    """Trimming into rows the window evicted leaves the drafter's context
+    without them: the output stays exact, and what it holds is what a fresh
+    prefill with the same window holds at those positions. Trimming within
+    the rows still held leaves the state a fresh prefill's."""
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=4), pair.model)
+    first, second = random_turns((80, 9), seed=5)
+
+    def fresh(tokens):
+        cache = dflash_mlx.make_prompt_cache(pair.model, draft, draft_window=16, draft_sink=4)
+        out, _ = pair.dflash(draft, tokens, max_tokens=8, block_size=4, eos_ids=[], prompt_cache=cache)
+        return out, cache
+
+    for trim in (3, 40):
+        _, cache = fresh(first)
+        assert cache.is_trimmable() and cache.trim(trim) == trim
+        prefix = list(cache.tokens)
+        got, _ = pair.dflash(draft, second, max_tokens=8, block_size=4, eos_ids=[], prompt_cache=cache)
+        want, ref = fresh(prefix + second)
+        assert got == want == pair.reference(prefix + second, 8, eos_ids=[])
+        assert cache.tokens == ref.tokens
+        for c, r in zip(cache.draft, ref.draft):
+            held, fresh_held = c.positions().tolist(), r.positions().tolist()
+            if trim == 3:  # all of the window after the trim was still held
+                assert held == fresh_held
+            else:
+                assert set(held) < set(fresh_held)
+            same = [fresh_held.index(p) for p in held]
+            np.testing.assert_allclose(np.array(c.fetch()[0]), np.array(r.fetch()[0][:, :, same]), rtol=1e-4, atol=1e-5)
+
+
+def test_trim_into_dropped_tap_states_then_save_and_load(qwen3_pair, tmp_path):
+    """Tap states dropped at prefill (the hole) survive a trim into them and
+    a save/load: the next turn is exact."""
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=4), pair.model)
+    prompt, more = random_turns((200, 6), seed=8)
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft, draft_window=8, draft_sink=2)
+    feed(draft.target, cache, prompt, 50)  # the target runs all but the last; the drafter has taken nothing
+    assert cache.hole == (2, len(prompt) - 1 - 8) and cache.lag_rows() == 2 + 8
+    assert cache.trim(20) == 20  # into the hole: only the sink's tap states stay
+    assert cache.hole == (2, len(prompt) - 20) and cache.lag_rows() == 2
+    prompt = prompt[:-20]
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, cache)
+    loaded = load_prompt_cache(path, draft)
+    assert (loaded.hole, loaded.draft_window, loaded.draft_sink) == (cache.hole, 8, 2)
+    assert [c.skipped for c in loaded.draft] == [cache.hole] * len(loaded.draft)
+    got, _ = pair.dflash(draft, more, max_tokens=10, block_size=4, eos_ids=[], prompt_cache=loaded)
+    assert got == pair.reference(prompt + more, 10, eos_ids=[])
+
+
+def test_bad_windows_are_one_clear_error(qwen3_pair, tmp_path):
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    for kw, what in ((dict(draft_window=0), "draft_window"), (dict(draft_window=8, draft_sink=-1), "draft_sink"),
+                     (dict(draft_window=True), "draft_window")):
+        with pytest.raises(ArgumentError, match=what):
+            dflash_mlx.make_prompt_cache(pair.model, draft, **kw)
+        with pytest.raises(ArgumentError, match=what):
+            next(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, [1, 2], **kw))
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft, draft_window=16, draft_sink=4)
+    with pytest.raises(ArgumentError, match="made with draft_window=16, draft_sink=4"):
+        next(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, [1, 2], prompt_cache=cache, draft_window=32))
+    assert cache.offset == 0  # refused before any work
+    # the cache's own window, asked for or left out, is fine
+    for kw in ({}, dict(draft_window=16), dict(draft_sink=4)):
+        next(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, [1, 2], prompt_cache=cache, max_tokens=1, **kw))
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "server", "bench"])
+@pytest.mark.parametrize("flags,message", [(["--draft-window", "0"], "--draft-window: must be at least 1, got 0"),
+                                           (["--draft-sink", "-1"], "--draft-sink: must be at least 0, got -1")])
+def test_cli_rejects_bad_windows(command, flags, message):
+    done = subprocess.run([sys.executable, "-m", "dflash_mlx", command, *flags], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr.strip().endswith(message), done.stderr
+
+
+def test_long_prompt_keeps_the_bound_in_the_server_and_its_snapshots(tmp_path):
+    """After a 6,000-token prompt through the server (W 64, S 16), every
+    stored entry's drafter side holds at most S + W rows: its context caches
+    and the tap states not yet injected. The answers are mlx-lm's. The
+    target (a sliding layer and a full one) cannot trim once its window
+    slid, so the server snapshots the second prompt's end."""
+    base = dict(LLAMA, max_position_embeddings=8192, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                num_key_value_heads=1, num_hidden_layers=2, layer_types=[SLIDING, FULL], sliding_window=32)
+    pair = Pair(tmp_path / "t", base)
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=4), pair.model)
+    window, sink = 64, 16
+    args = dserver.setup_arg_parser().parse_args(
+        ["--port", "0", "--draft-window", str(window), "--draft-sink", str(sink), "--block-size", "4"]
+    )
+    srv = dserver.make_server(args, pair.model, pair.tokenizer, draft, "tiny-draft")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1", api_key="x", max_retries=0, timeout=600)
+        lm_cache = mlx_lm_make_prompt_cache(pair.model)
+        keys, prompt = [], []  # the entries' tokens: the cache after each answer, the second prompt's snapshot
+        for turn, new in enumerate((np.random.default_rng(0).integers(0, 256, 6000).tolist(), [10, 11, 12])):
+            prompt = prompt + new
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+            want = reference_responses(pair.model, pair.tokenizer, new, 8, prompt_cache=lm_cache)
+            assert r.choices[0].text == "".join(w.text for w in want)
+            keys += [prompt] * turn + [prompt + [w.token for w in want]]
+            prompt = keys[-1]
+        assert r.usage.prompt_tokens_details.cached_tokens >= 6000
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        srv.generator.stop_and_join()
+    lru = srv.generator.prompt_cache
+    entries = [lru.fetch_nearest_cache(srv.generator.key, k) for k in keys]
+    assert len(lru) == len(entries) and all(rest == [] for _, rest in entries)
+    assert lru.nbytes == sum(e.nbytes for (e,), _ in entries)  # every entry is checked
+    row_bytes = None
+    for (cache,), _ in entries:
+        assert cache.draft_window == window and (cache.hole is None or cache.hole[0] == sink)
+        assert cache.lag_rows() <= sink + window
+        for c in cache.draft:
+            assert c.size <= sink + window
+            row_bytes = row_bytes or (c.size and c.nbytes // c.size)
+    assert entries[-1][0][0].draft[0].offset >= 6000  # the drafter did read the long context
+    # a few rows per layer, against the 6,000 an unwindowed drafter keeps in each
+    drafter_bytes = sum(c.nbytes for (cache,), _ in entries for c in cache.draft)
+    assert row_bytes and drafter_bytes <= len(entries) * len(draft.layers) * (sink + window) * row_bytes
+
+
+@pytest.mark.skipif(os.environ.get("DFLASH_MLX_SMOLLM2") != "1", reason="downloads SmolLM2 (set DFLASH_MLX_SMOLLM2=1)")
+@pytest.mark.parametrize("window,sink", [(None, 0), (1024, 64), (16, 0)])
+def test_smollm2_six_thousand_token_prompt_is_exact(window, sink):
+    from dflash_mlx.benchmark import long_prompt
+    from dflash_mlx.pair import load_pair
+    from tiny import reference_tokens
+
+    model, tokenizer, draft, _ = load_pair("smollm2")
+    prompt = tokenizer.encode(long_prompt(tokenizer, 6000), add_special_tokens=False)
+    assert len(prompt) >= 5900
+    want = reference_tokens(model, tokenizer, prompt, 64)
+    cache = dflash_mlx.make_prompt_cache(model, draft, draft_window=window, draft_sink=sink)
+    got = [t for r in dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=64, prompt_cache=cache) for t in r.tokens]
+    assert got == want
+    if window is not None:
+        assert all(c.size <= window + sink for c in cache.draft) and cache.lag_rows() <= window + sink
