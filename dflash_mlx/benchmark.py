@@ -3,6 +3,7 @@
     mlx-dflash bench                      # the bundled pair, its held-out prompts
     mlx-dflash bench --model smollm2      # a named pair: its held-out chat requests, at its lengths
     mlx-dflash bench --model T --draft-model D --prompts prompts.json --json out.json --plot out.png
+    mlx-dflash bench --model smollm2 --prompt-lengths 512 2048 4096 7168 --draft-window 1024 --draft-sink 64
 
 By default DFlash chooses its block size each cycle (adaptive, up to the
 drafter's trained size); the fixed trained size runs in the same pass, so the
@@ -18,13 +19,16 @@ bound the speedup (T1: mlx-lm's target forward on 1 token, T16: the
 verify forward on a block, Tdraft: the drafter as the loop runs it; each
 timed right after a prompt's runs at its context, medians over prompts),
 peak memory, and the share of generated tokens that repeat an earlier 4-gram
-(repetitive output inflates acceptance). Each prompt runs both decoders
+(repetitive output inflates acceptance). ``--prompt-lengths`` measures long
+prompts instead (:func:`long_prompt_report`). Each prompt runs both decoders
 ``--repeats`` times, alternating. Every configuration gets a warm-up
 run that is not counted, and the verify is compiled at every block length
 before timing starts.
 """
 
 import argparse
+import importlib
+import inspect
 import itertools
 import json
 import statistics
@@ -38,7 +42,8 @@ from typing import Dict, Iterable, List
 import mlx.core as mx
 
 from . import cli
-from .defaults import DEFAULT_BENCH_MAX_TOKENS, DEFAULT_BENCH_REPEATS, DEFAULT_MAX_TOKENS
+from .cache import make_prompt_cache
+from .defaults import DEFAULT_BENCH_MAX_TOKENS, DEFAULT_BENCH_REPEATS, DEFAULT_DRAFT_SINK, DEFAULT_MAX_TOKENS
 from .errors import ArgumentError
 from .generate import cycle_lengths, encode_prompt, mean_tokens_per_cycle, stream_generate
 from .sampling import ACCEPTANCE_RULES
@@ -146,18 +151,20 @@ def run_autoregressive(model, tokenizer, prompt, max_tokens):
     for last in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
         if last.finish_reason != "stop":
             tokens.append(last.token)
-    return {"tokens": tokens, "tps": last.generation_tps, "peak_memory": last.peak_memory}
+    return {"tokens": tokens, "tps": last.generation_tps, "peak_memory": last.peak_memory,
+            "ttft_s": last.prompt_tokens / last.prompt_tps}
 
 
-def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=None, tree_budget=None):
+def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=None, tree_budget=None, **window):
     """One generation (``block_size=None``: adaptive; ``tree_budget`` as
-    :func:`~dflash_mlx.generate.generate_step` takes it); tok/s counted from
-    the first token, like mlx-lm. With a ``timer`` (``draft`` a
-    :class:`TimedDraft` on it), the forwards and rollbacks are timed and the
-    rest of each cycle counts as host time."""
+    :func:`~dflash_mlx.generate.generate_step` takes it; ``window``:
+    ``draft_window``, ``draft_sink``); tok/s counted from the first token,
+    like mlx-lm. With a ``timer`` (``draft`` a :class:`TimedDraft` on it),
+    the forwards and rollbacks are timed and the rest of each cycle counts
+    as host time."""
     responses = []
     for r in stream_generate(
-        model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, tree_budget=tree_budget
+        model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, tree_budget=tree_budget, **window
     ):
         if not responses and timer is not None:  # the cycles start after the prefill's token
             timer.start_cycles()
@@ -172,6 +179,7 @@ def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=No
         "block_sizes": [r.block_size for r in responses[1:]],
         "tree_sizes": [r.tree_size for r in responses[1:]],
         "peak_memory": responses[-1].peak_memory,
+        "ttft_s": responses[-1].prompt_tokens / responses[-1].prompt_tps,
     }
 
 
@@ -213,8 +221,6 @@ def second_turn_ttft(model, draft, tokenizer, prompts, turn1_tokens: int = 1500)
     repeated), turn 2 one short line that only it prefills."""
     from contextlib import closing
 
-    from .cache import make_prompt_cache
-
     ids = tokenizer.encode("\n".join(prompts))
     ids = (ids * (turn1_tokens // max(1, len(ids)) + 1))[:turn1_tokens]
     list(stream_generate(model, draft, tokenizer, ids[:64], max_tokens=4))  # warm-up
@@ -229,21 +235,23 @@ def second_turn_ttft(model, draft, tokenizer, prompts, turn1_tokens: int = 1500)
             "turn2_over_turn1": seconds[1] / seconds[0]}
 
 
-def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=20) -> Dict[str, float]:
+def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=20, draft_window=None,
+                  draft_sink=DEFAULT_DRAFT_SINK) -> Dict[str, float]:
     """Median ms of the forwards that bound the speedup, warm, after the prompt.
 
     ``target_1`` is mlx-lm's own forward of one token on its own cache, the
     step the autoregressive baseline runs; ``target_{B}`` is the verify
     forward (target_hidden kept), the step DFlash runs; the drafter forward injects
     ``new_context`` positions per call over the prompt's context, as in the
-    loop. A forward counts until its logits and the cache it leaves are
+    loop, through a context cache with the draft window given. A forward
+    counts until its logits and the cache it leaves are
     computed: the chunked verify's recurrent state after the block is not on
     the way to its logits, and left lazy it would never be timed (the loop
     computes it, for the accepted prefix, when it rolls back).
     """
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache as mlx_lm_prompt_cache
 
-    lm_cache = make_prompt_cache(model)
+    lm_cache = mlx_lm_prompt_cache(model)
     mx.eval(model(prompt_ids[None], cache=lm_cache))
     one = mx.array([[1]])
 
@@ -262,7 +270,7 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
         target.rollback(cache, 0)
 
     block = mx.array([[1] + [draft.mask_token_id] * (block_size - 1)])
-    draft_cache = draft.make_cache()
+    draft_cache = make_prompt_cache(model, draft, draft_window, draft_sink).draft
     mx.eval(draft.propose(block, target_hidden[:, :-new_context], draft_cache))
     fresh = target_hidden[:, -new_context:]
 
@@ -511,6 +519,118 @@ def benchmark(
     return report, first["autoregressive"]
 
 
+# Held-out prose for long prompts: Python's own documentation, the
+# docstrings of these standard-library modules and their public members. It
+# ships with every Python and is no part of any pair's training or held-out
+# requests (those are chat requests and code).
+DOCUMENT_MODULES = (
+    "argparse", "json", "logging", "collections", "pathlib", "subprocess", "textwrap", "dataclasses",
+    "unittest", "http.server", "email.message", "inspect", "functools",
+)
+DOCUMENT_QUESTION = "Which modules does the documentation above describe, and what is each one for? Answer briefly."
+
+
+def documentation_text() -> str:
+    """The docstrings of :data:`DOCUMENT_MODULES` and their public members, as one markdown text."""
+    parts = []
+    for name in DOCUMENT_MODULES:
+        module = importlib.import_module(name)
+        parts.append(f"# {name}\n\n{inspect.getdoc(module) or ''}")
+        for attr, obj in sorted(vars(module).items()):
+            doc = inspect.getdoc(obj) if not attr.startswith("_") and getattr(obj, "__module__", None) == name else None
+            if doc:
+                parts.append(f"## {name}.{attr}\n\n{doc}")
+    return "\n\n".join(parts)
+
+
+def long_prompt(tokenizer, length: int) -> str:
+    """A prompt of about ``length`` tokens: the start of
+    :func:`documentation_text` and :data:`DOCUMENT_QUESTION`, in the chat
+    template where the tokenizer has one."""
+
+    def wrap(document):
+        text = f"{document}\n\n{DOCUMENT_QUESTION}"
+        if not getattr(tokenizer, "chat_template", None):
+            return text
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+
+    overhead = len(tokenizer.encode(wrap("")))
+    ids = tokenizer.encode(documentation_text(), add_special_tokens=False)
+    if length - overhead > len(ids):
+        raise ArgumentError(f"--prompt-lengths {length}: the documentation text holds only {len(ids) + overhead} tokens")
+    return wrap(tokenizer.decode(ids[: max(0, length - overhead)]))
+
+
+def window_name(window, sink) -> str:
+    return "full context" if window is None else f"window {window} + sink {sink}"
+
+
+def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, sink, block_size=None) -> dict:
+    """Long prompts: at each length, one run each of mlx-lm and of DFlash
+    with the full context and with every draft window in ``windows`` (None
+    in it: the full context). Each run reports tok/s, time to first token,
+    tokens per cycle and peak memory (reset before each run); the drafter's
+    share of a cycle comes from :func:`time_forwards` at that context
+    (the drafter forward over its windowed cache, against the verify)."""
+    configs = list(dict.fromkeys([None, *windows]))
+    max_block = block_size or draft.block_size
+    draft.bind(model)
+    warm = long_prompt(tokenizer, 64)  # compiles and calibrates before anything is timed
+    run_autoregressive(model, tokenizer, warm, 8)
+    for w in configs:
+        run_dflash(model, draft, tokenizer, warm, 8, block_size, draft_window=w, draft_sink=sink)
+    compile_block_lengths(draft, encode_prompt(tokenizer, warm), max_block)
+    rows = []
+    for length in lengths:
+        prompt = long_prompt(tokenizer, length)
+        mx.reset_peak_memory()
+        ar = run_autoregressive(model, tokenizer, prompt, max_tokens)
+        row = {
+            "prompt_length": length,
+            "prompt_tokens": encode_prompt(tokenizer, prompt).size,
+            "autoregressive": {"tps": ar["tps"], "ttft_s": ar["ttft_s"], "peak_memory_gb": ar["peak_memory"]},
+            "dflash": {},
+        }
+        for w in configs:
+            mx.reset_peak_memory()
+            run = run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, draft_window=w, draft_sink=sink)
+            forwards = time_forwards(model, draft, encode_prompt(tokenizer, prompt), max_block, repeats=5,
+                                     draft_window=w, draft_sink=sink)
+            verify = forwards[f"target_{max_block}"]
+            row["dflash"][window_name(w, sink)] = {
+                "draft_window": w,
+                "draft_sink": 0 if w is None else sink,
+                "tps": run["tps"],
+                "speedup": run["tps"] / ar["tps"],
+                "ttft_s": run["ttft_s"],
+                "tokens_per_cycle": mean_tokens_per_cycle(run["committed"]),
+                "drafter_ms": forwards["drafter"],
+                "verify_ms": verify,
+                "drafter_share": forwards["drafter"] / (forwards["drafter"] + verify),
+                "peak_memory_gb": run["peak_memory"],
+                "outputs_identical": run["tokens"] == ar["tokens"],
+            }
+        rows.append(row)
+    return {"max_tokens": max_tokens, "block_size": max_block, "adaptive": block_size is None,
+            "document_source": f"docstrings of Python {sys.version.split()[0]}'s {', '.join(DOCUMENT_MODULES)}",
+            "question": DOCUMENT_QUESTION, "lengths": rows}
+
+
+def print_long_prompt_report(r: dict) -> None:
+    mode = f"adaptive, up to {r['block_size']}" if r["adaptive"] else f"fixed {r['block_size']}"
+    print(f"long prompts: {r['max_tokens']} new tokens, block size {mode}; documents: {r['document_source']}")
+    print(f"{'prompt':>7} {'decoder':<28} {'tok/s':>8} {'speedup':>8} {'TTFT s':>8} {'tok/cycle':>9} "
+          f"{'drafter':>8} {'peak GB':>8} identical")
+    for row in r["lengths"]:
+        ar = row["autoregressive"]
+        print(f"{row['prompt_tokens']:>7} {'mlx-lm':<28} {ar['tps']:8.1f} {'':>8} {ar['ttft_s']:8.2f} {'':>9} "
+              f"{'':>8} {ar['peak_memory_gb']:8.3f}")
+        for name, d in row["dflash"].items():
+            print(f"{'':>7} {'DFlash, ' + name:<28} {d['tps']:8.1f} {d['speedup']:7.2f}x {d['ttft_s']:8.2f} "
+                  f"{d['tokens_per_cycle']:9.2f} {100 * d['drafter_share']:7.1f}% {d['peak_memory_gb']:8.3f} "
+                  f"{d['outputs_identical']}")
+
+
 def print_report(r: dict) -> None:
     B = r["block_size"]
     mode = f"adaptive, up to {B}" if r["adaptive"] else f"fixed {B}"
@@ -650,6 +770,12 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=cli.positive_int, default=3, help="draft tokens per step for --ar-draft-model")
     p.add_argument("--temp", type=float, default=None, help="also compare tokens per cycle of rejection sampling vs exact match at this temperature")
     p.add_argument("--sampling-temp", dest="temp", type=float, help=argparse.SUPPRESS)  # the old spelling
+    p.add_argument(
+        "--prompt-lengths", type=cli.positive_int, nargs="+", default=None,
+        help="measure long prompts instead: documentation text plus a question, about this many tokens each "
+        "(mlx-lm, DFlash with the full context and with each --draft-window; default --max-tokens 256)",
+    )
+    cli.add_draft_window_arguments(p, several=True)
     p.add_argument("--ttft-turn1", type=cli.positive_int, default=None, help="also time the first token of a second turn on the prompt cache after a turn 1 of this many tokens")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG figure here")
@@ -672,9 +798,24 @@ def main(argv=None):
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path and not Path(path).resolve().parent.is_dir():
             raise ArgumentError(f"{flag} {path}: its directory does not exist")
+    if args.prompt_lengths is None and args.draft_window is not None:
+        raise ArgumentError("--draft-window is measured with --prompt-lengths (long prompts); add it")
+    for flag, value in (("--prompts", args.prompts), ("--plot", args.plot)):
+        if args.prompt_lengths and value:
+            raise ArgumentError(f"{flag} does not apply to --prompt-lengths (its prompts are documentation text)")
     prompts = read_prompts(args.prompts) if args.prompts else None
     model, tokenizer, draft, draft_path = load_pair(args.model, args.draft_model)
     warn_if_reference()  # loaded: about to measure
+    if args.prompt_lengths:
+        windows = args.draft_window if isinstance(args.draft_window, list) else [args.draft_window]
+        max_tokens = args.max_tokens[0] if args.max_tokens else DEFAULT_MAX_TOKENS
+        report = long_prompt_report(model, draft, tokenizer, args.prompt_lengths, max_tokens, windows, args.draft_sink, args.block_size)
+        report.update(model=str(args.model), draft_model=str(draft_path), mlx=mx.__version__, device=str(mx.default_device()))
+        print_long_prompt_report(report)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+        return 0
     prompts = prompts or benchmark_prompts(args.model, tokenizer)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     ar_draft = None
