@@ -265,8 +265,7 @@ def generate_step(
     logprobs: bool = False,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
-    stream=generation_stream,
-    draft_window: Optional[int] = None, draft_sink: Optional[int] = None,
+    stream=generation_stream, draft_window: Optional[int] = None, draft_sink: Optional[int] = None,
 ) -> Generator[Tuple[int, Optional[mx.array], bool, int, int], None, None]:
     """Yield each committed token as ``(token, logprobs, from_draft, block,
     tree)``, like mlx-lm's ``speculative_generate_step`` plus the rows its
@@ -321,8 +320,7 @@ def generate_step(
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
             sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)
-            eos = set(eos_token_ids)
-            yield from decode(target, draft, cache, logits, rule, sizer, settle, max_tokens, eos, logprobs)
+            yield from decode(target, draft, cache, logits, rule, sizer, settle, max_tokens, set(eos_token_ids), logprobs)
         finally:
             if cache.target.undo is not None:  # interrupted inside a cycle
                 target.rollback(cache.target, 0)
