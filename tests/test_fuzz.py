@@ -364,13 +364,23 @@ FIELDS = [
     "chat_template_kwargs", "role_mapping", "response_format", "metadata", "adapters", "draft_model",
     "xtc_probability", "xtc_threshold", "repetition_context_size",
 ]  # fmt: skip
+# Content parts and blocks of every dialect (OpenAI chat, Anthropic, Responses).
+PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url", "input_text", "thinking", "tool_use", "tool_result", "reasoning_text"]) | SCALARS},
+    optional={"text": SCALARS, "image_url": JSON, "thinking": SCALARS, "id": SCALARS, "name": SCALARS, "input": JSON,
+              "tool_use_id": SCALARS, "content": JSON},
+)
+# A chat message, an Anthropic message or a Responses input item.
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system", "tool", "developer"]) | SCALARS},
     optional={
-        "content": JSON
-        | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "input_text"]) | SCALARS}, optional={"text": SCALARS, "image_url": JSON}), max_size=3),
+        "type": st.sampled_from(["message", "reasoning", "function_call", "function_call_output"]) | SCALARS,
+        "content": JSON | st.lists(PART, max_size=3),
         "tool_calls": JSON,
         "name": SCALARS,
+        "call_id": SCALARS,
+        "arguments": JSON,
+        "output": JSON,
     },
 )
 FIELD_VALUES = {
@@ -570,23 +580,31 @@ def test_requests_the_fuzzer_broke_the_server_with(tiny_server, path, fields, pa
     assert post_raw(tiny_server, path, json.dumps(base).encode())[0] == 200
 
 
+USER = {"role": "user", "content": "hi"}
+
+
 @pytest.mark.parametrize(
-    "path, fields",
+    "path, fields, message",
     [
-        ("/v1/messages", {"chat_template_kwargs": []}),  # each dropped the connection
-        ("/v1/messages/count_tokens", {"chat_template_kwargs": 1}),
-        ("/v1/responses", {"chat_template_kwargs": True}),
-        ("/v1/responses", {"previous_response_id": ["x"]}),
-        ("/v1/responses", {"previous_response_id": 7}),  # a 400 that named no type
-        ("/v1/messages", {"temperature": 2**70}),  # a 500: std::bad_cast in MLX's sampler
-        ("/v1/responses", {"temperature": 2**63}),
+        ("/v1/messages", {"chat_template_kwargs": []}, "chat_template_kwargs must be an object"),  # each dropped the connection
+        ("/v1/messages/count_tokens", {"chat_template_kwargs": 1}, "chat_template_kwargs must be an object"),
+        ("/v1/responses", {"chat_template_kwargs": True}, "chat_template_kwargs must be an object"),
+        ("/v1/responses", {"previous_response_id": ["x"]}, "previous_response_id must be a string"),
+        ("/v1/messages", {"messages": [USER, {"role": "assistant", "content": [{"type": "thinking", "thinking": 5}]}, USER]},
+         "messages.1.content.0.thinking must be a string"),
+        ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+         "input.0.content.0.text must be a string"),
+        ("/v1/responses", {"input": [{"type": "reasoning", "content": [{"text": 5}]}, USER]}, "input.0.content.0.text must be a string"),
+        ("/v1/responses", {"input": [{"type": "reasoning", "content": 5}, USER]}, "input.0 (reasoning): content must be a list"),
+        ("/v1/responses", {"previous_response_id": 7}, "previous_response_id must be a string"),  # a 400 that named no type
+        ("/v1/messages", {"temperature": 2**70}, "temperature must be at most"),  # a 500: std::bad_cast in MLX's sampler
+        ("/v1/responses", {"temperature": 2**63}, "temperature must be at most"),
     ],
 )
-def test_agent_requests_the_fuzzer_broke_the_server_with(tiny_server, path, fields):
+def test_agent_requests_the_fuzzer_broke_the_server_with(tiny_server, path, fields, message):
     base = next(body for p, body, _ in ENDPOINTS if p == path)
     status, raw = post_raw(tiny_server, path, json.dumps({**base, **fields}).encode())
-    (name,) = fields
-    assert status == 400 and error_of(path, raw)["message"].startswith(f"{name} must be"), raw
+    assert status == 400 and error_of(path, raw)["message"].startswith(message), raw
     assert post_raw(tiny_server, path, json.dumps(base).encode())[0] == 200
 
 

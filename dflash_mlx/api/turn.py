@@ -119,19 +119,27 @@ def chat_tools(tools, convert) -> Optional[list]:
     return out or None
 
 
-def chat_tool_call(call_id, name, arguments, where: str) -> dict:
+def part_text(part: dict, key: str, where: str, param: str) -> str:
+    """The text a content part holds under ``key`` (none: empty), checked."""
+    text = part.get(key, "")
+    if not isinstance(text, str):
+        raise RequestError(f"{where}.{key} must be a string", param)
+    return text
+
+
+def chat_tool_call(call_id, name, arguments, where: str, param: str) -> dict:
     """A chat-completions assistant tool call, checked (``arguments``: a dict or its JSON text)."""
     if not isinstance(call_id, str) or not call_id:
-        raise RequestError(f"{where} needs an id", "messages")
+        raise RequestError(f"{where} needs an id", param)
     if not isinstance(name, str) or not name:
-        raise RequestError(f"{where} needs a name", "messages")
+        raise RequestError(f"{where} needs a name", param)
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments or "{}")
         except json.JSONDecodeError as e:
-            raise RequestError(f"{where}'s arguments are not JSON: {e}", "messages") from None
+            raise RequestError(f"{where}'s arguments are not JSON: {e}", param) from None
     if not isinstance(arguments, dict):
-        raise RequestError(f"{where}'s arguments must be a JSON object", "messages")
+        raise RequestError(f"{where}'s arguments must be a JSON object", param)
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
