@@ -56,6 +56,9 @@ ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/comp
 # The roles of OpenAI's chat messages (what a chat template is written for).
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
+# The largest number a request field may hold: MLX takes no larger integer.
+MAX_INT = 2**63 - 1
+
 # mlx-lm request fields the lossless loop cannot honour, with their "off" values.
 UNSUPPORTED = {
     "repetition_penalty": (0.0, 1.0),
@@ -93,7 +96,7 @@ class RequestContext(GenerationContext):
 def check_fields(body: dict) -> None:
     """Types and ranges of the sampling fields, and the fields DFlash cannot honour."""
 
-    def number(name, lo=None, hi=None, kind=(int, float)):
+    def number(name, lo=None, hi=MAX_INT, kind=(int, float)):
         value = body.get(name)
         if value is None:
             return
@@ -101,14 +104,14 @@ def check_fields(body: dict) -> None:
             raise RequestError(f"{name} must be a {'integer' if kind is int else 'number'}", name)
         if lo is not None and value < lo:
             raise RequestError(f"{name} must be at least {lo}, not {value}", name)
-        if hi is not None and value > hi:
+        if value > hi:
             raise RequestError(f"{name} must be at most {hi}, not {value}", name)
 
-    number("max_tokens", 1, None, int)
-    number("max_completion_tokens", 1, None, int)
-    number("temperature", 0, None)
+    number("max_tokens", 1, kind=int)
+    number("max_completion_tokens", 1, kind=int)
+    number("temperature", 0)
     number("top_p", 0, 1)
-    number("top_k", 0, None, int)
+    number("top_k", 0, kind=int)
     number("min_p", 0, 1)
     number("seed", 0, 2**64 - 1, int)  # what mx.random.seed takes
     number("num_draft_tokens", 0, MAX_BLOCK_SIZE - 1, int)
@@ -138,16 +141,13 @@ def chat_tokens(tokenizer, body: dict, template_args: dict):
         process_message_content(messages)
     except (ValueError, KeyError, TypeError) as e:
         raise RequestError(f"bad message content: {e}", "messages") from None
-    for name, kind in (("chat_template_kwargs", dict), ("role_mapping", dict), ("tools", list)):
-        if body.get(name) is not None and not isinstance(body[name], kind):
-            raise RequestError(f"{name} must be {'an object' if kind is dict else 'a list'}", name)
     if not getattr(tokenizer, "chat_template", None):  # set after loading too (--chat-template)
         return tokenizer.encode(convert_chat(messages, body.get("role_mapping"))), []
     role = next((m["role"] for m in messages if m["role"] not in CHAT_ROLES), None)
     if role is not None:
         raise RequestError(f"a message has the role {role!r}: use one of {', '.join(CHAT_ROLES)}", "messages")
     tools = tool_choice_rule(openai_tool_choice(body.get("tool_choice")), body.get("tools") or None)
-    kwargs = dict(template_args, **(body.get("chat_template_kwargs") or {}), tools=tools)
+    kwargs = {**template_args, **(body.get("chat_template_kwargs") or {}), "tools": tools}
     try:  # the template meets the client's messages and tools here
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         boundaries = []
@@ -435,14 +435,31 @@ class DFlashAPIHandler(APIHandler):
         self._set_stream_headers(200)
         self.end_headers()
 
+    def send_response(self, *args, **kwargs):
+        self.answered = True  # from here on, an error can no longer be the answer
+        super().send_response(*args, **kwargs)
+
     def do_POST(self):
         kind, route = ROUTES.get(self.path), self.route
         if kind is None and route not in ENDPOINTS:
             routes = list(ROUTES) + list(ENDPOINTS)
             return self.send_error_json(404, f"no route {self.path}; use {', '.join(routes)}")
         self.generator.metrics.request(route)
-        if kind is None:  # an agent dialect (dflash_mlx.api)
-            return ENDPOINTS[route](self).serve()
+        self.answered = False
+        endpoint = ENDPOINTS[route](self) if kind is None else None
+        try:
+            if endpoint is not None:  # an agent dialect (dflash_mlx.api)
+                return endpoint.serve()
+            self.serve_openai(kind)
+        except Exception as e:  # a bug: the client hears a 500 in its dialect, not a dropped connection
+            logging.exception("request failed")
+            if self.answered:  # half an answer went out: end it by closing
+                self.close_connection = True
+            else:
+                (endpoint.send_error if endpoint is not None else self.send_error_json)(500, f"internal error: {e!r}")
+
+    def serve_openai(self, kind: str):
+        """A chat or text completion: checked here, then served by mlx-lm's handler."""
         try:
             body, raw = read_json_body(self)
             self.prepared = self.generator.prepare(body, kind)

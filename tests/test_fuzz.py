@@ -346,9 +346,13 @@ def test_target_config_values_get_package_errors(qwen3_pair, tmp_path):
 # Request bodies, over HTTP. One row per endpoint: its path and a minimal
 # valid body, which the fuzzer edits; a new endpoint is one more row.
 
+# (path, a minimal valid body, what the last line of a whole stream holds)
 ENDPOINTS = [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "def f(x):"}]}),
-    ("/v1/completions", {"prompt": "def f(x):"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "def f(x):"}]}, b"data: [DONE]"),
+    ("/v1/completions", {"prompt": "def f(x):"}, b"data: [DONE]"),
+    ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "def f(x):"}]}, b"message_stop"),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "def f(x):"}]}, None),  # never streams
+    ("/v1/responses", {"input": "def f(x):"}, b'"response.'),
 ]
 # Fields any of the served APIs reads (OpenAI chat and completions, Anthropic
 # Messages, OpenAI Responses), so each endpoint also meets the others'.
@@ -360,13 +364,23 @@ FIELDS = [
     "chat_template_kwargs", "role_mapping", "response_format", "metadata", "adapters", "draft_model",
     "xtc_probability", "xtc_threshold", "repetition_context_size",
 ]  # fmt: skip
+# Content parts and blocks of every dialect (OpenAI chat, Anthropic, Responses).
+PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url", "input_text", "thinking", "tool_use", "tool_result", "reasoning_text"]) | SCALARS},
+    optional={"text": SCALARS, "image_url": JSON, "thinking": SCALARS, "id": SCALARS, "name": SCALARS, "input": JSON,
+              "tool_use_id": SCALARS, "content": JSON},
+)
+# A chat message, an Anthropic message or a Responses input item.
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system", "tool", "developer"]) | SCALARS},
     optional={
-        "content": JSON
-        | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "input_text"]) | SCALARS}, optional={"text": SCALARS, "image_url": JSON}), max_size=3),
+        "type": st.sampled_from(["message", "reasoning", "function_call", "function_call_output"]) | SCALARS,
+        "content": JSON | st.lists(PART, max_size=3),
         "tool_calls": JSON,
         "name": SCALARS,
+        "call_id": SCALARS,
+        "arguments": JSON,
+        "output": JSON,
     },
 )
 FIELD_VALUES = {
@@ -410,6 +424,19 @@ def tiny_server(qwen3_pair, tmp_path_factory):
         server.generator.stop_and_join()
 
 
+def error_of(path: str, raw: bytes) -> dict:
+    """The error object of an error answer, checked for its dialect's shape
+    (mlx-lm's own chat-completions errors may be a bare string)."""
+    answer = json.loads(raw)
+    error = answer["error"]
+    if path.startswith("/v1/messages"):
+        assert answer["type"] == "error" and isinstance(error["type"], str), answer
+    if path.startswith(("/v1/messages", "/v1/responses")):
+        assert isinstance(error["message"], str) and error["message"], answer
+    assert error
+    return error
+
+
 def post_raw(address, path, raw: bytes):
     conn = http.client.HTTPConnection(*address, timeout=120)
     try:
@@ -420,8 +447,8 @@ def post_raw(address, path, raw: bytes):
         conn.close()
 
 
-@pytest.mark.parametrize("path, base", ENDPOINTS, ids=[p for p, _ in ENDPOINTS])
-def test_request_bodies_get_answers_or_4xx(tiny_server, path, base):
+@pytest.mark.parametrize("path, base, stream_end", ENDPOINTS, ids=[p for p, _, _ in ENDPOINTS])
+def test_request_bodies_get_answers_or_4xx(tiny_server, path, base, stream_end):
     seen = {"4xx": 0, "200": 0}
 
     @fuzz(60)
@@ -432,10 +459,13 @@ def test_request_bodies_get_answers_or_4xx(tiny_server, path, base):
         assert status == 200 or 400 <= status < 500, (status, raw[:300])
         if status == 200:
             seen["200"] += 1
-            assert raw.rstrip().endswith(b"data: [DONE]") if b"data: " in raw[:6] else json.loads(raw)
+            if raw.startswith((b"data: ", b"event: ", b": ")):  # a whole stream
+                assert stream_end is not None and stream_end in raw.rstrip().splitlines()[-1], raw[-300:]
+            else:
+                assert json.loads(raw)
         else:
             seen["4xx"] += 1
-            assert json.loads(raw)["error"]
+            error_of(path, raw)
 
     check()
     print(f"seed {SEED}: {seen}")
@@ -540,12 +570,74 @@ def test_target_config_values_are_named(qwen3_pair, tmp_path, key, value, match)
         ("/v1/completions", {"seed": -1}, "seed"),
         ("/v1/chat/completions", {"chat_template_kwargs": []}, "chat_template_kwargs"),
         ("/v1/chat/completions", {"tools": [None]}, "messages"),
+        ("/v1/chat/completions", {"temperature": 2**63}, "temperature"),  # std::bad_cast in MLX's sampler
     ],
 )
 def test_requests_the_fuzzer_broke_the_server_with(tiny_server, path, fields, param):
-    base = dict(ENDPOINTS)[path]
+    base = next(body for p, body, _ in ENDPOINTS if p == path)
     status, raw = post_raw(tiny_server, path, json.dumps({**base, **fields}).encode())
     assert status == 400 and json.loads(raw)["error"]["param"] == param
+    assert post_raw(tiny_server, path, json.dumps(base).encode())[0] == 200
+
+
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    "path, fields, message",
+    [
+        ("/v1/messages", {"chat_template_kwargs": []}, "chat_template_kwargs must be an object"),  # each dropped the connection
+        ("/v1/messages/count_tokens", {"chat_template_kwargs": 1}, "chat_template_kwargs must be an object"),
+        ("/v1/responses", {"chat_template_kwargs": True}, "chat_template_kwargs must be an object"),
+        ("/v1/responses", {"previous_response_id": ["x"]}, "previous_response_id must be a string"),
+        ("/v1/messages", {"messages": [USER, {"role": "assistant", "content": [{"type": "thinking", "thinking": 5}]}, USER]},
+         "messages.1.content.0.thinking must be a string"),
+        ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+         "input.0.content.0.text must be a string"),
+        ("/v1/responses", {"input": [{"type": "reasoning", "content": [{"text": 5}]}, USER]}, "input.0.content.0.text must be a string"),
+        ("/v1/responses", {"input": [{"type": "reasoning", "content": 5}, USER]}, "input.0 (reasoning): content must be a list"),
+        ("/v1/responses", {"previous_response_id": 7}, "previous_response_id must be a string"),  # a 400 that named no type
+        ("/v1/messages", {"temperature": 2**70}, "temperature must be at most"),  # a 500: std::bad_cast in MLX's sampler
+        ("/v1/responses", {"temperature": 2**63}, "temperature must be at most"),
+    ],
+)
+def test_agent_requests_the_fuzzer_broke_the_server_with(tiny_server, path, fields, message):
+    base = next(body for p, body, _ in ENDPOINTS if p == path)
+    status, raw = post_raw(tiny_server, path, json.dumps({**base, **fields}).encode())
+    assert status == 400 and error_of(path, raw)["message"].startswith(message), raw
+    assert post_raw(tiny_server, path, json.dumps(base).encode())[0] == 200
+
+
+@pytest.mark.parametrize(
+    "path, fields",
+    [
+        ("/v1/messages", {"temperature": None}),  # a 500: null reached the sampler
+        ("/v1/responses", {"temperature": None, "top_p": None}),
+        ("/v1/chat/completions", {"chat_template_kwargs": {"tools": 1}}),  # dropped the connection
+        ("/v1/messages", {"chat_template_kwargs": {"tools": 1}}),
+    ],
+)
+def test_requests_the_fuzzer_broke_the_server_with_are_served(tiny_server, path, fields):
+    base = next(body for p, body, _ in ENDPOINTS if p == path)
+    status, raw = post_raw(tiny_server, path, json.dumps({**base, **fields}).encode())
+    assert status == 200, raw
+    assert json.loads(raw)["usage"]["output_tokens" if path != "/v1/chat/completions" else "completion_tokens"] > 0
+
+
+@pytest.mark.parametrize("path", [p for p, _, _ in ENDPOINTS])
+def test_a_bug_while_serving_answers_500_in_the_dialect(tiny_server, monkeypatch, path):
+    """An unexpected exception in a handler (injected where every route
+    checks its request) is a 500 in the request's dialect, not a dropped connection."""
+    import dflash_mlx.server
+
+    def broken(*args):
+        raise RuntimeError("injected fault")
+
+    base = next(body for p, body, _ in ENDPOINTS if p == path)
+    monkeypatch.setattr(dflash_mlx.server, "prepare", broken)
+    status, raw = post_raw(tiny_server, path, json.dumps(base).encode())
+    assert status == 500 and "injected fault" in error_of(path, raw)["message"], raw
+    monkeypatch.undo()
     assert post_raw(tiny_server, path, json.dumps(base).encode())[0] == 200
 
 

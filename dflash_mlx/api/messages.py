@@ -21,6 +21,7 @@ from .turn import (
     chat_tools,
     event_stream,
     new_id,
+    part_text,
     read_json_body,
     tool_choice_rule,
 )
@@ -69,7 +70,8 @@ def chat_messages(messages) -> list:
             if kind == "text" and isinstance(block.get("text"), str):
                 text.append(block["text"])
             elif kind == "tool_use" and m["role"] == "assistant":
-                calls.append(chat_tool_call(block.get("id"), block.get("name"), block.get("input", {}), f"{at} (tool_use)"))
+                call = chat_tool_call(block.get("id"), block.get("name"), block.get("input", {}), f"{at} (tool_use)", "messages")
+                calls.append(call)
             elif kind == "tool_result" and m["role"] == "user":
                 call_id = block.get("tool_use_id")
                 if not isinstance(call_id, str) or not call_id:
@@ -77,7 +79,7 @@ def chat_messages(messages) -> list:
                 results.append({"role": "tool", "tool_call_id": call_id,
                                 "content": block_text(block.get("content", ""), f"{at}.content")})
             elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
-                reasoning.append(block.get("thinking", ""))
+                reasoning.append(part_text(block, "thinking", at, "messages"))
             else:
                 raise RequestError(f"{at}: a {kind!r} block is not supported in a {m['role']} message", "messages")
         out += results

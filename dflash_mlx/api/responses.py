@@ -25,6 +25,7 @@ from .turn import (
     event_stream,
     new_id,
     openai_tool_choice,
+    part_text,
     read_json_body,
     tool_choice_rule,
 )
@@ -71,7 +72,7 @@ def content_text(content, where: str) -> str:
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else None
             raise RequestError(f"{where}.content.{j}: {kind!r} parts are not supported (text only)", "input")
-        parts.append(part.get("text", ""))
+        parts.append(part_text(part, "text", f"{where}.content.{j}", "input"))
     return "".join(parts)
 
 
@@ -95,7 +96,7 @@ def chat_messages(items) -> list:
             else:
                 out.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
-            call = chat_tool_call(item.get("call_id"), item.get("name"), item.get("arguments", "{}"), f"{where} (function_call)")
+            call = chat_tool_call(item.get("call_id"), item.get("name"), item.get("arguments", "{}"), f"{where} (function_call)", "input")
             if not (out and out[-1]["role"] == "assistant"):
                 out.append({"role": "assistant", "content": ""})
             out[-1].setdefault("tool_calls", []).append(call)
@@ -108,7 +109,10 @@ def chat_messages(items) -> list:
                         "content": output if isinstance(output, str) else content_text(output, where)})
         elif kind == "reasoning":  # an assistant turn's reasoning, for the templates that show it again
             parts = item.get("content") or []
-            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            if not isinstance(parts, list):
+                raise RequestError(f"{where} (reasoning): content must be a list of parts", "input")
+            text = "".join(part_text(p, "text", f"{where}.content.{j}", "input")
+                           for j, p in enumerate(parts) if isinstance(p, dict))
             out.append({"role": "assistant", "content": "", "reasoning_content": text})
         else:
             raise RequestError(f"{where}: {kind!r} items are not supported", "input")
@@ -130,9 +134,7 @@ def to_chat(body: dict, history: list) -> Tuple[dict, list]:
     conversation = history + chat_messages(body.get("input"))
     messages = list(conversation)
     instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise RequestError("instructions must be a string", "instructions")
+    if instructions is not None:  # a string: read_json_body checked it
         messages.insert(0, {"role": "system", "content": instructions})
     max_tokens = body.get("max_output_tokens")
     chat = {

@@ -119,31 +119,44 @@ def chat_tools(tools, convert) -> Optional[list]:
     return out or None
 
 
-def chat_tool_call(call_id, name, arguments, where: str) -> dict:
+def part_text(part: dict, key: str, where: str, param: str) -> str:
+    """The text a content part holds under ``key`` (none: empty), checked."""
+    text = part.get(key, "")
+    if not isinstance(text, str):
+        raise RequestError(f"{where}.{key} must be a string", param)
+    return text
+
+
+def chat_tool_call(call_id, name, arguments, where: str, param: str) -> dict:
     """A chat-completions assistant tool call, checked (``arguments``: a dict or its JSON text)."""
     if not isinstance(call_id, str) or not call_id:
-        raise RequestError(f"{where} needs an id", "messages")
+        raise RequestError(f"{where} needs an id", param)
     if not isinstance(name, str) or not name:
-        raise RequestError(f"{where} needs a name", "messages")
+        raise RequestError(f"{where} needs a name", param)
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments or "{}")
         except json.JSONDecodeError as e:
-            raise RequestError(f"{where}'s arguments are not JSON: {e}", "messages") from None
+            raise RequestError(f"{where}'s arguments are not JSON: {e}", param) from None
     if not isinstance(arguments, dict):
-        raise RequestError(f"{where}'s arguments must be a JSON object", "messages")
+        raise RequestError(f"{where}'s arguments must be a JSON object", param)
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
 def generation_arguments(body: dict, cli_args) -> GenerationArguments:
     """mlx-lm's generation arguments of a checked chat body, with the
-    server's defaults where the body names none (as mlx-lm's handler fills them)."""
+    server's defaults where the body names none or null (as the server's
+    checks read a null: not given)."""
     stop = body.get("stop") or []
+
+    def given(name, default):
+        return default if body.get(name) is None else body[name]
+
     return GenerationArguments(
         model=ModelDescription(model=body.get("model", "default_model"), draft="default_model", adapter=None),
         sampling=SamplingArguments(
-            temperature=body.get("temperature", cli_args.temp), top_p=body.get("top_p", cli_args.top_p),
-            top_k=body.get("top_k", cli_args.top_k), min_p=body.get("min_p", cli_args.min_p),
+            temperature=given("temperature", cli_args.temp), top_p=given("top_p", cli_args.top_p),
+            top_k=given("top_k", cli_args.top_k), min_p=given("min_p", cli_args.min_p),
             xtc_probability=0.0, xtc_threshold=0.0,
         ),
         logits=LogitsProcessorArguments(None, 0.0, 20, 0.0, 20, 0.0, 20),
@@ -298,9 +311,29 @@ class Assembler:
         raise NotImplementedError
 
 
+# Body fields of the same JSON type in every dialect that reads them, checked
+# as the body is read (a dialect's fields that others lack are its own to check).
+FIELD_TYPES = {
+    "chat_template_kwargs": dict,
+    "role_mapping": dict,
+    "metadata": dict,
+    "tools": list,
+    "instructions": str,
+    "previous_response_id": str,
+}
+TYPE_NAMES = {dict: "an object", list: "a list", str: "a string"}
+
+
+def check_field_types(body: dict) -> None:
+    """Refuse a field of :data:`FIELD_TYPES` that is neither null nor of its type."""
+    for name, kind in FIELD_TYPES.items():
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise RequestError(f"{name} must be {TYPE_NAMES[kind]}", name)
+
+
 def read_json_body(handler) -> Tuple[dict, bytes]:
-    """The request's JSON object body and its bytes (a :class:`RequestError`
-    if there is none)."""
+    """The request's JSON object body and its bytes, its shared fields'
+    types checked (a :class:`RequestError` if there is none or one is wrong)."""
     try:
         length = int(handler.headers.get("Content-Length", ""))
         if length < 0:
@@ -314,6 +347,7 @@ def read_json_body(handler) -> Tuple[dict, bytes]:
         raise RequestError(f"invalid JSON in the request body: {e}") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    check_field_types(body)
     return body, raw
 
 
