@@ -333,6 +333,10 @@ class BlockSizer:
         self.patience = 4  # plain cycles before the next probe; doubles on each failed probe
         self.plain_run = 0
         self.chosen: Dict[int, int] = {}
+        # T(n) by cap, kept while acceptance holds still: plain cycles
+        # change only the plain step's cost, and a plain step should cost
+        # what the target's forward costs, not a tree search too.
+        self.tree_tokens: Dict[int, List[float]] = {}
 
     def begin(self, trees: bool = False) -> None:
         """Start a generation (``trees``: whether it may verify draft trees):
@@ -353,7 +357,11 @@ class BlockSizer:
             rate = [e / c for e, c in zip(self.acceptance.expected[:cap], self.costs.upto(cap))]
             choice = rate.index(max(rate)) + 1
             if self.trees and cap > 1:
-                expected = expected_tree_tokens(self.acceptance.rates()[: cap - 1], self.ranks.shares(), MAX_TREE_NODES)
+                if cap not in self.tree_tokens:
+                    self.tree_tokens[cap] = expected_tree_tokens(
+                        self.acceptance.rates()[: cap - 1], self.ranks.shares(), MAX_TREE_NODES
+                    )
+                expected = self.tree_tokens[cap]
                 tree_rate = [e / c for e, c in zip(expected, self.costs.trees(MAX_TREE_NODES))]
                 nodes = max(range(1, MAX_TREE_NODES + 1), key=tree_rate.__getitem__)
                 if tree_rate[nodes] > max(rate):
@@ -380,6 +388,8 @@ class BlockSizer:
         if self.fixed or self.tree_nodes:
             return
         self.costs.observe(block, seconds)
+        if block != 1:  # a drafting cycle moves the acceptance estimates
+            self.tree_tokens.clear()
         if isinstance(block, TreeChoice):
             self.acceptance.observe(walk.spine, walk.chain_accepted)
             self.ranks.observe(walk.ranks)

@@ -387,9 +387,13 @@ class Drafting:
     def chain(self, anchor, length) -> Cycle:
         """Draft a whole block from the tap states the drafter has not seen,
         verify the anchor and the first ``length - 1`` drafted tokens
-        (``length`` 1: plain decoding, no draft), and the outcome."""
+        (``length`` 1: plain decoding, no draft), and the outcome. A plain
+        step's anchor may be the previous plain step's lazy outcome."""
         cache, rule = self.cache, self.rule
-        verify_in, q = mx.array([[anchor]]), None
+        if isinstance(anchor, mx.array):
+            verify_in, q = anchor.reshape(1, 1).astype(mx.int32), None
+        else:
+            verify_in, q = mx.array([[anchor]]), None
         if length > 1:
             if rule.sampling is not None:
                 drafted, q = self.draft.propose_with_probs(self.block(anchor), cache.target_hidden, cache.draft, **rule.sampling)
@@ -457,6 +461,17 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
     yield anchor, lp, False, 0, 0
     tic = time.perf_counter()  # cycles are timed without the caller's time
     while True:
+        # A plain step keeps its one row whatever its token, so when the
+        # next cycle is plain too it is queued on this one's lazy token
+        # before the host reads it, as mlx-lm's generate_step runs ahead.
+        # The choice is the one the loop would make after the read (a plain
+        # step commits one token), from the cycles before this one.
+        ahead = choice = None
+        if cycle.rows == 1 and n + 1 < max_tokens:
+            choice = sizer.choose(max_tokens - n - 1)
+            if choice == 1:
+                drafting.commit(cycle, [0])
+                ahead = drafting.chain(cycle.outcome, 1)
         rows, proposed, accepted, bonus, walk = cycle.read()
         # A cycle's cost: from the previous read to this one, less the
         # caller's time with the tokens, which is the same per token
@@ -472,12 +487,16 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
         n += len(new_tokens)
         ends = n >= max_tokens or stop is not None
         anchor = new_tokens[-1]
-        drafting.commit(cycle, rows)
+        if ahead is None:
+            drafting.commit(cycle, rows)
         cache.pending = [anchor]
         cache.tokens.extend(new_tokens)
         logits, block, tree = cycle.logits, cycle.rows, 0 if cycle.tree is None else cycle.tree.nodes
-        if not ends:
-            cycle = drafting.launch(anchor, sizer.choose(max_tokens - n), max_tokens - n)
+        if ahead is not None:
+            cycle = ahead  # rolled back by generate_step if the token was eos
+        elif not ends:
+            choice = sizer.choose(max_tokens - n) if choice is None else choice
+            cycle = drafting.launch(anchor, choice, max_tokens - n)
         lp = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True) if want_logprobs else None
         paused = time.perf_counter()
         for i, t in enumerate(new_tokens):
