@@ -16,9 +16,10 @@ import tempfile
 from pathlib import Path
 
 from dflash_mlx import load_draft, stream_generate
-from dflash_mlx.convert import Q_BITS, Q_GROUP_SIZES, convert
+from dflash_mlx.convert import convert
 from dflash_mlx.defaults import DEFAULT_TARGET
 from dflash_mlx.generate import build_prompt, cycle_lengths, mean_tokens_per_cycle
+from dflash_mlx.loading import QUANTIZED_BITS, QUANTIZED_GROUP_SIZES
 from dflash_mlx.pair import default_prompt, float_dtype, load_pair
 
 
@@ -32,8 +33,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(DEFAULT_TARGET), help="target (default: the bundled pair's)")
     p.add_argument("--draft-model", default=None, help="drafter to quantize (default: the target's known or bundled one)")
-    p.add_argument("--bits", type=int, default=4, choices=Q_BITS)
-    p.add_argument("--group-size", type=int, default=64, choices=Q_GROUP_SIZES)
+    p.add_argument("--bits", type=int, default=4, choices=QUANTIZED_BITS)
+    p.add_argument("--group-size", type=int, default=64, choices=QUANTIZED_GROUP_SIZES)
     p.add_argument("--mlx-path", default=None, help="keep the quantized drafter here (default: a temporary directory)")
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args(argv)

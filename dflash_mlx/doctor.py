@@ -197,14 +197,16 @@ def pair_check(model_path, draft_path, prompt: Optional[str], max_tokens: int) -
     dflash = run_dflash(model, draft, tokenizer, ids, max_tokens, None)
     ratio = dflash["tps"] / ar["tps"]
     drafting = [c for c, b in zip(dflash["committed"], dflash["block_sizes"]) if b > 1]
-    blocks = dict(sorted(Counter(dflash["block_sizes"]).items()))
+    chains = [b for b, n in zip(dflash["block_sizes"], dflash["tree_sizes"]) if not n]
+    blocks = dict(sorted(Counter(chains).items()))
+    trees = dict(sorted(Counter(n for n in dflash["tree_sizes"] if n).items()))
     identical = dflash["tokens"] == ar["tokens"]
     details = dict(
         model=str(model_path), draft_model=str(draft_path), load_seconds=loaded, prompt_tokens=ids.size,
         new_tokens=len(dflash["tokens"]), trained_block_size=draft.block_size,
         autoregressive_tps=ar["tps"], dflash_tps=dflash["tps"], speedup=ratio,
         tokens_per_cycle=mean_tokens_per_cycle(dflash["committed"]),
-        tokens_per_drafting_cycle=mean_tokens_per_cycle(drafting), block_sizes=blocks,
+        tokens_per_drafting_cycle=mean_tokens_per_cycle(drafting), block_sizes=blocks, tree_sizes=trees,
         identical_to_mlx_lm=identical, peak_memory=dflash["peak_memory"] * 1e9,
     )
     summary = (
@@ -212,6 +214,7 @@ def pair_check(model_path, draft_path, prompt: Optional[str], max_tokens: int) -
         f"{dflash['tps']:.1f} tok/s, mlx-lm {ar['tps']:.1f} tok/s ({ratio:.2f}x); "
         f"{details['tokens_per_cycle']:.2f} tokens per cycle ({details['tokens_per_drafting_cycle']:.2f} when drafting); "
         "block sizes picked (size: cycles) " + " ".join(f"{b}: {n}" for b, n in blocks.items())
+        + ("; draft trees picked (nodes: cycles) " + " ".join(f"{k}: {n}" for k, n in trees.items()) if trees else "")
         + ("; output identical to mlx-lm's" if identical else "; output differs from mlx-lm's")
     )
     # Off float32 a block verify may round differently from mlx-lm's one-token step (see docs).

@@ -9,6 +9,7 @@ import pytest
 from test_blas import BUNDLED, LINUX, needs_openblas
 
 from dflash_mlx import blas, doctor
+from dflash_mlx.adaptive import MAX_TREE_NODES
 from dflash_mlx.defaults import DEFAULT_TARGET
 
 CHECKS = ["platform", "versions", "backend", "blas", "metal_kernels", "recurrence", "fast_math", "memory"]
@@ -47,7 +48,10 @@ def test_the_bundled_pair_check_reports_speed_cycles_block_sizes_and_the_verdict
     assert report["usable"] and pair["status"] == "ok" and pair["identical_to_mlx_lm"] and pair["new_tokens"] == 24
     assert pair["speedup"] == pytest.approx(pair["dflash_tps"] / pair["autoregressive_tps"])
     sizes = {int(b): n for b, n in pair["block_sizes"].items()}
-    assert set(sizes) <= set(range(1, pair["trained_block_size"] + 1)) and sum(sizes.values()) >= 1
+    trees = {int(k): n for k, n in pair["tree_sizes"].items()}
+    assert set(trees) <= set(range(1, MAX_TREE_NODES + 1))
+    assert set(sizes) <= set(range(1, pair["trained_block_size"] + 1))
+    assert sum(sizes.values()) + sum(trees.values()) >= 1
     assert 1 <= pair["tokens_per_cycle"] <= pair["trained_block_size"]
     doctor.print_report(report)
     lines = capsys.readouterr().out.splitlines()
