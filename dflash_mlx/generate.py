@@ -406,7 +406,7 @@ class Drafting:
             verify_in = mx.concatenate([verify_in, drafted.astype(mx.int32)], axis=1)
         logits, target_hidden = self.target.forward(verify_in, cache.target)
         outcome = rule.outcome(logits[0], verify_in[0, 1:], q)
-        mx.async_eval(outcome)
+        mx.async_eval(outcome, target_hidden)
         return Cycle(length, outcome, logits, target_hidden)
 
     def tree(self, anchor, nodes, remaining) -> Cycle:
@@ -484,6 +484,8 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
         if stop is not None:
             new_tokens = new_tokens[: stop + 1]
         rows = rows[: len(new_tokens)]
+        if n // 256 != (n + len(new_tokens)) // 256:
+            mx.clear_cache()  # as mlx-lm's generate_step does every 256 tokens
         n += len(new_tokens)
         ends = n >= max_tokens or stop is not None
         anchor = new_tokens[-1]

@@ -26,6 +26,7 @@ import copy
 import io
 import json
 import logging
+import math
 import queue
 import sys
 import threading
@@ -102,6 +103,8 @@ def check_fields(body: dict) -> None:
             return
         if isinstance(value, bool) or not isinstance(value, kind):
             raise RequestError(f"{name} must be a {'integer' if kind is int else 'number'}", name)
+        if not math.isfinite(value):  # JSON's NaN and Infinity would sample from nothing
+            raise RequestError(f"{name} must be a finite number, not {value}", name)
         if lo is not None and value < lo:
             raise RequestError(f"{name} must be at least {lo}, not {value}", name)
         if value > hi:
