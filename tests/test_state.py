@@ -82,10 +82,11 @@ def conversation(pair, tmp_path, prompt_len=20, max_tokens=12, **kw):
     return draft, cache
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_generation_leaves_a_fresh_prefills_state(request, tmp_path, family):
+@pytest.mark.parametrize("family, block_size", [("qwen3", 4), ("qwen3_5", 4), ("qwen3_5", 1)])
+def test_generation_leaves_a_fresh_prefills_state(request, tmp_path, family, block_size):
+    """Block 1: plain steps run ahead, each committed before its token is read."""
     pair = request.getfixturevalue(f"{family}_pair")
-    draft, cache = conversation(pair, tmp_path, block_size=4)
+    draft, cache = conversation(pair, tmp_path, block_size=block_size)
     assert cache.target_hidden is not None  # the last cycle's rows wait for the next draft
     assert_like_fresh_prefill(cache, pair.model, draft)
 

@@ -131,13 +131,16 @@ def next_turn_is_exact(pair, draft, cache):
     assert got == want
 
 
-@pytest.mark.parametrize("stop_after", [1, 2, 5, 9])
-def test_closing_the_generator_mid_cycle_leaves_the_cache_usable(pair_and_draft, stop_after):
-    """At every yield the next cycle is already queued (verified, not read):
+@pytest.mark.parametrize("stop_after, block_size", [(1, 4), (2, 4), (5, 4), (9, 4), (2, 1), (9, 1)])
+def test_closing_the_generator_mid_cycle_leaves_the_cache_usable(pair_and_draft, stop_after, block_size):
+    """At every yield the next cycle is already queued (verified, not read;
+    a plain step's on the previous one's token, before the host read it):
     closing the generator there rolls it back."""
     pair, draft = pair_and_draft
     cache = dflash_mlx.make_prompt_cache(pair.model, draft)
-    steps = dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, PROMPTS[0], max_tokens=40, prompt_cache=cache, block_size=4)
+    steps = dflash_mlx.stream_generate(
+        pair.model, draft, pair.tokenizer, PROMPTS[0], max_tokens=40, prompt_cache=cache, block_size=block_size
+    )
     for _ in range(stop_after):
         next(steps)
     assert cache.target.undo is not None  # a cycle is in flight
