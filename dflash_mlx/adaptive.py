@@ -203,6 +203,21 @@ def expected_tree_tokens(rates: List[float], shares: List[float], nodes: int) ->
     return out + [out[-1]] * (nodes + 1 - len(out))
 
 
+def tree_tokens_bound(rates: List[float], shares: List[float]) -> float:
+    """An upper bound on ``T(n)`` for every n (:func:`expected_tree_tokens`):
+    a walk passes slot ``j`` at most as often as the target's token is one
+    of the drafter's modelled candidates at every slot up to ``j``, however
+    many nodes the tree holds. A few products, where the tree search is a
+    best-first build: when even this bound cannot beat the chain, the
+    search is skipped."""
+    covered = sum(shares[1:])
+    out, reach = 1.0, 1.0
+    for a in rates:
+        reach *= a + (1 - a) * covered
+        out += reach
+    return out
+
+
 class CycleCosts:
     """Seconds per cycle at each block length, measured.
 
@@ -333,10 +348,11 @@ class BlockSizer:
         self.patience = 4  # plain cycles before the next probe; doubles on each failed probe
         self.plain_run = 0
         self.chosen: Dict[int, int] = {}
-        # T(n) by cap, kept while acceptance holds still: plain cycles
-        # change only the plain step's cost, and a plain step should cost
-        # what the target's forward costs, not a tree search too.
-        self.tree_tokens: Dict[int, List[float]] = {}
+        # By cap, the bound on T(n) and T(n) itself, kept while acceptance
+        # holds still: plain cycles change only the plain step's cost, and a
+        # plain step should cost what the target's forward costs, not a tree
+        # search too.
+        self.tree_tokens: Dict[int, dict] = {}
 
     def begin(self, trees: bool = False) -> None:
         """Start a generation (``trees``: whether it may verify draft trees):
@@ -357,14 +373,8 @@ class BlockSizer:
             rate = [e / c for e, c in zip(self.acceptance.expected[:cap], self.costs.upto(cap))]
             choice = rate.index(max(rate)) + 1
             if self.trees and cap > 1:
-                if cap not in self.tree_tokens:
-                    self.tree_tokens[cap] = expected_tree_tokens(
-                        self.acceptance.rates()[: cap - 1], self.ranks.shares(), MAX_TREE_NODES
-                    )
-                expected = self.tree_tokens[cap]
-                tree_rate = [e / c for e, c in zip(expected, self.costs.trees(MAX_TREE_NODES))]
-                nodes = max(range(1, MAX_TREE_NODES + 1), key=tree_rate.__getitem__)
-                if tree_rate[nodes] > max(rate):
+                nodes = self.best_tree(cap, max(rate))
+                if nodes:
                     choice = TreeChoice(nodes)
             if choice == 1:
                 self.plain_run += 1
@@ -372,6 +382,23 @@ class BlockSizer:
                     choice = min(self.probe_block, cap)
         self.chosen[choice] = self.chosen.get(choice, 0) + 1
         return choice
+
+    def best_tree(self, cap: int, chain_rate: float) -> int:
+        """Nodes of the tree with the best expected tokens per second, if it
+        beats ``chain_rate`` (the best of plain decoding and chains), else 0.
+        A tree's cost grows with its nodes, so none beats the bound over the
+        cheapest tree's cost; only then is the tree search run."""
+        known = self.tree_tokens.setdefault(cap, {})
+        if "bound" not in known:
+            known["rates"], known["shares"] = self.acceptance.rates()[: cap - 1], self.ranks.shares()
+            known["bound"] = tree_tokens_bound(known["rates"], known["shares"])
+        if known["bound"] / self.costs.trees(1)[1] <= chain_rate:
+            return 0
+        if "expected" not in known:
+            known["expected"] = expected_tree_tokens(known["rates"], known["shares"], MAX_TREE_NODES)
+        tree_rate = [e / c for e, c in zip(known["expected"], self.costs.trees(MAX_TREE_NODES))]
+        nodes = max(range(1, MAX_TREE_NODES + 1), key=tree_rate.__getitem__)
+        return nodes if tree_rate[nodes] > chain_rate else 0
 
     def longest_wait(self, probe: int) -> int:
         """Plain cycles between failed probes at most: enough that probing a

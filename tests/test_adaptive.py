@@ -318,6 +318,46 @@ def test_expected_tree_tokens_by_hand_and_as_a_chain():
     assert chain == pytest.approx(acc.expected_tokens())
 
 
+def test_the_tree_bound_holds_for_every_tree_size():
+    from dflash_mlx.adaptive import expected_tree_tokens, tree_tokens_bound
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        rates = list(rng.uniform(0, 1, rng.integers(1, 16)))
+        shares = [0.0] + list(rng.dirichlet(np.ones(6)) * rng.uniform(0, 1))
+        bound = tree_tokens_bound(rates, shares)
+        assert max(expected_tree_tokens(rates, shares, 64)) <= bound + 1e-9
+    # one candidate per slot: the bound is the chain's expected tokens
+    acc = SlotAcceptance(8)
+    for accepted in (7, 2, 0, 5, 1):
+        acc.observe(7, accepted)
+    assert tree_tokens_bound(acc.rates(), [0.0]) == pytest.approx(acc.expected_tokens()[-1])
+
+
+def test_the_tree_search_runs_only_when_a_tree_could_pay(monkeypatch):
+    """A drafter that never agrees, on a backend where a draft costs as
+    much as two plain steps: no tree can pay, and the sizer never builds
+    one to find that out; where rows are cheap and the drafter may be good, it does."""
+    import dflash_mlx.adaptive as adaptive
+
+    searches = []
+    real = adaptive.expected_tree_tokens
+    monkeypatch.setattr(adaptive, "expected_tree_tokens", lambda *a: searches.append(a) or real(*a))
+    sizer = BlockSizer(16, CycleCosts({1: 1.0, 2: 2.0, 16: 2.5}))
+    sizer.begin(trees=True)
+    for cycle in range(400):
+        if cycle == 100:  # the optimistic priors are spent by now
+            searches.clear()
+        choice = sizer.choose(1000)
+        walk = adaptive.TreeWalk([None], 15) if isinstance(choice, adaptive.TreeChoice) else None
+        sizer.observe(choice, 0, 1.0 if choice == 1 else 2.5, *([walk] if walk else []))
+    assert sizer.chosen.get(1, 0) > 250 and not searches
+    cheap = BlockSizer(16, CycleCosts({1: 1.0, 2: 1.05, 16: 1.1}))
+    cheap.begin(trees=True)
+    cheap.choose(1000)
+    assert searches  # a tree could pay here: it was worked out
+
+
 def simulate(sizer, rank_probs, costs_of, cycles, rng):
     """Drive ``sizer``: at every slot the target's token is the drafter's
     rank-r candidate with ``rank_probs[r]`` (else none of them), the same at
