@@ -521,8 +521,8 @@ def benchmark(
 
 # Held-out prose for long prompts: Python's own documentation, the
 # docstrings of these standard-library modules and their public members. It
-# ships with every Python and is no part of any pair's training or held-out
-# requests (those are chat requests and code).
+# ships with every Python; the SmolLM2 pair's training requests leave these
+# modules out (recipes/smollm2_requests.py).
 DOCUMENT_MODULES = (
     "argparse", "json", "logging", "collections", "pathlib", "subprocess", "textwrap", "dataclasses",
     "unittest", "http.server", "email.message", "inspect", "functools",

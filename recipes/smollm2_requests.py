@@ -9,7 +9,8 @@ definition: answers of every length, not only long ones) and multi-turn
 conversations (a request and one or two ``followups``). Every request carries
 a topic key (the stdlib module, the task's subject, the question's subject);
 the held-out requests (the benchmark's) take whole topics, so none of their
-topics is seen in training. Most requests ask for long, worked answers, since
+topics is seen in training, and the modules whose docstrings make the
+long-prompt bench's document are left out. Most requests ask for long, worked answers, since
 the drafter must hold its acceptance over long responses.
 ``recipes/smollm2_questions.py`` adds requests the target itself writes.
 """
@@ -21,6 +22,8 @@ import json
 import random
 import sysconfig
 from pathlib import Path
+
+from dflash_mlx.benchmark import DOCUMENT_MODULES
 
 STDLIB_ASKS = [
     "Explain in detail what `{name}` from the `{module}` module does, then show a complete, commented example program that uses it.",
@@ -128,6 +131,14 @@ def stdlib_items(rng: random.Random, limit_per_module: int = 16):
         yield from ((module, name, doc) for name, doc in found[:limit_per_module])
 
 
+def in_long_prompt_document(topic: str) -> bool:
+    """Whether ``topic`` is a module whose docstrings make the long-prompt
+    bench's document (``mlx-dflash bench --prompt-lengths``): those stay
+    unseen in training, like the held-out requests."""
+    module = topic.removeprefix("stdlib:") if topic.startswith("stdlib:") else None
+    return module is not None and any(module == m or module.startswith(m + ".") for m in DOCUMENT_MODULES)
+
+
 def requests(seed: int):
     rng = random.Random(seed)
     out = []
@@ -178,7 +189,7 @@ def main(argv=None):
     p.add_argument("--heldout-max", type=int, default=64, help="held-out requests kept (one per topic first)")
     args = p.parse_args(argv)
     reqs = requests(args.seed)
-    train = [r for r in reqs if not is_heldout(r["topic"], args.heldout_percent)]
+    train = [r for r in reqs if not is_heldout(r["topic"], args.heldout_percent) and not in_long_prompt_document(r["topic"])]
     pool = [r for r in reqs if is_heldout(r["topic"], args.heldout_percent)]
     firsts = list({r["topic"]: r for r in reversed(pool)}.values())  # one per topic first
     heldout = (firsts + [r for r in pool if r not in firsts])[: args.heldout_max]

@@ -64,6 +64,12 @@ def test_requests_are_seeded_and_held_out_by_topic(tmp_path):
     # The held-out requests are the SmolLM2 pair's benchmark prompts, none of them trained on.
     bench = json.loads((RECIPES.parent / "dflash_mlx" / "smollm2_pair" / "prompts.json").read_text())
     assert [r["request"] for r in d["heldout"]] == bench
+    # Nor is the long-prompt bench's document (stdlib docstrings) asked about.
+    from dflash_mlx.benchmark import DOCUMENT_MODULES
+
+    stdlib = {r["topic"].split(":", 1)[1] for r in d["train"] if r["kind"] == "stdlib"}
+    assert "os" in stdlib and not stdlib & set(DOCUMENT_MODULES)
+    assert not any(m.startswith(("json.", "logging.", "unittest.", "email.message")) for m in stdlib)
 
 
 @pytest.fixture(scope="module")
