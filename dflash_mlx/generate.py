@@ -477,7 +477,7 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
         # caller's time with the tokens, which is the same per token
         # whatever the block and so has no say in choosing it.
         now = time.perf_counter()
-        sizer.observe(cycle.choice, accepted, now - tic, *([walk] if walk else []))  # before the next choice
+        sizer.observe(cycle.choice, accepted, now - tic, walk, context=cache.offset)  # before the next choice
         tic = now
         new_tokens = proposed[:accepted] + [bonus]
         stop = next((i for i, t in enumerate(new_tokens) if t in eos), None)
