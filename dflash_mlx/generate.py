@@ -429,7 +429,8 @@ class Drafting:
         path) in the target's caches, and their taps for the drafter."""
         if cycle.tree is None:
             self.target.rollback(self.cache.target, len(rows))
-            self.cache.add_hidden(cycle.target_hidden[:, : len(rows)])
+            kept = cycle.target_hidden
+            self.cache.add_hidden(kept if kept.shape[1] == len(rows) else kept[:, : len(rows)])
         else:
             self.target.rollback(self.cache.target, rows)
             self.cache.add_hidden(cycle.target_hidden[:, mx.array(rows)])
