@@ -213,16 +213,22 @@ class ContextGrowth:
     down, and 0 until the cycles span enough context to show growth above
     the machine's noise."""
 
-    def __init__(self, decay: float = 1 - 1 / 256):
-        self.decay = decay
+    def __init__(self, decay: float = 1 - 1 / 256, every: int = 8):
+        self.decay, self.every = decay, every
         self.sums: Dict[object, List[float]] = {}  # kind -> [w, x, y, xx, xy, yy]
         self.rate = 0.0
+        self.seen = 0
 
     def observe(self, kind, x: float, seconds: float) -> None:
+        """A cycle of ``kind`` at ``x`` (rows times context) took ``seconds``;
+        refitted every ``every`` cycles (it moves slowly, and the plain
+        step's share of the host's time should stay the forward's)."""
         s = self.sums.setdefault(kind, [0.0] * 6)
         for i, v in enumerate((1.0, x, seconds, x * x, x * seconds, seconds * seconds)):
             s[i] = s[i] * self.decay + v
-        self.rate = self.fit()
+        self.seen += 1
+        if self.seen % self.every == 0:
+            self.rate = self.fit()
 
     def fit(self) -> float:
         weight = spread = fitted = residual = 0.0
@@ -294,8 +300,7 @@ class CycleCosts:
         self.prior_slope = self.slope
         self.follow = follow
         self.warm = set()
-        self.plain_recent = deque(maxlen=window)
-        self.plain_contexts = deque(maxlen=window)
+        self.plain_recent = deque(maxlen=window)  # (seconds, context)
         self.drafting_recent = deque(maxlen=window)  # (b - 1, seconds)
         self.tree_recent = deque(maxlen=window)  # (nodes, seconds)
         self.tree_draft, self.tree_slope = None, None  # None: as the chain of as many rows
@@ -345,10 +350,9 @@ class CycleCosts:
             self.tree_context = self.mean_context(self.tree_recent)
             self.tree_draft, self.tree_slope = self.fit(self.tree_recent, self.slope_at(self.tree_context))
         elif choice == 1:
-            self.plain_recent.append(seconds)
-            self.plain_contexts.append(context)
-            self.plain = statistics.median(self.plain_recent)
-            self.plain_context = sum(self.plain_contexts) / len(self.plain_contexts)
+            self.plain_recent.append((seconds, context))
+            self.plain = statistics.median([y for y, _ in self.plain_recent])
+            self.plain_context = self.plain_recent[len(self.plain_recent) // 2][1]  # the window's middle
         else:
             self.drafting_recent.append((choice - 1, seconds, context))
             self.draft_context = self.mean_context(self.drafting_recent)
@@ -370,9 +374,11 @@ class CycleCosts:
     def upto(self, n: int) -> List[float]:
         """Seconds per cycle at b = 1..n, at the current context."""
         g = self.growth.rate
+        if not g:
+            return [self.plain] + [self.draft + self.slope * (b - 1) for b in range(2, n + 1)]
         plain = self.plain + g * (self.context - self.plain_context)
-        shift = self.context - self.draft_context
-        return [plain] + [self.draft + g * shift + self.slope_at(self.context) * (b - 1) for b in range(2, n + 1)]
+        draft, slope = self.draft + g * (self.context - self.draft_context), self.slope_at(self.context)
+        return [plain] + [draft + slope * (b - 1) for b in range(2, n + 1)]
 
     def trees(self, n: int) -> List[float]:
         """Seconds per cycle of trees of 0..n nodes (0: the anchor alone), at the current context."""
