@@ -210,19 +210,24 @@ class ContextGrowth:
     trees), each kind with its own intercept; sums decayed by ``decay`` per
     cycle of that kind, slowly: the growth is the model's and the backend's,
     and it shows only over a span of contexts. Taken one standard error
-    down, and 0 until the cycles span enough context to show growth above
-    the machine's noise."""
+    down, and 0 until the cycles have spanned ``span`` positions of context:
+    over a short span, a machine growing busier as a generation goes on
+    (its context growing with it) would pass for growth."""
 
-    def __init__(self, decay: float = 1 - 1 / 256, every: int = 8):
-        self.decay, self.every = decay, every
+    def __init__(self, decay: float = 1 - 1 / 256, every: int = 8, span: int = 1024):
+        self.decay, self.every, self.span = decay, every, span
         self.sums: Dict[object, List[float]] = {}  # kind -> [w, x, y, xx, xy, yy]
         self.rate = 0.0
         self.seen = 0
+        self.low = self.high = None  # the contexts seen
 
-    def observe(self, kind, x: float, seconds: float) -> None:
-        """A cycle of ``kind`` at ``x`` (rows times context) took ``seconds``;
-        refitted every ``every`` cycles (it moves slowly, and the plain
-        step's share of the host's time should stay the forward's)."""
+    def observe(self, kind, rows: int, context: int, seconds: float) -> None:
+        """A cycle of ``kind`` verifying ``rows`` rows after ``context``
+        positions took ``seconds``; refitted every ``every`` cycles (it
+        moves slowly, and a plain step's host time should stay the forward's)."""
+        self.low = context if self.low is None else min(self.low, context)
+        self.high = context if self.high is None else max(self.high, context)
+        x = rows * context
         s = self.sums.setdefault(kind, [0.0] * 6)
         for i, v in enumerate((1.0, x, seconds, x * x, x * seconds, seconds * seconds)):
             s[i] = s[i] * self.decay + v
@@ -231,6 +236,8 @@ class ContextGrowth:
             self.rate = self.fit()
 
     def fit(self) -> float:
+        if self.high - self.low < self.span:
+            return 0.0
         weight = spread = fitted = residual = 0.0
         for w, x, y, xx, xy, yy in self.sums.values():
             weight += w
@@ -342,7 +349,7 @@ class CycleCosts:
         rows = choice.nodes + 1 if tree else choice
         if context is not None:
             self.context = context
-            self.growth.observe(choice, rows * context, seconds)
+            self.growth.observe(choice, rows, context, seconds)
         else:
             context = self.context
         if tree:

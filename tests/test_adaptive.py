@@ -465,3 +465,13 @@ def test_context_growth_is_not_read_from_noise():
         costs.observe(1, 1.0 * (1 + 0.05 * rng.standard_normal()), context=context)
     assert costs.growth.rate * 16 * 4000 < 0.05  # under a twentieth of a plain step over the whole run
     assert costs.upto(16)[0] == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_machine_growing_busier_over_a_short_generation_is_not_growth():
+    """Cycles that slow down as a 256-token generation goes on (the machine
+    getting busier, not the context): the costs are read as measured."""
+    costs = CycleCosts({1: 1.0, 16: 2.0}, context=500)
+    for i in range(256):
+        costs.observe(1, 1.0 + i / 256, context=500 + i)
+    assert costs.growth.rate == 0.0
+    assert costs.upto(16)[-1] == 2.0  # the drafting line, not seen since the table, stays put
