@@ -218,6 +218,55 @@ def tree_tokens_bound(rates: List[float], shares: List[float]) -> float:
     return out
 
 
+class ContextGrowth:
+    """How much a cycle's cost grows per verified row and context position
+    (``rate``, seconds): the slope of seconds against rows times context,
+    fitted by least squares within each kind of cycle (a block length, or
+    trees), each kind with its own intercept; sums decayed by ``decay`` per
+    cycle of that kind, slowly: the growth is the model's and the backend's,
+    and it shows only over a span of contexts. Taken one standard error
+    down, and 0 until the cycles have spanned ``span`` positions of context:
+    over a short span, a machine growing busier as a generation goes on
+    (its context growing with it) would pass for growth."""
+
+    def __init__(self, decay: float = 1 - 1 / 256, every: int = 8, span: int = 1024):
+        self.decay, self.every, self.span = decay, every, span
+        self.sums: Dict[object, List[float]] = {}  # kind -> [w, x, y, xx, xy, yy]
+        self.rate = 0.0
+        self.seen = 0
+        self.low = self.high = None  # the contexts seen
+
+    def observe(self, kind, rows: int, context: int, seconds: float) -> None:
+        """A cycle of ``kind`` verifying ``rows`` rows after ``context``
+        positions took ``seconds``; refitted every ``every`` cycles (it
+        moves slowly, and a plain step's host time should stay the forward's)."""
+        self.low = context if self.low is None else min(self.low, context)
+        self.high = context if self.high is None else max(self.high, context)
+        x = rows * context
+        s = self.sums.setdefault(kind, [0.0] * 6)
+        for i, v in enumerate((1.0, x, seconds, x * x, x * seconds, seconds * seconds)):
+            s[i] = s[i] * self.decay + v
+        self.seen += 1
+        if self.seen % self.every == 0:
+            self.rate = self.fit()
+
+    def fit(self) -> float:
+        if self.high - self.low < self.span:
+            return 0.0
+        weight = spread = fitted = residual = 0.0
+        for w, x, y, xx, xy, yy in self.sums.values():
+            weight += w
+            spread += xx - x * x / w
+            fitted += xy - x * y / w
+            residual += yy - y * y / w
+        dof = weight - len(self.sums) - 1
+        if dof < 4 or spread <= 0:
+            return 0.0
+        rate = fitted / spread
+        error = math.sqrt(max(residual - rate * fitted, 0.0) / dof / spread)
+        return max(0.0, rate - error)
+
+
 class CycleCosts:
     """Seconds per cycle at each block length, measured.
 
@@ -243,9 +292,22 @@ class CycleCosts:
     costs, and follows tree cycles the same way (its own window, the chain's
     slope as its prior), since building, masking and walking it cost what
     they cost on this backend.
+
+    Costs follow the context: every verified row attends to all the
+    positions before it, so a cycle verifying ``r`` rows at context ``L``
+    costs ``r * g * L`` more than at context 0. Each line is measured at
+    its own context (the table at the one it was calibrated at, a window at
+    the mean of its cycles'), and read at the current one (the last cycle's
+    ``context``): a line the loop has not used since the prompt was short
+    (plain steps while it drafts, trees, the table's slope) is moved by
+    ``g`` times its rows times the context grown since. ``g`` is fitted to
+    the cycles' own timings against their context (least squares within
+    each kind of cycle, decayed as the windows are), taken one standard
+    error down so that the machine's noise does not pass for growth. Without
+    ``context`` the costs stay where they were measured.
     """
 
-    def __init__(self, calibrated: Dict[int, float], window: int = 32, follow: bool = True):
+    def __init__(self, calibrated: Dict[int, float], window: int = 32, follow: bool = True, context: int = 0):
         drafting = sorted(b for b in calibrated if b > 1)
         if 1 not in calibrated:
             raise ArgumentError("a cost table needs the plain step's cost (block 1)")
@@ -260,30 +322,36 @@ class CycleCosts:
         self.prior_slope = self.slope
         self.follow = follow
         self.warm = set()
-        self.plain_recent = deque(maxlen=window)
+        self.plain_recent = deque(maxlen=window)  # (seconds, context)
         self.drafting_recent = deque(maxlen=window)  # (b - 1, seconds)
         self.tree_recent = deque(maxlen=window)  # (nodes, seconds)
         self.tree_draft, self.tree_slope = None, None  # None: as the chain of as many rows
+        # Contexts each line was measured at, the current one, and the growth fit.
+        self.table_context = self.plain_context = self.draft_context = self.context = context
+        self.tree_context = None
+        self.growth = ContextGrowth()
 
     def fit(self, recent, prior_slope: float):
-        """(intercept, slope) of ``recent`` (x, seconds) pairs: least squares
+        """(intercept, slope) of ``recent`` (x, seconds, context): least squares
         for the slope, drawn toward ``prior_slope`` as if it were one more
         cycle at each end of the block range, kept >= 0; the intercept the
         median of the cycles less their slope part."""
         # Plain Python: a few dozen numbers, on the path between two cycles.
         n = len(recent)
-        x_mean = sum(x for x, _ in recent) / n
-        y_mean = sum(y for _, y in recent) / n
-        spread = sum((x - x_mean) ** 2 for x, _ in recent)
-        fitted = sum((x - x_mean) * (y - y_mean) for x, y in recent)
+        x_mean = sum(x for x, _, _ in recent) / n
+        y_mean = sum(y for _, y, _ in recent) / n
+        spread = sum((x - x_mean) ** 2 for x, _, _ in recent)
+        fitted = sum((x - x_mean) * (y - y_mean) for x, y, _ in recent)
         ends = (self.max_block - 2) ** 2 / 2  # the table as one cycle at each end of b - 1 = 1..max-1
         slope = prior_slope
         if spread + ends > 0:  # else one drafting length: no slope to fit
             slope = max(0.0, (fitted + ends * prior_slope) / (spread + ends))
-        return statistics.median(y - slope * x for x, y in recent), slope
+        return statistics.median(y - slope * x for x, y, _ in recent), slope
 
-    def observe(self, choice, seconds: float) -> None:
-        """A cycle at ``choice`` (a block length or a :class:`TreeChoice`) took ``seconds``."""
+    def observe(self, choice, seconds: float, context: Optional[int] = None) -> None:
+        """A cycle at ``choice`` (a block length or a :class:`TreeChoice`)
+        took ``seconds`` at ``context`` positions before it (None: unknown,
+        the costs do not move with context)."""
         if not self.follow:
             return
         # Trees of any size share one first cycle: a tree compiles nothing
@@ -292,25 +360,55 @@ class CycleCosts:
         if key not in self.warm:
             self.warm.add(key)
             return
-        if isinstance(choice, TreeChoice):
-            self.tree_recent.append((choice.nodes, seconds))
-            self.tree_draft, self.tree_slope = self.fit(self.tree_recent, self.slope)
-        elif choice == 1:
-            self.plain_recent.append(seconds)
-            self.plain = statistics.median(self.plain_recent)
+        tree = isinstance(choice, TreeChoice)
+        rows = choice.nodes + 1 if tree else choice
+        if context is not None:
+            self.context = context
+            self.growth.observe(choice, rows, context, seconds)
         else:
-            self.drafting_recent.append((choice - 1, seconds))
-            self.draft, self.slope = self.fit(self.drafting_recent, self.prior_slope)
+            context = self.context
+        if tree:
+            self.tree_recent.append((choice.nodes, seconds, context))
+            self.tree_context = self.mean_context(self.tree_recent)
+            self.tree_draft, self.tree_slope = self.fit(self.tree_recent, self.slope_at(self.tree_context))
+        elif choice == 1:
+            self.plain_recent.append((seconds, context))
+            self.plain = statistics.median([y for y, _ in self.plain_recent])
+            self.plain_context = self.plain_recent[len(self.plain_recent) // 2][1]  # the window's middle
+        else:
+            self.drafting_recent.append((choice - 1, seconds, context))
+            self.draft_context = self.mean_context(self.drafting_recent)
+            self.draft, self.slope = self.fit(self.drafting_recent, self.prior_slope_at(self.draft_context))
+
+    @staticmethod
+    def mean_context(recent) -> float:
+        return sum(c for _, _, c in recent) / len(recent)
+
+    def prior_slope_at(self, context: float) -> float:
+        """The table's slope moved from its context to ``context``: each
+        extra row attends to the context grown since."""
+        return max(0.0, self.prior_slope + self.growth.rate * (context - self.table_context))
+
+    def slope_at(self, context: float) -> float:
+        """The drafting line's slope at ``context``."""
+        return max(0.0, self.slope + self.growth.rate * (context - self.draft_context))
 
     def upto(self, n: int) -> List[float]:
-        """Seconds per cycle at b = 1..n."""
-        return [self.plain] + [self.draft + self.slope * (b - 1) for b in range(2, n + 1)]
+        """Seconds per cycle at b = 1..n, at the current context."""
+        g = self.growth.rate
+        if not g:
+            return [self.plain] + [self.draft + self.slope * (b - 1) for b in range(2, n + 1)]
+        plain = self.plain + g * (self.context - self.plain_context)
+        draft, slope = self.draft + g * (self.context - self.draft_context), self.slope_at(self.context)
+        return [plain] + [draft + slope * (b - 1) for b in range(2, n + 1)]
 
     def trees(self, n: int) -> List[float]:
-        """Seconds per cycle of trees of 0..n nodes (0: the anchor alone)."""
-        if self.tree_draft is None:
-            return [self.draft + self.slope * k for k in range(n + 1)]
-        return [self.tree_draft + self.tree_slope * k for k in range(n + 1)]
+        """Seconds per cycle of trees of 0..n nodes (0: the anchor alone), at the current context."""
+        if self.tree_draft is None:  # as the chain of as many rows
+            anchor = self.draft + self.growth.rate * (self.context - self.draft_context)
+            return [anchor + self.slope_at(self.context) * k for k in range(n + 1)]
+        shift = self.growth.rate * (self.context - self.tree_context)
+        return [self.tree_draft + shift + (self.tree_slope + shift) * k for k in range(n + 1)]
 
 
 # The most a drafter that never agrees may slow plain decoding down by
@@ -324,7 +422,8 @@ class BlockSizer:
     with ``tree_nodes`` every drafting cycle is a tree of that many nodes.
 
     The loop calls :meth:`choose` before drafting and :meth:`observe` after
-    the cycle; ``chosen`` counts the choices made (a histogram). Anything
+    the cycle (with the tree's ``walk`` and the ``context`` it verified
+    after); ``chosen`` counts the choices made (a histogram). Anything
     with these two methods and ``max_block`` can stand in for it. Trees are
     considered while ``trees`` is true (:meth:`begin`).
     """
@@ -408,13 +507,15 @@ class BlockSizer:
         plain, probing = costs[0], costs[-1]
         return max(4, math.ceil((probing - plain) / (PROBE_BUDGET * plain)))
 
-    def observe(self, block, accepted: int, seconds: float, walk: Optional[TreeWalk] = None) -> None:
+    def observe(
+        self, block, accepted: int, seconds: float, walk: Optional[TreeWalk] = None, context: Optional[int] = None
+    ) -> None:
         """The cycle at ``block`` (a length or a :class:`TreeChoice`, whose
         ``walk`` says what it showed) accepted ``accepted`` drafted tokens
-        in ``seconds``."""
+        in ``seconds``, verifying after ``context`` positions (None: unknown)."""
         if self.fixed or self.tree_nodes:
             return
-        self.costs.observe(block, seconds)
+        self.costs.observe(block, seconds, context)
         if block != 1:  # a drafting cycle moves the acceptance estimates
             self.tree_tokens.clear()
         if isinstance(block, TreeChoice):

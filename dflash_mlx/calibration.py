@@ -108,7 +108,8 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibr
     faster = np.median(timings[mx.async_eval]) < np.median(timings[mx.eval])
     *measured, overlap = target.agreed([*measured, float(faster)])
     costs = dict(zip(grid, measured))
-    sizer = BlockSizer(max_block, CycleCosts(costs, follow=target.local_timings))
+    at = next((c.offset for c in cache if hasattr(c, "offset")), 0)  # the context the table was measured at
+    sizer = BlockSizer(max_block, CycleCosts(costs, follow=target.local_timings, context=at))
     saved[key] = Calibration(costs, bool(overlap), sizer)
     return saved[key]
 

@@ -429,7 +429,8 @@ class Drafting:
         path) in the target's caches, and their taps for the drafter."""
         if cycle.tree is None:
             self.target.rollback(self.cache.target, len(rows))
-            self.cache.add_hidden(cycle.target_hidden[:, : len(rows)])
+            kept = cycle.target_hidden
+            self.cache.add_hidden(kept if kept.shape[1] == len(rows) else kept[:, : len(rows)])
         else:
             self.target.rollback(self.cache.target, rows)
             self.cache.add_hidden(cycle.target_hidden[:, mx.array(rows)])
@@ -477,7 +478,7 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
         # caller's time with the tokens, which is the same per token
         # whatever the block and so has no say in choosing it.
         now = time.perf_counter()
-        sizer.observe(cycle.choice, accepted, now - tic, *([walk] if walk else []))  # before the next choice
+        sizer.observe(cycle.choice, accepted, now - tic, walk, context=cache.offset)  # before the next choice
         tic = now
         new_tokens = proposed[:accepted] + [bonus]
         stop = next((i for i, t in enumerate(new_tokens) if t in eos), None)

@@ -1,16 +1,28 @@
 """The loop's plain step against mlx-lm's own decode: ``block_size=1`` (no
 draft, the target's forward and the sampler each cycle) and mlx-lm's greedy
-``stream_generate`` on the same target, alternating in one process, medians
-over ``--repeats`` rounds, every run's tokens checked against mlx-lm's.
+``stream_generate`` on the same target, alternating in one process over
+``--repeats`` rounds, every run's tokens checked against mlx-lm's. Reported:
+medians, best against best (``best_ratio``) and the median of each round's
+own ratio (``paired_ratio``): a millisecond step on a shared machine moves
+by tens of percent from run to run, so one run's ratio says little.
 
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
     python examples/plain_step.py --json plain_step.json
     python examples/plain_step.py --pairs default --max-tokens 32 --repeats 1   # a quick check
+    python examples/plain_step.py --switching                # what a switch costs
 
-Pairs: ``default`` (the bundled pair), ``smollm2`` (prepared on first use),
-and tiny random ``qwen3`` and ``llama`` targets (written by
+Pairs: ``default`` (the bundled pair), ``smollm2`` (prepared on first use;
+``--slow-repeats`` rounds, it decodes slowly on a CPU), and tiny random
+``qwen3``, ``llama`` and ``qwen3_5`` targets (written by
 :mod:`dflash_mlx.random_pair`, the first seed whose target writes every
 token before an eos).
+
+``--switching`` measures instead what a switch between drafting and plain
+cycles costs on the bundled pair: a scripted sizer alternates runs of
+``--run`` drafting cycles (the trained block) and as many plain steps; each
+cycle's seconds (the loop's own timing, from one host read to the next)
+give each kind's steady cost and what a whole run costs beyond as many
+steady cycles (:func:`switching`).
 """
 
 import argparse
@@ -19,12 +31,14 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from never_slower import alternate
+
 import dflash_mlx
 from dflash_mlx.benchmark import compile_block_lengths, run_autoregressive, run_dflash
 from dflash_mlx.generate import build_prompt, encode_prompt
 from dflash_mlx.defaults import DEFAULT_TARGET
 from dflash_mlx.pair import default_prompt, load_pair
-from dflash_mlx.random_pair import write_random_pair
+from dflash_mlx.random_pair import FAMILIES, write_random_pair
 
 RANDOM_PROMPT = "def f(x):"
 
@@ -42,44 +56,112 @@ def random_pair(directory: Path, family: str, max_tokens: int):
 
 def measure(model, draft, tokenizer, prompt, max_tokens: int, repeats: int) -> dict:
     """One untimed run of each, then ``repeats`` rounds of mlx-lm and the
-    plain step in turn: their median tok/s and whether every plain run gave
-    mlx-lm's tokens."""
+    plain step in turn (:func:`never_slower.alternate`)."""
     compile_block_lengths(draft, encode_prompt(tokenizer, prompt), 1)
-    reference = run_autoregressive(model, tokenizer, prompt, max_tokens)["tokens"]
-    identical = run_dflash(model, draft, tokenizer, prompt, max_tokens, 1)["tokens"] == reference
-    ar, plain = [], []
-    for _ in range(repeats):
-        ar.append(run_autoregressive(model, tokenizer, prompt, max_tokens)["tps"])
-        r = run_dflash(model, draft, tokenizer, prompt, max_tokens, 1)
-        plain.append(r["tps"])
-        identical &= r["tokens"] == reference
-    ar_tps, plain_tps = statistics.median(ar), statistics.median(plain)
-    return {"mlx_lm_tps": ar_tps, "plain_tps": plain_tps, "ratio": plain_tps / ar_tps,
-            "identical": identical, "tokens": len(reference)}
+    runners = {
+        "mlx_lm": lambda: run_autoregressive(model, tokenizer, prompt, max_tokens),
+        "plain": lambda: run_dflash(model, draft, tokenizer, prompt, max_tokens, 1),
+    }
+    out = alternate(runners, repeats)
+    out["ratio"] = out["plain_tps"] / out["mlx_lm_tps"]
+    out["tokens"] = len(runners["mlx_lm"]()["tokens"])
+    return out
+
+
+class Alternating:
+    """A block sizer (see :class:`dflash_mlx.adaptive.BlockSizer`) that
+    alternates ``run`` cycles at ``block`` and ``run`` plain steps, and
+    keeps each cycle's seconds."""
+
+    def __init__(self, block: int, run: int):
+        self.max_block, self.block, self.run = block, block, run
+        self.count = 0
+        self.cycles = []  # (block, seconds)
+
+    def choose(self, remaining):
+        choice = self.block if (self.count // self.run) % 2 == 0 else 1
+        self.count += 1
+        return min(choice, remaining)
+
+    def observe(self, block, accepted, seconds, walk=None, context=None):
+        self.cycles.append((block, seconds))
+
+
+def runs_of(cycles):
+    """``cycles`` cut into runs of one kind: [(plain?, [seconds, ...]), ...]."""
+    out = []
+    for block, seconds in cycles:
+        plain = block == 1
+        if out and out[-1][0] == plain:
+            out[-1][1].append(seconds)
+        else:
+            out.append((plain, [seconds]))
+    return out
+
+
+def switching(repeats: int, max_tokens: int, run: int) -> dict:
+    """What a switch costs on the bundled pair, pooled over ``repeats``
+    generations after an untimed one. A run's first and last cycles carry
+    the switch (a plain step queues the next one before its host read, so
+    a run's first plain step also waits for its second and its last one
+    for nothing): the steady cost of a kind is the median of the cycles
+    inside its runs, and a run's extra is its seconds less as many steady
+    cycles. Medians in ms, runs of each kind counted."""
+    model, tokenizer, draft, _ = load_pair(DEFAULT_TARGET)
+    prompt = build_prompt(tokenizer, default_prompt(None))
+    compile_block_lengths(draft, encode_prompt(tokenizer, prompt), draft.block_size)
+    runs = []
+    for i in range(repeats + 1):
+        sizer = Alternating(draft.block_size, run)
+        for _ in dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, sizer=sizer):
+            pass
+        if i:
+            runs += runs_of(sizer.cycles)[1:-1]  # whole runs only
+    out = {}
+    for plain, kind in ((True, "plain"), (False, "draft")):
+        mine = [seconds for p, seconds in runs if p == plain and len(seconds) > 2]
+        steady = statistics.median(x for seconds in mine for x in seconds[1:-1])
+        out[f"{kind}_steady_ms"] = 1e3 * steady
+        out[f"{kind}_first_ms"] = 1e3 * statistics.median(seconds[0] for seconds in mine)
+        out[f"{kind}_run_extra_ms"] = 1e3 * statistics.median(sum(seconds) - len(seconds) * steady for seconds in mine)
+        out[f"{kind}_runs"] = len(mine)
+    return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pairs", nargs="+", default=["default", "smollm2", "qwen3", "llama"])
+    p.add_argument("--pairs", nargs="+", default=["default", "smollm2", "qwen3", "llama", "qwen3_5"])
     p.add_argument("--max-tokens", type=int, nargs="+", default=[256, 2048])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=8, help="timed rounds (the bundled pair and tiny targets)")
+    p.add_argument("--slow-repeats", type=int, default=2, help="timed rounds for smollm2")
+    p.add_argument("--switching", action="store_true", help="measure what a switch between drafting and plain cycles costs")
+    p.add_argument("--run", type=int, default=8, help="with --switching: cycles of each kind in a row")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.pairs:
-            for max_tokens in args.max_tokens:
-                if name in ("qwen3", "llama"):
-                    model, draft, tokenizer = random_pair(Path(tmp), name, max_tokens)
-                    prompt = RANDOM_PROMPT
-                else:
-                    named = None if name == "default" else name
-                    model, tokenizer, draft, _ = load_pair(named or DEFAULT_TARGET)
-                    prompt = build_prompt(tokenizer, default_prompt(named))
-                r = measure(model, draft, tokenizer, prompt, max_tokens, args.repeats)
-                results[f"{name}@{max_tokens}"] = r
-                print(f"{name:8s} {max_tokens:5d} tokens: mlx-lm {r['mlx_lm_tps']:7.1f} tok/s, plain step "
-                      f"{r['plain_tps']:7.1f} tok/s, {r['ratio']:.2f}x, identical: {r['identical']}", flush=True)
+    if args.switching:
+        results = switching(args.repeats, args.max_tokens[0], args.run)
+        for kind in ("plain", "draft"):
+            print(f"{kind} cycles: steady {results[f'{kind}_steady_ms']:.2f} ms, first of a run "
+                  f"{results[f'{kind}_first_ms']:.2f} ms; a run costs {results[f'{kind}_run_extra_ms']:+.2f} ms "
+                  f"more than as many steady cycles (median of {results[f'{kind}_runs']} runs)")
+    else:
+        results = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in args.pairs:
+                for max_tokens in args.max_tokens:
+                    if name in FAMILIES:
+                        model, draft, tokenizer = random_pair(Path(tmp), name, max_tokens)
+                        prompt = RANDOM_PROMPT
+                    else:
+                        named = None if name == "default" else name
+                        model, tokenizer, draft, _ = load_pair(named or DEFAULT_TARGET)
+                        prompt = build_prompt(tokenizer, default_prompt(named))
+                    repeats = args.slow_repeats if name == "smollm2" else args.repeats
+                    r = measure(model, draft, tokenizer, prompt, max_tokens, repeats)
+                    results[f"{name}@{max_tokens}"] = r
+                    print(f"{name:8s} {max_tokens:5d} tokens, {repeats} rounds: mlx-lm {r['mlx_lm_tps']:7.1f} tok/s, "
+                          f"plain step {r['plain_tps']:7.1f} tok/s (medians); best {r['plain_best_ratio']:.2f}x, "
+                          f"paired {r['plain_paired_ratio']:.2f}x; identical: {r['identical']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

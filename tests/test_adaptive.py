@@ -436,3 +436,82 @@ def test_tree_costs_start_as_chains_and_follow_tree_cycles():
         costs.observe(TreeChoice(nodes), 2.6 + 0.1 * nodes)
     assert costs.trees(32) == pytest.approx([2.6 + 0.1 * k for k in range(33)])
     assert costs.upto(16) == pytest.approx([1.0] + [1.4 + 0.1 * b for b in range(1, 16)])  # chains unchanged
+
+
+# ---------------------------------------------------------------------------
+# Costs that follow the context
+
+
+def true_cost(b, context, growth=2e-5):
+    """A pair whose verify rows each attend to the context: a plain step
+    costs 1.0, a draft 1.4 and each extra verified row 0.05, plus
+    ``growth`` per row and context position."""
+    return (1.0 if b == 1 else 1.4 + 0.05 * (b - 1)) + growth * b * context
+
+
+def long_generation(with_context: bool, start=100, end=8000, accept=0.8, seed=0):
+    """Drive a sizer through a generation from ``start`` to ``end``
+    positions of context (each slot accepted with probability ``accept``,
+    cycle costs a little noisy), from a table calibrated at ``start``.
+    Returns the sizer, its choices with their contexts."""
+    rng = np.random.default_rng(seed)
+    table = {b: true_cost(b, start) for b in (1, 2, 16)}
+    sizer = BlockSizer(16, CycleCosts(table, context=start))
+    context, chosen = start, []
+    while context < end:
+        b = sizer.choose(10_000)
+        accepted = 0
+        while accepted < b - 1 and rng.random() < accept:
+            accepted += 1
+        seconds = true_cost(b, context) * (1 + 0.01 * rng.standard_normal())
+        context += accepted + 1
+        sizer.observe(b, accepted, seconds, context=context if with_context else None)
+        chosen.append((context, b))
+    return sizer, chosen
+
+
+def test_costs_follow_the_context_and_the_choice_follows_them():
+    """A table measured at 100 positions of context, a generation that
+    runs to 8,000: at the end, lines the loop has not measured since the
+    start (the plain step, the table's slope per row) are read at the
+    current context, the costs match the pair's, and the sizer verifies
+    the block that is best there, shorter than the one at the start.
+    Without the context the table's plain step and slope stay where they
+    were measured, and the sizer keeps the longest block."""
+    sizer, chosen = long_generation(with_context=True)
+    context = chosen[-1][0]
+    assert sizer.costs.upto(16) == pytest.approx([true_cost(b, context) for b in range(1, 17)], rel=0.05)
+    assert sizer.costs.plain_context == 100  # no plain step since the table: read where it was measured
+    early = [b for c, b in chosen if c < 1000]
+    late = [b for c, b in chosen if c > 7000]
+    assert Counter(early).most_common(1)[0][0] == 16
+    expected = sizer.acceptance.expected_tokens()
+    best = 1 + int(np.argmax([e / true_cost(b, context) for b, e in enumerate(expected, 1)]))
+    assert best < 16
+    assert abs(np.median(late) - best) <= 2
+
+    stale, chosen = long_generation(with_context=False)
+    assert stale.costs.upto(16)[0] == pytest.approx(true_cost(1, 100))  # the plain step as at the start
+    assert Counter(b for c, b in chosen if c > 7000).most_common(1)[0][0] == 16
+
+
+def test_context_growth_is_not_read_from_noise():
+    """Cycles whose cost does not grow with the context, only jitters:
+    the fitted growth stays at (or next to) nothing."""
+    rng = np.random.default_rng(1)
+    costs = CycleCosts({1: 1.0, 16: 2.0}, context=0)
+    for context in range(0, 4000, 5):
+        costs.observe(16, 2.0 * (1 + 0.05 * rng.standard_normal()), context=context)
+        costs.observe(1, 1.0 * (1 + 0.05 * rng.standard_normal()), context=context)
+    assert costs.growth.rate * 16 * 4000 < 0.05  # under a twentieth of a plain step over the whole run
+    assert costs.upto(16)[0] == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_machine_growing_busier_over_a_short_generation_is_not_growth():
+    """Cycles that slow down as a 256-token generation goes on (the machine
+    getting busier, not the context): the costs are read as measured."""
+    costs = CycleCosts({1: 1.0, 16: 2.0}, context=500)
+    for i in range(256):
+        costs.observe(1, 1.0 + i / 256, context=500 + i)
+    assert costs.growth.rate == 0.0
+    assert costs.upto(16)[-1] == 2.0  # the drafting line, not seen since the table, stays put

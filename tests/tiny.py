@@ -551,7 +551,7 @@ class ScriptedSizer:
         self.asked.append(min(next(self.script), remaining))
         return self.asked[-1]
 
-    def observe(self, block, accepted, seconds):
+    def observe(self, block, accepted, seconds, walk=None, context=None):
         pass
 
 

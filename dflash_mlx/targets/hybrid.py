@@ -121,8 +121,9 @@ def gated_delta_forward(gdn, x, mask, cache, record: bool, chunked: bool = False
     cache.advance(S)
     rec = None
     if record:
-        # Only a replay of mlx-lm's recurrence needs its per-token inputs.
-        per_token = (q, k, v, a, b) if chunk is None else ()
+        # Only a replay of mlx-lm's recurrence needs its per-token inputs;
+        # a one-token forward is kept whole or not at all, so it never replays.
+        per_token = (q, k, v, a, b) if chunk is None and S > 1 else ()
         rec = DeltaRecord(conv_input, state0, chunk, *per_token)
     out = gated_norm(gdn.norm, out, z)
     return gdn.out_proj(out.reshape(B, S, -1)), rec
