@@ -112,9 +112,10 @@ def test_causal_chunks_are_causal_attention(L, S, chunk):
     give mlx-lm's causal attention to the approximate exp's precision."""
     from dflash_mlx.targets.approximate import causal_chunks
 
-    q, k, v = (mx.random.normal((2, 3, n, 8), key=mx.random.key(i)) for i, n in enumerate((L, S, S)))
+    q, k, v = (mx.random.normal((2, h, n, 8), key=mx.random.key(i)) for i, (h, n) in enumerate(((6, L), (3, S), (3, S))))
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask="causal")
-    np.testing.assert_allclose(np.array(causal_chunks(q, k, v, chunk)), np.array(want), atol=1e-4)
+    got = causal_chunks(q.reshape(2, 3, 2, L, 8), k, v, chunk).reshape(2, 6, L, 8)  # query head h reads KV head h // 2
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4)
 
 
 def test_chunked_prefill_follows_the_exact_target(make_pair):

@@ -47,33 +47,42 @@ def masked_scores(scores: mx.array, mask, q_len: int, k_len: int) -> mx.array:
 QUERY_CHUNK = 64
 
 
+def rows_of_groups(q: mx.array) -> mx.array:
+    """[..., G, L, D] -> [..., G*L, D]: a KV head's query heads as rows of one
+    matmul against its keys (broadcasting the keys over G would copy them
+    once per query head)."""
+    *lead, G, L, D = q.shape
+    return q.reshape(*lead, G * L, D)
+
+
 def causal_chunks(q: mx.array, k: mx.array, v: mx.array, chunk: int) -> mx.array:
-    """Causal attention of scaled queries ``q`` [..., L, D] over keys and values
-    [..., S, D] (the last L are the queries' own positions), ``chunk``
-    queries at a time. Each block attends to the keys before it unmasked and
-    to its own square under the causal rule, one softmax over both, each
-    part's numerators multiplied into the values before one division by
-    their common sum (as FlashAttention combines key blocks, Dao et al.
-    2022, arXiv 2205.14135), so no [L, S] score, mask or probability array
-    is ever built."""
-    L, S = q.shape[-2], k.shape[-2]
+    """Causal attention of scaled queries ``q`` [..., G, L, D] (G query heads
+    per KV head) over keys and values [..., S, D] (the last L are the
+    queries' own positions), ``chunk`` queries at a time; [..., G, L, D].
+    Each block attends to the keys before it unmasked and to its own square
+    under the causal rule, one softmax over both, each part's numerators
+    multiplied into the values before one division by their common sum (as
+    FlashAttention combines key blocks, Dao et al. 2022, arXiv 2205.14135),
+    so no [L, S] score, mask or probability array is ever built."""
+    *lead, G, L, D = q.shape
+    S = k.shape[-2]
     outs = []
     for i0 in range(0, L, chunk):
         i1 = min(L, i0 + chunk)
-        a, b = S - L + i0, S - L + i1  # the block's own keys
-        qc = q[..., i0:i1, :]
-        own = qc @ k[..., a:b, :].swapaxes(-1, -2)
-        keep = mx.arange(i1 - i0)[:, None] >= mx.arange(i1 - i0)[None]
+        C, a, b = i1 - i0, S - L + i0, S - L + i1  # the block's own keys are a..b-1
+        qc = rows_of_groups(q[..., i0:i1, :])
+        own = (qc @ k[..., a:b, :].swapaxes(-1, -2)).reshape(*lead, G, C, C)
+        keep = mx.arange(C)[:, None] >= mx.arange(C)[None]
         top = mx.max(mx.where(keep, own, mx.array(mx.finfo(own.dtype).min, own.dtype)), axis=-1, keepdims=True)
         if a:
-            before = qc @ k[..., :a, :].swapaxes(-1, -2)
+            before = (qc @ k[..., :a, :].swapaxes(-1, -2)).reshape(*lead, G, C, a)
             top = mx.maximum(top, mx.max(before, axis=-1, keepdims=True))
         e = fast_math.exp_below_where(own, top, keep)
-        total, out = e.sum(-1, keepdims=True), e @ v[..., a:b, :]
+        total, out = e.sum(-1, keepdims=True), rows_of_groups(e) @ v[..., a:b, :]
         if a:
             e = fast_math.exp_below(before, top)
-            total, out = total + e.sum(-1, keepdims=True), out + e @ v[..., :a, :]
-        outs.append(out / total)
+            total, out = total + e.sum(-1, keepdims=True), out + rows_of_groups(e) @ v[..., :a, :]
+        outs.append(out.reshape(*lead, G, C, D) / total)
     return mx.concatenate(outs, axis=-2)
 
 
@@ -108,16 +117,17 @@ class ApproxAttention(nn.Module):
     def cpu_attention(self, q, k, v, mask):
         B, H, L, D = q.shape
         S = k.shape[2]
-        groups = (q * self.scale).reshape(B, self.n_kv_heads, H // self.n_kv_heads, L, D)
+        G = H // self.n_kv_heads
+        groups = (q * self.scale).reshape(B, self.n_kv_heads, G, L, D)
         if isinstance(mask, str) and self.query_chunk and L > self.query_chunk:
-            return causal_chunks(groups, k[:, :, None], v[:, :, None], self.query_chunk).reshape(B, H, L, D)
-        scores = groups @ k[:, :, None].swapaxes(-1, -2)
+            return causal_chunks(groups, k, v, self.query_chunk).reshape(B, H, L, D)
+        scores = (rows_of_groups(groups) @ k.swapaxes(-1, -2)).reshape(B, self.n_kv_heads, G, L, S)
         if isinstance(mask, mx.array) and mask.ndim == 4:  # [B or 1, 1 or H, L, S]: per KV-head groups
             mask = mask.reshape(mask.shape[0], -1, 1, L, S) if mask.shape[1] == 1 else mask.reshape(
                 mask.shape[0], self.n_kv_heads, H // self.n_kv_heads, L, S
             )
         scores = masked_scores(scores, mask, L, S)
-        return (fast_math.softmax_approx(scores) @ v[:, :, None]).reshape(B, H, L, D)
+        return (rows_of_groups(fast_math.softmax_approx(scores)) @ v).reshape(B, H, L, D)
 
 
 class ApproxMLP(nn.Module):
