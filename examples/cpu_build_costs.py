@@ -7,7 +7,8 @@ goes), the target's batched answers, and one drafter training step.
     python examples/cpu_build_costs.py --fast-target --approximate-softmax --draft-vocab 8192 --check 16
 
 The levers: ``--fast-target`` (the data stages' approximate softmax / SiLU,
-``dflash_mlx.targets.approximate``), ``--batch`` (answers at once),
+``dflash_mlx.targets.approximate``, its causal attention in blocks of
+``--query-chunk`` queries), ``--batch`` (answers at once),
 ``--tap-batch`` (rows per tap pass), ``--approximate-softmax`` (the
 training step's softmax and logsumexp), ``--draft-vocab`` (the drafter head over
 K ids), ``--loss-slots`` / ``--anchors`` (positions the head and loss see),
@@ -37,7 +38,8 @@ from dflash_mlx import train as T
 from dflash_mlx.models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids, draft_config_for_target
 from dflash_mlx.pair import prepare_target
 from dflash_mlx.targets import adapter_for
-from dflash_mlx.targets.approximate import approximate
+from dflash_mlx.ops import fast_math
+from dflash_mlx.targets.approximate import QUERY_CHUNK, ApproxAttention, approximate
 
 WORK = Path("~/.cache/dflash_mlx/smollm2").expanduser()
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -100,15 +102,23 @@ def tap_pass(model, args, rows):
     dt = seconds(lambda: T.target_pass(adapter, tokens, taps_of(adapter)), args.repeats)
     print(f"tap pass, {rows.shape[0]} row(s) of {rows.shape[1]} tokens: {dt:.2f} s "
           f"({dt / rows.shape[0]:.2f} s a row, {rows.size / dt:.0f} tokens/s)")  # fmt: skip
-    cfg, layer = model.args, model.model.layers[0]
-    h = mx.random.normal((1, rows.shape[1], cfg.hidden_size))
-    scores = mx.random.normal((1, cfg.num_attention_heads, rows.shape[1], rows.shape[1]))
-    a, b = mx.random.normal((rows.shape[1], cfg.hidden_size)), mx.random.normal((cfg.hidden_size, cfg.intermediate_size))
-    flops = 2 * rows.shape[1] * cfg.hidden_size * cfg.intermediate_size
+    cfg, layer, L = model.args, model.model.layers[0], rows.shape[1]
+    h = mx.random.normal((1, L, cfg.hidden_size))
+    H, D = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    q, k, v = (mx.random.normal((1, n, L, D)) for n in (H, cfg.num_key_value_heads, cfg.num_key_value_heads))
+    scores = mx.random.normal((1, H, L, L))
+    a, b = mx.random.normal((L, cfg.hidden_size)), mx.random.normal((cfg.hidden_size, cfg.intermediate_size))
+    flops = 2 * L * cfg.hidden_size * cfg.intermediate_size
+    if isinstance(layer.self_attn, ApproxAttention):
+        core, softmax = (lambda: layer.self_attn.cpu_attention(q, k, v, "causal")), fast_math.softmax_approx
+    else:
+        core = lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask="causal")  # noqa: E731
+        softmax = lambda s: mx.softmax(s, axis=-1)  # noqa: E731
     print(f"  one layer: {seconds(lambda: layer(h, mask='causal', cache=None), args.repeats):.3f} s, "
-          f"its attention {seconds(lambda: layer.self_attn(h, mask='causal', cache=None), args.repeats):.3f} s, "
-          f"MLX's softmax over its scores {seconds(lambda: mx.softmax(scores, axis=-1), args.repeats):.3f} s, "
-          f"matmuls at {flops / seconds(lambda: a @ b, 10) / 1e9:.0f} GFLOP/s")
+          f"its attention {seconds(lambda: layer.self_attn(h, mask='causal', cache=None), args.repeats):.3f} s "
+          f"(scores to outputs {seconds(core, args.repeats):.3f} s; the softmax it uses, over all {H}x{L}x{L} "
+          f"scores, {seconds(lambda: softmax(scores), args.repeats):.3f} s), MLP {seconds(lambda: layer.mlp(h), args.repeats):.3f} s, "
+          f"matmuls at {flops / seconds(lambda: a @ b, 10) / 1e9:.0f} GFLOP/s")  # fmt: skip
 
 
 def distillation(model, tokenizer, args, prompts):
@@ -177,6 +187,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=1024, help="row length where no rows file exists")
     p.add_argument("--fast-target", action="store_true", help="the data stages' approximate target")
+    p.add_argument("--query-chunk", type=int, default=QUERY_CHUNK,
+                   help="with --fast-target: queries per block of causal attention (0: the whole square)")
     p.add_argument("--batch", type=int, nargs="+", default=[32, 64], help="requests answered at once")
     p.add_argument("--answer-tokens", type=int, default=128)
     p.add_argument("--tap-batch", type=int, default=1, help="rows per tap pass")
@@ -191,7 +203,7 @@ def main():
     args = p.parse_args()
     model, tokenizer = load(target_path(args))
     if args.fast_target:
-        approximate(model)
+        approximate(model, query_chunk=args.query_chunk)
     print(f"levers: {json.dumps({k: v for k, v in vars(args).items() if k not in ('rows', 'requests')})}")
     prompts = chat_prompts(tokenizer, training_requests(args)[-max(args.batch + [args.check]):])
     if "taps" in args.only:

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 import numpy as np
 import pytest
 from mlx_lm import batch_generate, load
+from mlx_lm.models.cache import make_prompt_cache
 from tiny import PROMPT, TRUNCATED, V, pit_check, sampled_runs
 
 import dflash_mlx
@@ -103,6 +104,32 @@ def test_approximate_target_follows_the_exact_one(make_pair, family):
     assert batch_generate(approx, tokenizer, prompts, **kw).token_ids == batch_generate(exact, tokenizer, prompts, **kw).token_ids
     assert set(dict(tree_flatten(approx.parameters()))) == set(dict(tree_flatten(exact.parameters())))
     assert all(isinstance(layer.self_attn, ApproxAttention) for layer in approx.model.layers)
+
+
+@pytest.mark.parametrize("L, S, chunk", [(24, 24, 5), (16, 40, 4), (8, 8, 8)])
+def test_causal_chunks_are_causal_attention(L, S, chunk):
+    """Query blocks (a last one short, keys before the queries from a cache)
+    give mlx-lm's causal attention to the approximate exp's precision."""
+    from dflash_mlx.targets.approximate import causal_chunks
+
+    q, k, v = (mx.random.normal((2, h, n, 8), key=mx.random.key(i)) for i, (h, n) in enumerate(((6, L), (3, S), (3, S))))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask="causal")
+    got = causal_chunks(q.reshape(2, 3, 2, L, 8), k, v, chunk).reshape(2, 6, L, 8)  # query head h reads KV head h // 2
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4)
+
+
+def test_chunked_prefill_follows_the_exact_target(make_pair):
+    """A prompt in two pieces through the cache (the second one's queries
+    after cached keys), in query blocks of 4: the exact target's logits."""
+    pair = make_pair("qwen3")
+    exact = load(str(pair.path))[0]
+    approx = approximate(load(str(pair.path))[0], query_chunk=4)
+    tokens = mx.array(np.random.default_rng(1).integers(0, 256, (1, 30)), dtype=mx.int32)
+    out = []
+    for model in (exact, approx):
+        cache = make_prompt_cache(model)
+        out.append(mx.concatenate([model(tokens[:, :11], cache=cache), model(tokens[:, 11:], cache=cache)], axis=1))
+    np.testing.assert_allclose(np.array(out[1]), np.array(out[0]), atol=2e-3, rtol=1e-3)
 
 
 def test_approximate_refuses_a_hybrid_target(qwen3_5_pair):

@@ -152,6 +152,19 @@ def softmax_approx(scores):
 
 
 @compile_per_thread(shapeless=True)
+def exp_below(scores, top):
+    """exp(scores - top), for ``top`` at least every score (a row maximum):
+    softmax numerators with the normalisation left to the caller."""
+    return _exp_nonpositive(scores - top)
+
+
+@compile_per_thread(shapeless=True)
+def exp_below_where(scores, top, keep):
+    """:func:`exp_below` where ``keep``, 0 elsewhere (``top`` bounds only the kept scores)."""
+    return mx.where(keep, _exp_nonpositive(mx.minimum(scores - top, 0.0)), 0.0)
+
+
+@compile_per_thread(shapeless=True)
 def swiglu_approx(gate, x):
     e = _exp_nonpositive(-mx.abs(gate))
     return gate * mx.where(gate >= 0, 1 / (1 + e), e / (1 + e)) * x

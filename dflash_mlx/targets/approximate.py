@@ -42,15 +42,60 @@ def masked_scores(scores: mx.array, mask, q_len: int, k_len: int) -> mx.array:
     return scores + mask.astype(scores.dtype)
 
 
+# Queries per block of the causal path: the scores above the diagonal are
+# never computed, and only each block's diagonal square is masked.
+QUERY_CHUNK = 64
+
+
+def rows_of_groups(q: mx.array) -> mx.array:
+    """[..., G, L, D] -> [..., G*L, D]: a KV head's query heads as rows of one
+    matmul against its keys (broadcasting the keys over G would copy them
+    once per query head)."""
+    *lead, G, L, D = q.shape
+    return q.reshape(*lead, G * L, D)
+
+
+def causal_chunks(q: mx.array, k: mx.array, v: mx.array, chunk: int) -> mx.array:
+    """Causal attention of scaled queries ``q`` [..., G, L, D] (G query heads
+    per KV head) over keys and values [..., S, D] (the last L are the
+    queries' own positions), ``chunk`` queries at a time; [..., G, L, D].
+    Each block attends to the keys before it unmasked and to its own square
+    under the causal rule, one softmax over both, each part's numerators
+    multiplied into the values before one division by their common sum (as
+    FlashAttention combines key blocks, Dao et al. 2022, arXiv 2205.14135),
+    so no [L, S] score, mask or probability array is ever built."""
+    *lead, G, L, D = q.shape
+    S = k.shape[-2]
+    outs = []
+    for i0 in range(0, L, chunk):
+        i1 = min(L, i0 + chunk)
+        C, a, b = i1 - i0, S - L + i0, S - L + i1  # the block's own keys are a..b-1
+        qc = rows_of_groups(q[..., i0:i1, :])
+        own = (qc @ k[..., a:b, :].swapaxes(-1, -2)).reshape(*lead, G, C, C)
+        keep = mx.arange(C)[:, None] >= mx.arange(C)[None]
+        top = mx.max(mx.where(keep, own, mx.array(mx.finfo(own.dtype).min, own.dtype)), axis=-1, keepdims=True)
+        if a:
+            before = (qc @ k[..., :a, :].swapaxes(-1, -2)).reshape(*lead, G, C, a)
+            top = mx.maximum(top, mx.max(before, axis=-1, keepdims=True))
+        e = fast_math.exp_below_where(own, top, keep)
+        total, out = e.sum(-1, keepdims=True), rows_of_groups(e) @ v[..., a:b, :]
+        if a:
+            e = fast_math.exp_below(before, top)
+            total, out = total + e.sum(-1, keepdims=True), out + rows_of_groups(e) @ v[..., :a, :]
+        outs.append(out.reshape(*lead, G, C, D) / total)
+    return mx.concatenate(outs, axis=-2)
+
+
 class ApproxAttention(nn.Module):
     """mlx-lm's llama / qwen attention (optional per-head q/k norms) with
     the softmax computed by ``fast_math.softmax_approx`` on the CPU."""
 
-    def __init__(self, attn: nn.Module):
+    def __init__(self, attn: nn.Module, query_chunk: int = QUERY_CHUNK):
         super().__init__()
         for name in ATTENTION_PARTS + tuple(n for n in NORMS if hasattr(attn, n)):
             setattr(self, name, getattr(attn, name))
         self.n_heads, self.n_kv_heads, self.scale = attn.n_heads, attn.n_kv_heads, attn.scale
+        self.query_chunk = query_chunk
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         B, L, _ = x.shape
@@ -72,14 +117,17 @@ class ApproxAttention(nn.Module):
     def cpu_attention(self, q, k, v, mask):
         B, H, L, D = q.shape
         S = k.shape[2]
-        groups = (q * self.scale).reshape(B, self.n_kv_heads, H // self.n_kv_heads, L, D)
-        scores = groups @ k[:, :, None].swapaxes(-1, -2)
+        G = H // self.n_kv_heads
+        groups = (q * self.scale).reshape(B, self.n_kv_heads, G, L, D)
+        if isinstance(mask, str) and self.query_chunk and L > self.query_chunk:
+            return causal_chunks(groups, k, v, self.query_chunk).reshape(B, H, L, D)
+        scores = (rows_of_groups(groups) @ k.swapaxes(-1, -2)).reshape(B, self.n_kv_heads, G, L, S)
         if isinstance(mask, mx.array) and mask.ndim == 4:  # [B or 1, 1 or H, L, S]: per KV-head groups
             mask = mask.reshape(mask.shape[0], -1, 1, L, S) if mask.shape[1] == 1 else mask.reshape(
                 mask.shape[0], self.n_kv_heads, H // self.n_kv_heads, L, S
             )
         scores = masked_scores(scores, mask, L, S)
-        return (fast_math.softmax_approx(scores) @ v[:, :, None]).reshape(B, H, L, D)
+        return (rows_of_groups(fast_math.softmax_approx(scores)) @ v).reshape(B, H, L, D)
 
 
 class ApproxMLP(nn.Module):
@@ -97,10 +145,11 @@ class ApproxMLP(nn.Module):
         return self.down_proj(nn.silu(gate) * up)
 
 
-def approximate(model: nn.Module, backbone: Optional[nn.Module] = None) -> nn.Module:
+def approximate(model: nn.Module, backbone: Optional[nn.Module] = None, query_chunk: int = QUERY_CHUNK) -> nn.Module:
     """Rewire ``model``'s layers (those of ``backbone``, default the model's
     ``model``) to :class:`ApproxAttention` / :class:`ApproxMLP`, in place;
-    returns ``model``. Raises :class:`TargetError` for a layer of another
+    returns ``model``. ``query_chunk``: queries per block of a causal
+    forward (:func:`causal_chunks`; 0 scores the whole square at once). Raises :class:`TargetError` for a layer of another
     shape (e.g. a hybrid or MoE layer) before changing anything."""
     layers = (backbone or getattr(getattr(model, "language_model", model), "model")).layers
     for i, layer in enumerate(layers):
@@ -110,6 +159,6 @@ def approximate(model: nn.Module, backbone: Optional[nn.Module] = None) -> nn.Mo
         if mlp is None or not all(hasattr(mlp, n) for n in MLP_PARTS):
             raise TargetError(f"layer {i} has no gated MLP (MoE?): approximate data stages support dense llama/qwen targets")
     for layer in layers:
-        layer.self_attn = ApproxAttention(layer.self_attn)
+        layer.self_attn = ApproxAttention(layer.self_attn, query_chunk)
         layer.mlp = ApproxMLP(layer.mlp)
     return model
