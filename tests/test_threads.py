@@ -210,15 +210,15 @@ print(json.dumps(out))
 
 
 def test_threads_that_ended_let_the_process_exit(pair_and_draft, draft_path):
-    """Exit status 0 in each of three processes (one in four or more aborted
-    before), with the greedy thread's output exact and the sampled one's
-    equal to the same seeded run on the main thread."""
+    """Exit status 0 in each of two processes (most aborted before), with
+    the greedy thread's output exact and the sampled one's equal to the same
+    seeded run on the main thread."""
     pair, draft = pair_and_draft
     mx.random.seed(7)
     sampled = [t for r in dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, PROMPTS[1], max_tokens=16,
                                                       temperature=0.8, block_size=4) for t in r.tokens]
     want = [pair.reference(PROMPTS[0], 16, eos_ids=None), sampled]
-    for _ in range(3):
+    for _ in range(2):
         done = subprocess.run([sys.executable, "-c", ENDED_THREADS, str(pair.path), str(draft_path), json.dumps(PROMPTS)],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
