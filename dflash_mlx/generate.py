@@ -209,6 +209,7 @@ def one_thread_per_pair(draft):
     threads may not run at once.
     """
     me = threading.get_ident()
+    release_at_thread_exit()  # mlx-lm's compiled functions and mx.random run on this thread
     with GENERATING_LOCK:
         owner, depth = GENERATING.get(id(draft), (me, 0))
         if owner != me:
@@ -316,7 +317,6 @@ def generate_step(
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt and not cache.pending:
         raise ArgumentError("the prompt is empty")
-    release_at_thread_exit()  # mlx-lm's compiled functions and mx.random run on this thread
     with one_thread_per_pair(draft), mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
