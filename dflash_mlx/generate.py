@@ -22,7 +22,7 @@ from .calibration import plan
 from .cache import PromptCache, bound_target, prompt_cache_for
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
 from .errors import ArgumentError
-from .ops.threads import compile_per_thread
+from .ops.threads import compiled, release_at_thread_exit
 from .sampling import ACCEPTANCE_RULES, processed_probs, speculative_accept
 from .tree import build_tree, candidates, walked_ranks
 
@@ -85,7 +85,7 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     return mx.array(prompt, dtype=mx.int32)
 
 
-@compile_per_thread  # a handful of tiny ops, fused: one task instead of seven per cycle
+@compiled  # a handful of tiny ops, fused: one task instead of seven per cycle
 def accept_greedy(draft_tokens: mx.array, target_tokens: mx.array) -> Tuple[mx.array, mx.array]:
     """Longest prefix where the draft equals the target's choice, and the
     target's own token at the first mismatch (or after the last slot).
@@ -209,6 +209,7 @@ def one_thread_per_pair(draft):
     threads may not run at once.
     """
     me = threading.get_ident()
+    release_at_thread_exit()  # mlx-lm's compiled functions and mx.random run on this thread
     with GENERATING_LOCK:
         owner, depth = GENERATING.get(id(draft), (me, 0))
         if owner != me:

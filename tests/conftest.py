@@ -81,15 +81,19 @@ def family_pair(request, make_pair):
 # Devices and the paths that ran on them
 
 RAN = Counter()
-_NOTED = pytest.StashKey[set]()
 
 
 @pytest.fixture
 def ran(request):
     """``ran(path)``: note that this test exercised ``path`` (counted in the
-    run summary if the test passes)."""
-    noted = request.node.stash.setdefault(_NOTED, set())
-    return noted.add
+    run summary if the test passes). Noted in the test's report, so the
+    count is the same when pytest-xdist runs the tests in worker processes."""
+
+    def note(path):
+        if ("ran", path) not in request.node.user_properties:
+            request.node.user_properties.append(("ran", path))
+
+    return note
 
 
 @pytest.fixture(params=DEVICES)
@@ -105,11 +109,9 @@ def device(request, ran):
         mx.set_default_device(saved)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = (yield).get_result()
+def pytest_runtest_logreport(report):
     if report.when == "call" and report.passed:
-        RAN.update(item.stash.get(_NOTED, ()))
+        RAN.update(path for key, path in report.user_properties if key == "ran")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -133,6 +133,27 @@ def run_module(module, *args):
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
 
 
+@pytest.fixture
+def run_here(capsys):
+    """``run_here(module, *args)``: ``python -m module args`` in this
+    process, as a CompletedProcess: the module's ``main`` under cli.run, as
+    its ``__main__`` block runs it, without a fresh interpreter's imports.
+    test_every_command_reports_a_missing_model_in_one_line runs each
+    command's real ``python -m``."""
+
+    def run(module, *args):
+        main = importlib.import_module(module).main
+        capsys.readouterr()
+        try:
+            rc = cli.run(main, list(args))
+        except SystemExit as stop:  # the parser's
+            rc = stop.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess([module, *args], rc, out, err)
+
+    return run
+
+
 def assert_one_error_line(done, *needles):
     assert done.returncode == 1, done
     lines = done.stderr.strip().splitlines()
@@ -154,10 +175,10 @@ def assert_one_error_line(done, *needles):
         (["--tree-budget", "-1"], ["--tree-budget", "at least 0, got -1"]),
     ],
 )
-def test_every_command_rejects_bad_counts_in_one_line(command, args, needles):
-    """`python -m dflash_mlx.<command>` with a zero or negative count: one
-    `error:` line and exit code 1 (once a traceback, or argparse's exit 2)."""
-    assert_one_error_line(run_module(f"dflash_mlx.{command}", *args), *needles)
+def test_every_command_rejects_bad_counts_in_one_line(run_here, command, args, needles):
+    """`python -m dflash_mlx.<command>` with a zero or negative count: one `error:`
+    line and exit code 1 (once a traceback, or argparse's exit 2)."""
+    assert_one_error_line(run_here(f"dflash_mlx.{command}", *args), *needles)
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -168,9 +189,9 @@ def test_every_command_reports_a_missing_model_in_one_line(command, tmp_path):
     assert_one_error_line(done, "no-such-model")
 
 
-def test_server_rejects_a_bad_port_in_one_line():
+def test_server_rejects_a_bad_port_in_one_line(run_here):
     for port in ("-1", "70000", "http"):
-        assert_one_error_line(run_module("dflash_mlx.server", "--port", port), "--port", "0 to 65535")
+        assert_one_error_line(run_here("dflash_mlx.server", "--port", port), "--port", "0 to 65535")
 
 
 def test_server_reports_a_taken_port_in_one_line_before_loading(tmp_path, capsys):
@@ -191,16 +212,16 @@ def test_server_reports_a_taken_port_in_one_line_before_loading(tmp_path, capsys
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "server"])
-def test_prefill_step_size_must_be_positive(command):
-    assert_one_error_line(run_module(f"dflash_mlx.{command}", "--prefill-step-size", "0"), "--prefill-step-size")
+def test_prefill_step_size_must_be_positive(run_here, command):
+    assert_one_error_line(run_here(f"dflash_mlx.{command}", "--prefill-step-size", "0"), "--prefill-step-size")
 
 
-def test_bench_checks_its_files_before_loading(tmp_path):
+def test_bench_checks_its_files_before_loading(run_here, tmp_path):
     bad = tmp_path / "p.json"
     bad.write_text('{"not": "a list"}')
-    assert_one_error_line(run_module("dflash_mlx.benchmark", "--prompts", str(bad)), "JSON list of strings")
-    assert_one_error_line(run_module("dflash_mlx.benchmark", "--prompts", str(tmp_path / "none.json")), "none.json")
-    done = run_module("dflash_mlx.benchmark", "--json", str(tmp_path / "no" / "dir" / "r.json"))
+    assert_one_error_line(run_here("dflash_mlx.benchmark", "--prompts", str(bad)), "JSON list of strings")
+    assert_one_error_line(run_here("dflash_mlx.benchmark", "--prompts", str(tmp_path / "none.json")), "none.json")
+    done = run_here("dflash_mlx.benchmark", "--json", str(tmp_path / "no" / "dir" / "r.json"))
     assert_one_error_line(done, "--json", "does not exist")
 
 
@@ -233,14 +254,10 @@ def test_position_buckets_follow_the_answer():
 
 
 @pytest.mark.parametrize("flag", ["--max-tokens", "--block-size"])
-def test_bad_values_through_the_dispatcher_are_one_line(tiny_dirs, flag):
+def test_bad_values_through_the_dispatcher_are_one_line(run_here, tiny_dirs, flag):
     """`mlx-dflash generate --max-tokens 0` (or --block-size 0) once ended in a traceback."""
     model, draft = tiny_dirs
-    done = subprocess.run(
-        [sys.executable, "-m", "dflash_mlx", "generate", "--model", model, "--draft-model", draft,
-         "--prompt", "x", flag, "0"],
-        capture_output=True, text=True,
-    )
+    done = run_here("dflash_mlx.cli", "generate", "--model", model, "--draft-model", draft, "--prompt", "x", flag, "0")
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "at least 1" in lines[0], done.stderr

@@ -1,13 +1,15 @@
-"""Threads and interruptions: one pair, two threads, and generations cut off
-mid-cycle.
+"""Threads and interruptions: one pair, two threads, generations cut off
+mid-cycle, and a process whose generating threads ended before it exits.
 
-Threads here are long-lived workers that never end, as the server's
-generation thread: MLX (0.32) can abort the process at exit after compiled
-functions ran on a thread that has ended (see dflash_mlx/ops/threads.py and
-docs/robustness.md), and mlx-lm's own compiled functions are among them.
+Most tests here use long-lived workers, as the server's generation thread;
+``test_threads_that_ended_let_the_process_exit`` uses threads that end (see
+dflash_mlx/ops/threads.py and docs/robustness.md).
 """
 
+import json
 import queue
+import subprocess
+import sys
 import threading
 
 import mlx.core as mx
@@ -46,9 +48,13 @@ def workers():
 
 
 @pytest.fixture(scope="module")
-def pair_and_draft(qwen3_pair, tmp_path_factory):
-    draft = dflash_mlx.load_draft(qwen3_pair.make_draft(tmp_path_factory.mktemp("d") / "d", block_size=4), qwen3_pair.model)
-    return qwen3_pair, draft
+def draft_path(qwen3_pair, tmp_path_factory):
+    return qwen3_pair.make_draft(tmp_path_factory.mktemp("d") / "d", block_size=4)
+
+
+@pytest.fixture(scope="module")
+def pair_and_draft(qwen3_pair, draft_path):
+    return qwen3_pair, dflash_mlx.load_draft(draft_path, qwen3_pair.model)
 
 
 PROMPTS = [[5, 9, 13, 40, 41, 42, 7] * 3, [100, 3, 3, 60, 61, 8] * 3]
@@ -175,3 +181,45 @@ def test_keyboard_interrupt_in_the_prefill_leaves_the_cache_usable(pair_and_draf
     assert cache.tokens == (PROMPTS[0] * 2)[:8] and cache.pending == []  # the chunks that ran
     next_turn_is_exact(pair, draft, cache)
     mx.clear_cache()
+
+
+# Two threads, one after the other, each generate on one pair and end; the
+# second samples, seeded (mx.random's key is per thread). Then the process
+# exits: MLX frees an ended thread's compile traces and random key as the
+# interpreter exits, and aborted it (-6) in most runs before ops.threads.
+ENDED_THREADS = """
+import json, sys, threading
+import mlx.core as mx
+mx.set_default_device(mx.cpu)
+from mlx_lm import load
+import dflash_mlx
+target, draft_path, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+model, tokenizer = load(target)
+draft = dflash_mlx.load_draft(draft_path, model)
+out = []
+def run(prompt, **kw):
+    if kw:
+        mx.random.seed(7)
+    out.append([t for r in dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=16, **kw) for t in r.tokens])
+for prompt, kw in zip(prompts, [{}, dict(temperature=0.8, block_size=4)]):
+    thread = threading.Thread(target=run, args=(prompt,), kwargs=kw)
+    thread.start()
+    thread.join()
+print(json.dumps(out))
+"""
+
+
+def test_threads_that_ended_let_the_process_exit(pair_and_draft, draft_path):
+    """Exit status 0 in each of two processes (most aborted before), with
+    the greedy thread's output exact and the sampled one's equal to the same
+    seeded run on the main thread."""
+    pair, draft = pair_and_draft
+    mx.random.seed(7)
+    sampled = [t for r in dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, PROMPTS[1], max_tokens=16,
+                                                      temperature=0.8, block_size=4) for t in r.tokens]
+    want = [pair.reference(PROMPTS[0], 16, eos_ids=None), sampled]
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", ENDED_THREADS, str(pair.path), str(draft_path), json.dumps(PROMPTS)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout) == want

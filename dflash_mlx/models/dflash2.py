@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ArgumentError
-from ..ops.threads import compile_per_thread
+from ..ops.threads import compiled
 from .dflash import DFlashConfig, DFlashDraftModel, DraftConfigError, DraftLayer
 
 # "auto": Metal kernel where available and verified, else compiled ops.
@@ -56,7 +56,7 @@ def conv_mix_ops(x: mx.array, base: mx.array, coef: mx.array) -> mx.array:
     return y.astype(x.dtype)
 
 
-conv_mix_compiled = compile_per_thread(conv_mix_ops)
+conv_mix_compiled = compiled(conv_mix_ops)
 
 _CONV_SOURCE = """
     const uint i = thread_position_in_grid.x;
@@ -218,7 +218,7 @@ def top_candidates_ops(logits: mx.array, k: int) -> Tuple[mx.array, mx.array]:
     return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
 
 
-top_candidates_compiled = compile_per_thread(top_candidates_ops)
+top_candidates_compiled = compiled(top_candidates_ops)
 
 
 def first_best(v: mx.array) -> mx.array:
@@ -249,7 +249,7 @@ def walk_ops(unary, first, pair, noise, pick: Callable = first_best):
     return mx.stack(picks, axis=1), mx.stack(rows, axis=1)
 
 
-walk_compiled = compile_per_thread(walk_ops)
+walk_compiled = compiled(walk_ops)
 
 _WALK_SOURCE = """
     const int b = thread_position_in_grid.x;

@@ -24,12 +24,12 @@ Only float32 on the CPU takes these paths: Metal's ``exp`` is already fast,
 and other dtypes round differently.
 """
 
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .threads import compile_per_thread
+from .threads import compiled
 
 _LOG2E = 1.442695  # the float32 constant MLX multiplies by
 # MLX's (Cephes) coefficients for 2**f on [-0.5, 0.5], highest degree first.
@@ -84,10 +84,10 @@ def _with_gradient_of(fused, reference):
 
 # Compiled per input shape (``view`` rules out shapeless compilation): the
 # shapes that matter repeat every cycle, so each is traced once.
-exp = _with_gradient_of(compile_per_thread(_exp), mx.exp)
-sigmoid = _with_gradient_of(compile_per_thread(_sigmoid), mx.sigmoid)
-silu = _with_gradient_of(compile_per_thread(lambda x: x * _sigmoid(x)), nn.silu)
-swiglu = _with_gradient_of(compile_per_thread(lambda gate, x: gate * _sigmoid(gate) * x), lambda gate, x: nn.silu(gate) * x)
+exp = _with_gradient_of(compiled(_exp), mx.exp)
+sigmoid = _with_gradient_of(compiled(_sigmoid), mx.sigmoid)
+silu = _with_gradient_of(compiled(lambda x: x * _sigmoid(x)), nn.silu)
+swiglu = _with_gradient_of(compiled(lambda gate, x: gate * _sigmoid(gate) * x), lambda gate, x: nn.silu(gate) * x)
 
 
 def available(device=None) -> bool:
@@ -145,26 +145,26 @@ def _exp_nonpositive(x):
     return p
 
 
-@compile_per_thread(shapeless=True)
+@compiled(shapeless=True)
 def softmax_approx(scores):
     e = _exp_nonpositive(scores - mx.max(scores, axis=-1, keepdims=True))
     return e / mx.sum(e, axis=-1, keepdims=True)
 
 
-@compile_per_thread(shapeless=True)
+@compiled(shapeless=True)
 def exp_below(scores, top):
     """exp(scores - top), for ``top`` at least every score (a row maximum):
     softmax numerators with the normalisation left to the caller."""
     return _exp_nonpositive(scores - top)
 
 
-@compile_per_thread(shapeless=True)
+@compiled(shapeless=True)
 def exp_below_where(scores, top, keep):
     """:func:`exp_below` where ``keep``, 0 elsewhere (``top`` bounds only the kept scores)."""
     return mx.where(keep, _exp_nonpositive(mx.minimum(scores - top, 0.0)), 0.0)
 
 
-@compile_per_thread(shapeless=True)
+@compiled(shapeless=True)
 def swiglu_approx(gate, x):
     e = _exp_nonpositive(-mx.abs(gate))
     return gate * mx.where(gate >= 0, 1 / (1 + e), e / (1 + e)) * x
@@ -185,7 +185,7 @@ def _softmax_vjp(scores, cotangent, probs):
     return probs * (cotangent - (cotangent * probs).sum(-1, keepdims=True))
 
 
-@partial(mx.compile, shapeless=True)
+@compiled(shapeless=True)
 def _logsumexp_approx(x):
     m = mx.max(x, axis=-1, keepdims=True)
     return (m + mx.log(mx.sum(_exp_nonpositive(x - m), axis=-1, keepdims=True))).squeeze(-1)

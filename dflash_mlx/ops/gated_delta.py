@@ -23,7 +23,7 @@ import mlx.core as mx
 
 import mlx.nn as nn
 
-from .threads import compile_per_thread
+from .threads import compiled
 
 
 def log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
@@ -65,7 +65,7 @@ def _wy_chunk(q, k, v, log_g, beta, state):
 
 # Fusing the chunk's ~30 small ops saves per-op dispatch on the CPU (see
 # BENCHMARKS.md); the result is bit-identical to the uncompiled graph.
-_wy_chunk_compiled = compile_per_thread(_wy_chunk)
+_wy_chunk_compiled = compiled(_wy_chunk)
 
 
 @dataclass
