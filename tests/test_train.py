@@ -145,7 +145,11 @@ def test_cached_target_trains_identically(qwen3_5_pair, corpus, tmp_path):
         argv = small_run(qwen3_5_pair, tmp_path / "rows.npy", out, "--steps", "8", *extra)
         assert train_cli(argv) == 0
         runs[name] = history(out)
-    assert runs["cached"] == runs["plain"]
+    # The same arithmetic, the taps computed for all rows at once instead of
+    # per batch: a BLAS may block a matmul by its row count and sum in
+    # another order (OpenBLAS does), so equal to float32 rounding over a few
+    # layers and steps, not bit for bit.
+    np.testing.assert_allclose(runs["cached"], runs["plain"], rtol=1e-5, atol=1e-7)
     assert train_cli(small_run(qwen3_5_pair, corpus, tmp_path / "x", "--cache-target")) == 1
 
 
