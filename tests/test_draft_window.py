@@ -226,9 +226,10 @@ def test_long_prompt_keeps_the_bound_in_the_server_and_its_snapshots(tmp_path):
     assert row_bytes and drafter_bytes <= len(entries) * len(draft.layers) * (sink + window) * row_bytes
 
 
-@pytest.mark.skipif(os.environ.get("DFLASH_MLX_SMOLLM2") != "1", reason="downloads SmolLM2 (set DFLASH_MLX_SMOLLM2=1)")
-@pytest.mark.parametrize("window,sink", [(None, 0), (1024, 64), (16, 0)])
-def test_smollm2_six_thousand_token_prompt_is_exact(window, sink):
+@pytest.fixture(scope="module")
+def smollm2_long():
+    """SmolLM2, a 6,000-token prompt and mlx-lm's 64 greedy tokens after it
+    (computed once: a 6,000-token prefill is minutes on a CPU)."""
     from dflash_mlx.benchmark import long_prompt
     from dflash_mlx.pair import load_pair
     from tiny import reference_tokens
@@ -236,7 +237,13 @@ def test_smollm2_six_thousand_token_prompt_is_exact(window, sink):
     model, tokenizer, draft, _ = load_pair("smollm2")
     prompt = tokenizer.encode(long_prompt(tokenizer, 6000), add_special_tokens=False)
     assert len(prompt) >= 5900
-    want = reference_tokens(model, tokenizer, prompt, 64)
+    return model, tokenizer, draft, prompt, reference_tokens(model, tokenizer, prompt, 64)
+
+
+@pytest.mark.skipif(os.environ.get("DFLASH_MLX_SMOLLM2") != "1", reason="downloads SmolLM2 (set DFLASH_MLX_SMOLLM2=1)")
+@pytest.mark.parametrize("window,sink", [(None, 0), (1024, 64), (16, 0)])
+def test_smollm2_six_thousand_token_prompt_is_exact(smollm2_long, window, sink):
+    model, tokenizer, draft, prompt, want = smollm2_long
     cache = dflash_mlx.make_prompt_cache(model, draft, draft_window=window, draft_sink=sink)
     got = [t for r in dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=64, prompt_cache=cache) for t in r.tokens]
     assert got == want
