@@ -130,8 +130,8 @@ class TimedDraft:
     def propose_with_probs(self, *args, **kwargs):
         return self.timer.run("draft", self.draft.propose_with_probs, *args, **kwargs)
 
-    def slot_logits(self, *args, **kwargs):
-        return self.timer.run("draft", self.draft.slot_logits, *args, **kwargs)
+    def slot_head_logits(self, *args, **kwargs):
+        return self.timer.run("draft", self.draft.slot_head_logits, *args, **kwargs)
 
 
 def repeated_4gram_share(tokens: List[int]) -> float:

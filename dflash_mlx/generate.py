@@ -235,7 +235,7 @@ def tree_plan(target, draft, tree_budget: Optional[int], sizer) -> Tuple[int, bo
     honour is refused before any work."""
     if tree_budget is not None and tree_budget < 0:
         raise ArgumentError(f"tree_budget must be None (adaptive), 0 (chains only) or a node count, got {tree_budget}")
-    able = not target.no_trees and hasattr(draft, "slot_logits")
+    able = not target.no_trees and hasattr(draft, "slot_head_logits")
     if tree_budget:
         if sizer is not None:
             raise ArgumentError("pass tree_budget or sizer, not both (a sizer makes every choice)")
@@ -396,13 +396,13 @@ class Drafting:
         else:
             verify_in, q = mx.array([[anchor]]), None
         if length > 1:
+            block, slots = self.block(anchor), length - 1
             if rule.sampling is not None:
-                drafted, q = self.draft.propose_with_probs(self.block(anchor), cache.target_hidden, cache.draft, **rule.sampling)
-                q = q[0, : length - 1]
+                drafted, q = self.draft.propose_with_probs(block, cache.target_hidden, cache.draft, **rule.sampling, slots=slots)
+                q = q[0]
             else:
-                drafted = self.draft.propose(self.block(anchor), cache.target_hidden, cache.draft)
+                drafted = self.draft.propose(block, cache.target_hidden, cache.draft, slots=slots)
             cache.target_hidden = None  # injected into the drafter's context
-            drafted = drafted[:, : length - 1]
             self.settle(drafted)
             verify_in = mx.concatenate([verify_in, drafted.astype(mx.int32)], axis=1)
         logits, target_hidden = self.target.forward(verify_in, cache.target)
@@ -416,9 +416,9 @@ class Drafting:
         nodes at most ``remaining - 1`` deep and verify it in one forward;
         the outcome is the target's choice at every row."""
         cache = self.cache
-        slot_logits = self.draft.slot_logits(self.block(anchor), cache.target_hidden, cache.draft)
+        head = self.draft.slot_head_logits(self.block(anchor), cache.target_hidden, cache.draft, slots=remaining - 1)
         cache.target_hidden = None  # injected into the drafter's context
-        ids, logprobs = candidates(slot_logits[0, : remaining - 1], nodes)
+        ids, logprobs = candidates(head[0], nodes, self.draft.vocab_ids)
         tree = build_tree(anchor, ids, logprobs, nodes)
         logits, target_hidden = self.target.forward(mx.array([tree.tokens]), cache.target, tree=tree)
         outcome = self.rule.choose(logits[0]).astype(mx.int32)

@@ -33,6 +33,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .ops import fast_math
+
 
 @dataclass
 class DraftTree:
@@ -175,15 +177,22 @@ def walked_ranks(tree: DraftTree, ids: np.ndarray, path: Sequence[int], choices:
     return out
 
 
-def candidates(slot_logits, k: int):
+def candidates(head_logits, k: int, vocab_ids: Optional[mx.array] = None):
     """The best ``k`` tokens of each slot and their log-probabilities, best
-    first, as numpy arrays ``[slots, k]`` (one host read)."""
-    logprobs = slot_logits.astype(mx.float32)
-    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-    k = min(k, logprobs.shape[-1])
-    top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
-    values = mx.take_along_axis(logprobs, top, axis=-1)
+    first, as numpy arrays ``[slots, k]`` (one host read), from the
+    drafter's head logits ``[slots, K]`` (column ``j`` is target id
+    ``vocab_ids[j]``; None: id ``j``). The top ``k`` are picked before
+    anything else is computed, and the normaliser is the approximate
+    logsumexp on the CPU: these numbers only shape the tree, every token it
+    commits is the target's own."""
+    logits = head_logits.astype(mx.float32)
+    k = min(k, logits.shape[-1])
+    top = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    values = mx.take_along_axis(logits, top, axis=-1)
     order = mx.argsort(-values, axis=-1)
-    ids, values = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+    top, values = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+    norm = fast_math.logsumexp_approx(logits) if fast_math.approx_for(logits) else mx.logsumexp(logits, axis=-1)
+    ids = top if vocab_ids is None else vocab_ids[top]
+    values = values - norm[..., None]
     mx.eval(ids, values)
     return np.array(ids), np.array(values)

@@ -16,7 +16,10 @@ Scenarios, each with the bar it is held to:
    random drafter (written by :mod:`dflash_mlx.random_pair`, the first seed
    whose target writes all 256 new tokens before an eos): DFlash >= 0.9x
    mlx-lm.
-2. ``long``: the bundled pair at 2048 new tokens: >= 0.95x mlx-lm.
+2. ``long``: the bundled pair at 2048 new tokens on ``--long-prompts``
+   prompts (:data:`WALK_PROMPT`, where the drafter's acceptance falls off
+   after its first hundred cycles, then the held-out prompts): >= 0.95x
+   mlx-lm on each.
 3. ``bench``: the bundled pair at 128 new tokens on its held-out prompts
    (``mlx-dflash bench``): the adaptive speedup within 3% of the fixed
    trained block's, and >= 0.85 of the ideal.
@@ -51,6 +54,9 @@ from dflash_mlx.pair import DEFAULT_DRAFT, DEFAULT_TARGET, default_prompts
 from dflash_mlx.random_pair import write_random_pair
 
 ZLAB_DIR = Path.home() / ".cache" / "dflash_mlx" / "zlab"
+# A long generation's first prompt: the bundled drafter commits about 4
+# tokens per cycle for its first hundred cycles, then about 2.
+WALK_PROMPT = "import os\n\ndef walk(path):\n"
 
 
 def alternate(runners: Dict[str, Callable[[], dict]], repeats: int) -> dict:
@@ -150,7 +156,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed rounds, bundled pair and bench")
     p.add_argument("--random-repeats", type=int, default=16, help="timed rounds, never-agreeing pairs (cheap, and their steps are short enough for the machine's noise to swamp a few rounds)")
     p.add_argument("--random-tokens", type=int, default=256, help="new tokens, never-agreeing pairs")
-    p.add_argument("--long-tokens", type=int, default=2048, help="new tokens, the bundled pair's long run")
+    p.add_argument("--long-tokens", type=int, default=2048, help="new tokens, the bundled pair's long runs")
+    p.add_argument("--long-prompts", type=int, default=3, help="prompts of the long runs: WALK_PROMPT, then held-out ones")
     p.add_argument("--bench-tokens", type=int, default=128, help="new tokens, the bundled pair's bench")
     p.add_argument("--num-prompts", type=int, default=None, help="bench prompts (default: all)")
     p.add_argument("--zlab-dir", type=Path, default=ZLAB_DIR, help="where z-lab's dflash 0.1.0 is installed")
@@ -166,9 +173,11 @@ def main(argv=None) -> int:
             runners = pair_runners(target, draft, prompt, args.random_tokens, with_zlab)
             results["never_agreeing"][family] = {"seed": seed, **ratios(alternate(runners, args.random_repeats))}
             print(family, "never agreeing:", json.dumps(results["never_agreeing"][family]), flush=True)
-    runners = pair_runners(DEFAULT_TARGET, DEFAULT_DRAFT, prompt, args.long_tokens)
-    results["long"] = ratios(alternate(runners, args.repeats))
-    print("bundled pair, long:", json.dumps(results["long"]), flush=True)
+    results["long"] = []
+    for long_prompt in ([WALK_PROMPT] + default_prompts())[: args.long_prompts]:
+        runners = pair_runners(DEFAULT_TARGET, DEFAULT_DRAFT, long_prompt, args.long_tokens)
+        results["long"].append({"prompt": long_prompt[:40], **ratios(alternate(runners, args.repeats))})
+        print("bundled pair, long:", json.dumps(results["long"][-1]), flush=True)
     if zlab is not None:
         runners = pair_runners(DEFAULT_TARGET, DEFAULT_DRAFT, prompt, args.bench_tokens, zlab)
         results["zlab_bundled"] = ratios(alternate(runners, args.repeats))

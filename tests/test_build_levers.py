@@ -62,6 +62,30 @@ def test_draft_vocab_greedy_is_lossless(small_vocab):
     assert set(np.array(tokens).ravel().tolist()) <= set(FEW)
 
 
+def test_draft_vocab_proposals_and_tree_candidates_match_the_full_logits(small_vocab):
+    """Ranked over the draft vocabulary and mapped to target ids, greedy
+    proposals (of any number of slots) and a tree's candidates are what the
+    target-vocabulary logits (-inf outside it) give."""
+    from dflash_mlx.tree import candidates
+
+    draft = small_vocab.draft
+    block = mx.array([[1, 4, 4, 4]])
+    for seed in range(4):
+        context = mx.random.normal((1, 3, draft.config.fc_input_size), key=mx.random.key(seed))
+        full = draft.slot_logits(block, context, draft.make_cache())
+        want = np.array(mx.argmax(full, axis=-1))
+        assert np.array(draft.propose(block, context, draft.make_cache())).tolist() == want.tolist()
+        for slots in (1, 2):
+            got = draft.propose(block, context, draft.make_cache(), slots=slots)
+            assert np.array(got).tolist() == want[:, :slots].tolist()
+        head = draft.slot_head_logits(block, context, draft.make_cache(), slots=2)
+        ids, logprobs = candidates(head[0], 3, draft.vocab_ids)
+        exact = np.array(full[0, :2] - mx.logsumexp(full[0, :2], axis=-1, keepdims=True))
+        assert ids.shape == (2, 3) and set(ids.ravel().tolist()) <= set(FEW)
+        np.testing.assert_array_equal(ids, np.argsort(-exact, axis=-1, kind="stable")[:, :3])
+        np.testing.assert_allclose(logprobs, np.take_along_axis(exact, ids, axis=-1), atol=1e-4)
+
+
 def test_draft_vocab_sampling_samples_the_target(small_vocab):
     """q is zero outside the draft vocabulary and the committed tokens are
     distributed as the target's (the PIT / DKW check of test_sampling)."""

@@ -131,7 +131,7 @@ class OneTokenScriptedDrafter(ScriptedDrafter):
         self.proposed = None  # length of the last proposal
         self.lone_after_rollback = 0
 
-    def propose(self, block, context, cache):
+    def propose(self, block, context, cache, slots=None):
         rolled_back = self.proposed is not None and context.shape[1] < self.proposed + 1
         if next(self.cycle) % self.skip_every == 0:
             seq = tiny.committed_sequence(self.prompt, block, context, cache)
@@ -140,7 +140,7 @@ class OneTokenScriptedDrafter(ScriptedDrafter):
             self.proposed = 0
             return mx.zeros((1, 0), mx.int32)
         self.proposed = block.shape[1] - 1
-        return super().propose(block, context, cache)
+        return super().propose(block, context, cache, slots)
 
 
 GREEDY_CASES = [

@@ -84,13 +84,13 @@ class ConversationDrafter(ScriptedDrafter):
     def make_cache(self):
         return {"seen": 0}
 
-    def propose(self, block, context, cache):
+    def propose(self, block, context, cache, slots=None):
         if cache["seen"] == 0 and context.shape[1] == 1:  # calibrate's probe (see tiny.committed_sequence)
-            return mx.zeros((1, block.shape[1] - 1), dtype=mx.int32)
+            return mx.zeros((1, block.shape[1] - 1), dtype=mx.int32)[:, :slots]
         cache["seen"] += context.shape[1]
         seq = self.reference[: cache["seen"]] + [int(block[0, 0].item())]
         assert seq[-1] == self.reference[len(seq) - 1], "the anchor is not the conversation's next token"
-        return mx.array([self.draft(seq, block.shape[1] - 1)])
+        return mx.array([self.draft(seq, block.shape[1] - 1)])[:, :slots]
 
 
 def oracle(pair, turns, max_tokens, block_size, eos=None):

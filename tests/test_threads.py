@@ -120,11 +120,11 @@ class InterruptingDrafter:
     def __getattr__(self, name):
         return getattr(self.draft, name)
 
-    def propose(self, *args):
+    def propose(self, *args, **kw):
         self.n -= 1
         if self.n == 0:
             raise Interrupt
-        return self.draft.propose(*args)
+        return self.draft.propose(*args, **kw)
 
 
 def next_turn_is_exact(pair, draft, cache):

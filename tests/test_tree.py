@@ -121,7 +121,7 @@ class TreeDrafter(ScriptedDrafter):
     absent from the top candidates): the tree's walk then takes branches
     other than the best chain."""
 
-    def slot_logits(self, block, context, cache):
+    def slot_head_logits(self, block, context, cache, slots=None):
         n = block.shape[1] - 1
         seq = committed_sequence(self.prompt, block, context, cache, self.reference)
         truth = self.draft(seq, n)  # the scripted chain, a mistake planted in it
@@ -137,7 +137,7 @@ class TreeDrafter(ScriptedDrafter):
             logits[j, t] = 4.0
             if t != r and self.cycle % 3:
                 logits[j, r] = 3.0  # the truth as runner-up
-        return mx.array(logits)[None]
+        return mx.array(logits)[None][:, :slots]
 
 
 def tree_run(pair, prompt, budget, max_tokens, block=16, eos_ids=(), **kw):

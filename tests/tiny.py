@@ -491,6 +491,7 @@ class FakeDrafter:
     target's adapter (one tap) and tracks the committed tokens."""
 
     mask_token_id = 0
+    vocab_ids = None  # head columns are target ids
 
     def __init__(self, prompt, block_size):
         self.prompt, self.block_size, self._target = list(prompt), block_size, None
@@ -511,14 +512,14 @@ class FakeDrafter:
     def make_cache(self):
         return {"tokens": [], "last": None}
 
-    def propose(self, block, context, cache):
+    def propose(self, block, context, cache, slots=None):
         self.block_lengths.append(block.shape[1])
         seq = committed_sequence(self.prompt, block, context, cache, getattr(self, "reference", None))
         if cache.get("probe"):
-            return mx.zeros((1, block.shape[1] - 1), dtype=mx.int32)
+            return mx.zeros((1, block.shape[1] - 1), dtype=mx.int32)[:, :slots]
         tokens = self.draft(seq, block.shape[1] - 1)
         cache["last"] = [seq[-1]] + tokens
-        return mx.array([tokens])
+        return mx.array([tokens])[:, :slots]
 
 
 class ScriptedDrafter(FakeDrafter):
@@ -572,7 +573,7 @@ class DoubleDrafter(FakeDrafter):
             self.qs.append(q)
         return tokens
 
-    def propose_with_probs(self, block, context, cache, temperature, top_p=0.0, top_k=0, min_p=0.0):
+    def propose_with_probs(self, block, context, cache, temperature, top_p=0.0, top_k=0, min_p=0.0, slots=None):
         def pick(logits):
             q = processed_probs(logits, temperature, top_p, top_k, min_p)
             return sample(q), q
@@ -580,7 +581,7 @@ class DoubleDrafter(FakeDrafter):
         seq = committed_sequence(self.prompt, block, context, cache)
         tokens = self.draft(seq, block.shape[1] - 1, pick)
         cache["last"] = [seq[-1]] + tokens
-        return mx.array([tokens]), mx.stack(self.qs)[None]
+        return mx.array([tokens])[:, :slots], mx.stack(self.qs)[None][:, :slots]
 
 
 class TreeDoubleDrafter(DoubleDrafter):
@@ -598,14 +599,14 @@ class TreeDoubleDrafter(DoubleDrafter):
         self.followed = prompt_cache
         return prompt_cache
 
-    def slot_logits(self, block, context, cache):
+    def slot_head_logits(self, block, context, cache, slots=None):
         seq = list(self.followed.tokens)
         assert seq[-1] == int(block[0, 0].item()), "the anchor is the last committed token"
         rows, tokens = [], []
         for _ in range(block.shape[1] - 1):
             rows.append((self._target.model(mx.array([seq + tokens]))[0, -1] + self.noise) * self.scale)
             tokens.append(int(mx.argmax(rows[-1]).item()))
-        return mx.stack(rows)[None]
+        return mx.stack(rows)[None][:, :slots]
 
 
 class EchoDFlash2(DFlash2DraftModel):

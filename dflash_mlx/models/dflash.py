@@ -559,6 +559,7 @@ class DFlashDraftModel(nn.Module):
         # so saving or quantizing the drafter never touches them.
         self._target = None
         self._draft_head = None  # the target's head rows of the draft vocabulary
+        self._vocab_ids = None  # the draft vocabulary's target ids, as an array
 
     @property
     def block_size(self) -> int:
@@ -650,14 +651,41 @@ class DFlashDraftModel(nn.Module):
     def __call__(self, block_tokens, target_hidden, cache) -> mx.array:
         return self.compute_logits(self.hidden_states(block_tokens, target_hidden, cache))
 
-    def slot_logits(self, block_tokens, target_hidden, cache) -> mx.array:
-        """Logits of the drafted slots 1..L-1 (the anchor's are never used)."""
-        return self.compute_logits(self.hidden_states(block_tokens, target_hidden, cache)[:, 1:])
+    def slot_hidden(self, block_tokens, target_hidden, cache, slots: Optional[int] = None) -> mx.array:
+        """Final states of the drafted slots 1..``slots`` (default all, L-1).
+        The drafter reads the whole block whatever a cycle verifies; only
+        the head is cut to the slots the cycle will use."""
+        h = self.hidden_states(block_tokens, target_hidden, cache)
+        return h[:, 1:] if slots is None else h[:, 1 : 1 + slots]
 
-    def propose(self, block_tokens, target_hidden, cache) -> mx.array:
-        """Greedy tokens for slots 1..L-1: [B, L-1] (sampling uses
-        :meth:`propose_with_probs`)."""
-        return mx.argmax(self.slot_logits(block_tokens, target_hidden, cache), axis=-1)
+    def slot_logits(self, block_tokens, target_hidden, cache, slots: Optional[int] = None) -> mx.array:
+        """Logits over the target vocabulary of the drafted slots 1..``slots``
+        (the anchor's are never used)."""
+        return self.compute_logits(self.slot_hidden(block_tokens, target_hidden, cache, slots))
+
+    def slot_head_logits(self, block_tokens, target_hidden, cache, slots: Optional[int] = None) -> mx.array:
+        """Logits over the draft vocabulary (:meth:`head_logits`) of the
+        drafted slots 1..``slots``: what greedy proposals and draft trees
+        rank. Column ``j`` is target id ``vocab_ids[j]`` (the id itself
+        without a draft vocabulary)."""
+        return self.head_logits(self.slot_hidden(block_tokens, target_hidden, cache, slots))
+
+    @property
+    def vocab_ids(self) -> Optional[mx.array]:
+        """The target id of each head column (None: column ``j`` is id ``j``)."""
+        if self.config.draft_vocab is None:
+            return None
+        if self._vocab_ids is None:
+            object.__setattr__(self, "_vocab_ids", mx.array(self.config.draft_vocab, mx.int32))
+        return self._vocab_ids
+
+    def propose(self, block_tokens, target_hidden, cache, slots: Optional[int] = None) -> mx.array:
+        """Greedy tokens for slots 1..``slots`` (default L-1): [B, slots]
+        (sampling uses :meth:`propose_with_probs`). The argmax is taken over
+        the draft vocabulary and mapped to target ids: the same token as the
+        argmax over :meth:`compute_logits`, whose other ids are -inf."""
+        best = mx.argmax(self.slot_head_logits(block_tokens, target_hidden, cache, slots), axis=-1)
+        return best if self.vocab_ids is None else self.vocab_ids[best]
 
     def propose_with_probs(
         self,
@@ -668,19 +696,21 @@ class DFlashDraftModel(nn.Module):
         top_p: float = 0.0,
         top_k: int = 0,
         min_p: float = 0.0,
+        slots: Optional[int] = None,
     ) -> Tuple[mx.array, mx.array]:
-        """Sampled tokens for slots 1..L-1 and the distribution ``q`` they were
-        drawn from, ``([B, L-1], [B, L-1, V])``: what speculative sampling
-        needs to verify them. ``q`` is processed like the target's ``p``.
-        Drafters differ only in how they draw (:meth:`draw`).
+        """Sampled tokens for slots 1..``slots`` (default L-1) and the
+        distribution ``q`` they were drawn from, ``([B, slots], [B, slots,
+        V])``: what speculative sampling needs to verify them. ``q`` is
+        processed like the target's ``p``. Drafters differ only in how they
+        draw (:meth:`draw`).
         """
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-        return self.draw(block_tokens, target_hidden, cache, sampling)
+        return self.draw(block_tokens, target_hidden, cache, sampling, slots)
 
-    def draw(self, block_tokens, target_hidden, cache, sampling: dict) -> Tuple[mx.array, mx.array]:
+    def draw(self, block_tokens, target_hidden, cache, sampling: dict, slots: Optional[int] = None) -> Tuple[mx.array, mx.array]:
         """:meth:`propose_with_probs` with ``sampling`` holding
         :func:`processed_probs`' settings: each slot independently."""
-        q = processed_probs(self.slot_logits(block_tokens, target_hidden, cache), **sampling)
+        q = processed_probs(self.slot_logits(block_tokens, target_hidden, cache, slots), **sampling)
         return sample(q), q
 
 

@@ -443,12 +443,19 @@ class DFlash2DraftModel(DFlashDraftModel):
             block_tokens[:, 0], hidden, self.compute_logits(hidden), temperature, pick
         )
 
-    def propose(self, block_tokens, target_hidden, cache) -> mx.array:
-        """The selector's greedy walk over slots 1..L-1: [B, L-1] (sampling
-        uses :meth:`propose_with_probs`)."""
-        return self.select(block_tokens, target_hidden, cache).tokens
+    def propose(self, block_tokens, target_hidden, cache, slots: Optional[int] = None) -> mx.array:
+        """The selector's greedy walk over slots 1..``slots`` (default L-1):
+        [B, slots] (sampling uses :meth:`propose_with_probs`). The walk goes
+        over every slot, as trained (and as Metal's walk needs); a prefix
+        of a walk is the walk over that prefix."""
+        return self.select(block_tokens, target_hidden, cache).tokens[:, :slots]
 
-    def draw(self, block_tokens, target_hidden, cache, sampling: dict) -> Tuple[mx.array, mx.array]:
+    def draw(self, block_tokens, target_hidden, cache, sampling: dict, slots: Optional[int] = None) -> Tuple[mx.array, mx.array]:
+        """:meth:`sampled_walk`'s first ``slots`` slots (default all)."""
+        tokens, q = self.sampled_walk(block_tokens, target_hidden, cache, sampling)
+        return tokens[:, :slots], q[:, :slots]
+
+    def sampled_walk(self, block_tokens, target_hidden, cache, sampling: dict) -> Tuple[mx.array, mx.array]:
         """(tokens [B, L-1], q [B, L-1, vocab]): the walk and the distribution
         each token was drawn from, for speculative sampling.
 

@@ -186,12 +186,13 @@ def _softmax_vjp(scores, cotangent, probs):
 
 
 @compiled(shapeless=True)
-def _logsumexp_approx(x):
+def logsumexp_approx(x):
+    """logsumexp over the last axis with the approximate exp."""
     m = mx.max(x, axis=-1, keepdims=True)
     return (m + mx.log(mx.sum(_exp_nonpositive(x - m), axis=-1, keepdims=True))).squeeze(-1)
 
 
-logsumexp_trainable = mx.custom_function(_logsumexp_approx)
+logsumexp_trainable = mx.custom_function(logsumexp_approx)
 
 
 @logsumexp_trainable.vjp

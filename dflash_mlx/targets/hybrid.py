@@ -16,7 +16,6 @@ path, mlx-lm's one-token update over a batch of the level's nodes. Every
 node's states are kept, so rollback installs the walked leaf's.
 """
 
-import threading
 from dataclasses import dataclass
 from functools import partial
 from typing import List, Optional
@@ -31,6 +30,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextRMSNormGated
 from ..errors import ArgumentError
 from ..ops import fast_math
 from ..ops.gated_delta import DeltaChunk, chunked_gated_delta, log_decay
+from ..ops.threads import compiled
 from .attention import context_rows, kept_rows, rewind_caches, tree_mask
 from .base import TargetAdapter
 
@@ -287,26 +287,21 @@ class HybridTarget(TargetAdapter):
             raise ArgumentError("recurrence must be 'auto', 'chunked' or 'sequential'")
         self.chunked = recurrence == "chunked" or (recurrence == "auto" and not has_fused_recurrence())
         self.compile_layers = compile_layers
-        self._compiled = threading.local()  # per thread: see ops.threads
-
-    @property
-    def _compiled_layers(self) -> dict:
-        return self._compiled.__dict__.setdefault("layers", {})
+        self.fused_layers = {}  # layer index -> its compiled verify-block forward
 
     @property
     def compiled_layers(self) -> int:
-        """How many GatedDeltaNet layers have run as compiled functions so far (on this thread)."""
-        return len(self._compiled_layers)
+        """How many GatedDeltaNet layers have run as compiled functions so far."""
+        return len(self.fused_layers)
 
     def _fused_linear_layer(self, i, layer, h, cache, records):
         """Verify-block forward of GatedDeltaNet layer ``i`` as one compiled
         function. A verify block has fixed shapes, so each layer traces once;
         fusing its many small ops saves per-op dispatch on the CPU (measured
         in BENCHMARKS.md), bit-identical to running them one by one (tested)."""
-        fn = self._compiled_layers.get(i)
+        fn = self.fused_layers.get(i)
         if fn is None:
-            fn = mx.compile(partial(linear_layer_block, layer), inputs=layer.state)
-            self._compiled_layers[i] = fn
+            fn = self.fused_layers[i] = compiled(partial(linear_layer_block, layer), inputs=layer.state)
         state0 = cache[1]
         h, cache[0], cache[1], conv_input, u, L, k = fn(h, cache[0], state0)
         cache.advance(h.shape[1])
