@@ -499,6 +499,12 @@ class BlockSizer:
         nodes = max(range(1, MAX_TREE_NODES + 1), key=tree_rate.__getitem__)
         return nodes if tree_rate[nodes] > chain_rate else 0
 
+    def drafting_pays(self) -> bool:
+        """Whether some block length beats plain decoding at the current
+        estimates (expected tokens per second)."""
+        rate = [e / c for e, c in zip(self.acceptance.expected, self.costs.upto(self.max_block))]
+        return max(rate[1:], default=0.0) > rate[0]
+
     def longest_wait(self, probe: int) -> int:
         """Plain cycles between failed probes at most: enough that probing a
         drafter that never agrees costs at most ``PROBE_BUDGET`` of the time
@@ -526,8 +532,13 @@ class BlockSizer:
         self.acceptance.observe(block - 1, accepted)
         if block > 1 and self.plain_run >= self.patience:  # that was a probe
             self.plain_run = 0
-            # a success probes again at once; a failure waits twice as long
-            self.patience = 1 if accepted else min(max(self.patience, 4) * 2, self.longest_wait(block))
+            # A probe succeeds when drafting now looks faster than plain
+            # decoding: then the next plain cycle probes again. Any other
+            # probe waits twice as long: a drafter whose tokens are accepted
+            # now and then, but too rarely to pay, is not probed every other
+            # cycle.
+            pays = accepted and self.drafting_pays()
+            self.patience = 1 if pays else min(max(self.patience, 4) * 2, self.longest_wait(block))
         elif block > 1:
             self.plain_run = 0
             self.patience = 4

@@ -9,7 +9,9 @@ answer that reads as a question becomes a request under the topic's key
 held-out request, is dropped, so the held-out requests (the benchmark's
 prompts) stay unseen. The new requests go after the file's training list
 (shards made from the earlier ones stay valid); the file is rewritten
-atomically, once (``written_questions`` records it).
+atomically, once (``written_questions`` records it). Until then the
+questions so far wait in ``requests-questions.json`` beside it, saved
+after every ``--chunk`` prompts, and a new run continues from there.
 """
 
 import argparse
@@ -48,22 +50,37 @@ def names_any(text: str, names) -> bool:
     return any(re.search(rf"\b{re.escape(n)}\b", text, re.IGNORECASE) for n in names)
 
 
-def written_requests(model, tokenizer, data: dict, args) -> list:
-    """The target's questions on the training topics, minus any touching a held-out one."""
+def written_requests(model, tokenizer, data: dict, args, progress: Path) -> list:
+    """The target's questions on the training topics, minus any touching a
+    held-out one. Asked ``--chunk`` prompts at a time; after each chunk the
+    questions so far and the count of prompts asked go to ``progress``
+    (atomically), so an interrupted run continues at the next chunk."""
     heldout_topics = {r["topic"] for r in data["heldout"]}
     heldout_names = {t.split(":", 1)[1] for t in heldout_topics}
     heldout_text = {r["request"] for r in data["heldout"]}
     topics = sorted({r["topic"] for r in data["train"]} - heldout_topics)[: args.limit]
     asks = [(t, ask.format(subject=subject(t))) for t in topics for ask in WRITE_ASKS]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True) for _, a in asks]
-    seen, out = set(), []
-    for (topic, _), ids in zip(asks, greedy_answers(model, tokenizer, prompts, args)):
-        for q in questions(tokenizer.decode(ids)):
-            if q in seen or q in heldout_text or names_any(q, heldout_names):
-                continue
-            seen.add(q)
-            out.append({"topic": topic, "kind": "written", "request": q})
+    state = json.loads(progress.read_text()) if progress.exists() else {"asked": 0, "questions": []}
+    out = state["questions"]
+    seen = {r["request"] for r in out}
+    for start in range(state["asked"], len(asks), args.chunk):
+        chunk = asks[start : start + args.chunk]
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True) for _, a in chunk]
+        for (topic, _), ids in zip(chunk, greedy_answers(model, tokenizer, prompts, args)):
+            for q in questions(tokenizer.decode(ids)):
+                if q in seen or q in heldout_text or names_any(q, heldout_names):
+                    continue
+                seen.add(q)
+                out.append({"topic": topic, "kind": "written", "request": q})
+        write_atomically(progress, {"asked": start + len(chunk), "questions": out})
+        print(f"asked {start + len(chunk)} of {len(asks)}: {len(out)} questions", flush=True)
     return out
+
+
+def write_atomically(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
 
 
 def main(argv=None):
@@ -72,6 +89,7 @@ def main(argv=None):
     p.add_argument("--requests", required=True, help="requests.json of recipes/smollm2_requests.py, extended in place")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=128, help="prompts asked between two saves of the progress")
     p.add_argument("--limit", type=int, default=None, help="only the first N training topics")
     p.add_argument(
         "--fast-target", action=argparse.BooleanOptionalAction, default=True,
@@ -84,12 +102,12 @@ def main(argv=None):
         print(f"{path} holds the target's questions already")
         return
     _, model, tokenizer = load_target(args)
-    new = written_requests(model, tokenizer, data, args)
+    progress = path.with_name(path.stem + "-questions.json")
+    new = written_requests(model, tokenizer, data, args, progress)
     data["train"] += new
     data["written_questions"] = len(new)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    write_atomically(path, data)
+    progress.unlink()
     print(f"{len(new)} questions written by the target -> {path}")
 
 

@@ -138,8 +138,25 @@ def test_failed_probes_back_off_and_a_successful_probe_probes_again():
     assert sizer.patience == sizer.longest_wait(16) == pytest.approx(140, abs=1)
     while sizer.choose(10_000) == 1:
         sizer.observe(1, 0, 1.0)
-    sizer.observe(16, 1, 2.4)  # the probe's first slot was accepted
-    assert sizer.patience == 1
+    sizer.observe(16, 15, 2.4)  # the whole probe was accepted: drafting pays again
+    assert sizer.drafting_pays() and sizer.patience == 1
+
+
+def test_probes_that_accept_too_little_to_pay_back_off():
+    """A drafter whose probes get a token or two accepted, when a plain step
+    is cheap enough that drafting never pays, is probed ever more rarely,
+    not every other cycle."""
+    sizer = BlockSizer(16, CycleCosts({1: 1.0, 2: 2.0, 16: 3.5}))
+    rng = np.random.default_rng(0)
+    chosen = []
+    for _ in range(1500):
+        block = sizer.choose(10_000)
+        chosen.append(block)
+        accepted = min(int(rng.geometric(0.6)) - 1, block - 1)  # about 1.6 tokens per cycle at 16
+        sizer.observe(block, accepted, 1.0 if block == 1 else 2.0 + 0.1 * (block - 1))
+    assert not sizer.drafting_pays()
+    drafted = [b for b in chosen[500:] if b > 1]
+    assert len(drafted) <= 20  # under 2% of the cycles, where probing every other cycle is half
 
 
 def test_a_cost_table_must_reach_the_largest_block():

@@ -68,7 +68,7 @@ def test_multi_turn_distillation_marks_every_answer(chat_model, tmp_path):
     assert mask.shape == packed.shape and mask.dtype == bool and np.array_equal(mask.reshape(-1), flat)
 
 
-def test_written_questions_skip_held_out_subjects(monkeypatch):
+def test_written_questions_skip_held_out_subjects(monkeypatch, tmp_path):
     text = "1. What?\n- How do I sort with shlex quickly?\nNot a question\n3) Why use tuples in Python?"
     assert list(smollm2_questions.questions(text)) == [
         "How do I sort with shlex quickly?", "Why use tuples in Python?"]  # fmt: skip
@@ -88,11 +88,45 @@ def test_written_questions_skip_held_out_subjects(monkeypatch):
             return text + "\nWhat are Python lists good for?"
 
     monkeypatch.setattr(smollm2_questions, "greedy_answers", fake_answers)
-    args = type("A", (), {"limit": None})
-    new = smollm2_questions.written_requests(None, Tok(), data, args)
+    args = type("A", (), {"limit": None, "chunk": 128})
+    new = smollm2_questions.written_requests(None, Tok(), data, args, tmp_path / "progress.json")
     assert len(asked) == len(smollm2_questions.WRITE_ASKS) and all("lists" in a for a in asked)  # training topic only
     assert [r["request"] for r in new] == ["What are Python lists good for?"]
     assert {r["topic"] for r in new} == {"general:lists"} and {r["kind"] for r in new} == {"written"}
+
+
+def test_written_questions_resume_after_the_last_saved_chunk(monkeypatch, tmp_path):
+    """An interrupted questions stage keeps what its finished chunks wrote
+    and asks only the prompts after them; the result is the uninterrupted one's."""
+    data = {"train": [{"topic": f"general:t{i}", "request": "x"} for i in range(3)], "heldout": []}
+    asked, fail_at = [], [2]
+
+    def fake_answers(model, tokenizer, prompts, args):
+        if len(asked) // 2 == fail_at[0]:
+            raise KeyboardInterrupt
+        asked.extend(prompts)
+        return [[len(asked) - len(prompts) + i] for i in range(len(prompts))]  # one question per prompt
+
+    class Tok:
+        def apply_chat_template(self, chat, add_generation_prompt):
+            return chat[0]["content"]
+
+        def decode(self, ids):
+            return f"Question {ids[0]} about something?"
+
+    monkeypatch.setattr(smollm2_questions, "greedy_answers", fake_answers)
+    args = type("A", (), {"limit": None, "chunk": 2})
+    progress = tmp_path / "progress.json"
+    with pytest.raises(KeyboardInterrupt):
+        smollm2_questions.written_requests(None, Tok(), data, args, progress)
+    assert json.loads(progress.read_text())["asked"] == 4
+    fail_at[0] = None
+    resumed = smollm2_questions.written_requests(None, Tok(), data, args, progress)
+    total = 3 * len(smollm2_questions.WRITE_ASKS)
+    assert len(asked) == total and len(set(asked)) == total  # every prompt asked once
+    asked.clear()
+    whole = smollm2_questions.written_requests(None, Tok(), data, args, tmp_path / "fresh.json")
+    assert resumed == whole and len(whole) == total
 
 
 def test_levers_reach_the_training_command(tmp_path):
