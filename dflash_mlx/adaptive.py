@@ -469,7 +469,7 @@ class BlockSizer:
         elif self.fixed:
             choice = cap
         else:
-            rate = [e / c for e, c in zip(self.acceptance.expected[:cap], self.costs.upto(cap))]
+            rate = self.rates(cap)
             choice = rate.index(max(rate)) + 1
             if self.trees and cap > 1:
                 nodes = self.best_tree(cap, max(rate))
@@ -499,10 +499,13 @@ class BlockSizer:
         nodes = max(range(1, MAX_TREE_NODES + 1), key=tree_rate.__getitem__)
         return nodes if tree_rate[nodes] > chain_rate else 0
 
+    def rates(self, cap: int) -> List[float]:
+        """Expected tokens per second at block lengths 1..``cap``, at the current estimates."""
+        return [e / c for e, c in zip(self.acceptance.expected[:cap], self.costs.upto(cap))]
+
     def drafting_pays(self) -> bool:
-        """Whether some block length beats plain decoding at the current
-        estimates (expected tokens per second)."""
-        rate = [e / c for e, c in zip(self.acceptance.expected, self.costs.upto(self.max_block))]
+        """Whether some block length beats plain decoding at the current estimates."""
+        rate = self.rates(self.max_block)
         return max(rate[1:], default=0.0) > rate[0]
 
     def longest_wait(self, probe: int) -> int:
