@@ -96,10 +96,12 @@ class SlotAcceptance:
     lately (:meth:`rate`, from a prior of ``prior`` at first) as if
     ``prior_weight`` more cycles had shown that: a slot seen in a few
     cycles is not judged on them alone, and one the loop has not drafted
-    lately follows how the drafter does overall. Each share is then taken
-    one standard error up: a slot seen in few cycles may do better than
-    they showed, and drafting it is the only way to find out, while a
-    share seen in many cycles is taken nearly as it is.
+    lately follows how the drafter does overall. ``optimistic`` shares are
+    taken one standard error up: a slot seen in few cycles may do better
+    than they showed, and drafting it is the only way to find out, while a
+    share seen in many cycles is taken nearly as it is. The sizer uses
+    those to choose how far to draft, and the shares as they are to decide
+    whether drafting pays at all (:meth:`BlockSizer.choose`).
     """
 
     max_block: int
@@ -114,7 +116,12 @@ class SlotAcceptance:
         # per slot j (index j - 1): decayed cycles that reached it, and that rejected it
         self.reached = [0.0] * n
         self.rejected = [0.0] * n
+        self.update()
+
+    def update(self) -> None:
+        """Recompute ``expected`` (optimistic) and ``expected_as_seen``."""
         self.expected = self.expected_tokens()
+        self.expected_as_seen = self.expected_tokens(optimistic=False)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A cycle drafted ``drafted`` slots and the target accepted the first ``accepted``."""
@@ -126,26 +133,28 @@ class SlotAcceptance:
         for i in range(min(accepted + 1, drafted, len(self.reached))):
             self.reached[i] = self.reached[i] * self.decay + 1
             self.rejected[i] = self.rejected[i] * self.decay + (i == accepted)
-        self.expected = self.expected_tokens()
+        self.update()
 
     def rate(self) -> float:
         """Share of drafted slots accepted lately (each rejection ends a cycle), prior included."""
         w = self.pooled_prior
         return (self.hits + w * self.prior) / (self.hits + self.misses + w)
 
-    def rates(self) -> List[float]:
+    def rates(self, optimistic: bool = True) -> List[float]:
         """``a_j`` for slots 1..max_block-1."""
         pooled, w = self.rate(), self.prior_weight
         out = []
         for n, rej in zip(self.reached, self.rejected):
             a = 1 - (rej + w * (1 - pooled)) / (n + w)
-            out.append(min(1.0, a + math.sqrt(a * (1 - a) / (n + w))))  # one standard error up
+            if optimistic:
+                a = min(1.0, a + math.sqrt(a * (1 - a) / (n + w)))  # one standard error up
+            out.append(a)
         return out
 
-    def expected_tokens(self) -> List[float]:
+    def expected_tokens(self, optimistic: bool = True) -> List[float]:
         """``E(b)`` for b = 1..max_block (index b - 1)."""
         out, reach = [1.0], 1.0
-        for a in self.rates():
+        for a in self.rates(optimistic):
             reach *= a
             out.append(out[-1] + reach)
         return out
@@ -475,6 +484,8 @@ class BlockSizer:
                 nodes = self.best_tree(cap, max(rate))
                 if nodes:
                     choice = TreeChoice(nodes)
+            if not isinstance(choice, TreeChoice) and choice > 1 and not self.pays(choice):
+                choice = 1
             if choice == 1:
                 self.plain_run += 1
                 if self.plain_run >= self.patience:
@@ -484,28 +495,50 @@ class BlockSizer:
 
     def best_tree(self, cap: int, chain_rate: float) -> int:
         """Nodes of the tree with the best expected tokens per second, if it
-        beats ``chain_rate`` (the best of plain decoding and chains), else 0.
-        A tree's cost grows with its nodes, so none beats the bound over the
-        cheapest tree's cost; only then is the tree search run."""
+        beats ``chain_rate`` (the best of plain decoding and chains) and, at
+        the shares as seen, plain decoding (see :meth:`pays`); else 0. A
+        tree's cost grows with its nodes, so none beats a bound over the
+        cheapest tree's cost; only when both bounds leave room is the tree
+        search run."""
         known = self.tree_tokens.setdefault(cap, {})
         if "bound" not in known:
-            known["rates"], known["shares"] = self.acceptance.rates()[: cap - 1], self.ranks.shares()
-            known["bound"] = tree_tokens_bound(known["rates"], known["shares"])
-        if known["bound"] / self.costs.trees(1)[1] <= chain_rate:
+            known["shares"] = shares = self.ranks.shares()
+            known["rates"], known["as_seen"] = (self.acceptance.rates(o)[: cap - 1] for o in (True, False))
+            known["bound"], known["bound_as_seen"] = (tree_tokens_bound(known[k], shares) for k in ("rates", "as_seen"))
+        cheapest, plain_rate = self.costs.trees(1)[1], 1 / self.costs.upto(1)[0]
+        if known["bound_as_seen"] / cheapest <= plain_rate or known["bound"] / cheapest <= chain_rate:
             return 0
         if "expected" not in known:
             known["expected"] = expected_tree_tokens(known["rates"], known["shares"], MAX_TREE_NODES)
-        tree_rate = [e / c for e, c in zip(known["expected"], self.costs.trees(MAX_TREE_NODES))]
+        costs = self.costs.trees(MAX_TREE_NODES)
+        tree_rate = [e / c for e, c in zip(known["expected"], costs)]
         nodes = max(range(1, MAX_TREE_NODES + 1), key=tree_rate.__getitem__)
-        return nodes if tree_rate[nodes] > chain_rate else 0
+        if tree_rate[nodes] <= chain_rate:
+            return 0
+        if "expected_as_seen" not in known:
+            known["expected_as_seen"] = expected_tree_tokens(known["as_seen"], known["shares"], MAX_TREE_NODES)
+        return nodes if known["expected_as_seen"][nodes] / costs[nodes] > plain_rate else 0
 
-    def rates(self, cap: int) -> List[float]:
-        """Expected tokens per second at block lengths 1..``cap``, at the current estimates."""
-        return [e / c for e, c in zip(self.acceptance.expected[:cap], self.costs.upto(cap))]
+    def rates(self, cap: int, optimistic: bool = True) -> List[float]:
+        """Expected tokens per second at block lengths 1..``cap``, at the
+        current estimates (``optimistic``: the slot shares one standard
+        error up, see :class:`SlotAcceptance`)."""
+        expected = self.acceptance.expected if optimistic else self.acceptance.expected_as_seen
+        return [e / c for e, c in zip(expected[:cap], self.costs.upto(cap))]
+
+    def pays(self, block: int) -> bool:
+        """Whether drafting ``block`` beats plain decoding at the slot shares
+        as seen. The optimistic shares choose how far to draft, so that
+        slots seen in few cycles get tried; whether to draft at all is
+        decided on the shares as they are, or a drafter accepted too rarely
+        to pay would keep looking worth a try, and the loop would pay for
+        that hope every cycle."""
+        rate = self.rates(block, optimistic=False)
+        return rate[-1] > rate[0]
 
     def drafting_pays(self) -> bool:
-        """Whether some block length beats plain decoding at the current estimates."""
-        rate = self.rates(self.max_block)
+        """Whether some block length beats plain decoding at the slot shares as seen."""
+        rate = self.rates(self.max_block, optimistic=False)
         return max(rate[1:], default=0.0) > rate[0]
 
     def longest_wait(self, probe: int) -> int:

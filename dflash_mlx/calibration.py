@@ -40,18 +40,24 @@ class Calibration:
         return mx.async_eval if self.overlap else mx.eval
 
 
-def cycle_seconds(target, draft, cache, context: mx.array, block: int, settle: Callable, cycles: int = 1) -> float:
-    """Seconds per cycle of a mock decoding cycle at ``block``: draft (for
-    ``block > 1``), verify, one host read of the outcome, roll back; on the
-    live ``cache`` (left as it was) and a fresh scratch drafter cache per
-    cycle, each fed one context position."""
+def cycle_seconds(
+    target, draft, cache, context: mx.array, block: int, settle: Callable, cycles: int = 1, max_block: int = 0
+) -> float:
+    """Seconds per cycle of a mock decoding cycle at ``block``: draft a
+    whole block of ``max_block`` (for ``block > 1``; as the loop does, the
+    drafter fills its whole block whatever length is verified), verify
+    ``block`` tokens, one host read of the outcome, roll back; on the live
+    ``cache`` (left as it was) and a fresh scratch drafter cache per cycle,
+    each fed one context position."""
+    max_block = max(block, max_block)
     scratches = [draft.make_cache() for _ in range(cycles)]
     head = mx.zeros((1, 1), dtype=mx.int32)
     tic = time.perf_counter()
     for scratch in scratches:
         verify_in = head
         if block > 1:
-            drafted = draft.propose(mx.array([[0] + [draft.mask_token_id] * (block - 1)]), context, scratch)
+            masks = mx.array([[0] + [draft.mask_token_id] * (max_block - 1)])
+            drafted = draft.propose(masks, context, scratch, slots=block - 1)
             settle(drafted)
             verify_in = mx.concatenate([head, drafted.astype(mx.int32)], axis=1)
         logits, taps = target.forward(verify_in, cache)
@@ -74,7 +80,11 @@ _calibrations: Dict[int, dict] = {}  # id(drafter) -> {(target id, device, max b
 def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibration:
     """Measure cycle costs at a few block lengths up to ``max_block``, and
     the faster evaluation strategy (cycles at ``max_block``, the two
-    strategies alternating).
+    strategies alternating). The lengths are the plain step, the shortest
+    drafting cycle and the whole block: the two drafting ones give the
+    table its slope, what each verified row adds (with the whole block
+    alone, a short block would look as dear as a long one until the loop
+    happened to try short ones).
 
     Runs on the live cache (each verify is rolled back), once per process
     for each drafter, target, device and maximum block: the costs are
@@ -99,8 +109,10 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibr
     # order, which a mock cycle evaluated before the prefill's would break.
     mx.eval(context, [c.state for c in cache])
     context = context[:, -1:]
-    grid = sorted({1, max_block})
-    measured = [median_seconds(lambda: cycle_seconds(target, draft, cache, context, b, mx.eval)) for b in grid]
+    grid = sorted({1, min(2, max_block), max_block})
+    measured = [
+        median_seconds(lambda: cycle_seconds(target, draft, cache, context, b, mx.eval, max_block=max_block)) for b in grid
+    ]
     timings = {mx.eval: [], mx.async_eval: []}
     for _ in range(3):
         for settle in timings:

@@ -175,14 +175,14 @@ def test_calibration_leaves_the_cache_as_it_was_and_runs_once(pair, tmp_path):
     assert cache.target.undo is None and cache.target_hidden is taps and cache.pending == []
     step = mx.array([[3, 1, 4]])  # what the calibrated cache gives next is what a fresh one gives
     assert mx.array_equal(target.forward(step, cache.target)[0], target.forward(step, fresh.target)[0])
-    assert sorted(calibration.costs) == [1, 8] and min(calibration.costs.values()) > 0
+    assert sorted(calibration.costs) == [1, 2, 8] and min(calibration.costs.values()) > 0
     assert calibration.settle in (mx.eval, mx.async_eval)
     assert calibrate(target, draft, cache.target, taps, 8) is calibration  # once per process
 
 
 class AgreedTarget:
     """A target run by several processes (as a pipelined one) that agreed
-    on other timings than this process's: 0.5 s plain, 0.25 s at block 8,
+    on other timings than this process's: 0.5 s plain, 0.2 s at block 2, 0.25 s at block 8,
     phases overlapped."""
 
     local_timings = False
@@ -194,7 +194,7 @@ class AgreedTarget:
         return getattr(self.target, name)
 
     def agreed(self, values):
-        return [0.5, 0.25, 1.0]
+        return [0.5, 0.2, 0.25, 1.0]
 
 
 def test_calibration_takes_the_agreed_timings_and_keeps_them(pair, tmp_path):
@@ -205,7 +205,7 @@ def test_calibration_takes_the_agreed_timings_and_keeps_them(pair, tmp_path):
     cache = dflash_mlx.make_prompt_cache(pair.model, draft)
     prefill(draft.target, cache, prompt_of(9), 2048)
     calibration = calibrate(AgreedTarget(draft.target), draft, cache.target, cache.target_hidden, 8)
-    assert calibration.costs == {1: 0.5, 8: 0.25} and calibration.settle is mx.async_eval
+    assert calibration.costs == {1: 0.5, 2: 0.2, 8: 0.25} and calibration.settle is mx.async_eval
     for _ in range(3):  # the first plain cycle is never counted
         calibration.sizer.observe(1, 0, 0.001)
     assert calibration.sizer.costs.upto(1) == [0.5]
@@ -353,8 +353,10 @@ def test_the_tree_bound_holds_for_every_tree_size():
 
 def test_the_tree_search_runs_only_when_a_tree_could_pay(monkeypatch):
     """A drafter that never agrees, on a backend where a draft costs as
-    much as two plain steps: no tree can pay, and the sizer never builds
-    one to find that out; where rows are cheap and the drafter may be good, it does."""
+    much as two plain steps: no tree is chosen, and no plain cycle pays for
+    a tree search (one may follow a probe, whose outcome moves the
+    estimates, but not the plain cycles after it); where rows are cheap and
+    the drafter may be good, the search runs."""
     import dflash_mlx.adaptive as adaptive
 
     searches = []
@@ -362,13 +364,19 @@ def test_the_tree_search_runs_only_when_a_tree_could_pay(monkeypatch):
     monkeypatch.setattr(adaptive, "expected_tree_tokens", lambda *a: searches.append(a) or real(*a))
     sizer = BlockSizer(16, CycleCosts({1: 1.0, 2: 2.0, 16: 2.5}))
     sizer.begin(trees=True)
+    searched_after = []  # per cycle after the first 100: searches run by its choice
     for cycle in range(400):
-        if cycle == 100:  # the optimistic priors are spent by now
-            searches.clear()
+        before = len(searches)
         choice = sizer.choose(1000)
+        if cycle >= 100:  # the optimistic priors are spent by now
+            searched_after.append((choice, len(searches) - before))
         walk = adaptive.TreeWalk([None], 15) if isinstance(choice, adaptive.TreeChoice) else None
         sizer.observe(choice, 0, 1.0 if choice == 1 else 2.5, *([walk] if walk else []))
-    assert sizer.chosen.get(1, 0) > 250 and not searches
+    assert sizer.chosen.get(1, 0) > 350 and not any(isinstance(c, adaptive.TreeChoice) for c in sizer.chosen)
+    probes = [i for i, (c, _) in enumerate(searched_after) if c != 1]
+    searched = [i for i, (_, n) in enumerate(searched_after) if n]
+    assert len(searched) <= len(probes)  # one search at most per probe's outcome
+    assert all(any(p < i <= p + 1 for p in probes) for i in searched)  # on the choice right after it
     cheap = BlockSizer(16, CycleCosts({1: 1.0, 2: 1.05, 16: 1.1}))
     cheap.begin(trees=True)
     cheap.choose(1000)
@@ -493,8 +501,10 @@ def test_costs_follow_the_context_and_the_choice_follows_them():
     start (the plain step, the table's slope per row) are read at the
     current context, the costs match the pair's, and the sizer verifies
     the block that is best there, shorter than the one at the start.
-    Without the context the table's plain step and slope stay where they
-    were measured, and the sizer keeps the longest block."""
+    Without the context the table's slope stays where it was measured: the
+    sizer keeps the longest block, or, when that stops looking worth it,
+    decodes plainly for long stretches where drafting still pays (it never
+    does late in the run that follows the context)."""
     sizer, chosen = long_generation(with_context=True)
     context = chosen[-1][0]
     assert sizer.costs.upto(16) == pytest.approx([true_cost(b, context) for b in range(1, 17)], rel=0.05)
@@ -507,9 +517,10 @@ def test_costs_follow_the_context_and_the_choice_follows_them():
     assert best < 16
     assert abs(np.median(late) - best) <= 2
 
+    assert 1 not in late
     stale, chosen = long_generation(with_context=False)
-    assert stale.costs.upto(16)[0] == pytest.approx(true_cost(1, 100))  # the plain step as at the start
-    assert Counter(b for c, b in chosen if c > 7000).most_common(1)[0][0] == 16
+    stale_late = Counter(b for c, b in chosen if c > 7000)
+    assert set(stale_late) == {1, 16} and stale_late[1] > 50  # the longest block, or plain steps where drafting pays
 
 
 def test_context_growth_is_not_read_from_noise():
