@@ -43,7 +43,9 @@ import mlx.core as mx
 
 from . import cli
 from .cache import make_prompt_cache
-from .defaults import DEFAULT_BENCH_MAX_TOKENS, DEFAULT_BENCH_REPEATS, DEFAULT_DRAFT_SINK, DEFAULT_MAX_TOKENS
+from .defaults import (
+    DEFAULT_BENCH_MAX_TOKENS, DEFAULT_BENCH_REPEATS, DEFAULT_DRAFT_SINK, DEFAULT_DRAFT_WINDOW, DEFAULT_MAX_TOKENS,
+)
 from .errors import ArgumentError
 from .generate import cycle_lengths, encode_prompt, mean_tokens_per_cycle, stream_generate
 from .sampling import ACCEPTANCE_RULES
@@ -236,7 +238,7 @@ def second_turn_ttft(model, draft, tokenizer, prompts, turn1_tokens: int = 1500)
 
 
 def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=20, draft_window=None,
-                  draft_sink=DEFAULT_DRAFT_SINK) -> Dict[str, float]:
+                  draft_sink=None) -> Dict[str, float]:
     """Median ms of the forwards that bound the speedup, warm, after the prompt.
 
     ``target_1`` is mlx-lm's own forward of one token on its own cache, the
@@ -562,17 +564,17 @@ def long_prompt(tokenizer, length: int) -> str:
 
 
 def window_name(window, sink) -> str:
-    return "full context" if window is None else f"window {window} + sink {sink}"
+    return f"window {window} + sink {sink}" if window else "full context"
 
 
 def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, sink, block_size=None) -> dict:
     """Long prompts: at each length, one run each of mlx-lm and of DFlash
-    with the full context and with every draft window in ``windows`` (None
-    in it: the full context). Each run reports tok/s, time to first token,
+    with the full context and with every draft window in ``windows`` (0 in
+    it: the full context) and ``sink``. Each run reports tok/s, time to first token,
     tokens per cycle and peak memory (reset before each run); the drafter's
     share of a cycle comes from :func:`time_forwards` at that context
     (the drafter forward over its windowed cache, against the verify)."""
-    configs = list(dict.fromkeys([None, *windows]))
+    configs = list(dict.fromkeys([0, *windows]))
     max_block = block_size or draft.block_size
     draft.bind(model)
     warm = long_prompt(tokenizer, 64)  # compiles and calibrates before anything is timed
@@ -599,7 +601,7 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
             verify = forwards[f"target_{max_block}"]
             row["dflash"][window_name(w, sink)] = {
                 "draft_window": w,
-                "draft_sink": 0 if w is None else sink,
+                "draft_sink": sink if w else 0,
                 "tps": run["tps"],
                 "speedup": run["tps"] / ar["tps"],
                 "ttft_s": run["ttft_s"],
@@ -798,7 +800,7 @@ def main(argv=None):
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path and not Path(path).resolve().parent.is_dir():
             raise ArgumentError(f"{flag} {path}: its directory does not exist")
-    if args.prompt_lengths is None and args.draft_window is not None:
+    if args.prompt_lengths is None and (args.draft_window is not None or args.draft_sink is not None):
         raise ArgumentError("--draft-window is measured with --prompt-lengths (long prompts); add it")
     for flag, value in (("--prompts", args.prompts), ("--plot", args.plot)):
         if args.prompt_lengths and value:
@@ -807,9 +809,10 @@ def main(argv=None):
     model, tokenizer, draft, draft_path = load_pair(args.model, args.draft_model)
     warn_if_reference()  # loaded: about to measure
     if args.prompt_lengths:
-        windows = args.draft_window if isinstance(args.draft_window, list) else [args.draft_window]
+        windows = args.draft_window or [DEFAULT_DRAFT_WINDOW]
+        sink = DEFAULT_DRAFT_SINK if args.draft_sink is None else args.draft_sink
         max_tokens = args.max_tokens[0] if args.max_tokens else DEFAULT_MAX_TOKENS
-        report = long_prompt_report(model, draft, tokenizer, args.prompt_lengths, max_tokens, windows, args.draft_sink, args.block_size)
+        report = long_prompt_report(model, draft, tokenizer, args.prompt_lengths, max_tokens, windows, sink, args.block_size)
         report.update(model=str(args.model), draft_model=str(draft_path), mlx=mx.__version__, device=str(mx.default_device()))
         print_long_prompt_report(report)
         if args.json:

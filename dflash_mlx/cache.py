@@ -18,7 +18,7 @@ keeps more, and :class:`PromptCache` holds all of it in one object:
 - ``tokens``: the token ids the cache holds, pending ones included (the
   key a server stores it under);
 - ``draft_window``/``draft_sink``: the draft window the drafter's context
-  was made with (None: the whole context).
+  was made with (``draft_window`` None: the whole context).
 
 It follows mlx-lm's cache protocol where it fits (``state``, ``nbytes``,
 ``is_trimmable``/``trim``), so mlx-lm's ``LRUPromptCache`` can hold it as a
@@ -43,6 +43,10 @@ def bound_target(model, draft):
     """The drafter's target adapter for ``model`` (binding keeps an existing
     binding to the same model)."""
     return draft.bind(model).target
+
+
+# Pending tap-state chunks kept apart before they are joined (see PromptCache.add_hidden).
+JOIN_CHUNKS = 32
 
 
 def rows_of(chunks: List[mx.array], start: int, stop: int) -> List[mx.array]:
@@ -93,11 +97,22 @@ class PromptCache:
         window: new positions only push them further out); the dropped
         positions are the ``hole``, which the drafter's context caches skip.
 
-        Kept as chunks and joined once, when read: plain decoding adds one
-        row per token for many tokens before the drafter takes them, and
-        joining at every step would copy the whole backlog each time.
+        Kept as chunks and joined when read: plain decoding adds one row
+        per token for many tokens before the drafter takes them, and joining
+        at every step would copy the whole backlog each time. Every
+        ``JOIN_CHUNKS`` chunks they are joined all the same (and evaluated,
+        so that no lazy graph grows with them), so that a long run of plain
+        steps neither holds one array per token nor walks them all at each
+        step.
         """
         self.hidden_chunks.append(target_hidden)
+        self.drop_unreadable()
+        if len(self.hidden_chunks) > JOIN_CHUNKS:
+            self.hidden_chunks = [mx.concatenate(self.hidden_chunks, axis=1)]
+            mx.async_eval(self.hidden_chunks[0])
+
+    def drop_unreadable(self) -> None:
+        """Drop the pending tap states outside every drafter layer's sink and window (see :meth:`add_hidden`)."""
         sink, window = self.context_bound()
         if window is None:
             return
@@ -186,28 +201,31 @@ class PromptCache:
         return n
 
 
-def check_draft_window(draft_window: Optional[int], draft_sink: int) -> Tuple[Optional[int], int]:
-    """``(draft_window, draft_sink)`` checked and normalised: without a
-    window the drafter reads every context position, a sink included."""
-    if draft_window is not None and (isinstance(draft_window, bool) or not isinstance(draft_window, int) or draft_window < 1):
+def check_draft_window(draft_window: Optional[int], draft_sink: Optional[int]) -> Tuple[Optional[int], int]:
+    """``(window, sink)`` checked and normalised, as a :class:`PromptCache`
+    holds them: None takes the default (``DEFAULT_DRAFT_WINDOW``,
+    ``DEFAULT_DRAFT_SINK``); a window of 0 is the whole context, ``(None,
+    0)``: the drafter reads every context position, a sink included."""
+    draft_window = DEFAULT_DRAFT_WINDOW if draft_window is None else draft_window
+    draft_sink = DEFAULT_DRAFT_SINK if draft_sink is None else draft_sink
+    if isinstance(draft_window, bool) or not isinstance(draft_window, int) or draft_window < 0:
         raise ArgumentError(
-            f"draft_window must be a whole number of at least 1 (or None: the whole context), not {draft_window!r}"
+            f"draft_window must be a whole number of at least 0 (0: the whole context), not {draft_window!r}"
         )
     if isinstance(draft_sink, bool) or not isinstance(draft_sink, int) or draft_sink < 0:
         raise ArgumentError(f"draft_sink must be a whole number of at least 0, not {draft_sink!r}")
-    return (None, 0) if draft_window is None else (draft_window, draft_sink)
+    return (None, 0) if draft_window == 0 else (draft_window, draft_sink)
 
 
-def make_prompt_cache(
-    model, draft, draft_window: Optional[int] = DEFAULT_DRAFT_WINDOW, draft_sink: int = DEFAULT_DRAFT_SINK
-) -> PromptCache:
+def make_prompt_cache(model, draft, draft_window: Optional[int] = None, draft_sink: Optional[int] = None) -> PromptCache:
     """An empty prompt cache for ``model`` decoded with ``draft`` (mlx-lm's
     ``make_prompt_cache``, for a target and its drafter).
 
     ``draft_window`` W and ``draft_sink`` S set the draft window: the
     drafter's full-attention layers read only the first S and the last W
     context positions, and nothing else of the context is projected or kept
-    (None: the whole context). Output is the same whatever the window: the
+    (None: ``DEFAULT_DRAFT_WINDOW`` and ``DEFAULT_DRAFT_SINK``; a window of
+    0: the whole context). Output is the same whatever the window: the
     target verifies every token.
     """
     draft_window, draft_sink = check_draft_window(draft_window, draft_sink)
@@ -217,20 +235,20 @@ def make_prompt_cache(
 
 def prompt_cache_for(model, draft, prompt_cache: Optional[PromptCache], draft_window=None, draft_sink=None) -> PromptCache:
     """A generation's prompt cache: ``prompt_cache``, whose draft window must
-    be the one asked for (None: not asked), or a new one with that window."""
+    be the one asked for (None: not asked), or a new one with that window
+    (None: the default)."""
     if prompt_cache is None:
-        return make_prompt_cache(
-            model, draft, DEFAULT_DRAFT_WINDOW if draft_window is None else draft_window,
-            DEFAULT_DRAFT_SINK if draft_sink is None else draft_sink,
-        )
+        return make_prompt_cache(model, draft, draft_window, draft_sink)
     have = (prompt_cache.draft_window, prompt_cache.draft_sink)
+    if draft_window is None and draft_sink is None:
+        return prompt_cache
     asked = check_draft_window(
-        have[0] if draft_window is None else draft_window, have[1] if draft_sink is None else draft_sink
+        (have[0] or 0) if draft_window is None else draft_window, have[1] if draft_sink is None else draft_sink
     )
     if asked != have:
         raise ArgumentError(
-            f"the prompt cache was made with draft_window={have[0]}, draft_sink={have[1]}, but this call asks for "
-            f"draft_window={asked[0]}, draft_sink={asked[1]}: make the cache with make_prompt_cache(model, draft, "
+            f"the prompt cache was made with draft_window={have[0] or 0}, draft_sink={have[1]}, but this call asks "
+            f"for draft_window={asked[0] or 0}, draft_sink={asked[1]}: make the cache with make_prompt_cache(model, draft, "
             "draft_window=..., draft_sink=...) and leave them out here, or pass the cache's"
         )
     return prompt_cache

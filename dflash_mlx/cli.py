@@ -104,13 +104,14 @@ def add_prefill_step_size_argument(parser: argparse.ArgumentParser) -> None:
 def add_draft_window_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:
     """``--draft-window`` and ``--draft-sink`` (``several``: windows to compare, ``bench``)."""
     parser.add_argument(
-        "--draft-window", type=positive_int, default=DEFAULT_DRAFT_WINDOW, nargs="+" if several else None,
+        "--draft-window", type=non_negative_int, default=None, nargs="+" if several else None,
         help="the drafter's full-attention layers read only the last W context positions (and the first "
-        "--draft-sink); rows outside are never projected or kept (default: the whole context; see docs/long-prompts.md)",
+        f"--draft-sink); rows outside are never projected or kept (default {DEFAULT_DRAFT_WINDOW}; 0: the whole "
+        "context; see docs/long-prompts.md)",
     )
     parser.add_argument(
-        "--draft-sink", type=non_negative_int, default=DEFAULT_DRAFT_SINK,
-        help="with --draft-window: the first S context positions the drafter always reads",
+        "--draft-sink", type=non_negative_int, default=None,
+        help=f"with a draft window: the first S context positions the drafter always reads (default {DEFAULT_DRAFT_SINK})",
     )
 
 

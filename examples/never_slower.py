@@ -60,22 +60,26 @@ WALK_PROMPT = "import os\n\ndef walk(path):\n"
 
 
 def alternate(runners: Dict[str, Callable[[], dict]], repeats: int) -> dict:
-    """One untimed run of each, then ``repeats`` rounds of each in turn:
-    per runner its median and best tok/s (``NAME_tps``, ``NAME_best_tps``),
-    and for each runner after the first its ratio to the first both ways a
-    noisy machine allows: best against best (``NAME_best_ratio``) and the
-    median of the rounds' own ratios (``NAME_paired_ratio``: the two ran
-    side by side, so a slow spell of the machine slows both); and whether
-    every run gave the first's tokens."""
+    """One untimed run of each, then ``repeats`` rounds of each in turn, the
+    order rotating by one each round (a run right after mlx-lm's is slower
+    on the CPU backend, BENCHMARKS.md "The bench's order", so no runner
+    always takes that place): per runner its median and best tok/s
+    (``NAME_tps``, ``NAME_best_tps``), and for each runner after the first
+    its ratio to the first both ways a noisy machine allows: best against
+    best (``NAME_best_ratio``) and the median of the rounds' own ratios
+    (``NAME_paired_ratio``: the two ran side by side, so a slow spell of
+    the machine slows both); and whether every run gave the first's tokens."""
     reference = None
     for run in runners.values():
         tokens = run()["tokens"]
         reference = reference if reference is not None else tokens
     tps = {name: [] for name in runners}
     identical = True
-    for _ in range(repeats):
-        for name, run in runners.items():
-            r = run()
+    names = list(runners)
+    for i in range(repeats):
+        turn = i % len(names)
+        for name in names[turn:] + names[:turn]:
+            r = runners[name]()
             tps[name].append(r["tps"])
             identical &= r["tokens"] == reference
     out = {f"{name}_tps": statistics.median(v) for name, v in tps.items()}

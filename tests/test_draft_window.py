@@ -12,12 +12,14 @@ import openai
 import pytest
 from test_prompt_cache import dflash_conversation, mlx_lm_conversation, random_turns, tokens_of, without_eos
 from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
-from tiny import FULL, SLIDING, Pair, prompt_of, reference_responses
+from tiny import FULL, SLIDING, Pair, ScriptedSizer, prompt_of, reference_responses
 
 import dflash_mlx
 from dflash_mlx import benchmark
+from dflash_mlx import cache as cache_module
 from dflash_mlx import server as dserver
 from dflash_mlx.cache import load_prompt_cache, save_prompt_cache
+from dflash_mlx.defaults import DEFAULT_DRAFT_SINK, DEFAULT_DRAFT_WINDOW
 from dflash_mlx.errors import ArgumentError
 from dflash_mlx.generate import feed
 from dflash_mlx.random_pair import LLAMA
@@ -60,7 +62,7 @@ def test_rows_held_are_the_full_contexts_at_their_positions(qwen3_pair, tmp_path
     path = pair.make_draft(tmp_path / "d", block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
     draft = dflash_mlx.load_draft(path, pair.model)
     runs = {}
-    for name, window, step in (("full", None, 512), ("windowed", 16, 512), ("chunked", 16, 7)):
+    for name, window, step in (("full", 0, 512), ("windowed", 16, 512), ("chunked", 16, 7)):
         cache = dflash_mlx.make_prompt_cache(pair.model, draft, draft_window=window, draft_sink=3)
         tokens, _ = pair.dflash(draft, PROMPT, max_tokens=20, block_size=4, prefill_step_size=step, prompt_cache=cache)
         runs[name] = tokens, cache
@@ -146,10 +148,46 @@ def test_trim_into_dropped_tap_states_then_save_and_load(qwen3_pair, tmp_path):
     assert got == pair.reference(prompt + more, 10, eos_ids=[])
 
 
+def test_the_default_window_and_the_whole_context(qwen3_pair, tmp_path):
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft)
+    assert (cache.draft_window, cache.draft_sink) == (DEFAULT_DRAFT_WINDOW, DEFAULT_DRAFT_SINK)
+    assert {c.window for c in cache.draft} == {DEFAULT_DRAFT_WINDOW}
+    whole = dflash_mlx.make_prompt_cache(pair.model, draft, draft_window=0, draft_sink=5)
+    assert (whole.draft_window, whole.draft_sink) == (None, 0) and {c.window for c in whole.draft} == {None}
+
+
+@pytest.mark.parametrize("window,sink", [(0, 0), (16, 4)])
+def test_a_long_plain_run_then_a_draft_reads_what_it_would_unjoined(qwen3_pair, tmp_path, monkeypatch, window, sink):
+    """Plain steps leave one tap row each; they are joined every
+    ``JOIN_CHUNKS`` steps, so a long plain run holds a few arrays. After 70
+    plain steps and two drafts the drafter's context (its cache and what it
+    is still to inject) is what it is when they are never joined, bit for
+    bit, and the output is mlx-lm's."""
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=4), pair.model)
+    prompt, runs, every = prompt_of(30), {}, cache_module.JOIN_CHUNKS
+    plain = dflash_mlx.make_prompt_cache(pair.model, draft, draft_window=window, draft_sink=sink)
+    pair.dflash(draft, prompt, max_tokens=80, sizer=ScriptedSizer([4] + [1] * 100, max_block=4), prompt_cache=plain)
+    assert len(plain.hidden_chunks) <= every and plain.lag_rows() >= (70 if not window else window)
+    for name, join in (("joined", every), ("apart", 10**9)):
+        monkeypatch.setattr(cache_module, "JOIN_CHUNKS", join)
+        cache = dflash_mlx.make_prompt_cache(pair.model, draft, draft_window=window, draft_sink=sink)
+        sizer = ScriptedSizer([4] + [1] * 70 + [4, 4] + [1] * 100, max_block=4)
+        tokens, _ = pair.dflash(draft, prompt, max_tokens=90, sizer=sizer, prompt_cache=cache)
+        runs[name] = tokens, cache
+    (joined, a), (apart, b) = runs["joined"], runs["apart"]
+    assert joined == apart == pair.reference(prompt, 90)
+    assert mx.array_equal(a.target_hidden, b.target_hidden) and a.hole == b.hole
+    for x, y in zip(a.draft, b.draft):
+        assert all(mx.array_equal(u, v) for u, v in zip(x.state, y.state))
+
+
 def test_bad_windows_are_one_clear_error(qwen3_pair, tmp_path):
     pair = qwen3_pair
     draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
-    for kw, what in ((dict(draft_window=0), "draft_window"), (dict(draft_window=8, draft_sink=-1), "draft_sink"),
+    for kw, what in ((dict(draft_window=-1), "draft_window"), (dict(draft_window=8, draft_sink=-1), "draft_sink"),
                      (dict(draft_window=True), "draft_window")):
         with pytest.raises(ArgumentError, match=what):
             dflash_mlx.make_prompt_cache(pair.model, draft, **kw)
@@ -167,7 +205,7 @@ def test_bad_windows_are_one_clear_error(qwen3_pair, tmp_path):
 @pytest.mark.parametrize("name", ["generate", "chat", "server", "benchmark"])
 def test_cli_rejects_bad_windows(name, capsys):
     command = importlib.import_module(f"dflash_mlx.{name}")
-    for flags, message in ((["--draft-window", "0"], "--draft-window: must be at least 1, got 0"),
+    for flags, message in ((["--draft-window", "-1"], "--draft-window: must be at least 0, got -1"),
                            (["--draft-sink", "-1"], "--draft-sink: must be at least 0, got -1")):
         with pytest.raises(SystemExit) as stop:
             command.setup_arg_parser().parse_args(flags)
@@ -241,13 +279,13 @@ def smollm2_long():
 
 
 @pytest.mark.skipif(os.environ.get("DFLASH_MLX_SMOLLM2") != "1", reason="downloads SmolLM2 (set DFLASH_MLX_SMOLLM2=1)")
-@pytest.mark.parametrize("window,sink", [(None, 0), (1024, 64), (16, 0)])
+@pytest.mark.parametrize("window,sink", [(0, 0), (1024, 64), (16, 0)])
 def test_smollm2_six_thousand_token_prompt_is_exact(smollm2_long, window, sink):
     model, tokenizer, draft, prompt, want = smollm2_long
     cache = dflash_mlx.make_prompt_cache(model, draft, draft_window=window, draft_sink=sink)
     got = [t for r in dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=64, prompt_cache=cache) for t in r.tokens]
     assert got == want
-    if window is not None:
+    if window:
         assert all(c.size <= window + sink for c in cache.draft) and cache.lag_rows() <= window + sink
 
 

@@ -509,7 +509,7 @@ class FakeDrafter:
     def check_block_size(self, block_size):
         pass
 
-    def make_cache(self):
+    def make_cache(self, window=None, sink=0):  # a test double keeps its whole context
         return {"tokens": [], "last": None}
 
     def propose(self, block, context, cache, slots=None):
@@ -621,7 +621,7 @@ class EchoDFlash2(DFlash2DraftModel):
         seeded_init(self, seed, scale=0.3)
         self.prompt = list(prompt)
 
-    def make_cache(self):
+    def make_cache(self, window=None, sink=0):  # a test double keeps its whole context
         return {"tokens": [], "last": None}
 
     def hidden_states(self, block_tokens, target_hidden, cache):
