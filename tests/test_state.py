@@ -65,7 +65,7 @@ def assert_like_fresh_prefill(cache, model, draft):
             close(a, b, f"target cache {i}")
     if lag:
         close(cache.target_hidden, rows[:, injected:], "pending tap rows")
-    context = draft.make_cache()
+    context = draft.make_cache(cache.draft_window, cache.draft_sink)
     if injected:  # inject the fresh rows the drafter has seen, as a cycle does
         draft(mx.array([[draft.mask_token_id]]), rows[:, :injected], context)
     for i, (got, want) in enumerate(zip(cache.draft, context)):
