@@ -202,7 +202,7 @@ def _rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
     return y.reshape(b, L, H, D).transpose(0, 2, 1, 3)
 
 
-def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask, fast=False):
+def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask, fast=False, spans=None):
     """``DraftAttention.__call__`` for ``n`` blocks per sequence at once.
 
     Each block attends to ``[context ; its own slots]`` under one softmax,
@@ -220,25 +220,67 @@ def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask, fast=False):
     k, v = attn.project_kv(x.reshape(b * L, 1, -1), rope, positions.reshape(-1))
     k, v = (t.reshape(b, 1, n, B, Hk, D).transpose(0, 4, 1, 2, 3, 5) for t in (k, v))
     q = q.reshape(b, Hk, H // Hk, n, B, D)  # query head h reads KV head h // (H / Hk)
-    s_ctx = (q.reshape(b, Hk, -1, D) @ ctx_k.swapaxes(-1, -2)).reshape(*q.shape[:-1], S)
     s_blk = q @ k.swapaxes(-1, -2)  # [b, Hk, H/Hk, n, B, B]
     q_pos = positions[:, None, None, :, :, None]
     visible = mask[:, None, None, :, None, :]
     rule = layer_visibility(attn, q_pos, mx.arange(S))
     if rule is not None:
         visible = visible & rule
-    s_ctx = mx.where(visible, s_ctx, -mx.inf)
-    rule = layer_visibility(attn, q_pos, positions[:, None, None, :, None, :])
-    if rule is not None:
-        s_blk = mx.where(rule, s_blk, -mx.inf)
-    scores = mx.concatenate([s_ctx, s_blk], axis=-1)
-    if fast and fast_math.approx_for(scores):
-        p = fast_math.softmax_trainable(scores)
+    own = layer_visibility(attn, q_pos, positions[:, None, None, :, None, :])
+    if fast and fast_math.approx_for(s_blk):
+        # Each block scores only the context it sees in some row.
+        parts = []
+        for i0, i1, seen in spans or context_spans(mask):
+            pick = (slice(None),) * 3 + (slice(i0, i1),)
+            q_g = q[pick]
+            s_ctx = (q_g.reshape(b, Hk, -1, D) @ ctx_k[:, :, :seen].swapaxes(-1, -2)).reshape(*q_g.shape[:-1], seen)
+            own_g = None if own is None else own[pick]
+            parts.append(_split_softmax(s_ctx, s_blk[pick], visible[pick][..., :seen], own_g, ctx_v[:, :, :seen], v[pick]))
+        out = mx.concatenate(parts, axis=3) if len(parts) > 1 else parts[0]
     else:
-        p = mx.softmax(scores, axis=-1, precise=True)
-    out = (p[..., :S].reshape(b, Hk, -1, S) @ ctx_v).reshape(q.shape) + p[..., S:] @ v
+        s_ctx = (q.reshape(b, Hk, -1, D) @ ctx_k.swapaxes(-1, -2)).reshape(*q.shape[:-1], S)
+        s_ctx = mx.where(visible, s_ctx, -mx.inf)
+        if own is not None:
+            s_blk = mx.where(own, s_blk, -mx.inf)
+        p = mx.softmax(mx.concatenate([s_ctx, s_blk], axis=-1), axis=-1, precise=True)
+        out = (p[..., :S].reshape(b, Hk, -1, S) @ ctx_v).reshape(q.shape) + p[..., S:] @ v
     out = out.reshape(b, H, L, D).transpose(0, 2, 1, 3).reshape(b, n, B, -1)
     return attn.o_proj(out)
+
+
+def context_spans(mask: mx.array) -> List[tuple]:
+    """``(block, block + 1, context positions)`` for each block of a batch's
+    context ``mask`` [b, n, S]: the block scores only the first positions,
+    up to the last it sees in any row, so most hidden scores (and their
+    exponentials) are never computed. One host read of the mask."""
+    seen = np.array(mx.any(mask, axis=0))  # [n, S]: seen in some row
+    ends = [int(np.flatnonzero(row)[-1]) + 1 if row.any() else 1 for row in seen]
+    return [(i, i + 1, end) for i, end in enumerate(ends)]
+
+
+def _split_softmax(s_ctx, s_blk, visible, own, ctx_v, v):
+    """The attention output of one softmax over the context scores ``s_ctx``
+    [b, Hk, G, n, B, S] (where ``visible``) and the block's ``s_blk`` [..., B]
+    (where ``own``; None: all), without joining them: each part's
+    approximate numerators are multiplied into its values, and the sum is
+    divided by their common denominator once (as FlashAttention combines key
+    blocks, Dao et al. 2022, arXiv 2205.14135). A joined score array, its
+    probabilities and their slices back would each be another pass over the
+    largest arrays of the step. The row maximum only keeps the exponentials
+    in range: the softmax does not depend on it, so it carries no gradient."""
+    b, Hk, G, n, B, S = s_ctx.shape
+    own = mx.array(True) if own is None else own
+    hidden = mx.array(-mx.inf, s_ctx.dtype)
+    top = mx.stop_gradient(
+        mx.maximum(
+            mx.max(mx.where(visible, s_ctx, hidden), axis=-1, keepdims=True),
+            mx.max(mx.where(own, s_blk, hidden), axis=-1, keepdims=True),
+        )
+    )
+    e_ctx = fast_math.exp_below_where_trainable(s_ctx, top, visible)
+    e_blk = fast_math.exp_below_where_trainable(s_blk, top, own)
+    total = e_ctx.sum(axis=-1, keepdims=True) + e_blk.sum(axis=-1, keepdims=True)
+    return ((e_ctx.reshape(b, Hk, -1, S) @ ctx_v).reshape(*s_ctx.shape[:-1], -1) + e_blk @ v) / total
 
 
 def train_forward(draft: DFlashDraftModel, target_embed, tap_states, blocks, positions, mask, fast=False):
@@ -257,10 +299,11 @@ def train_forward(draft: DFlashDraftModel, target_embed, tap_states, blocks, pos
     approximate softmax on the CPU (``--approximate-softmax``).
     """
     h, context = draft.layer_inputs(blocks, tap_states, target_embed)
+    spans = context_spans(mask) if fast else None
     for layer in draft.layers:
         attn = layer.self_attn
         ctx_k, ctx_v = attn.project_kv(context, draft.rope, 0)
-        h = h + _block_attention(attn, layer.input_layernorm(h), ctx_k, ctx_v, draft.rope, positions, mask, fast)
+        h = h + _block_attention(attn, layer.input_layernorm(h), ctx_k, ctx_v, draft.rope, positions, mask, fast, spans)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return draft.norm(h)
 
@@ -290,6 +333,30 @@ def slot_labels(tokens, greedy, anchors, block_size: int) -> mx.array:
     return mx.take_along_axis(tokens, idx.reshape(b, -1), axis=1).reshape(b, n, block_size - 1)
 
 
+# Logits the head computes at once in training (rows x draft ids): a slice
+# small enough to stay in the CPU's cache through the cross-entropy's passes.
+HEAD_CHUNK = 1 << 21
+
+
+def head_loss(draft, hidden: mx.array, labels: mx.array, fast: bool = False):
+    """Cross-entropy against ``labels`` (-1 counts as id 0; the caller masks
+    it) and the head's best id, per position of ``hidden`` [..., hidden].
+    Computed a slice of rows at a time: the logits of a whole batch are the
+    largest arrays of a training step, and each pass over them (softmax,
+    its gradient) would go to memory and back."""
+    lead, width = hidden.shape[:-1], hidden.shape[-1]
+    hidden, labels = hidden.reshape(-1, width), mx.maximum(labels, 0).reshape(-1)
+    ids = draft.config.draft_vocab
+    rows = max(1, HEAD_CHUNK // (draft.config.vocab_size if ids is None else len(ids)))
+    ce, best = [], []
+    for i in range(0, hidden.shape[0], rows):
+        logits = draft.head_logits(hidden[i : i + rows]).astype(mx.float32)
+        loss_fn = fast_math.cross_entropy_approx if fast and fast_math.approx_for(logits) else nn.losses.cross_entropy
+        ce.append(loss_fn(logits, labels[i : i + rows]))
+        best.append(mx.stop_gradient(mx.argmax(logits, axis=-1)))
+    return mx.concatenate(ce).reshape(lead), mx.concatenate(best).reshape(lead)
+
+
 def drafter_loss(draft, target_embed, tap_states, blocks, positions, mask, labels, weights, fast=False):
     """Decayed cross-entropy and accuracy proxies of one batch, over the
     slots ``labels`` covers (``len(weights)`` of them, from slot 1) and, with
@@ -298,12 +365,10 @@ def drafter_loss(draft, target_embed, tap_states, blocks, positions, mask, label
     the approximate softmax and logsumexp on the CPU."""
     hidden = train_forward(draft, target_embed, tap_states, blocks, positions, mask, fast)
     hidden = hidden[:, :, 1 : 1 + weights.shape[0]]  # slot 0 is the known anchor
-    logits = draft.head_logits(hidden).astype(mx.float32)
+    ce, best = head_loss(draft, hidden, labels, fast)
     inside = labels >= 0
-    loss_fn = fast_math.cross_entropy_approx if fast and fast_math.approx_for(logits) else nn.losses.cross_entropy
-    ce = loss_fn(logits, mx.maximum(labels, 0)) * inside
-    loss = (ce * weights).sum(-1).mean() / weights.sum()
-    correct = mx.stop_gradient((mx.argmax(logits, axis=-1) == labels) & inside)
+    loss = (ce * inside * weights).sum(-1).mean() / weights.sum()
+    correct = mx.stop_gradient((best == labels) & inside)
     # 1 + accepted prefix: the tokens a verify cycle would commit.
     accept_len = 1 + mx.cumprod(correct.astype(mx.float32), axis=-1).sum(-1).mean()
     return loss, (correct[..., 0].mean(), correct.mean(), accept_len)

@@ -60,6 +60,10 @@ PKG_DIR = REPO / "dflash_mlx" / "smollm2_pair"
 # the target's 30 layers (the reference rule for 5), mask = <empty_output>,
 # a control token chat text never contains.
 LAYERS, BLOCK, TAPS, MASK_TOKEN = 2, 16, "1,8,14,20,27", "<empty_output>"
+# The drafter's head scores the 16,384 ids most frequent in the rows: a
+# training step costs about half the whole vocabulary's, and the ids left
+# out are rare in chat answers (BENCHMARKS.md, the build's costs).
+DRAFT_VOCAB = 16384
 DISTILL_MAX_TOKENS = 768  # answer cap; shorter answers ended their turn
 SHARD_SIZE = 128  # requests per distillation shard
 
@@ -357,7 +361,7 @@ def parser():
         "--max-shards", type=int, default=None,
         help="train on the first N distillation shards (a fixed data set while more are being made)",
     )
-    p.add_argument("--distill-batch-size", type=int, default=32, help="requests the target answers at once")
+    p.add_argument("--distill-batch-size", type=int, default=64, help="requests the target answers at once")
     p.add_argument("--anchors", type=int, default=16)
     p.add_argument("--layers", type=int, default=LAYERS, help="drafter layers")
     p.add_argument("--fast-target", action=argparse.BooleanOptionalAction, default=True,
@@ -366,8 +370,8 @@ def parser():
                    help="approximate softmax / logsumexp in the drafter's training on the CPU")
     p.add_argument("--answer-anchors", action=argparse.BooleanOptionalAction, default=True,
                    help="anchors only where the next token is one the target wrote")
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help="the drafter's head over the K most frequent target tokens of the rows (FR-Spec)")
+    p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
+                   help="the drafter's head over the K most frequent target tokens of the rows (FR-Spec; 0: the whole vocabulary)")
     p.add_argument("--loss-slots", type=int, default=None, help="train only slots 1..N of each block")
     p.add_argument("--init-from-target", action="store_true", help="drafter layers start as the target's last ones")
     p.add_argument("--questions", action=argparse.BooleanOptionalAction, default=True,

@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 import dflash_mlx
 from dflash_mlx import cli
@@ -82,6 +84,53 @@ def test_train_forward_equals_inference(pair, variant):
             assert block[0, 0].item() == tokens[b, a].item()
             ref = draft(block, taps[b : b + 1, :a], draft.make_cache())[0]
             np.testing.assert_allclose(logits[b, i], ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_head_loss_in_slices_equals_one_pass(pair, monkeypatch, fast):
+    """The training loss's head, a slice of rows at a time, gives the
+    whole batch's cross-entropy, best ids and gradients."""
+    draft = DFlashDraftModel(DFlashConfig.from_hf(pair.draft_config(block_size=6)))
+    tiny.seeded_init(draft, 3)
+    draft.bind(pair.model)
+    hidden = mx.random.normal((2, 3, 5, draft.target.hidden_size), key=mx.random.key(6))
+    labels = mx.random.randint(-1, draft.config.vocab_size, (2, 3, 5), key=mx.random.key(7))
+    runs = []
+    for chunk in (1 << 30, 7 * draft.config.vocab_size):  # one slice; slices of 7 rows, the last shorter
+        monkeypatch.setattr(T, "HEAD_CHUNK", chunk)
+        value_grad = mx.value_and_grad(lambda h: T.head_loss(draft, h, labels, fast)[0].sum())
+        runs.append((*value_grad(hidden), T.head_loss(draft, hidden, labels, fast)[1]))
+    (v1, g1, b1), (v2, g2, b2) = runs
+    assert b1.shape == labels.shape and mx.array_equal(b1, b2).item()
+    assert abs(v1.item() - v2.item()) < 1e-4 * abs(v1.item())
+    np.testing.assert_allclose(np.array(g1), np.array(g2), atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fast_training_attention_follows_the_exact_one(pair, variant):
+    """The approximate path (each block's own context span, its softmax
+    split between context and block) gives the exact path's states and
+    gradients, for drafters whose blocks see the context differently."""
+    B, S = 6, 24
+    cfg = pair.draft_config(block_size=B, **VARIANTS[variant])
+    draft = DFlashDraftModel(DFlashConfig.from_hf(cfg))
+    tiny.seeded_init(draft, 3)
+    draft.bind(pair.model)
+    tokens = mx.array(np.random.default_rng(1).integers(0, 256, (2, S)), dtype=mx.int32)
+    taps, _ = T.target_pass(draft.target, tokens, cfg["dflash_config"]["target_layer_ids"])
+    anchors = mx.array([[1, 4, 9], [2, 12, S - B]], dtype=mx.int32)
+    blocks, positions = T.make_blocks(tokens, anchors, B, draft.mask_token_id)
+    mask = T.context_mask(anchors, S)
+    assert [end for _, _, end in T.context_spans(mask)] == [2, 12, S - B]  # the last anchor of each block, + 1
+    w = mx.random.normal((2, 3, B, draft.target.hidden_size), key=mx.random.key(5))
+
+    def loss(fast):
+        return lambda model: (T.train_forward(model, model.target.embed, taps, blocks, positions, mask, fast) * w).sum()
+
+    (fast, g_fast), (exact, g_exact) = (nn.value_and_grad(draft, loss(f))(draft) for f in (True, False))
+    assert abs(fast.item() - exact.item()) < 1e-3 * max(1.0, abs(exact.item()))
+    for (name, a), (_, e) in zip(tree_flatten(g_fast), tree_flatten(g_exact)):
+        np.testing.assert_allclose(np.array(a), np.array(e), atol=2e-3 * max(1.0, float(mx.abs(e).max())), err_msg=name)
 
 
 def test_labels_and_weights():

@@ -185,6 +185,18 @@ def _softmax_vjp(scores, cotangent, probs):
     return probs * (cotangent - (cotangent * probs).sum(-1, keepdims=True))
 
 
+exp_below_where_trainable = mx.custom_function(exp_below_where)
+
+
+@exp_below_where_trainable.vjp
+def _exp_below_where_vjp(primals, cotangent, e):
+    """``top`` varies along the scores' other axes only (a row maximum):
+    its gradient sums the last axis."""
+    _, top, keep = primals
+    grad = cotangent * e
+    return grad, -grad.sum(axis=-1, keepdims=True).reshape(top.shape), mx.zeros_like(keep)
+
+
 @compiled(shapeless=True)
 def logsumexp_approx(x):
     """logsumexp over the last axis with the approximate exp."""
