@@ -41,7 +41,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -297,10 +297,12 @@ class CycleCosts:
     on acceptance alone (tests, simulations, pipelined ranks).
 
     A tree of ``n`` nodes verifies ``n + 1`` rows and costs
-    ``C_tree(n) = D_t + s_t n``: it starts as the chain of as many rows
-    costs, and follows tree cycles the same way (its own window, the chain's
-    slope as its prior), since building, masking and walking it cost what
-    they cost on this backend.
+    ``C_tree(n) = D_t + s_t n``: it starts through the tree cycle the table
+    measured (``tree``: nodes and seconds) with the chain's slope, or
+    without one as the chain of as many rows costs, and follows tree cycles
+    the same way (its own window, the chain's slope as its prior), since
+    building, masking and walking it, and the host read between the draft
+    and the verify, cost what they cost on this backend.
 
     Costs follow the context: every verified row attends to all the
     positions before it, so a cycle verifying ``r`` rows at context ``L``
@@ -316,7 +318,10 @@ class CycleCosts:
     ``context`` the costs stay where they were measured.
     """
 
-    def __init__(self, calibrated: Dict[int, float], window: int = 32, follow: bool = True, context: int = 0):
+    def __init__(
+        self, calibrated: Dict[int, float], window: int = 32, follow: bool = True, context: int = 0,
+        tree: Optional[Tuple[int, float]] = None,
+    ):
         drafting = sorted(b for b in calibrated if b > 1)
         if 1 not in calibrated:
             raise ArgumentError("a cost table needs the plain step's cost (block 1)")
@@ -339,6 +344,14 @@ class CycleCosts:
         self.table_context = self.plain_context = self.draft_context = self.context = context
         self.tree_context = None
         self.growth = ContextGrowth()
+        if tree is not None:
+            self.seed_tree(*tree, context=context)
+
+    def seed_tree(self, nodes: int, seconds: float, context: int) -> None:
+        """Start the tree line through a tree cycle of ``nodes`` nodes timed
+        at ``context``, with the chain's slope there (see the class)."""
+        self.tree_draft = float(seconds) - self.slope_at(context) * nodes
+        self.tree_slope, self.tree_context = self.slope_at(context), context
 
     def fit(self, recent, prior_slope: float):
         """(intercept, slope) of ``recent`` (x, seconds, context): least squares

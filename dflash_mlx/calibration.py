@@ -13,12 +13,13 @@ here too: which is faster depends on the backend and the machine.
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from .adaptive import BlockSizer, CycleCosts
+from .tree import build_tree, candidates
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Calibration:
     costs: Dict[int, float]
     overlap: bool
     sizer: BlockSizer
+    tree: Optional[Tuple[int, float]] = None  # (nodes, seconds) of a tree cycle, once trees may be chosen
 
     @property
     def settle(self) -> Callable:
@@ -40,32 +42,44 @@ class Calibration:
         return mx.async_eval if self.overlap else mx.eval
 
 
-def cycle_seconds(
-    target, draft, cache, context: mx.array, block: int, settle: Callable, cycles: int = 1, max_block: int = 0
-) -> float:
-    """Seconds per cycle of a mock decoding cycle at ``block``: draft a
-    whole block of ``max_block`` (for ``block > 1``; as the loop does, the
-    drafter fills its whole block whatever length is verified), verify
-    ``block`` tokens, one host read of the outcome, roll back; on the live
-    ``cache`` (left as it was) and a fresh scratch drafter cache per cycle,
-    each fed one context position."""
+def cycle_seconds(target, draft, cache, context: mx.array, block: int, settle: Callable, max_block: int = 0) -> float:
+    """Seconds of a mock decoding cycle at ``block``: draft a whole block of
+    ``max_block`` (for ``block > 1``; as the loop does, the drafter fills
+    its whole block whatever length is verified), verify ``block`` tokens,
+    one host read of the outcome, roll back; on the live ``cache`` (left as
+    it was) and a fresh scratch drafter cache fed one context position."""
     max_block = max(block, max_block)
-    scratches = [draft.make_cache() for _ in range(cycles)]
-    head = mx.zeros((1, 1), dtype=mx.int32)
+    scratch = draft.make_cache()
+    verify_in = mx.zeros((1, 1), dtype=mx.int32)
     tic = time.perf_counter()
-    for scratch in scratches:
-        verify_in = head
-        if block > 1:
-            masks = mx.array([[0] + [draft.mask_token_id] * (max_block - 1)])
-            drafted = draft.propose(masks, context, scratch, slots=block - 1)
-            settle(drafted)
-            verify_in = mx.concatenate([head, drafted.astype(mx.int32)], axis=1)
-        logits, taps = target.forward(verify_in, cache)
-        mx.argmax(logits[0], axis=-1).tolist()
-        target.rollback(cache, 0)
-        settle([c.state for c in cache], taps)
+    if block > 1:
+        masks = mx.array([[0] + [draft.mask_token_id] * (max_block - 1)])
+        drafted = draft.propose(masks, context, scratch, slots=block - 1)
+        settle(drafted)
+        verify_in = mx.concatenate([verify_in, drafted.astype(mx.int32)], axis=1)
+    logits, taps = target.forward(verify_in, cache)
+    mx.argmax(logits[0], axis=-1).tolist()
+    target.rollback(cache, 0)
+    settle([c.state for c in cache], taps)
     mx.eval([c.state for c in cache])
-    return (time.perf_counter() - tic) / cycles
+    return time.perf_counter() - tic
+
+
+def tree_cycle_seconds(target, draft, cache, context: mx.array, nodes: int, max_block: int) -> float:
+    """Seconds of a mock draft-tree cycle of ``nodes`` nodes (as the loop
+    runs one, :meth:`dflash_mlx.generate.Drafting.tree`): the whole block's
+    slot logits, their best candidates read to the host, the tree built
+    there and verified in one forward, the outcome read, rolled back."""
+    masks = mx.array([[0] + [draft.mask_token_id] * (max_block - 1)])
+    tic = time.perf_counter()
+    head = draft.slot_head_logits(masks, context, draft.make_cache(), slots=max_block - 1)
+    ids, logprobs = candidates(head[0], nodes, draft.vocab_ids)
+    tree = build_tree(0, ids, logprobs, nodes)
+    logits, taps = target.forward(mx.array([tree.tokens]), cache, tree=tree)
+    mx.argmax(logits[0], axis=-1).tolist()
+    target.rollback(cache, [])
+    mx.eval([c.state for c in cache], taps)
+    return time.perf_counter() - tic
 
 
 def median_seconds(fn: Callable[[], float], repeats: int = 3) -> float:
@@ -77,14 +91,16 @@ def median_seconds(fn: Callable[[], float], repeats: int = 3) -> float:
 _calibrations: Dict[int, dict] = {}  # id(drafter) -> {(target id, device, max block): Calibration}
 
 
-def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibration:
-    """Measure cycle costs at a few block lengths up to ``max_block``, and
-    the faster evaluation strategy (cycles at ``max_block``, the two
-    strategies alternating). The lengths are the plain step, the shortest
+def calibrate(target, draft, cache, context: mx.array, max_block: int, trees: bool = False) -> Calibration:
+    """Measure cycle costs at a few block lengths up to ``max_block``, the
+    faster evaluation strategy (cycles at ``max_block``, the two strategies
+    alternating) and, for the first generation whose sizer may choose trees
+    (``trees``), a tree cycle. The lengths are the plain step, the shortest
     drafting cycle and the whole block: the two drafting ones give the
     table its slope, what each verified row adds (with the whole block
     alone, a short block would look as dear as a long one until the loop
-    happened to try short ones).
+    happened to try short ones). About twenty mock cycles in all: on a slow
+    pair they delay a process's first generation by as many cycles' time.
 
     Runs on the live cache (each verify is rolled back), once per process
     for each drafter, target, device and maximum block: the costs are
@@ -102,28 +118,46 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int) -> Calibr
     if saved is None:  # modules are dicts, so unhashable: key by id, forget on collection
         saved = _calibrations[id(draft)] = {}
         weakref.finalize(draft, _calibrations.pop, id(draft), None)
-    if key in saved:
-        return saved[key]
     # What is queued (the prefill) runs first: it is not part of the cycles'
     # cost, and a pipelined target's ranks must run their collectives in one
     # order, which a mock cycle evaluated before the prefill's would break.
-    mx.eval(context, [c.state for c in cache])
-    context = context[:, -1:]
+    calibration = saved.get(key)
+    if calibration is None:
+        mx.eval(context, [c.state for c in cache])
+        calibration = saved[key] = chain_calibration(target, draft, cache, context[:, -1:], max_block)
+    if trees and calibration.tree is None and max_block > 1:
+        # A tree of as many rows as the whole block: its cycle costs more
+        # than that chain's (a host read between draft and verify, the mask).
+        nodes = max_block - 1
+        mx.eval(context, [c.state for c in cache])
+        seconds = median_seconds(lambda: tree_cycle_seconds(target, draft, cache, context[:, -1:], nodes, max_block))
+        calibration.tree = (nodes, target.agreed([seconds])[0])
+        at = next((c.offset for c in cache if hasattr(c, "offset")), 0)
+        calibration.sizer.costs.seed_tree(*calibration.tree, context=at)
+    return calibration
+
+
+def chain_calibration(target, draft, cache, context: mx.array, max_block: int) -> Calibration:
+    """:func:`calibrate`'s plain and chain cycles, on the last ``context`` position."""
     grid = sorted({1, min(2, max_block), max_block})
     measured = [
-        median_seconds(lambda: cycle_seconds(target, draft, cache, context, b, mx.eval, max_block=max_block)) for b in grid
+        median_seconds(lambda: cycle_seconds(target, draft, cache, context, b, mx.eval, max_block=max_block))
+        for b in grid[:-1]
     ]
+    # The whole block under each strategy in turn, after an untimed cycle
+    # that compiles: its cost is the faster strategy's, the one the loop takes.
+    cycle_seconds(target, draft, cache, context, max_block, mx.eval)
     timings = {mx.eval: [], mx.async_eval: []}
     for _ in range(3):
         for settle in timings:
-            timings[settle].append(cycle_seconds(target, draft, cache, context, max_block, settle, cycles=3))
-    faster = np.median(timings[mx.async_eval]) < np.median(timings[mx.eval])
+            timings[settle].append(cycle_seconds(target, draft, cache, context, max_block, settle))
+    medians = {settle: float(np.median(seconds)) for settle, seconds in timings.items()}
+    faster = medians[mx.async_eval] < medians[mx.eval]
+    measured.append(min(medians.values()))
     *measured, overlap = target.agreed([*measured, float(faster)])
     costs = dict(zip(grid, measured))
     at = next((c.offset for c in cache if hasattr(c, "offset")), 0)  # the context the table was measured at
-    sizer = BlockSizer(max_block, CycleCosts(costs, follow=target.local_timings, context=at))
-    saved[key] = Calibration(costs, bool(overlap), sizer)
-    return saved[key]
+    return Calibration(costs, bool(overlap), BlockSizer(max_block, CycleCosts(costs, follow=target.local_timings, context=at)))
 
 
 def plan(target, draft, cache, context: mx.array, max_block: int, fixed: bool, sizer=None, tree_nodes: int = 0, trees: bool = False):
@@ -132,7 +166,7 @@ def plan(target, draft, cache, context: mx.array, max_block: int, fixed: bool, s
     only the evaluation strategy from it, and so do forced trees of
     ``tree_nodes`` nodes. ``trees``: whether the pair's sizer may choose
     trees this generation."""
-    calibration = calibrate(target, draft, cache, context, max_block)
+    calibration = calibrate(target, draft, cache, context, max_block, trees)
     if fixed or tree_nodes:
         return BlockSizer(max_block, None, fixed=True, tree_nodes=tree_nodes), calibration.settle
     if sizer is None:

@@ -172,12 +172,17 @@ def test_calibration_leaves_the_cache_as_it_was_and_runs_once(pair, tmp_path):
         prefill(target, c, prompt, 2048)
     taps = cache.target_hidden
     calibration = calibrate(target, draft, cache.target, taps, 8)
+    assert calibration.tree is None  # no tree timed for a generation whose sizer may not choose one
+    assert calibrate(target, draft, cache.target, taps, 8, trees=True) is calibration  # once per process
     assert cache.target.undo is None and cache.target_hidden is taps and cache.pending == []
     step = mx.array([[3, 1, 4]])  # what the calibrated cache gives next is what a fresh one gives
     assert mx.array_equal(target.forward(step, cache.target)[0], target.forward(step, fresh.target)[0])
     assert sorted(calibration.costs) == [1, 2, 8] and min(calibration.costs.values()) > 0
+    nodes, seconds = calibration.tree  # then a tree of the whole block's rows, timed on its own line
+    assert nodes == 7 and seconds > 0
+    assert calibration.sizer.costs.trees(nodes)[nodes] == pytest.approx(seconds)
     assert calibration.settle in (mx.eval, mx.async_eval)
-    assert calibrate(target, draft, cache.target, taps, 8) is calibration  # once per process
+    assert calibrate(target, draft, cache.target, taps, 8, trees=True).tree == (nodes, seconds)  # timed once
 
 
 class AgreedTarget:
@@ -186,6 +191,7 @@ class AgreedTarget:
     phases overlapped."""
 
     local_timings = False
+    no_trees = "a pipelined target verifies chains only"
 
     def __init__(self, target):
         self.target = target
@@ -461,6 +467,8 @@ def test_tree_costs_start_as_chains_and_follow_tree_cycles():
         costs.observe(TreeChoice(nodes), 2.6 + 0.1 * nodes)
     assert costs.trees(32) == pytest.approx([2.6 + 0.1 * k for k in range(33)])
     assert costs.upto(16) == pytest.approx([1.0] + [1.4 + 0.1 * b for b in range(1, 16)])  # chains unchanged
+    timed = CycleCosts({1: 1.0, 2: 1.5, 16: 2.9}, tree=(15, 4.1))  # the table's tree cycle: 1.2 over the chain's
+    assert timed.trees(4) == pytest.approx([2.6 + 0.1 * k for k in range(5)])
 
 
 # ---------------------------------------------------------------------------
