@@ -61,20 +61,26 @@ def history(out: Path):
     return json.loads((out / T.STATE_DIR / "training_state.json").read_text())["history"]
 
 
+def training_batch(pair, variant, anchors, seed, B=6, S=24):
+    """A seeded drafter of ``variant`` bound to the pair's target, and one
+    batch of two rows: tokens, taps, blocks at ``anchors``, positions, mask."""
+    cfg = pair.draft_config(block_size=B, **VARIANTS[variant])
+    draft = DFlashDraftModel(DFlashConfig.from_hf(cfg))
+    tiny.seeded_init(draft, 3)
+    draft.bind(pair.model)
+    tokens = mx.array(np.random.default_rng(seed).integers(0, 256, (2, S)), dtype=mx.int32)
+    taps, _ = T.target_pass(draft.target, tokens, cfg["dflash_config"]["target_layer_ids"])
+    anchors = mx.array(anchors, dtype=mx.int32)
+    blocks, positions = T.make_blocks(tokens, anchors, B, draft.mask_token_id)
+    return draft, tokens, taps, anchors, blocks, positions, T.context_mask(anchors, S)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_train_forward_equals_inference(pair, variant):
     """Every block of the one-pass training forward gives the logits the
     inference drafter gives from a fresh cache fed the taps before its anchor."""
     B, S = 6, 24
-    cfg = pair.draft_config(block_size=B, **VARIANTS[variant])
-    draft = DFlashDraftModel(DFlashConfig.from_hf(cfg))
-    tiny.seeded_init(draft, 3)
-    draft.bind(pair.model)
-    tokens = mx.array(np.random.default_rng(0).integers(0, 256, (2, S)), dtype=mx.int32)
-    taps, _ = T.target_pass(draft.target, tokens, cfg["dflash_config"]["target_layer_ids"])
-    anchors = mx.array([[1, 7, 15], [3, 9, S - B]], dtype=mx.int32)
-    blocks, positions = T.make_blocks(tokens, anchors, B, draft.mask_token_id)
-    mask = T.context_mask(anchors, S)
+    draft, tokens, taps, anchors, blocks, positions, mask = training_batch(pair, variant, [[1, 7, 15], [3, 9, S - B]], 0)
     logits = draft.compute_logits(
         T.train_forward(draft, draft.target.embed, taps, blocks, positions, mask)
     )
@@ -112,15 +118,7 @@ def test_fast_training_attention_follows_the_exact_one(pair, variant):
     split between context and block) gives the exact path's states and
     gradients, for drafters whose blocks see the context differently."""
     B, S = 6, 24
-    cfg = pair.draft_config(block_size=B, **VARIANTS[variant])
-    draft = DFlashDraftModel(DFlashConfig.from_hf(cfg))
-    tiny.seeded_init(draft, 3)
-    draft.bind(pair.model)
-    tokens = mx.array(np.random.default_rng(1).integers(0, 256, (2, S)), dtype=mx.int32)
-    taps, _ = T.target_pass(draft.target, tokens, cfg["dflash_config"]["target_layer_ids"])
-    anchors = mx.array([[1, 4, 9], [2, 12, S - B]], dtype=mx.int32)
-    blocks, positions = T.make_blocks(tokens, anchors, B, draft.mask_token_id)
-    mask = T.context_mask(anchors, S)
+    draft, _, taps, _, blocks, positions, mask = training_batch(pair, variant, [[1, 4, 9], [2, 12, S - B]], 1)
     assert [end for _, _, end in T.context_spans(mask)] == [2, 12, S - B]  # the last anchor of each block, + 1
     w = mx.random.normal((2, 3, B, draft.target.hidden_size), key=mx.random.key(5))
 
