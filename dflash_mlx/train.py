@@ -625,17 +625,20 @@ def read_state(out: Path):
 
 
 def init_weights(draft: DFlashDraftModel, path: Path) -> None:
-    """Copy the weights of the drafter at ``path``, which must have exactly
-    ``draft``'s configuration (loaded, and its files checked, by ``load_draft``)."""
+    """Copy the weights of the drafter at ``path``, which must have
+    ``draft``'s configuration (loaded, and its files checked, by
+    ``load_draft``), its draft vocabulary aside: the head is the target's,
+    so no weight depends on which ids it scores, and a drafter trained over
+    the whole vocabulary can continue over the most frequent ids."""
     from .loading import check_weights, load_draft
 
     saved = load_draft(path, dtype=mx.float32)
-    if saved.config != draft.config:
-        diff = [
-            f"{k} {getattr(saved.config, k)!r} (run: {getattr(draft.config, k)!r})"
-            for k in draft.config.__dataclass_fields__
-            if getattr(saved.config, k) != getattr(draft.config, k)
-        ]
+    diff = [
+        f"{k} {getattr(saved.config, k)!r} (run: {getattr(draft.config, k)!r})"
+        for k in draft.config.__dataclass_fields__
+        if k != "draft_vocab" and getattr(saved.config, k) != getattr(draft.config, k)
+    ]
+    if diff:
         raise TrainError(f"--init-from {path} is a different drafter: {', '.join(diff)}")
     weights = dict(tree_flatten(saved.parameters()))
     check_weights(draft, weights, path)  # e.g. a quantized checkpoint

@@ -26,7 +26,7 @@ The cheaper build's levers are flags with defaults: --fast-target
 (approximate softmax / SiLU in the target for distillation and the tap pass),
 --fast-softmax (approximate softmax / logsumexp in the drafter's training),
 --answer-anchors (anchors only where the next token is the target's),
---draft-vocab K, --loss-slots N, --layers, --init-from-target; --variant
+--draft-vocab K, --loss-slots N, --layers, --init-from-target, --init-from; --variant
 names a run directory of its own for one setting against another.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 nohup nice -n 15 \\
@@ -137,6 +137,8 @@ def lever_argv(args) -> list:
         argv += ["--loss-slots", str(args.loss_slots)]
     if args.init_from_target:
         argv.append("--init-from-target")
+    if args.init_from:
+        argv += ["--init-from", str(Path(args.init_from).expanduser())]
     return argv
 
 
@@ -313,6 +315,7 @@ def write_card(out: Path, state: dict, times: dict, accept: dict, args):
     shards = name.rsplit("-s", 1)[1]
     by_position = {k: v for k, v in accept.items() if k not in ("prompts", "max_tokens")}
     init = ", initialised from the target's last layers" if args.init_from_target else ""
+    init += f", started from the drafter at {args.init_from}" if args.init_from else ""
     card = f"""# DFlash drafter for SmolLM2-135M-Instruct (dflash_mlx smollm2 pair)
 
 Drafts {cfg['block_size']}-token blocks for SmolLM2-135M-Instruct (the Q4_1 GGUF of the
@@ -374,6 +377,9 @@ def parser():
                    help="the drafter's head over the K most frequent target tokens of the rows (FR-Spec; 0: the whole vocabulary)")
     p.add_argument("--loss-slots", type=int, default=None, help="train only slots 1..N of each block")
     p.add_argument("--init-from-target", action="store_true", help="drafter layers start as the target's last ones")
+    p.add_argument("--init-from", default=None, metavar="DRAFTER",
+                   help="start from a drafter's weights (e.g. the installed one, dflash_mlx/smollm2_pair/draft): "
+                        "a new data set continues a build instead of starting over")
     p.add_argument("--questions", action=argparse.BooleanOptionalAction, default=True,
                    help="the questions stage adds requests the target writes")
     p.add_argument("--variant", default="", help="suffix of the run directory: one setting against another")

@@ -142,12 +142,16 @@ def test_levers_reach_the_training_command(tmp_path):
     assert "--approximate-target" in cmd and "--approximate-softmax" in cmd and "--answer-mask" in cmd and cmd[cmd.index("--num-layers") + 1] == "2"
     assert cmd[cmd.index("--answer-mask") + 1] == str(work / "rows-64-s2-answers.npy")
     assert cmd[cmd.index("--cache-dir") + 1].endswith("target-outputs-64-s2-approx")
+    assert cmd[cmd.index("--draft-vocab") + 1] == str(smollm2_drafter.DRAFT_VOCAB)  # on by default
     cmd, args = argv("--no-fast-target", "--no-fast-softmax", "--no-answer-anchors", "--draft-vocab", "8192", "--loss-slots", "8",
                      "--layers", "4", "--init-from-target", "--variant", "deep")  # fmt: skip
     assert not {"--approximate-target", "--approximate-softmax", "--answer-mask"} & set(cmd)
     assert cmd[cmd.index("--draft-vocab") + 1] == "8192" and cmd[cmd.index("--loss-slots") + 1] == "8"
     assert cmd[cmd.index("--num-layers") + 1] == "4" and "--init-from-target" in cmd
     assert cmd[cmd.index("--draft-model") + 1] == str(work / "drafter_run-64-s2-deep")
+    assert "--init-from" not in cmd
+    cmd, args = argv("--init-from", str(tmp_path / "shipped"), "--draft-vocab", "0")  # 0: the whole vocabulary
+    assert cmd[cmd.index("--init-from") + 1] == str(tmp_path / "shipped") and "--draft-vocab" not in cmd
 
 
 def test_exported_shards_seed_a_new_machine(tmp_path, monkeypatch):

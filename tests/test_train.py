@@ -257,7 +257,8 @@ def test_resume_equals_uninterrupted_run(qwen3_pair, corpus, tmp_path, monkeypat
 def test_init_from_starts_at_the_checkpoint(qwen3_pair, corpus, tmp_path, capsys):
     """--init-from loads an earlier drafter's weights: with a zero learning
     rate the new run saves them unchanged and its first loss is the old run's
-    level, not a random drafter's. A drafter of another shape is refused."""
+    level, not a random drafter's; a run with a draft vocabulary may start
+    from one without. A drafter of another shape is refused."""
     pair = qwen3_pair
     first, second = tmp_path / "first", tmp_path / "second"
     assert train_cli(small_run(pair, corpus, first, "--steps", "30")) == 0
@@ -267,6 +268,10 @@ def test_init_from_starts_at_the_checkpoint(qwen3_pair, corpus, tmp_path, capsys
     a, b = mx.load(str(first / "model.safetensors")), mx.load(str(second / "model.safetensors"))
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
     assert history(second)[0][0] < np.mean([h[0] for h in history(first)[:3]]) - 0.3
+    vocab = small_run(pair, corpus, tmp_path / "vocab", "--steps", "1", "--draft-vocab", "64", "--init-from", str(first))
+    assert train_cli(vocab) == 0  # a head over fewer ids: the same weights
+    c = mx.load(str(tmp_path / "vocab" / "model.safetensors"))
+    assert sorted(c) == sorted(a)
     other = small_run(pair, corpus, tmp_path / "third", "--steps", "2", "--num-layers", "1", "--init-from", str(first))
     assert train_cli(other) == 1
     err = capsys.readouterr().err
