@@ -82,6 +82,11 @@ def tree_cycle_seconds(target, draft, cache, context: mx.array, nodes: int, max_
     return time.perf_counter() - tic
 
 
+def context_length(cache) -> int:
+    """Positions in the target's ``cache``: the context a timing was taken at."""
+    return next((c.offset for c in cache if hasattr(c, "offset")), 0)
+
+
 def median_seconds(fn: Callable[[], float], repeats: int = 3) -> float:
     """Median of ``fn()``'s own timings after one untimed call (which compiles)."""
     fn()
@@ -132,8 +137,7 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int, trees: bo
         mx.eval(context, [c.state for c in cache])
         seconds = median_seconds(lambda: tree_cycle_seconds(target, draft, cache, context[:, -1:], nodes, max_block))
         calibration.tree = (nodes, target.agreed([seconds])[0])
-        at = next((c.offset for c in cache if hasattr(c, "offset")), 0)
-        calibration.sizer.costs.seed_tree(*calibration.tree, context=at)
+        calibration.sizer.costs.seed_tree(*calibration.tree, context=context_length(cache))
     return calibration
 
 
@@ -156,8 +160,8 @@ def chain_calibration(target, draft, cache, context: mx.array, max_block: int) -
     measured.append(min(medians.values()))
     *measured, overlap = target.agreed([*measured, float(faster)])
     costs = dict(zip(grid, measured))
-    at = next((c.offset for c in cache if hasattr(c, "offset")), 0)  # the context the table was measured at
-    return Calibration(costs, bool(overlap), BlockSizer(max_block, CycleCosts(costs, follow=target.local_timings, context=at)))
+    table = CycleCosts(costs, follow=target.local_timings, context=context_length(cache))
+    return Calibration(costs, bool(overlap), BlockSizer(max_block, table))
 
 
 def plan(target, draft, cache, context: mx.array, max_block: int, fixed: bool, sizer=None, tree_nodes: int = 0, trees: bool = False):

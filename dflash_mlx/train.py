@@ -230,8 +230,8 @@ def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask, fast=False, s
     if fast and fast_math.approx_for(s_blk):
         # Each block scores only the context it sees in some row.
         parts = []
-        for i0, i1, seen in spans or context_spans(mask):
-            pick = (slice(None),) * 3 + (slice(i0, i1),)
+        for i, seen in enumerate(context_spans(mask) if spans is None else spans):
+            pick = (slice(None),) * 3 + (slice(i, i + 1),)
             q_g = q[pick]
             s_ctx = (q_g.reshape(b, Hk, -1, D) @ ctx_k[:, :, :seen].swapaxes(-1, -2)).reshape(*q_g.shape[:-1], seen)
             own_g = None if own is None else own[pick]
@@ -248,14 +248,13 @@ def _block_attention(attn, x, ctx_k, ctx_v, rope, positions, mask, fast=False, s
     return attn.o_proj(out)
 
 
-def context_spans(mask: mx.array) -> List[tuple]:
-    """``(block, block + 1, context positions)`` for each block of a batch's
-    context ``mask`` [b, n, S]: the block scores only the first positions,
+def context_spans(mask: mx.array) -> List[int]:
+    """The context positions each block of a batch's context ``mask``
+    [b, n, S] scores: only the first ones,
     up to the last it sees in any row, so most hidden scores (and their
     exponentials) are never computed. One host read of the mask."""
     seen = np.array(mx.any(mask, axis=0))  # [n, S]: seen in some row
-    ends = [int(np.flatnonzero(row)[-1]) + 1 if row.any() else 1 for row in seen]
-    return [(i, i + 1, end) for i, end in enumerate(ends)]
+    return [int(np.flatnonzero(row)[-1]) + 1 if row.any() else 1 for row in seen]
 
 
 def _split_softmax(s_ctx, s_blk, visible, own, ctx_v, v):
