@@ -237,19 +237,14 @@ def second_turn_ttft(model, draft, tokenizer, prompts, turn1_tokens: int = 1500)
             "turn2_over_turn1": seconds[1] / seconds[0]}
 
 
-def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=20, draft_window=None,
-                  draft_sink=None) -> Dict[str, float]:
+def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=20) -> Dict[str, float]:
     """Median ms of the forwards that bound the speedup, warm, after the prompt.
 
     ``target_1`` is mlx-lm's own forward of one token on its own cache, the
     step the autoregressive baseline runs; ``target_{B}`` is the verify
-    forward (target_hidden kept), the step DFlash runs; the drafter forward injects
-    ``new_context`` positions per call over the prompt's context, as in the
-    loop, through a context cache with the draft window given. A forward
-    counts until its logits and the cache it leaves are
-    computed: the chunked verify's recurrent state after the block is not on
-    the way to its logits, and left lazy it would never be timed (the loop
-    computes it, for the accepted prefix, when it rolls back).
+    forward (target_hidden kept), the step DFlash runs; the drafter forward
+    injects ``new_context`` positions per call over the prompt's context, as
+    in the loop (:func:`time_drafter`).
     """
     from mlx_lm.models.cache import make_prompt_cache as mlx_lm_prompt_cache
 
@@ -260,6 +255,21 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
     def baseline_step():
         mx.eval(model(one, cache=lm_cache), [c.state for c in lm_cache])
 
+    verify, target_hidden = time_verify(draft, prompt_ids, block_size, repeats)
+    return {
+        "target_1": median_ms(baseline_step, repeats),
+        f"target_{block_size}": verify,
+        "drafter": time_drafter(model, draft, target_hidden, block_size, new_context, repeats),
+    }
+
+
+def time_verify(draft, prompt_ids, block_size, repeats=20):
+    """Median ms of a verify of ``block_size`` tokens after the prompt, and
+    the prompt's target_hidden (for :func:`time_drafter`). A forward counts
+    until its logits and the cache it leaves are computed: the chunked
+    verify's recurrent state after the block is not on the way to its
+    logits, and left lazy it would never be timed (the loop computes it,
+    for the accepted prefix, when it rolls back)."""
     target = draft.target
     cache = target.make_cache()
     _, target_hidden = target.forward(prompt_ids[None], cache, last_logits_only=True, record=False)
@@ -271,19 +281,19 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
         mx.eval(out, hidden, [c.state for c in cache])
         target.rollback(cache, 0)
 
+    return median_ms(verify, repeats), target_hidden
+
+
+def time_drafter(model, draft, target_hidden, block_size, new_context=1, repeats=20, draft_window=None,
+                 draft_sink=None) -> float:
+    """Median ms of a drafter forward that injects ``new_context`` positions
+    over the context ``target_hidden`` holds, through a context cache with
+    the draft window given."""
     block = mx.array([[1] + [draft.mask_token_id] * (block_size - 1)])
     draft_cache = make_prompt_cache(model, draft, draft_window, draft_sink).draft
     mx.eval(draft.propose(block, target_hidden[:, :-new_context], draft_cache))
     fresh = target_hidden[:, -new_context:]
-
-    def drafter_forward():
-        mx.eval(draft.propose(block, fresh, draft_cache))
-
-    return {
-        "target_1": median_ms(baseline_step, repeats),
-        f"target_{block_size}": median_ms(verify, repeats),
-        "drafter": median_ms(drafter_forward, repeats),
-    }
+    return median_ms(lambda: mx.eval(draft.propose(block, fresh, draft_cache)), repeats)
 
 
 def compile_block_lengths(draft, prompt_ids, block_size) -> None:
@@ -593,12 +603,14 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
             "autoregressive": {"tps": ar["tps"], "ttft_s": ar["ttft_s"], "peak_memory_gb": ar["peak_memory"]},
             "dflash": {},
         }
+        runs = {}
         for w in configs:
             mx.reset_peak_memory()
-            run = run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, draft_window=w, draft_sink=sink)
-            forwards = time_forwards(model, draft, encode_prompt(tokenizer, prompt), max_block, repeats=5,
-                                     draft_window=w, draft_sink=sink)
-            verify = forwards[f"target_{max_block}"]
+            runs[w] = run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, draft_window=w, draft_sink=sink)
+        # One prefill for the timings (a long prompt's prefill costs more than all of them).
+        verify, target_hidden = time_verify(draft, encode_prompt(tokenizer, prompt), max_block, repeats=5)
+        for w, run in runs.items():
+            drafter = time_drafter(model, draft, target_hidden, max_block, repeats=5, draft_window=w, draft_sink=sink)
             row["dflash"][window_name(w, sink)] = {
                 "draft_window": w,
                 "draft_sink": sink if w else 0,
@@ -606,9 +618,9 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
                 "speedup": run["tps"] / ar["tps"],
                 "ttft_s": run["ttft_s"],
                 "tokens_per_cycle": mean_tokens_per_cycle(run["committed"]),
-                "drafter_ms": forwards["drafter"],
+                "drafter_ms": drafter,
                 "verify_ms": verify,
-                "drafter_share": forwards["drafter"] / (forwards["drafter"] + verify),
+                "drafter_share": drafter / (drafter + verify),
                 "peak_memory_gb": run["peak_memory"],
                 "outputs_identical": run["tokens"] == ar["tokens"],
             }
