@@ -27,6 +27,8 @@ before timing starts.
 """
 
 import argparse
+import copy
+import gc
 import importlib
 import inspect
 import itertools
@@ -37,7 +39,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List
+from typing import Callable, Dict, Iterable, List, Optional
 
 import mlx.core as mx
 
@@ -48,6 +50,7 @@ from .defaults import (
 )
 from .errors import ArgumentError
 from .generate import cycle_lengths, encode_prompt, mean_tokens_per_cycle, stream_generate
+from .models.dflash import masked_block
 from .sampling import ACCEPTANCE_RULES
 from .timing import conv_selector_share, median_ms
 
@@ -146,27 +149,27 @@ def repeated_4gram_share(tokens: List[int]) -> float:
     return repeats / max(1, len(tokens))
 
 
-def run_autoregressive(model, tokenizer, prompt, max_tokens):
+def run_autoregressive(model, tokenizer, prompt, max_tokens, prompt_cache=None):
     from mlx_lm import stream_generate as mlx_lm_stream_generate
 
     tokens, last = [], None
-    for last in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+    for last in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, prompt_cache=prompt_cache):
         if last.finish_reason != "stop":
             tokens.append(last.token)
     return {"tokens": tokens, "tps": last.generation_tps, "peak_memory": last.peak_memory,
             "ttft_s": last.prompt_tokens / last.prompt_tps}
 
 
-def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=None, tree_budget=None, **window):
+def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=None, tree_budget=None, **options):
     """One generation (``block_size=None``: adaptive; ``tree_budget`` as
-    :func:`~dflash_mlx.generate.generate_step` takes it; ``window``:
-    ``draft_window``, ``draft_sink``); tok/s counted from the first token,
+    :func:`~dflash_mlx.generate.generate_step` takes it; ``options``:
+    ``draft_window``, ``draft_sink``, ``prompt_cache``); tok/s counted from the first token,
     like mlx-lm. With a ``timer`` (``draft`` a :class:`TimedDraft` on it),
     the forwards and rollbacks are timed and the rest of each cycle counts
     as host time."""
     responses = []
     for r in stream_generate(
-        model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, tree_budget=tree_budget, **window
+        model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, tree_budget=tree_budget, **options
     ):
         if not responses and timer is not None:  # the cycles start after the prefill's token
             timer.start_cycles()
@@ -255,25 +258,23 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
     def baseline_step():
         mx.eval(model(one, cache=lm_cache), [c.state for c in lm_cache])
 
-    verify, target_hidden = time_verify(draft, prompt_ids, block_size, repeats)
-    return {
-        "target_1": median_ms(baseline_step, repeats),
-        f"target_{block_size}": verify,
-        "drafter": time_drafter(model, draft, target_hidden, block_size, new_context, repeats),
-    }
-
-
-def time_verify(draft, prompt_ids, block_size, repeats=20):
-    """Median ms of a verify of ``block_size`` tokens after the prompt, and
-    the prompt's target_hidden (for :func:`time_drafter`). A forward counts
-    until its logits and the cache it leaves are computed: the chunked
-    verify's recurrent state after the block is not on the way to its
-    logits, and left lazy it would never be timed (the loop computes it,
-    for the accepted prefix, when it rolls back)."""
     target = draft.target
     cache = target.make_cache()
     _, target_hidden = target.forward(prompt_ids[None], cache, last_logits_only=True, record=False)
     mx.eval(target_hidden, [c.state for c in cache])
+    return {
+        "target_1": median_ms(baseline_step, repeats),
+        f"target_{block_size}": time_verify(target, cache, block_size, repeats),
+        "drafter": time_drafter(model, draft, target_hidden, block_size, new_context, repeats),
+    }
+
+
+def time_verify(target, cache, block_size, repeats=20) -> float:
+    """Median ms of a verify of ``block_size`` tokens on ``cache`` (left as
+    it was). A forward counts until its logits and the cache it leaves are
+    computed: the chunked verify's recurrent state after the block is not
+    on the way to its logits, and left lazy it would never be timed (the
+    loop computes it, for the accepted prefix, when it rolls back)."""
     tokens = mx.array([[1] * block_size])
 
     def verify():
@@ -281,7 +282,7 @@ def time_verify(draft, prompt_ids, block_size, repeats=20):
         mx.eval(out, hidden, [c.state for c in cache])
         target.rollback(cache, 0)
 
-    return median_ms(verify, repeats), target_hidden
+    return median_ms(verify, repeats)
 
 
 def time_drafter(model, draft, target_hidden, block_size, new_context=1, repeats=20, draft_window=None,
@@ -289,7 +290,7 @@ def time_drafter(model, draft, target_hidden, block_size, new_context=1, repeats
     """Median ms of a drafter forward that injects ``new_context`` positions
     over the context ``target_hidden`` holds, through a context cache with
     the draft window given."""
-    block = mx.array([[1] + [draft.mask_token_id] * (block_size - 1)])
+    block = masked_block(draft, 1, block_size)
     draft_cache = make_prompt_cache(model, draft, draft_window, draft_sink).draft
     mx.eval(draft.propose(block, target_hidden[:, :-new_context], draft_cache))
     fresh = target_hidden[:, -new_context:]
@@ -314,7 +315,7 @@ def compile_block_lengths(draft, prompt_ids, block_size) -> None:
         mx.eval(logits)
         target.rollback(cache, 1)
     if block_size > 1:
-        block = mx.array([[1] + [draft.mask_token_id] * (block_size - 1)])
+        block = masked_block(draft, 1, block_size)
         mx.eval(draft.propose(block, target_hidden[:, -1:], draft.make_cache()))
 
 
@@ -577,13 +578,119 @@ def window_name(window, sink) -> str:
     return f"window {window} + sink {sink}" if window else "full context"
 
 
-def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, sink, block_size=None) -> dict:
-    """Long prompts: at each length, one run each of mlx-lm and of DFlash
-    with the full context and with every draft window in ``windows`` (0 in
-    it: the full context) and ``sink``. Each run reports tok/s, time to first token,
-    tokens per cycle and peak memory (reset before each run); the drafter's
-    share of a cycle comes from :func:`time_forwards` at that context
-    (the drafter forward over its windowed cache, against the verify)."""
+@dataclass
+class LongPromptDecoder:
+    """One decoder of :func:`long_prompt_report`: ``run(prompt, max_tokens,
+    prompt_cache)`` generates (a result of :func:`run_autoregressive` or
+    :func:`run_dflash`), ``make_cache()`` makes its empty prompt cache."""
+
+    run: Callable
+    make_cache: Callable
+    state: Optional[object] = None  # its prompt cache after all of the prompt but its last token
+    ttft_s: float = 0.0
+    peak_gb: float = 0.0
+    runs: List[dict] = field(default_factory=list)
+
+    def prefill(self, ids: List[int], others_bytes: int) -> None:
+        """Generate one token after the whole prompt on a fresh cache (the
+        time to first token and the prefill's peak memory), then trim it
+        back to all but the prompt's last token: each round continues from
+        a copy of that state, feeding the last token as mlx-lm's prefill
+        runs it, alone. A cache that cannot trim keeps no state: each
+        round prefills anew."""
+        cache = self.make_cache()
+        mx.reset_peak_memory()
+        first = self.run(ids, 1, cache)
+        self.ttft_s = first["ttft_s"]
+        self.peak_gb = first["peak_memory"] - others_bytes / 1e9
+        if all(c.is_trimmable() for c in cache_parts(cache)):
+            trim(cache, cache_offset(cache) - (len(ids) - 1))
+            self.state = cache
+
+    def decode(self, ids: List[int], max_tokens: int, last: bool, others_bytes: int) -> None:
+        """One round; the ``last`` runs on the state itself (no copy beside
+        it), and its peak memory counts."""
+        if self.state is None:
+            self.runs.append(self.run(ids, max_tokens, None))
+            return
+        cache = self.state if last else copy.deepcopy(self.state)
+        if last:
+            self.state = None
+            gc.collect()
+            mx.clear_cache()
+            mx.reset_peak_memory()
+        run = self.run(ids[-1:], max_tokens, cache)
+        if last:
+            self.peak_gb = max(self.peak_gb, run["peak_memory"] - others_bytes / 1e9)
+        self.runs.append(run)
+
+
+def cache_parts(cache) -> list:
+    """The caches a prompt cache is made of (mlx-lm's is a list of them)."""
+    return [cache] if hasattr(cache, "draft") else cache
+
+
+def cache_offset(cache) -> int:
+    return cache.offset if hasattr(cache, "draft") else cache[0].offset
+
+
+def cache_nbytes(cache) -> int:
+    return 0 if cache is None else sum(c.nbytes for c in cache_parts(cache))
+
+
+def trim(cache, n: int) -> None:
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    cache.trim(n) if hasattr(cache, "draft") else trim_prompt_cache(cache, n)
+
+
+def long_prompt_runs(d: LongPromptDecoder, ar: LongPromptDecoder) -> dict:
+    """A DFlash decoder's rounds at one length against mlx-lm's (``ar``)."""
+    tps, ar_tps = [run["tps"] for run in d.runs], [run["tps"] for run in ar.runs]
+    return {
+        "tps": statistics.median(tps),
+        "speedup": statistics.median(tps) / statistics.median(ar_tps),
+        "paired_speedup": statistics.median(x / y for x, y in zip(tps, ar_tps)),
+        "ttft_s": d.ttft_s,
+        "tokens_per_cycle": mean_tokens_per_cycle([c for run in d.runs for c in run["committed"]]),
+        "peak_memory_gb": d.peak_gb,
+        "outputs_identical": all(run["tokens"] == ar.runs[0]["tokens"] for run in [*ar.runs, *d.runs]),
+    }
+
+
+def context_forwards(draft, state, ids, block_size):
+    """(verify ms, the context's target_hidden) at the prompt's context: on a
+    copy of a full-context DFlash ``state`` (the prompt but its last token),
+    or on a prefill of its own where no state was kept."""
+    target = draft.target
+    if state is not None:
+        state = copy.deepcopy(state)
+        cache, target_hidden = state.target, state.target_hidden
+    else:
+        cache = target.make_cache()
+        _, target_hidden = target.forward(mx.array(ids)[None], cache, last_logits_only=True, record=False)
+    mx.eval(target_hidden, [c.state for c in cache])
+    return time_verify(target, cache, block_size, repeats=5), target_hidden
+
+
+def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, sink, block_size=None,
+                       repeats=DEFAULT_BENCH_REPEATS) -> dict:
+    """Long prompts: at each length, mlx-lm and DFlash with the full context
+    and with every draft window in ``windows`` (0 in it: the full context)
+    and ``sink``.
+
+    A long prompt's prefill takes minutes on a CPU, and one generation's
+    tok/s moves from run to run by more than the bars, so each decoder
+    prefills the prompt once (time to first token measured there) and
+    decodes ``repeats`` rounds from that state, the decoders taking turns,
+    mlx-lm first (:meth:`LongPromptDecoder.prefill`). Reported per decoder:
+    median tok/s, DFlash's speedup (of the medians, and the median of each
+    round's own ratio), tokens per cycle, peak memory (of the prefill and of
+    the last round, as if the decoder ran alone: the other decoders' states
+    are not counted) and the drafter's share of a cycle (its forward over
+    its windowed cache against the verify, at that context)."""
+    from mlx_lm.models.cache import make_prompt_cache as mlx_lm_prompt_cache
+
     configs = list(dict.fromkeys([0, *windows]))
     max_block = block_size or draft.block_size
     draft.bind(model)
@@ -592,55 +699,68 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
     for w in configs:
         run_dflash(model, draft, tokenizer, warm, 8, block_size, draft_window=w, draft_sink=sink)
     compile_block_lengths(draft, encode_prompt(tokenizer, warm), max_block)
+
+    def dflash(w):
+        return LongPromptDecoder(
+            lambda ids, n, cache: run_dflash(model, draft, tokenizer, ids, n, block_size, prompt_cache=cache),
+            lambda: make_prompt_cache(model, draft, w, sink),
+        )
+
     rows = []
     for length in lengths:
-        prompt = long_prompt(tokenizer, length)
-        mx.reset_peak_memory()
-        ar = run_autoregressive(model, tokenizer, prompt, max_tokens)
+        ids = encode_prompt(tokenizer, long_prompt(tokenizer, length)).tolist()
+        decoders = {"mlx-lm": LongPromptDecoder(
+            lambda ids, n, cache: run_autoregressive(model, tokenizer, ids, n, prompt_cache=cache),
+            lambda: mlx_lm_prompt_cache(model),
+        )}
+        decoders.update({w: dflash(w) for w in configs})
+        names = list(decoders)
+
+        def others(name):
+            return sum(cache_nbytes(d.state) for n, d in decoders.items() if n != name)
+
+        for name in names:
+            decoders[name].prefill(ids, others(name))
+        for r in range(repeats):
+            last = r == repeats - 1
+            if last:  # while the full context's state is still there to copy
+                verify, target_hidden = context_forwards(draft, decoders[0].state, ids, max_block)
+            turn = r % len(configs)  # the run right after mlx-lm's is slowed on the CPU backend: they take turns
+            for name in names[:1] + configs[turn:] + configs[:turn]:
+                decoders[name].decode(ids, max_tokens, last, others(name))
+        ar = decoders.pop("mlx-lm")
         row = {
             "prompt_length": length,
-            "prompt_tokens": encode_prompt(tokenizer, prompt).size,
-            "autoregressive": {"tps": ar["tps"], "ttft_s": ar["ttft_s"], "peak_memory_gb": ar["peak_memory"]},
+            "prompt_tokens": len(ids),
+            "autoregressive": {"tps": statistics.median(run["tps"] for run in ar.runs), "ttft_s": ar.ttft_s,
+                               "peak_memory_gb": ar.peak_gb},
             "dflash": {},
         }
-        runs = {}
-        for w in configs:
-            mx.reset_peak_memory()
-            runs[w] = run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, draft_window=w, draft_sink=sink)
-        # One prefill for the timings (a long prompt's prefill costs more than all of them).
-        verify, target_hidden = time_verify(draft, encode_prompt(tokenizer, prompt), max_block, repeats=5)
-        for w, run in runs.items():
+        for w, d in decoders.items():
             drafter = time_drafter(model, draft, target_hidden, max_block, repeats=5, draft_window=w, draft_sink=sink)
             row["dflash"][window_name(w, sink)] = {
-                "draft_window": w,
-                "draft_sink": sink if w else 0,
-                "tps": run["tps"],
-                "speedup": run["tps"] / ar["tps"],
-                "ttft_s": run["ttft_s"],
-                "tokens_per_cycle": mean_tokens_per_cycle(run["committed"]),
-                "drafter_ms": drafter,
-                "verify_ms": verify,
-                "drafter_share": drafter / (drafter + verify),
-                "peak_memory_gb": run["peak_memory"],
-                "outputs_identical": run["tokens"] == ar["tokens"],
+                "draft_window": w, "draft_sink": sink if w else 0, **long_prompt_runs(d, ar),
+                "drafter_ms": drafter, "verify_ms": verify, "drafter_share": drafter / (drafter + verify),
             }
         rows.append(row)
-    return {"max_tokens": max_tokens, "block_size": max_block, "adaptive": block_size is None,
+    return {"max_tokens": max_tokens, "block_size": max_block, "adaptive": block_size is None, "rounds": repeats,
             "document_source": f"docstrings of Python {sys.version.split()[0]}'s {', '.join(DOCUMENT_MODULES)}",
             "question": DOCUMENT_QUESTION, "lengths": rows}
 
 
 def print_long_prompt_report(r: dict) -> None:
     mode = f"adaptive, up to {r['block_size']}" if r["adaptive"] else f"fixed {r['block_size']}"
-    print(f"long prompts: {r['max_tokens']} new tokens, block size {mode}; documents: {r['document_source']}")
-    print(f"{'prompt':>7} {'decoder':<28} {'tok/s':>8} {'speedup':>8} {'TTFT s':>8} {'tok/cycle':>9} "
+    print(f"long prompts: {r['max_tokens']} new tokens, block size {mode}, medians of {r['rounds']} rounds after one "
+          f"prefill each; documents: {r['document_source']}")
+    print(f"{'prompt':>7} {'decoder':<28} {'tok/s':>8} {'speedup':>8} {'paired':>7} {'TTFT s':>8} {'tok/cycle':>9} "
           f"{'drafter':>8} {'peak GB':>8} identical")
     for row in r["lengths"]:
         ar = row["autoregressive"]
-        print(f"{row['prompt_tokens']:>7} {'mlx-lm':<28} {ar['tps']:8.1f} {'':>8} {ar['ttft_s']:8.2f} {'':>9} "
+        print(f"{row['prompt_tokens']:>7} {'mlx-lm':<28} {ar['tps']:8.1f} {'':>8} {'':>7} {ar['ttft_s']:8.2f} {'':>9} "
               f"{'':>8} {ar['peak_memory_gb']:8.3f}")
         for name, d in row["dflash"].items():
-            print(f"{'':>7} {'DFlash, ' + name:<28} {d['tps']:8.1f} {d['speedup']:7.2f}x {d['ttft_s']:8.2f} "
+            print(f"{'':>7} {'DFlash, ' + name:<28} {d['tps']:8.1f} {d['speedup']:7.2f}x {d['paired_speedup']:6.2f}x "
+                  f"{d['ttft_s']:8.2f} "
                   f"{d['tokens_per_cycle']:9.2f} {100 * d['drafter_share']:7.1f}% {d['peak_memory_gb']:8.3f} "
                   f"{d['outputs_identical']}")
 
@@ -824,7 +944,9 @@ def main(argv=None):
         windows = args.draft_window or [DEFAULT_DRAFT_WINDOW]
         sink = DEFAULT_DRAFT_SINK if args.draft_sink is None else args.draft_sink
         max_tokens = args.max_tokens[0] if args.max_tokens else DEFAULT_MAX_TOKENS
-        report = long_prompt_report(model, draft, tokenizer, args.prompt_lengths, max_tokens, windows, sink, args.block_size)
+        report = long_prompt_report(
+            model, draft, tokenizer, args.prompt_lengths, max_tokens, windows, sink, args.block_size, args.repeats
+        )
         report.update(model=str(args.model), draft_model=str(draft_path), mlx=mx.__version__, device=str(mx.default_device()))
         print_long_prompt_report(report)
         if args.json:

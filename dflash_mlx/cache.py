@@ -45,7 +45,7 @@ def bound_target(model, draft):
     return draft.bind(model).target
 
 
-# Pending tap-state chunks kept apart before they are joined (see PromptCache.add_hidden).
+# Pending tap-state chunks of one size class kept apart before they are joined (see PromptCache.add_hidden).
 JOIN_CHUNKS = 32
 
 
@@ -70,6 +70,7 @@ class PromptCache:
         self.draft_window, self.draft_sink = draft_window, draft_sink
         self.pending: List[int] = []
         self.hidden_chunks: List[mx.array] = []
+        self.added = 0  # tap chunks added (see add_hidden)
         self.hole: Optional[Tuple[int, int]] = None
         self.tokens: List[int] = []
 
@@ -99,17 +100,43 @@ class PromptCache:
 
         Kept as chunks and joined when read: plain decoding adds one row
         per token for many tokens before the drafter takes them, and joining
-        at every step would copy the whole backlog each time. Every
-        ``JOIN_CHUNKS`` chunks they are joined all the same (and evaluated,
-        so that no lazy graph grows with them), so that a long run of plain
-        steps neither holds one array per token nor walks them all at each
-        step.
+        at every step would copy the whole backlog each time. A plain step
+        should cost the target's forward and little more, so one-row chunks
+        are handled ``JOIN_CHUNKS`` at a time: only then are the unreadable
+        rows cut (fewer than ``JOIN_CHUNKS`` of them wait in between; the
+        drafter never reads them, and a read, a saved state or the end of a
+        generation cuts them first) and the newest chunks joined by size
+        class, as a logarithmic merge does: a run of ``JOIN_CHUNKS`` or more
+        chunks of one class (rows below ``JOIN_CHUNKS``, below its square,
+        ...) becomes one chunk of the next. A row is then copied once per
+        class it climbs, not at every join (joining the whole backlog each
+        time made a plain step slower the longer the generation), and the
+        chunks are evaluated, so that no lazy graph grows with them.
         """
         self.hidden_chunks.append(target_hidden)
-        self.drop_unreadable()
-        if len(self.hidden_chunks) > JOIN_CHUNKS:
-            self.hidden_chunks = [mx.concatenate(self.hidden_chunks, axis=1)]
-            mx.async_eval(self.hidden_chunks[0])
+        self.added += 1
+        if target_hidden.shape[1] > 1 or self.added % JOIN_CHUNKS == 0:
+            self.drop_unreadable()
+            self.join_newest()
+            mx.async_eval(self.hidden_chunks)
+
+    def join_newest(self) -> None:
+        """Join the newest run of chunks of one size class while it is
+        ``JOIN_CHUNKS`` long or more (see :meth:`add_hidden`)."""
+
+        def size_class(chunk) -> int:
+            rows, k = chunk.shape[1], 0
+            while rows >= JOIN_CHUNKS:
+                rows, k = rows // JOIN_CHUNKS, k + 1
+            return k
+
+        chunks = self.hidden_chunks
+        while chunks:
+            last = size_class(chunks[-1])
+            run = next((i for i, c in enumerate(reversed(chunks)) if size_class(c) != last), len(chunks))
+            if run < JOIN_CHUNKS:
+                break
+            chunks[-run:] = [mx.concatenate(chunks[-run:], axis=1)]
 
     def drop_unreadable(self) -> None:
         """Drop the pending tap states outside every drafter layer's sink and window (see :meth:`add_hidden`)."""
@@ -140,6 +167,7 @@ class PromptCache:
     @property
     def target_hidden(self) -> Optional[mx.array]:
         """Tap states ``[1, n, taps * hidden]`` the drafter has not injected (None: none)."""
+        self.drop_unreadable()
         if len(self.hidden_chunks) > 1:
             self.hidden_chunks = [mx.concatenate(self.hidden_chunks, axis=1)]
         return self.hidden_chunks[0] if self.hidden_chunks else None

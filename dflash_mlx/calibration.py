@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from .adaptive import BlockSizer, CycleCosts
+from .models.dflash import masked_block
 from .tree import build_tree, candidates
 
 
@@ -53,7 +54,7 @@ def cycle_seconds(target, draft, cache, context: mx.array, block: int, settle: C
     verify_in = mx.zeros((1, 1), dtype=mx.int32)
     tic = time.perf_counter()
     if block > 1:
-        masks = mx.array([[0] + [draft.mask_token_id] * (max_block - 1)])
+        masks = masked_block(draft, 0, max_block)
         drafted = draft.propose(masks, context, scratch, slots=block - 1)
         settle(drafted)
         verify_in = mx.concatenate([verify_in, drafted.astype(mx.int32)], axis=1)
@@ -70,7 +71,7 @@ def tree_cycle_seconds(target, draft, cache, context: mx.array, nodes: int, max_
     runs one, :meth:`dflash_mlx.generate.Drafting.tree`): the whole block's
     slot logits, their best candidates read to the host, the tree built
     there and verified in one forward, the outcome read, rolled back."""
-    masks = mx.array([[0] + [draft.mask_token_id] * (max_block - 1)])
+    masks = masked_block(draft, 0, max_block)
     tic = time.perf_counter()
     head = draft.slot_head_logits(masks, context, draft.make_cache(), slots=max_block - 1)
     ids, logprobs = candidates(head[0], nodes, draft.vocab_ids)

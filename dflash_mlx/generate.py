@@ -22,6 +22,7 @@ from .calibration import plan
 from .cache import PromptCache, bound_target, prompt_cache_for
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
 from .errors import ArgumentError
+from .models.dflash import masked_block
 from .ops.threads import compiled, release_at_thread_exit
 from .sampling import ACCEPTANCE_RULES, processed_probs, speculative_accept
 from .tree import build_tree, candidates, walked_ranks
@@ -302,10 +303,9 @@ def generate_step(
 
     By default each cycle verifies the length (up to the drafter's trained
     size; 1: plain decoding) or the draft tree (:mod:`dflash_mlx.tree`;
-    ``tree_budget`` 0: none, ``n``: one of n nodes every cycle) that
-    maximises expected committed tokens per second (:mod:`dflash_mlx.adaptive`).
-    It follows measured speed, so a seeded sampled run repeats only with a
-    fixed ``block_size`` or ``tree_budget``; a ``sizer`` makes the choices instead.
+    ``tree_budget`` 0: none, ``n``: n nodes every cycle) that maximises expected
+    tokens per second, as measured (:mod:`dflash_mlx.adaptive`; a ``sizer`` makes
+    the choices instead): a seeded sampled run repeats only when they are fixed.
     """
     rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
     if max_tokens < 1:
@@ -325,6 +325,7 @@ def generate_step(
         finally:
             if cache.target.undo is not None:  # interrupted inside a cycle
                 target.rollback(cache.target, 0)
+            cache.drop_unreadable()  # at rest, the cache holds only what a drafter may read
             mx.clear_cache()
 
 
@@ -376,7 +377,7 @@ class Drafting:
         always fills all ``max_block`` slots: it guesses each slot from the
         whole block of masks, and a shorter block of masks than it was
         trained on makes its early slots worse (measured in BENCHMARKS.md)."""
-        return mx.array([[anchor] + [self.draft.mask_token_id] * (self.max_block - 1)])
+        return masked_block(self.draft, anchor, self.max_block)
 
     def launch(self, anchor, choice, remaining) -> Cycle:
         """Queue the cycle after ``anchor`` the sizer chose, never more than

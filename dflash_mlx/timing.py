@@ -11,6 +11,8 @@ from typing import Callable, Dict, Optional, Sequence
 
 import mlx.core as mx
 
+from .models.dflash import masked_block
+
 
 def seconds_per_call(fn: Callable, iters: int, warmup: int) -> float:
     """Mean wall time of ``fn`` with its result evaluated, after ``warmup`` calls."""
@@ -63,7 +65,7 @@ def conv_selector_share(
     dtype = draft.norm.weight.dtype
     mx.random.seed(seed)
     cache = draft.make_cache()
-    block = mx.array([[0] + [draft.mask_token_id] * (L - 1)])
+    block = masked_block(draft, 0, L)
     context = mx.random.normal((1, context_len, cfg.fc_input_size)).astype(dtype)
     mx.eval(draft(block, context, cache))
     no_context = mx.zeros((1, 0, cfg.fc_input_size), dtype=dtype)

@@ -45,7 +45,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import dflash_mlx
 from dflash_mlx.benchmark import benchmark, compile_block_lengths, run_autoregressive, run_dflash
@@ -59,8 +59,9 @@ ZLAB_DIR = Path.home() / ".cache" / "dflash_mlx" / "zlab"
 WALK_PROMPT = "import os\n\ndef walk(path):\n"
 
 
-def alternate(runners: Dict[str, Callable[[], dict]], repeats: int) -> dict:
-    """One untimed run of each, then ``repeats`` rounds of each in turn, the
+def alternate(runners: Dict[str, Callable[[], dict]], repeats: int, warm_up: Optional[Callable[[], None]] = None) -> dict:
+    """One untimed run of each (or ``warm_up``, where a whole run is too
+    long to spend on warming), then ``repeats`` rounds of each in turn, the
     order rotating by one each round (a run right after mlx-lm's is slower
     on the CPU backend, BENCHMARKS.md "The bench's order", so no runner
     always takes that place): per runner its median and best tok/s
@@ -68,27 +69,29 @@ def alternate(runners: Dict[str, Callable[[], dict]], repeats: int) -> dict:
     its ratio to the first both ways a noisy machine allows: best against
     best (``NAME_best_ratio``) and the median of the rounds' own ratios
     (``NAME_paired_ratio``: the two ran side by side, so a slow spell of
-    the machine slows both); and whether every run gave the first's tokens."""
-    reference = None
-    for run in runners.values():
-        tokens = run()["tokens"]
-        reference = reference if reference is not None else tokens
-    tps = {name: [] for name in runners}
-    identical = True
+    the machine slows both); whether every run gave the first runner's
+    tokens, and how many it gave."""
+    if warm_up is None:
+        for run in runners.values():
+            run()
+    else:
+        warm_up()
+    runs = {name: [] for name in runners}
     names = list(runners)
     for i in range(repeats):
         turn = i % len(names)
         for name in names[turn:] + names[:turn]:
-            r = runners[name]()
-            tps[name].append(r["tps"])
-            identical &= r["tokens"] == reference
+            runs[name].append(runners[name]())
+    reference = runs[names[0]][0]["tokens"]
+    tps = {name: [r["tps"] for r in v] for name, v in runs.items()}
     out = {f"{name}_tps": statistics.median(v) for name, v in tps.items()}
     out.update({f"{name}_best_tps": max(v) for name, v in tps.items()})
     first, *others = tps
     for name in others:
         out[f"{name}_best_ratio"] = max(tps[name]) / max(tps[first])
         out[f"{name}_paired_ratio"] = statistics.median(x / y for x, y in zip(tps[name], tps[first]))
-    out["identical"] = identical
+    out["identical"] = all(r["tokens"] == reference for v in runs.values() for r in v)
+    out["tokens"] = len(reference)
     out["rounds"] = repeats
     return out
 

@@ -41,6 +41,7 @@ from dflash_mlx.pair import default_prompt, load_pair
 from dflash_mlx.random_pair import FAMILIES, write_random_pair
 
 RANDOM_PROMPT = "def f(x):"
+WARM_TOKENS = 256
 
 
 def random_pair(directory: Path, family: str, max_tokens: int):
@@ -55,16 +56,22 @@ def random_pair(directory: Path, family: str, max_tokens: int):
 
 
 def measure(model, draft, tokenizer, prompt, max_tokens: int, repeats: int) -> dict:
-    """One untimed run of each, then ``repeats`` rounds of mlx-lm and the
-    plain step in turn (:func:`never_slower.alternate`)."""
+    """An untimed run of each (of ``WARM_TOKENS`` at most: SmolLM2's
+    2,048 take minutes), then ``repeats`` rounds of mlx-lm and the plain
+    step in turn (:func:`never_slower.alternate`)."""
     compile_block_lengths(draft, encode_prompt(tokenizer, prompt), 1)
     runners = {
         "mlx_lm": lambda: run_autoregressive(model, tokenizer, prompt, max_tokens),
         "plain": lambda: run_dflash(model, draft, tokenizer, prompt, max_tokens, 1),
     }
-    out = alternate(runners, repeats)
+    warm = min(max_tokens, WARM_TOKENS)
+
+    def warm_up():
+        run_autoregressive(model, tokenizer, prompt, warm)
+        run_dflash(model, draft, tokenizer, prompt, warm, 1)
+
+    out = alternate(runners, repeats, warm_up)
     out["ratio"] = out["plain_tps"] / out["mlx_lm_tps"]
-    out["tokens"] = len(runners["mlx_lm"]()["tokens"])
     return out
 
 

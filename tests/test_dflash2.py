@@ -12,7 +12,7 @@ from tiny import prompt_of
 
 import dflash_mlx
 from dflash_mlx.models import dflash2 as d2
-from dflash_mlx.models.dflash import DFlashConfig
+from dflash_mlx.models.dflash import DFlashConfig, masked_block
 
 IMPLS = ["ops", "compiled"]
 metal = pytest.mark.skipif(
@@ -336,7 +336,7 @@ def test_dtype_cast_keeps_selector_working(qwen3_pair, draft2):
     path, _ = draft2
     draft = dflash_mlx.load_draft(path, qwen3_pair.model, dtype=mx.bfloat16)
     assert draft.layers[0].attention_conv.base_kernel.dtype == mx.bfloat16
-    block = mx.array([[1] + [draft.mask_token_id] * 7])
+    block = masked_block(draft, 1, 8)
     ctx = mx.zeros((1, 3, draft.config.fc_input_size))
     assert draft.propose(block, ctx, draft.make_cache()).shape == (1, 7)
 
@@ -373,7 +373,7 @@ def test_greedy_is_lossless(pair, tmp_path, block_size, device, ran):
 def test_implementation_is_per_drafter(qwen3_pair, draft2):
     path, draft = draft2
     other = dflash_mlx.load_draft(path, qwen3_pair.model)
-    block = mx.array([[5] + [draft.mask_token_id] * 7])
+    block = masked_block(draft, 5, 8)
     ctx = mx.random.normal((1, 6, draft.config.fc_input_size), key=mx.random.key(0))
     want = draft.propose(block, ctx, draft.make_cache())
     other.implementation = "ops"

@@ -21,7 +21,7 @@ from dflash_mlx import server as dserver
 from dflash_mlx.cache import load_prompt_cache, save_prompt_cache
 from dflash_mlx.defaults import DEFAULT_DRAFT_SINK, DEFAULT_DRAFT_WINDOW
 from dflash_mlx.errors import ArgumentError
-from dflash_mlx.generate import feed
+from dflash_mlx.generate import encode_prompt, feed
 from dflash_mlx.random_pair import LLAMA
 
 FAMILIES = ["qwen3", "qwen3_5", "llama", "gemma4_text"]
@@ -184,6 +184,29 @@ def test_a_long_plain_run_then_a_draft_reads_what_it_would_unjoined(qwen3_pair, 
         assert all(mx.array_equal(u, v) for u, v in zip(x.state, y.state))
 
 
+@pytest.mark.parametrize("window,sink", [(0, 0), (300, 8)])
+def test_plain_rows_are_joined_by_size_class_and_cut_every_join(qwen3_pair, tmp_path, window, sink):
+    """2,000 one-row tap chunks (a long run of plain steps): the pending
+    rows stay few arrays, in order and unchanged; with a window, fewer than
+    ``JOIN_CHUNKS`` unreadable rows wait between two cuts, and a read cuts
+    them first."""
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=4), pair.model)
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft, draft_window=window, draft_sink=sink)
+    every, n = cache_module.JOIN_CHUNKS, 2000
+    rows = mx.arange(n * 3, dtype=mx.float32).reshape(1, n, 3)
+    for i in range(n):
+        cache.add_hidden(rows[:, i : i + 1])
+        if window:
+            assert cache.lag_rows() < sink + window + every
+    assert len(cache.hidden_chunks) <= 3 * every  # a few size classes, not one array per row
+    if not window:  # the rows climbed two classes (a window cuts them before)
+        assert max(c.shape[1] for c in cache.hidden_chunks) >= every * every
+    kept = np.arange(n) if not window else np.r_[0:sink, n - window : n]
+    assert np.array_equal(np.array(cache.target_hidden), np.array(rows)[:, kept])
+    assert cache.lag_rows() == len(kept) and (cache.hole == (sink, n - window) if window else cache.hole is None)
+
+
 def test_bad_windows_are_one_clear_error(qwen3_pair, tmp_path):
     pair = qwen3_pair
     draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
@@ -289,6 +312,33 @@ def test_smollm2_six_thousand_token_prompt_is_exact(smollm2_long, window, sink):
         assert all(c.size <= window + sink for c in cache.draft) and cache.lag_rows() <= window + sink
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_long_prompt_rounds_continue_as_a_fresh_run(request, tmp_path, family):
+    """The long-prompt bench's rounds decode from a copy of each decoder's
+    prefilled state (the last prompt token fed alone): every round writes
+    what a fresh run writes, for mlx-lm and DFlash alike; a hybrid target,
+    whose caches cannot trim, keeps no state and prefills each round."""
+    from mlx_lm.models.cache import make_prompt_cache as lm_cache
+
+    pair = request.getfixturevalue(f"{family}_pair")
+    model, tok = pair.model, pair.tokenizer
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=4), model)
+    ids = encode_prompt(tok, benchmark.long_prompt(tok, 200)).tolist()
+    fresh = benchmark.run_autoregressive(model, tok, ids, 12)["tokens"]
+    decoders = [
+        benchmark.LongPromptDecoder(lambda i, n, c: benchmark.run_autoregressive(model, tok, i, n, prompt_cache=c),
+                                    lambda: lm_cache(model)),
+        benchmark.LongPromptDecoder(lambda i, n, c: benchmark.run_dflash(model, draft, tok, i, n, None, prompt_cache=c),
+                                    lambda: dflash_mlx.make_prompt_cache(model, draft, draft_window=16, draft_sink=4)),
+    ]
+    for d in decoders:
+        d.prefill(ids, 0)
+        assert d.ttft_s > 0 and d.peak_gb > 0 and (d.state is None) == (family == "qwen3_5")
+        d.decode(ids, 12, False, 0)
+        d.decode(ids, 12, True, 0)
+        assert [r["tokens"] for r in d.runs] == [fresh, fresh] and d.state is None
+
+
 def test_bench_long_prompts(qwen3_pair, tmp_path, capsys):
     draft = qwen3_pair.make_draft(tmp_path / "d", block_size=4)
     out = tmp_path / "r.json"
@@ -296,13 +346,13 @@ def test_bench_long_prompts(qwen3_pair, tmp_path, capsys):
                          "--max-tokens", "4", "--draft-window", "16", "--draft-sink", "4", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
-    assert [r["prompt_length"] for r in report["lengths"]] == [150, 400]
+    assert [r["prompt_length"] for r in report["lengths"]] == [150, 400] and report["rounds"] == 2
     for row in report["lengths"]:
         assert abs(row["prompt_tokens"] - row["prompt_length"]) <= 2 and row["autoregressive"]["ttft_s"] > 0
         assert list(row["dflash"]) == ["full context", "window 16 + sink 4"]
         for d in row["dflash"].values():
             assert d["outputs_identical"] and d["tokens_per_cycle"] >= 1 and 0 < d["drafter_share"] < 1
-            assert d["peak_memory_gb"] > 0 and d["ttft_s"] > 0
+            assert d["peak_memory_gb"] > 0 and d["ttft_s"] > 0 and d["paired_speedup"] > 0
     assert "window 16 + sink 4" in capsys.readouterr().out
     with pytest.raises(ArgumentError, match="--prompt-lengths"):
         benchmark.main(["--model", str(qwen3_pair.path), "--draft-model", str(draft), "--draft-window", "16"])

@@ -10,7 +10,7 @@ import tiny
 from mlx.utils import tree_flatten
 
 import dflash_mlx
-from dflash_mlx.models.dflash import DFlashConfig, default_target_layer_ids
+from dflash_mlx.models.dflash import DFlashConfig, default_target_layer_ids, masked_block
 
 
 VARIANTS = {
@@ -35,7 +35,7 @@ def test_propose_is_argmax_of_slots_after_anchor(qwen3_pair, tmp_path):
     pair = qwen3_pair
     draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
     ctx = mx.random.normal((1, 4, draft.config.fc_input_size))
-    block = mx.array([[5] + [draft.mask_token_id] * 7])
+    block = masked_block(draft, 5, 8)
     logits = draft(block, ctx, draft.make_cache())
     proposal = draft.propose(block, ctx, draft.make_cache())
     assert proposal.shape == (1, 7)

@@ -41,7 +41,7 @@ import dflash_mlx
 import dflash_mlx.tree
 import tiny
 from dflash_mlx.benchmark import tokens_per_cycle_by_rule
-from dflash_mlx.models.dflash import DFlashConfig
+from dflash_mlx.models.dflash import DFlashConfig, masked_block
 from dflash_mlx.sampling import processed_probs, sample, speculative_accept
 
 SETTINGS = [dict(temperature=1.0), TRUNCATED, dict(temperature=0.7, min_p=0.05)]
@@ -155,7 +155,7 @@ def tables(small):
     logits = [continuation_logits(small.model, d) for d in range(3)]
     target = small.draft.target
     _, taps = target.forward(mx.array([PROMPT]), target.make_cache(), last_logits_only=True, record=False)
-    block = mx.array([[ANCHOR] + [small.draft.mask_token_id] * 2])
+    block = masked_block(small.draft, ANCHOR, 3)
     draft_logits = small.draft(block, taps, small.draft.make_cache())[0, 1:]  # [2, V]
     noise = draft_noise()
     mx.eval(logits, draft_logits, noise)

@@ -434,6 +434,12 @@ def draft_attention_mask(
     return visible_positions(block_positions[:, None], keys, is_causal=is_causal, sliding_window=sliding_window)
 
 
+def masked_block(draft, anchor: int, size: int) -> mx.array:
+    """A drafter's input ``[1, size]``: the anchor, then ``size - 1`` of
+    its mask tokens."""
+    return mx.array([[anchor] + [draft.mask_token_id] * (size - 1)])
+
+
 class DraftAttention(nn.Module):
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
