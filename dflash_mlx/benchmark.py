@@ -259,14 +259,20 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
         mx.eval(model(one, cache=lm_cache), [c.state for c in lm_cache])
 
     target = draft.target
-    cache = target.make_cache()
-    _, target_hidden = target.forward(prompt_ids[None], cache, last_logits_only=True, record=False)
-    mx.eval(target_hidden, [c.state for c in cache])
+    cache, target_hidden = prefilled_target(target, prompt_ids)
     return {
         "target_1": median_ms(baseline_step, repeats),
         f"target_{block_size}": time_verify(target, cache, block_size, repeats),
         "drafter": time_drafter(model, draft, target_hidden, block_size, new_context, repeats),
     }
+
+
+def prefilled_target(target, prompt_ids):
+    """(a target cache holding the prompt, the prompt's target_hidden), evaluated."""
+    cache = target.make_cache()
+    _, target_hidden = target.forward(mx.array(prompt_ids).reshape(1, -1), cache, last_logits_only=True, record=False)
+    mx.eval(target_hidden, [c.state for c in cache])
+    return cache, target_hidden
 
 
 def time_verify(target, cache, block_size, repeats=20) -> float:
@@ -663,13 +669,12 @@ def context_forwards(draft, state, ids, block_size):
     copy of a full-context DFlash ``state`` (the prompt but its last token),
     or on a prefill of its own where no state was kept."""
     target = draft.target
-    if state is not None:
+    if state is None:
+        cache, target_hidden = prefilled_target(target, ids)
+    else:
         state = copy.deepcopy(state)
         cache, target_hidden = state.target, state.target_hidden
-    else:
-        cache = target.make_cache()
-        _, target_hidden = target.forward(mx.array(ids)[None], cache, last_logits_only=True, record=False)
-    mx.eval(target_hidden, [c.state for c in cache])
+        mx.eval(target_hidden, [c.state for c in cache])
     return time_verify(target, cache, block_size, repeats=5), target_hidden
 
 
