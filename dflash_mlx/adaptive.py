@@ -228,52 +228,75 @@ def tree_tokens_bound(rates: List[float], shares: List[float]) -> float:
 
 
 class ContextGrowth:
-    """How much a cycle's cost grows per verified row and context position
-    (``rate``, seconds): the slope of seconds against rows times context,
-    fitted by least squares within each kind of cycle (a block length, or
-    trees), each kind with its own intercept; sums decayed by ``decay`` per
-    cycle of that kind, slowly: the growth is the model's and the backend's,
-    and it shows only over a span of contexts. Taken one standard error
-    down, and 0 until the cycles have spanned ``span`` positions of context:
-    over a short span, a machine growing busier as a generation goes on
-    (its context growing with it) would pass for growth."""
+    """How much a cycle's cost grows per context position: ``at(rows)`` =
+    ``per_cycle + per_row * rows`` seconds for a cycle verifying ``rows``
+    rows. Every verified row attends to the context (``per_row``); a
+    backend may also pay per cycle for the cache's length whatever the rows
+    (``per_cycle``: copying it, say), so a one-row step's cost can grow
+    faster per row than a block's. Fitted by least squares to the seconds
+    against context and rows times context within each kind of cycle (a
+    block length, or trees), each kind with its own intercept; sums decayed
+    by ``decay`` per cycle of that kind, slowly: the growth is the model's
+    and the backend's, and it shows only over a span of contexts. Until
+    kinds of two row counts have spanned contexts, ``per_row`` alone is
+    fitted. Each is taken as fitted when it exceeds one standard error, and
+    as 0 otherwise or until the cycles have spanned ``span`` positions of
+    context: over a short span, a machine growing busier as a generation
+    goes on (its context growing with it) would pass for growth. Not a
+    fraction of it down: a growth read low prices long blocks low at long
+    contexts, and the loop drafts where it should not."""
 
     def __init__(self, decay: float = 1 - 1 / 256, every: int = 8, span: int = 1024):
         self.decay, self.every, self.span = decay, every, span
-        self.sums: Dict[object, List[float]] = {}  # kind -> [w, x, y, xx, xy, yy]
-        self.rate = 0.0
+        self.sums: Dict[object, List[float]] = {}  # kind -> [w, c, y, cc, cy, yy]
+        self.rows: Dict[object, int] = {}  # kind -> rows it verifies
+        self.per_cycle = self.per_row = 0.0
         self.seen = 0
         self.low = self.high = None  # the contexts seen
 
+    def at(self, rows: int) -> float:
+        """Seconds a cycle verifying ``rows`` rows grows by per context position."""
+        return self.per_cycle + self.per_row * rows
+
     def observe(self, kind, rows: int, context: int, seconds: float) -> None:
         """A cycle of ``kind`` verifying ``rows`` rows after ``context``
-        positions took ``seconds``; refitted every ``every`` cycles (it
-        moves slowly, and a plain step's host time should stay the forward's)."""
+        positions took ``seconds``; refitted after every multi-row cycle
+        (those are rare while the loop decodes plainly, and each is the
+        only news of how its rows grow) and every ``every`` plain ones (a
+        plain step's host time should stay the forward's)."""
         self.low = context if self.low is None else min(self.low, context)
         self.high = context if self.high is None else max(self.high, context)
-        x = rows * context
         s = self.sums.setdefault(kind, [0.0] * 6)
-        for i, v in enumerate((1.0, x, seconds, x * x, x * seconds, seconds * seconds)):
+        self.rows[kind] = rows
+        for i, v in enumerate((1.0, context, seconds, context * context, context * seconds, seconds * seconds)):
             s[i] = s[i] * self.decay + v
         self.seen += 1
-        if self.seen % self.every == 0:
-            self.rate = self.fit()
+        if rows > 1 or self.seen % self.every == 0:
+            self.per_cycle, self.per_row = self.fit()
 
-    def fit(self) -> float:
+    def fit(self) -> Tuple[float, float]:
+        """(per_cycle, per_row), each 0 unless it is more than one standard error."""
         if self.high - self.low < self.span:
-            return 0.0
-        weight = spread = fitted = residual = 0.0
-        for w, x, y, xx, xy, yy in self.sums.values():
+            return 0.0, 0.0
+        # Normal equations of the context terms, each kind centred on its own means.
+        a = np.zeros((2, 2))
+        b, weight, residual = np.zeros(2), 0.0, 0.0
+        for kind, (w, c, y, cc, cy, yy) in self.sums.items():
+            r = np.array([1.0, self.rows[kind]])
+            a += np.outer(r, r) * (cc - c * c / w)
+            b += r * (cy - c * y / w)
             weight += w
-            spread += xx - x * x / w
-            fitted += xy - x * y / w
             residual += yy - y * y / w
-        dof = weight - len(self.sums) - 1
-        if dof < 4 or spread <= 0:
-            return 0.0
-        rate = fitted / spread
-        error = math.sqrt(max(residual - rate * fitted, 0.0) / dof / spread)
-        return max(0.0, rate - error)
+        both = a[0, 0] > 0 and a[0, 1] ** 2 < a[0, 0] * a[1, 1] * (1 - 1e-6)  # row counts tell the terms apart
+        if not both:  # per_row alone
+            a, b = a[1:, 1:], b[1:]
+        dof = weight - len(self.sums) - len(b)
+        if dof < 4 or a[-1, -1] <= 0:
+            return 0.0, 0.0
+        theta = np.linalg.solve(a, b)
+        error = np.sqrt(max(residual - float(theta @ b), 0.0) / dof * np.diag(np.linalg.inv(a)))
+        growth = [float(t) if t > e else 0.0 for t, e in zip(theta, error)]
+        return (growth[0], growth[1]) if both else (0.0, growth[0])
 
 
 class CycleCosts:
@@ -306,15 +329,15 @@ class CycleCosts:
 
     Costs follow the context: every verified row attends to all the
     positions before it, so a cycle verifying ``r`` rows at context ``L``
-    costs ``r * g * L`` more than at context 0. Each line is measured at
-    its own context (the table at the one it was calibrated at, a window at
-    the mean of its cycles'), and read at the current one (the last cycle's
-    ``context``): a line the loop has not used since the prompt was short
-    (plain steps while it drafts, trees, the table's slope) is moved by
-    ``g`` times its rows times the context grown since. ``g`` is fitted to
-    the cycles' own timings against their context (least squares within
-    each kind of cycle, decayed as the windows are), taken one standard
-    error down so that the machine's noise does not pass for growth. Without
+    costs ``G(r) L`` more than at context 0, ``G(r)`` the
+    :class:`ContextGrowth` fitted to the cycles' own timings against their
+    context. Each window's cycles are moved from their own contexts to the
+    current one (the last cycle's ``context``) by ``G`` before its line is
+    fitted: probes far apart span thousands of positions, and a line fitted
+    across them would read what the context added as what the block length
+    did. A line the loop has not used since the prompt was short (plain
+    steps while it drafts, trees, the table's slope) is moved by ``G`` of
+    its rows times the context grown since. Without
     ``context`` the costs stay where they were measured.
     """
 
@@ -336,9 +359,9 @@ class CycleCosts:
         self.prior_slope = self.slope
         self.follow = follow
         self.warm = set()
-        self.plain_recent = deque(maxlen=window)  # (seconds, context)
-        self.drafting_recent = deque(maxlen=window)  # (b - 1, seconds)
-        self.tree_recent = deque(maxlen=window)  # (nodes, seconds)
+        self.plain_recent = deque(maxlen=window)  # (0, seconds, context)
+        self.drafting_recent = deque(maxlen=window)  # (b - 1, seconds, context)
+        self.tree_recent = deque(maxlen=window)  # (nodes, seconds, context)
         self.tree_draft, self.tree_slope = None, None  # None: as the chain of as many rows
         # Contexts each line was measured at, the current one, and the growth fit.
         self.table_context = self.plain_context = self.draft_context = self.context = context
@@ -391,46 +414,50 @@ class CycleCosts:
             context = self.context
         if tree:
             self.tree_recent.append((choice.nodes, seconds, context))
-            self.tree_context = self.mean_context(self.tree_recent)
-            self.tree_draft, self.tree_slope = self.fit(self.tree_recent, self.slope_at(self.tree_context))
+            self.tree_draft, self.tree_slope = self.fit(self.moved(self.tree_recent), self.slope_at(self.context))
+            self.tree_context = self.context
         elif choice == 1:
-            self.plain_recent.append((seconds, context))
-            self.plain = statistics.median([y for y, _ in self.plain_recent])
-            self.plain_context = self.plain_recent[len(self.plain_recent) // 2][1]  # the window's middle
+            self.plain_recent.append((0, seconds, context))
+            self.plain = statistics.median(y for _, y, _ in self.moved(self.plain_recent))
+            self.plain_context = self.context
         else:
             self.drafting_recent.append((choice - 1, seconds, context))
-            self.draft_context = self.mean_context(self.drafting_recent)
-            self.draft, self.slope = self.fit(self.drafting_recent, self.prior_slope_at(self.draft_context))
+            self.draft, self.slope = self.fit(self.moved(self.drafting_recent), self.prior_slope_at(self.context))
+            self.draft_context = self.context
 
-    @staticmethod
-    def mean_context(recent) -> float:
-        return sum(c for _, _, c in recent) / len(recent)
+    def moved(self, recent) -> list:
+        """The cycles of a window, ``(x, seconds, context)`` with ``x + 1``
+        rows verified, their seconds moved from their own context to the
+        current one: a window spans contexts, and a fit across them would
+        take what the context added for what the block length did."""
+        now = self.context
+        return [(x, y + self.growth.at(x + 1) * (now - c), now) for x, y, c in recent]
 
     def prior_slope_at(self, context: float) -> float:
         """The table's slope moved from its context to ``context``: each
         extra row attends to the context grown since."""
-        return max(0.0, self.prior_slope + self.growth.rate * (context - self.table_context))
+        return max(0.0, self.prior_slope + self.growth.per_row * (context - self.table_context))
 
     def slope_at(self, context: float) -> float:
         """The drafting line's slope at ``context``."""
-        return max(0.0, self.slope + self.growth.rate * (context - self.draft_context))
+        return max(0.0, self.slope + self.growth.per_row * (context - self.draft_context))
 
     def upto(self, n: int) -> List[float]:
         """Seconds per cycle at b = 1..n, at the current context."""
-        g = self.growth.rate
-        if not g:
-            return [self.plain] + [self.draft + self.slope * (b - 1) for b in range(2, n + 1)]
-        plain = self.plain + g * (self.context - self.plain_context)
-        draft, slope = self.draft + g * (self.context - self.draft_context), self.slope_at(self.context)
+        one = self.growth.at(1)  # a one-row cycle's growth; each further row adds per_row
+        plain = self.plain + one * (self.context - self.plain_context)
+        draft, slope = self.draft + one * (self.context - self.draft_context), self.slope_at(self.context)
         return [plain] + [draft + slope * (b - 1) for b in range(2, n + 1)]
 
     def trees(self, n: int) -> List[float]:
         """Seconds per cycle of trees of 0..n nodes (0: the anchor alone), at the current context."""
+        one = self.growth.at(1)
         if self.tree_draft is None:  # as the chain of as many rows
-            anchor = self.draft + self.growth.rate * (self.context - self.draft_context)
+            anchor = self.draft + one * (self.context - self.draft_context)
             return [anchor + self.slope_at(self.context) * k for k in range(n + 1)]
-        shift = self.growth.rate * (self.context - self.tree_context)
-        return [self.tree_draft + shift + (self.tree_slope + shift) * k for k in range(n + 1)]
+        grown = self.context - self.tree_context
+        anchor, slope = self.tree_draft + one * grown, self.tree_slope + self.growth.per_row * grown
+        return [anchor + slope * k for k in range(n + 1)]
 
 
 # The most a drafter that never agrees may slow plain decoding down by
@@ -576,18 +603,24 @@ class BlockSizer:
         if isinstance(block, TreeChoice):
             self.acceptance.observe(walk.spine, walk.chain_accepted)
             self.ranks.observe(walk.ranks)
-            self.plain_run, self.patience = 0, 4
+        else:
+            self.acceptance.observe(block - 1, accepted)
+        if block == 1:
             return
-        self.acceptance.observe(block - 1, accepted)
-        if block > 1 and self.plain_run >= self.patience:  # that was a probe
-            self.plain_run = 0
-            # A probe succeeds when drafting now looks faster than plain
-            # decoding: then the next plain cycle probes again. Any other
-            # probe waits twice as long: a drafter whose tokens are accepted
-            # now and then, but too rarely to pay, is not probed every other
-            # cycle.
-            pays = accepted and self.drafting_pays()
-            self.patience = 1 if pays else min(max(self.patience, 4) * 2, self.longest_wait(block))
-        elif block > 1:
-            self.plain_run = 0
+        probe, self.plain_run = self.plain_run >= self.patience, 0
+        # A probe succeeds when it had tokens accepted and drafting now looks
+        # faster than plain decoding: then the next plain cycle probes again.
+        # After a drafting cycle the sizer chose, while drafting still looks
+        # faster, the next probe is 4 plain cycles away, should the sizer
+        # stop drafting. After any other drafting cycle the next probe waits
+        # twice as long: a drafter whose tokens are accepted now and then,
+        # but too rarely to pay, is neither probed every other cycle nor,
+        # after the sizer drafted on the strength of one lucky cycle,
+        # probed from 4 plain cycles anew.
+        pays = self.drafting_pays()
+        if probe and accepted and pays:
+            self.patience = 1
+        elif not probe and pays:
             self.patience = 4
+        else:
+            self.patience = min(max(self.patience, 4) * 2, self.longest_wait(self.probe_block))

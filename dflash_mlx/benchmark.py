@@ -609,8 +609,8 @@ class LongPromptDecoder:
         first = self.run(ids, 1, cache)
         self.ttft_s = first["ttft_s"]
         self.peak_gb = first["peak_memory"] - others_bytes / 1e9
-        if all(c.is_trimmable() for c in cache_parts(cache)):
-            trim(cache, cache_offset(cache) - (len(ids) - 1))
+        if cache.is_trimmable():
+            cache.trim(cache.offset - (len(ids) - 1))
             self.state = cache
 
     def decode(self, ids: List[int], max_tokens: int, last: bool, others_bytes: int) -> None:
@@ -631,23 +631,29 @@ class LongPromptDecoder:
         self.runs.append(run)
 
 
-def cache_parts(cache) -> list:
-    """The caches a prompt cache is made of (mlx-lm's is a list of them)."""
-    return [cache] if hasattr(cache, "draft") else cache
+class MlxLmCache(list):
+    """mlx-lm's prompt cache (a list of layer caches) with the ``offset``,
+    ``nbytes``, ``is_trimmable`` and ``trim`` of a DFlash
+    :class:`~dflash_mlx.cache.PromptCache`, so that a decoder keeps either
+    kind of state the same way."""
 
+    @property
+    def offset(self) -> int:
+        return self[0].offset
 
-def cache_offset(cache) -> int:
-    return cache.offset if hasattr(cache, "draft") else cache[0].offset
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self)
 
+    def is_trimmable(self) -> bool:
+        from mlx_lm.models.cache import can_trim_prompt_cache
 
-def cache_nbytes(cache) -> int:
-    return 0 if cache is None else sum(c.nbytes for c in cache_parts(cache))
+        return can_trim_prompt_cache(self)
 
+    def trim(self, n: int) -> int:
+        from mlx_lm.models.cache import trim_prompt_cache
 
-def trim(cache, n: int) -> None:
-    from mlx_lm.models.cache import trim_prompt_cache
-
-    cache.trim(n) if hasattr(cache, "draft") else trim_prompt_cache(cache, n)
+        return trim_prompt_cache(self, n)
 
 
 def long_prompt_runs(d: LongPromptDecoder, ar: LongPromptDecoder) -> dict:
@@ -716,13 +722,13 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
         ids = encode_prompt(tokenizer, long_prompt(tokenizer, length)).tolist()
         decoders = {"mlx-lm": LongPromptDecoder(
             lambda ids, n, cache: run_autoregressive(model, tokenizer, ids, n, prompt_cache=cache),
-            lambda: mlx_lm_prompt_cache(model),
+            lambda: MlxLmCache(mlx_lm_prompt_cache(model)),
         )}
         decoders.update({w: dflash(w) for w in configs})
         names = list(decoders)
 
         def others(name):
-            return sum(cache_nbytes(d.state) for n, d in decoders.items() if n != name)
+            return sum(d.state.nbytes for n, d in decoders.items() if n != name and d.state is not None)
 
         for name in names:
             decoders[name].prefill(ids, others(name))

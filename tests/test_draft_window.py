@@ -327,7 +327,7 @@ def test_long_prompt_rounds_continue_as_a_fresh_run(request, tmp_path, family):
     fresh = benchmark.run_autoregressive(model, tok, ids, 12)["tokens"]
     decoders = [
         benchmark.LongPromptDecoder(lambda i, n, c: benchmark.run_autoregressive(model, tok, i, n, prompt_cache=c),
-                                    lambda: lm_cache(model)),
+                                    lambda: benchmark.MlxLmCache(lm_cache(model))),
         benchmark.LongPromptDecoder(lambda i, n, c: benchmark.run_dflash(model, draft, tok, i, n, None, prompt_cache=c),
                                     lambda: dflash_mlx.make_prompt_cache(model, draft, draft_window=16, draft_sink=4)),
     ]
