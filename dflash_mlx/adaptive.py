@@ -15,9 +15,13 @@ greedy output and the sampled distribution do not depend on it, since it is
 made from past cycles only, before the block is drafted.
 
 At ``b = 1`` nothing is drafted, so nothing is learnt about acceptance; the
-sizer then probes with a whole block now and then, backing off while the
-drafter keeps failing (at most ``PROBE_BUDGET`` of the plain decoding time),
-so drafting comes back when acceptance recovers. What a pair's sizer has
+sizer then probes now and then, drafting the length that looks best for
+drafting at the optimistic estimates, and backs off while the drafter keeps
+failing (at most ``PROBE_BUDGET`` of the plain decoding time), so drafting
+comes back when acceptance recovers. Where verified rows are dear (a CPU at
+a long context) the probe is short and costs little; where they are cheap
+it drafts the whole block, and one probe of every slot tells more than one
+of the first slot, since a drafter's acceptance comes in runs. What a pair's sizer has
 learnt carries over to its next generation in the process.
 
 A cycle may also verify a draft tree of ``n`` nodes (:mod:`dflash_mlx.tree`):
@@ -275,7 +279,11 @@ class ContextGrowth:
             self.per_cycle, self.per_row = self.fit()
 
     def fit(self) -> Tuple[float, float]:
-        """(per_cycle, per_row), each 0 unless it is more than one standard error."""
+        """(per_cycle, per_row): both terms where each exceeds its standard
+        error; else ``per_row`` alone where it does (a per-cycle growth then
+        counts per row, dearer for long blocks than it is, never cheaper:
+        a term read as 0 would price a long block at a long context far
+        below its cost); else none."""
         if self.high - self.low < self.span:
             return 0.0, 0.0
         # Normal equations of the context terms, each kind centred on its own means.
@@ -287,16 +295,23 @@ class ContextGrowth:
             b += r * (cy - c * y / w)
             weight += w
             residual += yy - y * y / w
-        both = a[0, 0] > 0 and a[0, 1] ** 2 < a[0, 0] * a[1, 1] * (1 - 1e-6)  # row counts tell the terms apart
-        if not both:  # per_row alone
-            a, b = a[1:, 1:], b[1:]
-        dof = weight - len(self.sums) - len(b)
-        if dof < 4 or a[-1, -1] <= 0:
-            return 0.0, 0.0
-        theta = np.linalg.solve(a, b)
-        error = np.sqrt(max(residual - float(theta @ b), 0.0) / dof * np.diag(np.linalg.inv(a)))
-        growth = [float(t) if t > e else 0.0 for t, e in zip(theta, error)]
-        return (growth[0], growth[1]) if both else (0.0, growth[0])
+        if a[0, 0] > 0 and a[0, 1] ** 2 < a[0, 0] * a[1, 1] * (1 - 1e-6):  # row counts tell the terms apart
+            both = least_squares(a, b, residual, weight - len(self.sums) - 2)
+            if both is not None and both[0] > 0 and both[1] > 0:
+                return both
+        one = least_squares(a[1:, 1:], b[1:], residual, weight - len(self.sums) - 1)
+        return (0.0, one[0]) if one is not None and one[0] > 0 else (0.0, 0.0)
+
+
+def least_squares(a: np.ndarray, b: np.ndarray, residual: float, dof: float) -> Optional[Tuple[float, ...]]:
+    """The solution of the normal equations ``a x = b`` (``residual``: the
+    centred sum of squares of the seconds), each term 0 unless it exceeds
+    its standard error; None without the degrees of freedom to tell."""
+    if dof < 4 or a[-1, -1] <= 0:
+        return None
+    theta = np.linalg.solve(a, b)
+    error = np.sqrt(max(residual - float(theta @ b), 0.0) / dof * np.diag(np.linalg.inv(a)))
+    return tuple(float(t) if t > e else 0.0 for t, e in zip(theta, error))
 
 
 class CycleCosts:
@@ -447,17 +462,18 @@ class CycleCosts:
         one = self.growth.at(1)  # a one-row cycle's growth; each further row adds per_row
         plain = self.plain + one * (self.context - self.plain_context)
         draft, slope = self.draft + one * (self.context - self.draft_context), self.slope_at(self.context)
+        draft = max(draft, plain)  # a draft and a verify of the anchor: never less than a plain step
         return [plain] + [draft + slope * (b - 1) for b in range(2, n + 1)]
 
     def trees(self, n: int) -> List[float]:
         """Seconds per cycle of trees of 0..n nodes (0: the anchor alone), at the current context."""
-        one = self.growth.at(1)
+        plain, one = self.upto(1)[0], self.growth.at(1)
         if self.tree_draft is None:  # as the chain of as many rows
             anchor = self.draft + one * (self.context - self.draft_context)
-            return [anchor + self.slope_at(self.context) * k for k in range(n + 1)]
+            return [max(anchor, plain) + self.slope_at(self.context) * k for k in range(n + 1)]
         grown = self.context - self.tree_context
         anchor, slope = self.tree_draft + one * grown, self.tree_slope + self.growth.per_row * grown
-        return [anchor + slope * k for k in range(n + 1)]
+        return [max(anchor, plain) + slope * k for k in range(n + 1)]
 
 
 # The most a drafter that never agrees may slow plain decoding down by
@@ -490,8 +506,7 @@ class BlockSizer:
         self.trees = False
         self.acceptance = SlotAcceptance(max_block)
         self.ranks = RankAcceptance()
-        # A probe drafts a whole block: a drafter's acceptance comes in runs,
-        # and one probe of every slot tells more than one of the first slot.
+        # The longest probe (see the module's docstring for how long each is).
         self.probe_block = max_block if probe_block is None else min(probe_block, max_block)
         self.patience = 4  # plain cycles before the next probe; doubles on each failed probe
         self.plain_run = 0
@@ -529,7 +544,7 @@ class BlockSizer:
             if choice == 1:
                 self.plain_run += 1
                 if self.plain_run >= self.patience:
-                    choice = min(self.probe_block, cap)
+                    choice = max(range(2, min(self.probe_block, cap) + 1), key=lambda b: rate[b - 1], default=1)
         self.chosen[choice] = self.chosen.get(choice, 0) + 1
         return choice
 
@@ -623,4 +638,4 @@ class BlockSizer:
         elif not probe and pays:
             self.patience = 4
         else:
-            self.patience = min(max(self.patience, 4) * 2, self.longest_wait(self.probe_block))
+            self.patience = min(max(self.patience, 4) * 2, self.longest_wait(block if isinstance(block, int) else self.probe_block))

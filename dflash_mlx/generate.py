@@ -460,9 +460,11 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
     if n == max_tokens or anchor in eos:
         yield anchor, lp, False, 0, 0
         return
-    cycle = drafting.launch(anchor, sizer.choose(max_tokens - n), max_tokens - n)  # never more slots than tokens left
-    yield anchor, lp, False, 0, 0
     tic = time.perf_counter()  # cycles are timed without the caller's time
+    cycle = drafting.launch(anchor, sizer.choose(max_tokens - n), max_tokens - n)  # never more slots than tokens left
+    paused = time.perf_counter()
+    yield anchor, lp, False, 0, 0
+    tic += time.perf_counter() - paused
     while True:
         # A plain step keeps its one row whatever its token, so when the
         # next cycle is plain too it is queued on this one's lazy token

@@ -2,6 +2,7 @@
 the real loop when the block changes from cycle to cycle."""
 
 import itertools
+import math
 from collections import Counter
 
 import mlx.core as mx
@@ -96,8 +97,9 @@ def test_a_drafter_that_never_agrees_falls_back_to_plain_decoding_and_probes_rar
     chosen = run(sizer, 0.0, 400, np.random.default_rng(0))
     assert chosen[-1] in (1, 16)
     drafted = [b for b in chosen[50:] if b > 1]
-    assert set(drafted) <= {16}  # only probes, each of a whole block
-    assert len(drafted) <= 10  # backed off
+    assert len(drafted) <= 10  # only probes, backed off
+    # each the drafting length that looks best: short, as the drafter's tokens are not accepted
+    assert drafted and max(drafted) < 16
 
 
 def test_drafting_returns_when_acceptance_recovers():
@@ -133,9 +135,11 @@ def test_a_fixed_cost_table_ignores_measured_times():
 
 def test_failed_probes_back_off_and_a_successful_probe_probes_again():
     sizer = BlockSizer(16, CycleCosts(LINEAR))
-    run(sizer, 0.0, 400, np.random.default_rng(0))  # the drafter never agrees: plain decoding
-    # probes of 2.4 plain steps each, one per 140 plain steps: 1% overhead
-    assert sizer.patience == sizer.longest_wait(16) == pytest.approx(140, abs=1)
+    chosen = run(sizer, 0.0, 400, np.random.default_rng(0))  # the drafter never agrees: plain decoding
+    # the last probe's extra cost over a plain step spread over 100 times as many plain steps: 1% overhead
+    probe = [b for b in chosen if b > 1][-1]
+    costs = sizer.costs.upto(probe)
+    assert sizer.patience == sizer.longest_wait(probe) == math.ceil((costs[-1] - costs[0]) / 0.01)
     while sizer.choose(10_000) == 1:
         sizer.observe(1, 0, 1.0)
     sizer.observe(16, 15, 2.4)  # the whole probe was accepted: drafting pays again
@@ -275,7 +279,8 @@ def test_the_block_shrinks_when_acceptance_collapses_and_grows_when_it_recovers(
     assert phase(20, 140) and min(phase(20, 140)) == 16  # the drafter agrees: whole blocks
     collapsed = phase(180, 250)
     assert collapsed.count(1) > 0.8 * len(collapsed)  # plain decoding...
-    assert set(collapsed[collapsed.index(1):]) <= {1, 16}  # ...and, once there, only whole-block probes
+    once_plain = collapsed[collapsed.index(1):]
+    assert sum(b > 1 for b in once_plain) <= 5  # ...and, once there, only probes, backing off
     assert max(phase(400, 500)) == 16  # drafting came back and grew
     assert sizer.chosen == Counter(r.block_size for r in responses[1:])
 
@@ -604,3 +609,21 @@ def test_a_rarely_agreeing_drafter_costs_little_at_every_prompt_length():
     ratios = [generation(start, (0.08, 0.5), 256) for start in (512, 2048, 4096, 7168) for _ in range(2)]
     # The first one learns that the drafter no longer does well.
     assert ratios[0] > 0.9 and min(ratios[1:]) > 0.95, ratios
+
+
+def test_a_drafting_cycle_never_costs_less_than_a_plain_step():
+    """Whatever the drafting cycles' timings do to the fitted line (here a
+    cycle timed far too short, and the first drafting cycles at a context
+    2,000 positions past the table's), a draft and a verify of the anchor
+    are never priced below a plain step, for chains and trees."""
+    costs = CycleCosts({1: 0.111, 2: 0.137, 16: 0.159}, context=72)
+    for i in range(40):
+        costs.observe(1, 0.111, context=72 + i)
+    for i in range(30):
+        costs.observe(1, 0.172, context=2040 + i)
+    for b, seconds, context in ((8, 0.30, 2050), (8, 0.027, 2051), (7, 0.283, 2054)):
+        costs.observe(b, seconds, context=context)
+    line = costs.draft + costs.growth.at(1) * (costs.context - costs.draft_context) + costs.slope_at(costs.context)
+    chain, trees = costs.upto(16), costs.trees(8)
+    assert line < chain[0]  # the line alone would price a 2-token cycle below a plain step
+    assert min(chain[1:]) >= chain[0] and min(trees) >= chain[0]
