@@ -377,6 +377,7 @@ class CycleCosts:
         self.plain_recent = deque(maxlen=window)  # (0, seconds, context)
         self.drafting_recent = deque(maxlen=window)  # (b - 1, seconds, context)
         self.tree_recent = deque(maxlen=window)  # (nodes, seconds, context)
+        self.switched = None  # the window of the last cycle, if it drafted
         self.tree_draft, self.tree_slope = None, None  # None: as the chain of as many rows
         # Contexts each line was measured at, the current one, and the growth fit.
         self.table_context = self.plain_context = self.draft_context = self.context = context
@@ -419,25 +420,41 @@ class CycleCosts:
         key = "tree" if isinstance(choice, TreeChoice) else choice
         if key not in self.warm:
             self.warm.add(key)
+            self.switched = None
             return
         tree = isinstance(choice, TreeChoice)
+        if choice == 1 and self.switched is not None:
+            # The first plain cycle after drafting also runs what the switch
+            # left it (the rollback's work, caches grown by the block): its
+            # excess over a plain step is the drafting cycle's cost, or plain
+            # steps would look dearer, and drafting cheaper, the more often
+            # the loop switches.
+            window, self.switched = self.switched, None
+            x, y, c = window[-1]
+            window[-1] = (x, y + max(0.0, seconds - self.upto(1)[0]), c)
+            self.refit(window)
+            return
         rows = choice.nodes + 1 if tree else choice
         if context is not None:
             self.context = context
             self.growth.observe(choice, rows, context, seconds)
         else:
             context = self.context
-        if tree:
-            self.tree_recent.append((choice.nodes, seconds, context))
-            self.tree_draft, self.tree_slope = self.fit(self.moved(self.tree_recent), self.slope_at(self.context))
+        window = self.tree_recent if tree else self.plain_recent if choice == 1 else self.drafting_recent
+        window.append((rows - 1, seconds, context))
+        self.switched = None if choice == 1 else window
+        self.refit(window)
+
+    def refit(self, window) -> None:
+        """The line of ``window`` (trees, plain steps or drafting chains), at the current context."""
+        if window is self.tree_recent:
+            self.tree_draft, self.tree_slope = self.fit(self.moved(window), self.slope_at(self.context))
             self.tree_context = self.context
-        elif choice == 1:
-            self.plain_recent.append((0, seconds, context))
-            self.plain = statistics.median(y for _, y, _ in self.moved(self.plain_recent))
+        elif window is self.plain_recent:
+            self.plain = statistics.median(y for _, y, _ in self.moved(window))
             self.plain_context = self.context
         else:
-            self.drafting_recent.append((choice - 1, seconds, context))
-            self.draft, self.slope = self.fit(self.moved(self.drafting_recent), self.prior_slope_at(self.context))
+            self.draft, self.slope = self.fit(self.moved(window), self.prior_slope_at(self.context))
             self.draft_context = self.context
 
     def moved(self, recent) -> list:

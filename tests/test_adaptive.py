@@ -566,7 +566,7 @@ def test_growth_per_cycle_and_per_row_are_told_apart():
     costs = CycleCosts({1: 0.1, 16: 0.2}, context=0)
     per_cycle, per_row = 2e-5, 1e-5
     for context in range(0, 4000, 5):
-        for b in (1, 16):
+        for b in (16, 1, 1):  # a plain step right after drafting pays for the switch: not a plain step's cost
             seconds = (0.1 if b == 1 else 0.15 + 0.003 * b) + (per_cycle + per_row * b) * context
             costs.observe(b, seconds * (1 + 0.01 * rng.standard_normal()), context=context)
     assert costs.growth.per_cycle == pytest.approx(per_cycle, rel=0.1)
@@ -627,3 +627,17 @@ def test_a_drafting_cycle_never_costs_less_than_a_plain_step():
     chain, trees = costs.upto(16), costs.trees(8)
     assert line < chain[0]  # the line alone would price a 2-token cycle below a plain step
     assert min(chain[1:]) >= chain[0] and min(trees) >= chain[0]
+
+
+def test_what_a_switch_costs_the_next_plain_step_is_the_drafting_cycles():
+    """A plain step right after a drafting cycle runs what the switch left
+    it (here 0.5 over a plain step's 1.0): the excess counts to the drafting
+    cycle, and the plain step keeps its own cost."""
+    costs = CycleCosts({1: 1.0, 2: 1.5, 16: 2.0})
+    for _ in range(40):
+        costs.observe(16, 2.0)
+        costs.observe(1, 1.5)
+        for _ in range(3):
+            costs.observe(1, 1.0)
+    assert costs.upto(16)[0] == pytest.approx(1.0)
+    assert costs.upto(16)[-1] == pytest.approx(2.5)
