@@ -50,13 +50,18 @@ JOIN_CHUNKS = 32
 
 
 def rows_of(chunks: List[mx.array], start: int, stop: int) -> List[mx.array]:
-    """Rows ``start..stop-1`` (axis 1) of the chunks taken as one array, as chunks."""
+    """Rows ``start..stop-1`` (axis 1) of the chunks taken as one array, as
+    chunks. A slice shares its chunk's memory, so a part of half a chunk or
+    less is copied: the sink's rows of a prompt's first prefill chunk would
+    otherwise keep the whole chunk's tap states (thousands of rows) alive for
+    the conversation. The oldest chunk of a sliding window, cut a few rows
+    at a time, stays a slice until its last row goes."""
     out, at = [], 0
     for c in chunks:
         n = c.shape[1]
         a, b = max(start - at, 0), min(stop - at, n)
         if a < b:
-            out.append(c if (a, b) == (0, n) else c[:, a:b])
+            out.append(c if (a, b) == (0, n) else c[:, a:b] if 2 * (b - a) > n else mx.contiguous(c[:, a:b]))
         at += n
     return out
 

@@ -356,3 +356,23 @@ def test_bench_long_prompts(qwen3_pair, tmp_path, capsys):
     assert "window 16 + sink 4" in capsys.readouterr().out
     with pytest.raises(ArgumentError, match="--prompt-lengths"):
         benchmark.main(["--model", str(qwen3_pair.path), "--draft-model", str(draft), "--draft-window", "16"])
+
+
+def test_a_window_keeps_no_prefill_chunk_alive_for_its_few_rows():
+    """Cutting a prompt's tap states to the sink and the window copies the
+    few rows it keeps of a large chunk: the chunk's memory is freed."""
+    import gc
+
+    from dflash_mlx.cache import rows_of
+
+    chunk = mx.random.normal((1, 4096, 512))
+    mx.eval(chunk)
+    gc.collect()
+    before = mx.get_active_memory()
+    kept = rows_of([chunk], 0, 64) + rows_of([chunk], 4096 - 1024, 4096)
+    mx.eval(kept)
+    del chunk
+    gc.collect()
+    freed = before - mx.get_active_memory()
+    assert freed >= 4096 * 512 * 4 - (64 + 1024) * 512 * 4 * 1.01  # only the kept rows stay
+    assert [k.shape[1] for k in kept] == [64, 1024]
