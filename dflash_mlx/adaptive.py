@@ -342,6 +342,22 @@ class CycleCosts:
     building, masking and walking it, and the host read between the draft
     and the verify, cost what they cost on this backend.
 
+    Switching between plain decoding and drafting moves time between
+    cycles: a plain step is queued before the previous one is read, so on a
+    backend that computes as it queues (MLX's CPU) a plain step's timing
+    holds the next one's forward. The last plain step before a drafting
+    cycle then looks nearly free, the first one after it twice as dear, and
+    on a device that runs ahead the first one after it waits for its own
+    forward. Neither is a plain step's cost, nor a drafting cycle's: the two
+    together, less two plain steps, are one ``switch`` (the median of the
+    last ``window``), which a probe between plain steps pays and a drafting
+    cycle followed by another does not (:meth:`BlockSizer.longest_wait`).
+    Charged to the drafting cycle, the excess after it made a loop that had
+    been probing see only cycles that paid it and price drafting as dear as
+    an isolated probe, so it kept probing a drafter that pays when it drafts
+    on; charged to the plain step, it made plain decoding look dearer the
+    more often the loop switched.
+
     Costs follow the context: every verified row attends to all the
     positions before it, so a cycle verifying ``r`` rows at context ``L``
     costs ``G(r) L`` more than at context 0, ``G(r)`` the
@@ -377,7 +393,10 @@ class CycleCosts:
         self.plain_recent = deque(maxlen=window)  # (0, seconds, context)
         self.drafting_recent = deque(maxlen=window)  # (b - 1, seconds, context)
         self.tree_recent = deque(maxlen=window)  # (nodes, seconds, context)
-        self.switched = None  # the window of the last cycle, if it drafted
+        # Switches: the plain steps around drafting cycles, their seconds over two plain steps.
+        self.switch_recent = deque(maxlen=window)
+        self.switch = self.entry = 0.0
+        self.drafted, self.held = False, None  # whether the last cycle drafted; a plain step not yet counted
         self.tree_draft, self.tree_slope = None, None  # None: as the chain of as many rows
         # Contexts each line was measured at, the current one, and the growth fit.
         self.table_context = self.plain_context = self.draft_context = self.context = context
@@ -415,34 +434,38 @@ class CycleCosts:
         the costs do not move with context)."""
         if not self.follow:
             return
+        plain = choice == 1
+        held, self.held = self.held, None
+        after_drafting, self.drafted = self.drafted, not plain
+        if context is not None:
+            self.context = context
         # Trees of any size share one first cycle: a tree compiles nothing
         # per size, and each size seen once would never be counted.
         key = "tree" if isinstance(choice, TreeChoice) else choice
         if key not in self.warm:
             self.warm.add(key)
-            self.switched = None
             return
+        if plain and after_drafting:  # the last step of a switch (see the class)
+            self.switch_recent.append(self.entry + seconds - self.upto(1)[0])
+            self.switch, self.entry = max(0.0, statistics.median(self.switch_recent)), 0.0
+            return
+        if held is not None and not plain:  # the first step of a switch
+            self.entry = held[0] - self.upto(1)[0]
+        elif held is not None:
+            self.count(1, *held)
+        if plain:  # counted once the next cycle shows it was no switch's
+            self.held = (seconds, context)
+        else:
+            self.count(choice, seconds, context)
+
+    def count(self, choice, seconds: float, context: Optional[int]) -> None:
+        """A cycle's seconds into its line's window (and the growth fit)."""
         tree = isinstance(choice, TreeChoice)
-        if choice == 1 and self.switched is not None:
-            # The first plain cycle after drafting also runs what the switch
-            # left it (the rollback's work, caches grown by the block): its
-            # excess over a plain step is the drafting cycle's cost, or plain
-            # steps would look dearer, and drafting cheaper, the more often
-            # the loop switches.
-            window, self.switched = self.switched, None
-            x, y, c = window[-1]
-            window[-1] = (x, y + max(0.0, seconds - self.upto(1)[0]), c)
-            self.refit(window)
-            return
         rows = choice.nodes + 1 if tree else choice
         if context is not None:
-            self.context = context
             self.growth.observe(choice, rows, context, seconds)
-        else:
-            context = self.context
         window = self.tree_recent if tree else self.plain_recent if choice == 1 else self.drafting_recent
-        window.append((rows - 1, seconds, context))
-        self.switched = None if choice == 1 else window
+        window.append((rows - 1, seconds, self.context if context is None else context))
         self.refit(window)
 
     def refit(self, window) -> None:
@@ -608,17 +631,19 @@ class BlockSizer:
         rate = self.rates(block, optimistic=False)
         return rate[-1] > rate[0]
 
-    def drafting_pays(self) -> bool:
-        """Whether some block length beats plain decoding at the slot shares as seen."""
-        rate = self.rates(self.max_block, optimistic=False)
+    def drafting_pays(self, optimistic: bool = False) -> bool:
+        """Whether some block length beats plain decoding at the slot shares
+        as seen (``optimistic``: one standard error up)."""
+        rate = self.rates(self.max_block, optimistic=optimistic)
         return max(rate[1:], default=0.0) > rate[0]
 
     def longest_wait(self, probe: int) -> int:
         """Plain cycles between failed probes at most: enough that probing a
         drafter that never agrees costs at most ``PROBE_BUDGET`` of the time
-        spent decoding plainly, at the measured costs."""
+        spent decoding plainly, at the measured costs (a probe's own and the
+        switch back to plain decoding after it)."""
         costs = self.costs.upto(probe)
-        plain, probing = costs[0], costs[-1]
+        plain, probing = costs[0], costs[-1] + self.costs.switch
         return max(4, math.ceil((probing - plain) / (PROBE_BUDGET * plain)))
 
     def observe(
@@ -642,17 +667,21 @@ class BlockSizer:
         probe, self.plain_run = self.plain_run >= self.patience, 0
         # A probe succeeds when it had tokens accepted and drafting now looks
         # faster than plain decoding: then the next plain cycle probes again.
-        # After a drafting cycle the sizer chose, while drafting still looks
+        # One that had tokens accepted and leaves drafting faster only at
+        # the optimistic shares keeps the wait as it was: a drafter that
+        # pays, judged on a few unlucky cycles, is not backed off further
+        # each time it does well. After a drafting cycle the sizer chose, while drafting still looks
         # faster, the next probe is 4 plain cycles away, should the sizer
         # stop drafting. After any other drafting cycle the next probe waits
         # twice as long: a drafter whose tokens are accepted now and then,
         # but too rarely to pay, is neither probed every other cycle nor,
         # after the sizer drafted on the strength of one lucky cycle,
         # probed from 4 plain cycles anew.
-        pays = self.drafting_pays()
-        if probe and accepted and pays:
+        if probe and accepted and self.drafting_pays():
             self.patience = 1
-        elif not probe and pays:
+        elif probe and accepted and self.drafting_pays(optimistic=True):
+            pass
+        elif not probe and self.drafting_pays():
             self.patience = 4
         else:
             self.patience = min(max(self.patience, 4) * 2, self.longest_wait(block if isinstance(block, int) else self.probe_block))

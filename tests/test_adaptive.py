@@ -11,7 +11,7 @@ import pytest
 from tiny import ScriptedDrafter, ScriptedSizer, prompt_of
 
 import dflash_mlx
-from dflash_mlx.adaptive import BlockSizer, CycleCosts, SlotAcceptance
+from dflash_mlx.adaptive import PROBE_BUDGET, BlockSizer, CycleCosts, SlotAcceptance
 from dflash_mlx.calibration import calibrate
 from dflash_mlx.errors import ArgumentError
 from dflash_mlx.generate import prefill
@@ -566,7 +566,7 @@ def test_growth_per_cycle_and_per_row_are_told_apart():
     costs = CycleCosts({1: 0.1, 16: 0.2}, context=0)
     per_cycle, per_row = 2e-5, 1e-5
     for context in range(0, 4000, 5):
-        for b in (16, 1, 1):  # a plain step right after drafting pays for the switch: not a plain step's cost
+        for b in (16, 1, 1, 1):  # the plain steps around a drafting cycle are the switch's, not a plain step's
             seconds = (0.1 if b == 1 else 0.15 + 0.003 * b) + (per_cycle + per_row * b) * context
             costs.observe(b, seconds * (1 + 0.01 * rng.standard_normal()), context=context)
     assert costs.growth.per_cycle == pytest.approx(per_cycle, rel=0.1)
@@ -629,15 +629,56 @@ def test_a_drafting_cycle_never_costs_less_than_a_plain_step():
     assert min(chain[1:]) >= chain[0] and min(trees) >= chain[0]
 
 
-def test_what_a_switch_costs_the_next_plain_step_is_the_drafting_cycles():
-    """A plain step right after a drafting cycle runs what the switch left
-    it (here 0.5 over a plain step's 1.0): the excess counts to the drafting
-    cycle, and the plain step keeps its own cost."""
+def test_what_a_switch_costs_is_neither_a_plain_step_nor_a_drafting_cycle():
+    """On a backend that computes as it queues, a plain step's timing holds
+    the next plain step's forward: the one before a drafting cycle looks
+    nearly free (0.1), the one after it twice as dear (2.0). Plain steps and
+    drafting cycles keep their own costs (1.0, 2.0); the switch is the two
+    less two plain steps (0.1), priced apart, and counts against probes."""
     costs = CycleCosts({1: 1.0, 2: 1.5, 16: 2.0})
     for _ in range(40):
+        for seconds in (1.0, 1.0, 1.0, 0.1):
+            costs.observe(1, seconds)
         costs.observe(16, 2.0)
-        costs.observe(1, 1.5)
-        for _ in range(3):
-            costs.observe(1, 1.0)
+        costs.observe(1, 2.0)
     assert costs.upto(16)[0] == pytest.approx(1.0)
-    assert costs.upto(16)[-1] == pytest.approx(2.5)
+    assert costs.upto(16)[-1] == pytest.approx(2.0)
+    assert costs.switch == pytest.approx(0.1)
+    assert BlockSizer(16, costs).longest_wait(16) == math.ceil((2.0 + 0.1 - 1.0) / (PROBE_BUDGET * 1.0))
+
+
+def cpu_like_run(sizer, rng, accept, cycles, draft=2.4):
+    """Tokens per second of ``cycles`` cycles on a CPU-like backend: a plain
+    step costs 1.0, but the loop queues it before reading the one before,
+    so its timing holds the next plain step's forward (none before a
+    drafting cycle, its own and the next after one); a drafting cycle costs
+    ``draft``; each drafted slot is accepted with probability ``accept``."""
+    seconds = tokens = 0.0
+    last, block = 1, sizer.choose(1000)
+    for _ in range(cycles):
+        ahead = sizer.choose(1000) if block == 1 else None  # as the loop queues a plain step
+        accepted = 0
+        while accepted < block - 1 and rng.random() < accept:
+            accepted += 1
+        took = draft if block > 1 else (last > 1) + (ahead == 1) + 0.05
+        took *= rng.uniform(0.97, 1.03)
+        sizer.observe(block, accepted, took)
+        seconds, tokens, last = seconds + took, tokens + accepted + 1, block
+        block = sizer.choose(1000) if ahead is None else ahead
+    return tokens / seconds
+
+
+def test_a_drafter_that_pays_is_drafted_on_after_the_table_priced_it_too_dear():
+    """A table that priced drafting too dear (a busy machine at calibration)
+    and a drafter that pays: the loop starts plain, probes, and drafts on.
+    Every probe sits between plain steps, so its switch (the plain step
+    after it twice as dear) is paid each time; a drafting cycle followed by
+    another does not pay it. Charged to the drafting cycle, the switch made
+    every cycle seen while probing look no faster than plain decoding, and
+    the loop kept probing."""
+    always = (1 + sum(0.7**i for i in range(1, 16))) / 2.4
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        sizer = BlockSizer(16, CycleCosts({1: 1.0, 2: 3.0, 16: 3.2}))
+        cpu_like_run(sizer, rng, 0.7, 100)
+        assert cpu_like_run(sizer, rng, 0.7, 300) > 0.85 * always, seed
