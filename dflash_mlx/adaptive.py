@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .errors import ArgumentError
-from .tree import build_tree
+from .tree import best_first
 
 # The largest draft tree the sizer considers (nodes), and the candidates per
 # slot its acceptance model tells apart (a target token ranked lower counts
@@ -211,8 +211,8 @@ def expected_tree_tokens(rates: List[float], shares: List[float], nodes: int) ->
     k = min(nodes, len(shares))
     rows = [sorted([a] + [(1 - a) * q for q in shares[1:k]], reverse=True) for a in rates]
     logs = [[math.log(p) if p > 0 else -math.inf for p in row] for row in rows]
-    tree = build_tree(0, [list(range(k))] * len(rows), logs, nodes)
-    out = list(itertools.accumulate([1.0] + [math.exp(x) for x in tree.scores[1:]]))
+    scores = best_first(logs, nodes)[3]
+    out = list(itertools.accumulate([1.0] + [math.exp(x) for x in scores[1:]]))
     return out + [out[-1]] * (nodes + 1 - len(out))
 
 

@@ -134,23 +134,32 @@ def build_tree(anchor: int, ids: np.ndarray, logprobs: np.ndarray, budget: int) 
     ``ids[j]`` / ``logprobs[j]``: slot ``j + 1``'s candidates, best first, and
     their drafter log-probabilities. A node's score is the sum of the
     log-probabilities along its path; the heap adds the best frontier node
-    until ``budget`` nodes are in. Candidates are sorted, so a node's next
-    sibling and its first child are the only new frontier nodes it opens,
-    and every node is added after its parent. Ties go to the node offered
-    first, so the tree is a function of the numbers alone.
+    until ``budget`` nodes are in (:func:`best_first`).
     """
-    ids, logprobs = (a.tolist() if isinstance(a, np.ndarray) else a for a in (ids, logprobs))  # scalars read fast
-    slots, k = len(ids), len(ids[0]) if ids else 0
-    tokens, parents, depths, ranks = [int(anchor)], [-1], [0], [0]
-    scores = [0.0]
+    ids = ids.tolist() if isinstance(ids, np.ndarray) else ids  # scalars read fast
+    parents, depths, ranks, scores = best_first(logprobs, budget)
+    tokens = [int(anchor)] + [int(ids[d - 1][r]) for d, r in zip(depths[1:], ranks[1:])]
+    return DraftTree(tokens, parents, depths, ranks, scores)
+
+
+def best_first(logprobs, budget: int) -> Tuple[List[int], List[int], List[int], List[float]]:
+    """``(parents, depths, ranks, scores)`` per row of the best-first tree
+    (row 0 the root) over ``logprobs[j]``, slot ``j + 1``'s candidates' sorted
+    log-probabilities. Candidates are sorted, so a node's next sibling and
+    its first child are the only new frontier nodes it opens, every node is
+    added after its parent, and scores never rise from row to row. Ties go
+    to the node offered first, so the tree is a function of the numbers
+    alone."""
+    logprobs = logprobs.tolist() if isinstance(logprobs, np.ndarray) else logprobs
+    slots, k = len(logprobs), len(logprobs[0]) if logprobs else 0
+    parents, depths, ranks, scores = [-1], [0], [0], [0.0]
     order = 0
     frontier: List[Tuple[float, int, int, int, int]] = []  # (-score, order, parent, depth, rank)
     if slots and k and budget > 0:
         frontier.append((-logprobs[0][0], order, 0, 1, 0))
-    while frontier and len(tokens) <= budget:
+    while frontier and len(parents) <= budget:
         neg, _, parent, depth, rank = heapq.heappop(frontier)
-        row = len(tokens)
-        tokens.append(int(ids[depth - 1][rank]))
+        row = len(parents)
         parents.append(parent)
         depths.append(depth)
         ranks.append(rank)
@@ -161,7 +170,7 @@ def build_tree(anchor: int, ids: np.ndarray, logprobs: np.ndarray, budget: int) 
         if depth < slots:
             order += 1
             heapq.heappush(frontier, (-(scores[row] + logprobs[depth][0]), order, row, depth + 1, 0))
-    return DraftTree(tokens, parents, depths, ranks, scores)
+    return parents, depths, ranks, scores
 
 
 def walked_ranks(tree: DraftTree, ids: np.ndarray, path: Sequence[int], choices: Sequence[int]) -> List[Optional[int]]:
