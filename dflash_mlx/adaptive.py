@@ -631,10 +631,9 @@ class BlockSizer:
         rate = self.rates(block, optimistic=False)
         return rate[-1] > rate[0]
 
-    def drafting_pays(self, optimistic: bool = False) -> bool:
-        """Whether some block length beats plain decoding at the slot shares
-        as seen (``optimistic``: one standard error up)."""
-        rate = self.rates(self.max_block, optimistic=optimistic)
+    def drafting_pays(self) -> bool:
+        """Whether some block length beats plain decoding at the slot shares as seen."""
+        rate = self.rates(self.max_block, optimistic=False)
         return max(rate[1:], default=0.0) > rate[0]
 
     def longest_wait(self, probe: int) -> int:
@@ -667,10 +666,7 @@ class BlockSizer:
         probe, self.plain_run = self.plain_run >= self.patience, 0
         # A probe succeeds when it had tokens accepted and drafting now looks
         # faster than plain decoding: then the next plain cycle probes again.
-        # One that had tokens accepted and leaves drafting faster only at
-        # the optimistic shares keeps the wait as it was: a drafter that
-        # pays, judged on a few unlucky cycles, is not backed off further
-        # each time it does well. After a drafting cycle the sizer chose, while drafting still looks
+        # After a drafting cycle the sizer chose, while drafting still looks
         # faster, the next probe is 4 plain cycles away, should the sizer
         # stop drafting. After any other drafting cycle the next probe waits
         # twice as long: a drafter whose tokens are accepted now and then,
@@ -679,8 +675,6 @@ class BlockSizer:
         # probed from 4 plain cycles anew.
         if probe and accepted and self.drafting_pays():
             self.patience = 1
-        elif probe and accepted and self.drafting_pays(optimistic=True):
-            pass
         elif not probe and self.drafting_pays():
             self.patience = 4
         else:
