@@ -43,6 +43,7 @@ acceptance, so it is tested on numbers alone.
 import itertools
 import math
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -519,6 +520,9 @@ class CycleCosts:
 # The most a drafter that never agrees may slow plain decoding down by
 # probing it (see BlockSizer.longest_wait).
 PROBE_BUDGET = 0.01
+# The most of the decoding time the sizer may spend searching draft trees
+# (see BlockSizer.best_tree).
+SEARCH_BUDGET = 0.01
 
 
 class BlockSizer:
@@ -551,11 +555,13 @@ class BlockSizer:
         self.patience = 4  # plain cycles before the next probe; doubles on each failed probe
         self.plain_run = 0
         self.chosen: Dict[int, int] = {}
-        # By cap, the bound on T(n) and T(n) itself, kept while acceptance
-        # holds still: plain cycles change only the plain step's cost, and a
-        # plain step should cost what the target's forward costs, not a tree
-        # search too.
+        # By cap, the bound on T(n) and T(n) itself at the acceptance of the
+        # last refresh (see best_tree): plain cycles change only the plain
+        # step's cost, and a plain step should cost what the target's
+        # forward costs, not a tree search too.
         self.tree_tokens: Dict[int, dict] = {}
+        self.stale = False  # whether a drafting cycle has moved the acceptance since
+        self.searching = self.decoded = 0.0  # seconds spent searching trees, and decoding
 
     def begin(self, trees: bool = False) -> None:
         """Start a generation (``trees``: whether it may verify draft trees):
@@ -594,7 +600,17 @@ class BlockSizer:
         the shares as seen, plain decoding (see :meth:`pays`); else 0. A
         tree's cost grows with its nodes, so none beats a bound over the
         cheapest tree's cost; only when both bounds leave room is the tree
-        search run."""
+        search run.
+
+        The search is host work between two cycles, on the path of a
+        drafting cycle, which cannot be queued before the previous one is
+        read. After a drafting cycle moves the acceptance, the estimates are
+        refreshed only while searching has cost at most ``SEARCH_BUDGET`` of
+        the decoding time; until then the last ones stand (the acceptance
+        moves by one cycle's share at a time)."""
+        if self.stale and self.searching <= SEARCH_BUDGET * self.decoded:
+            self.tree_tokens.clear()
+            self.stale = False
         known = self.tree_tokens.setdefault(cap, {})
         if "bound" not in known:
             known["shares"] = shares = self.ranks.shares()
@@ -604,15 +620,22 @@ class BlockSizer:
         if known["bound_as_seen"] / cheapest <= plain_rate or known["bound"] / cheapest <= chain_rate:
             return 0
         if "expected" not in known:
-            known["expected"] = expected_tree_tokens(known["rates"], known["shares"], MAX_TREE_NODES)
+            known["expected"] = self.search(known["rates"], known["shares"])
         costs = self.costs.trees(MAX_TREE_NODES)
         tree_rate = [e / c for e, c in zip(known["expected"], costs)]
         nodes = max(range(1, MAX_TREE_NODES + 1), key=tree_rate.__getitem__)
         if tree_rate[nodes] <= chain_rate:
             return 0
         if "expected_as_seen" not in known:
-            known["expected_as_seen"] = expected_tree_tokens(known["as_seen"], known["shares"], MAX_TREE_NODES)
+            known["expected_as_seen"] = self.search(known["as_seen"], known["shares"])
         return nodes if known["expected_as_seen"][nodes] / costs[nodes] > plain_rate else 0
+
+    def search(self, rates: List[float], shares: List[float]) -> List[float]:
+        """:func:`expected_tree_tokens` up to ``MAX_TREE_NODES``, its host time counted."""
+        tic = time.perf_counter()
+        out = expected_tree_tokens(rates, shares, MAX_TREE_NODES)
+        self.searching += time.perf_counter() - tic
+        return out
 
     def rates(self, cap: int, optimistic: bool = True) -> List[float]:
         """Expected tokens per second at block lengths 1..``cap``, at the
@@ -654,8 +677,8 @@ class BlockSizer:
         if self.fixed or self.tree_nodes:
             return
         self.costs.observe(block, seconds, context)
-        if block != 1:  # a drafting cycle moves the acceptance estimates
-            self.tree_tokens.clear()
+        self.decoded += seconds
+        self.stale = self.stale or block != 1  # a drafting cycle moves the acceptance estimates
         if isinstance(block, TreeChoice):
             self.acceptance.observe(walk.spine, walk.chain_accepted)
             self.ranks.observe(walk.ranks)

@@ -394,6 +394,31 @@ def test_the_tree_search_runs_only_when_a_tree_could_pay(monkeypatch):
     assert searches  # a tree could pay here: it was worked out
 
 
+def test_tree_searches_take_at_most_their_share_of_the_decoding_time(monkeypatch):
+    """Each search is timed: where cycles are long next to it, the
+    estimates are searched anew after every drafting cycle; where the
+    cycles are as short as a search, only while searching has taken at
+    most SEARCH_BUDGET of the decoding time (the last estimates stand in
+    between)."""
+    import dflash_mlx.adaptive as adaptive
+
+    clock = iter(range(10**6))  # every reading one second later: a search takes 1 s
+    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: float(next(clock)))
+    searched = {}
+    for cycle_seconds in (1e4, 1.0):
+        sizer = BlockSizer(16, CycleCosts({1: 1.0, 2: 1.05, 16: 1.1}))
+        sizer.begin(trees=True)
+        for _ in range(40):
+            choice = sizer.choose(1000)
+            walk = adaptive.TreeWalk([0, 0], 15) if isinstance(choice, adaptive.TreeChoice) else None
+            sizer.observe(choice, 2, cycle_seconds, walk)
+        drafted = sum(sizer.chosen.values()) - sizer.chosen.get(1, 0)
+        assert drafted > 30
+        searched[cycle_seconds] = sizer.searching, drafted
+    assert searched[1e4][0] >= searched[1e4][1]  # anew after every drafting cycle
+    assert searched[1.0][0] <= 2  # the first search's two (optimistic, as seen), then none within 1% of 40 s
+
+
 def simulate(sizer, rank_probs, costs_of, cycles, rng):
     """Drive ``sizer``: at every slot the target's token is the drafter's
     rank-r candidate with ``rank_probs[r]`` (else none of them), the same at
