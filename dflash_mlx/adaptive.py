@@ -315,6 +315,10 @@ def least_squares(a: np.ndarray, b: np.ndarray, residual: float, dof: float) -> 
     return tuple(float(t) if t > e else 0.0 for t, e in zip(theta, error))
 
 
+# Plain steps the cost table counts as in the plain step's median (see CycleCosts.refit).
+PLAIN_PRIOR = 3
+
+
 class CycleCosts:
     """Seconds per cycle at each block length, measured.
 
@@ -322,7 +326,8 @@ class CycleCosts:
     one draft of the whole block, plus a verify growing by ``s`` per token. The
     table a generation starts from (``calibrated``: the plain step and
     drafting lengths, see :func:`dflash_mlx.calibration.calibrate`) gives all three. Online,
-    ``C(1)`` is the median of the last ``window`` plain cycles; ``s`` is
+    ``C(1)`` is the median of the last ``window`` plain cycles and the
+    table's, counted as ``PLAIN_PRIOR`` of them; ``s`` is
     fitted by least squares to the last ``window`` drafting cycles, drawn
     toward the table's slope as much as if the table were one more cycle
     at each end of the block range (a window at one length says nothing of
@@ -381,6 +386,7 @@ class CycleCosts:
         if 1 not in calibrated:
             raise ArgumentError("a cost table needs the plain step's cost (block 1)")
         self.plain, self.slope, self.draft = float(calibrated[1]), 0.0, float(calibrated[1])
+        self.table_plain = self.plain
         if len(drafting) > 1:  # least squares, the slope kept >= 0
             lengths, costs = np.array(drafting, float) - 1, np.array([calibrated[b] for b in drafting])
             self.slope = max(0.0, float(np.polyfit(lengths, costs, 1)[0]))
@@ -475,7 +481,11 @@ class CycleCosts:
             self.tree_draft, self.tree_slope = self.fit(self.moved(window), self.slope_at(self.context))
             self.tree_context = self.context
         elif window is self.plain_recent:
-            self.plain = statistics.median(y for _, y, _ in self.moved(window))
+            # The table counts as PLAIN_PRIOR more steps: a loop that drafts
+            # on sees few plain steps between its switches, and one slowed
+            # step must not price plain decoding for the rest of the run.
+            table = self.table_plain + self.growth.at(1) * (self.context - self.table_context)
+            self.plain = statistics.median([*(y for _, y, _ in self.moved(window)), *[table] * PLAIN_PRIOR])
             self.plain_context = self.context
         else:
             self.draft, self.slope = self.fit(self.moved(window), self.prior_slope_at(self.context))

@@ -672,6 +672,22 @@ def test_what_a_switch_costs_is_neither_a_plain_step_nor_a_drafting_cycle():
     assert BlockSizer(16, costs).longest_wait(16) == math.ceil((2.0 + 0.1 - 1.0) / (PROBE_BUDGET * 1.0))
 
 
+def test_one_slowed_plain_step_does_not_price_plain_decoding():
+    """A loop that drafts on sees few plain steps it can count (those
+    around a switch are the switch's): one slowed plain step among them
+    does not become the plain step's cost, the table stands until steps
+    of their own outnumber it."""
+    costs = CycleCosts({1: 1.0, 2: 2.0, 16: 2.4})
+    for seconds in (1.0, 3.0, 1.0):  # the first plain step is not counted (compiling)
+        costs.observe(1, seconds)
+    costs.observe(16, 2.4)
+    costs.observe(16, 2.4)
+    assert costs.upto(16)[0] == pytest.approx(1.0)
+    for _ in range(10):
+        costs.observe(1, 0.5)
+    assert costs.upto(16)[0] == pytest.approx(0.5)
+
+
 def test_a_drafter_that_pays_is_drafted_after_a_spell_of_probes():
     """After a plain spell with a probe every eighth cycle, each probe
     having paid (3 tokens for 2.4 plain steps' time) and its switch (the
