@@ -349,10 +349,10 @@ class CycleCosts:
     and the verify, cost what they cost on this backend.
 
     Switching between plain decoding and drafting moves time between
-    cycles: a plain step is queued before the previous one is read, so on a
-    backend that computes as it queues (MLX's CPU) a plain step's timing
-    holds the next one's forward. The last plain step before a drafting
-    cycle then looks nearly free, the first one after it twice as dear, and
+    cycles: a plain step is queued before the previous one is read, and on
+    MLX's CPU backend a plain step's timing then holds the next one's
+    forward (measured, BENCHMARKS.md). The last plain step before a drafting
+    cycle looks nearly free, the first one after it twice as dear, and
     on a device that runs ahead the first one after it waits for its own
     forward. Neither is a plain step's cost, nor a drafting cycle's: the two
     together, less two plain steps, are one ``switch`` (the median of the

@@ -655,8 +655,8 @@ def test_a_drafting_cycle_never_costs_less_than_a_plain_step():
 
 
 def test_what_a_switch_costs_is_neither_a_plain_step_nor_a_drafting_cycle():
-    """On a backend that computes as it queues, a plain step's timing holds
-    the next plain step's forward: the one before a drafting cycle looks
+    """Where a plain step's timing holds the next plain step's forward (as
+    measured on MLX's CPU backend): the one before a drafting cycle looks
     nearly free (0.1), the one after it twice as dear (2.0). Plain steps and
     drafting cycles keep their own costs (1.0, 2.0); the switch is the two
     less two plain steps (0.1), priced apart, and counts against probes."""
