@@ -2,7 +2,8 @@
 
 Stages (each resumable; run state lives in ~/.cache/dflash_mlx/smollm2/):
 
-  requests  recipes/smollm2_requests.py: the seeded request set
+  requests  recipes/smollm2_requests.py: the seeded request set (restored
+            from recipes/smollm2_shards/ with the committed shards)
   questions recipes/smollm2_questions.py: requests the target writes itself
             on the training topics (once; --no-questions skips them)
   distill   recipes/smollm2_distill.py: the target's greedy answers, in shards
@@ -19,8 +20,9 @@ Stages (each resumable; run state lives in ~/.cache/dflash_mlx/smollm2/):
   install   the checkpoint into dflash_mlx/smollm2_pair/draft with a model
             card recording the commands, the acceptance and the time each
             stage took
-  export    the distillation shards (uint16 tokens) into recipes/smollm2_shards/
-            to commit, so a new machine skips their hours (at most 30 MB)
+  export    the distillation shards (uint16 tokens) and the requests they
+            answer into recipes/smollm2_shards/ to commit, so a new machine
+            skips their hours (at most 30 MB)
 
 The cheaper build's levers are flags with defaults: --fast-target
 (approximate softmax / SiLU in the target for distillation and the tap pass),
@@ -40,6 +42,7 @@ the requests, the run directory's for a data set's rows and measure.
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -179,8 +182,6 @@ def stage_questions(args):
 
 
 def stage_distill(args):
-    import shutil
-
     import smollm2_distill
 
     out = Path(args.work_dir) / "distill"
@@ -198,20 +199,20 @@ def stage_distill(args):
 
 def stage_export(args):
     """The finished distillation shards into the repository, if they fit
-    ``COMMITTED_LIMIT`` (they are uint16 tokens and packed answer bits)."""
-    import shutil
-
+    ``COMMITTED_LIMIT`` (they are uint16 tokens and packed answer bits),
+    with the request set they answer (the target's own questions included,
+    which take the questions stage about an hour to write)."""
     shards = sorted((Path(args.work_dir) / "distill").glob("shard-*.npz"))[: args.max_shards]
-    size = sum(p.stat().st_size for p in shards)
+    size = sum(p.stat().st_size for p in [*shards, requests_file(args)])
     if not shards:
         raise SystemExit("error: no distillation shards to export: run --stage distill first")
     if size > COMMITTED_LIMIT:
         raise SystemExit(f"error: the {len(shards)} shards take {size / 1e6:.1f} MB, over the repository's "
                          f"{COMMITTED_LIMIT / 1e6:.0f} MB: export fewer with --max-shards")  # fmt: skip
     COMMITTED.mkdir(exist_ok=True)
-    for path in shards:
+    for path in [*shards, requests_file(args)]:
         shutil.copy(path, COMMITTED / path.name)
-    print(f"exported {len(shards)} shards ({size / 1e6:.1f} MB) to {COMMITTED}")
+    print(f"exported {len(shards)} shards ({size / 1e6:.1f} MB) and the requests they answer to {COMMITTED}")
 
 
 def stage_rows(args):
@@ -263,8 +264,6 @@ def stage_measure(args):
 def stage_install(args):
     """The checkpoint into the package as bfloat16 (half the size; ``load_pair``
     runs it in the target's dtype), with its model card."""
-    import shutil
-
     import mlx.core as mx
 
     from dflash_mlx.convert import Staging
@@ -398,6 +397,9 @@ def main(argv=None):
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     for name in [n for n in chosen_stages(STAGES, args.stage) if args.stage != "all" or n != "export"]:
+        if name == "requests" and not requests_file(args).exists() and (COMMITTED / "requests.json").exists():
+            shutil.copy(COMMITTED / "requests.json", requests_file(args))  # the committed shards' requests
+            print(f"restored the requests the committed shards answer from {COMMITTED}")
         if name == "requests" and requests_file(args).exists():
             continue  # seeded: the same file again
         print(f"== stage {name}", flush=True)

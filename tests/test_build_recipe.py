@@ -161,10 +161,17 @@ def test_exported_shards_seed_a_new_machine(tmp_path, monkeypatch):
     for i in range(2):
         rows = [rng.integers(0, 400, size=40).astype(np.int32) for _ in range(2)]
         smollm2_distill.write_shard(old / "distill" / f"shard-{i:05d}.npz", rows, [5, 5], 10.0)
+    requests = {"seed": 0, "train": [{"topic": "general:x", "kind": "written", "request": "Why?"}], "heldout": [],
+                "written_questions": 1}  # fmt: skip
+    (old / "requests.json").write_text(json.dumps(requests))
     committed = tmp_path / "committed"
     monkeypatch.setattr(smollm2_drafter, "COMMITTED", committed)
     smollm2_drafter.main(["--stage", "export", "--work-dir", str(old)])
     assert sorted(p.name for p in committed.glob("*.npz")) == ["shard-00000.npz", "shard-00001.npz"]
+    # The requests go with the shards: on a new machine the target's own
+    # questions are not asked again, and the shards' answers stay theirs.
+    smollm2_drafter.main(["--stage", "requests", "--work-dir", str(new)])
+    assert json.loads((new / "requests.json").read_text()) == requests
     monkeypatch.setattr(smollm2_drafter, "COMMITTED_LIMIT", 10)
     with pytest.raises(SystemExit, match="over the repository"):
         smollm2_drafter.main(["--stage", "export", "--work-dir", str(old)])
