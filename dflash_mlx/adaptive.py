@@ -465,6 +465,13 @@ class CycleCosts:
         else:
             self.count(choice, seconds, context)
 
+    def forget_plain(self) -> None:
+        """Drop the plain steps measured so far: a recheck measures them
+        afresh (see :meth:`BlockSizer.recheck_interval`); the table stands
+        until its steps outnumber it."""
+        self.plain_recent.clear()
+        self.refit(self.plain_recent)
+
     def count(self, choice, seconds: float, context: Optional[int]) -> None:
         """A cycle's seconds into its line's window (and the growth fit)."""
         tree = isinstance(choice, TreeChoice)
@@ -533,6 +540,12 @@ PROBE_BUDGET = 0.01
 # The most of the decoding time the sizer may spend searching draft trees
 # (see BlockSizer.best_tree).
 SEARCH_BUDGET = 0.01
+# The most a drafter that pays may be slowed down by rechecking the plain
+# step's cost while drafting (see BlockSizer.recheck_interval), and the
+# plain steps a recheck takes: the two of its switch and one more counted
+# step than the table's prior, so that its own steps price plain decoding.
+RECHECK_BUDGET = 0.01
+RECHECK_STEPS = PLAIN_PRIOR + 3
 
 
 class BlockSizer:
@@ -572,6 +585,10 @@ class BlockSizer:
         self.tree_tokens: Dict[int, dict] = {}
         self.stale = False  # whether a drafting cycle has moved the acceptance since
         self.searching = self.decoded = 0.0  # seconds spent searching trees, and decoding
+        # Seconds of drafting since the plain step's cost was last measured
+        # (a recheck, or a plain spell as long), plain steps observed in a
+        # row, and plain steps left in the recheck under way.
+        self.drafted_since, self.plain_streak, self.recheck_left = 0.0, 0, 0
 
     def begin(self, trees: bool = False) -> None:
         """Start a generation (``trees``: whether it may verify draft trees):
@@ -597,7 +614,13 @@ class BlockSizer:
                     choice = TreeChoice(nodes)
             if not isinstance(choice, TreeChoice) and choice > 1 and not self.pays(choice):
                 choice = 1
-            if choice == 1:
+            if self.recheck_left or (choice != 1 and self.drafted_since >= self.recheck_interval()):
+                if not self.recheck_left:  # a recheck starts
+                    self.costs.forget_plain()
+                    self.recheck_left, self.drafted_since = RECHECK_STEPS, 0.0
+                self.recheck_left -= 1
+                choice = 1
+            elif choice == 1:
                 self.plain_run += 1
                 if self.plain_run >= self.patience:
                     choice = max(range(2, min(self.probe_block, cap) + 1), key=lambda b: rate[b - 1], default=1)
@@ -678,6 +701,21 @@ class BlockSizer:
         plain, probing = costs[0], costs[-1] + self.costs.switch
         return max(4, math.ceil((probing - plain) / (PROBE_BUDGET * plain)))
 
+    def recheck_interval(self) -> float:
+        """Seconds of drafting before the plain step's cost is measured
+        again, in a recheck of ``RECHECK_STEPS`` plain steps. While the loop
+        drafts it sees no plain step, and the cost it last measured may be
+        a slow spell's: drafting then looks better than it is, and nothing
+        would show otherwise. A recheck costs its switch and what drafting
+        would have gained over its plain steps at the optimistic estimates;
+        rechecks cost at most ``RECHECK_BUDGET`` of the drafting time, and
+        take no more time than the drafting between them where both are
+        nearly free."""
+        plain = self.costs.upto(1)[0]
+        per_token = 1 / max(self.rates(self.max_block))
+        lost = self.costs.switch + RECHECK_STEPS * max(0.0, plain - per_token)
+        return max(lost / RECHECK_BUDGET, RECHECK_STEPS * plain)
+
     def observe(
         self, block, accepted: int, seconds: float, walk: Optional[TreeWalk] = None, context: Optional[int] = None
     ) -> None:
@@ -695,7 +733,12 @@ class BlockSizer:
         else:
             self.acceptance.observe(block - 1, accepted)
         if block == 1:
+            self.plain_streak += 1
+            if self.plain_streak >= RECHECK_STEPS:  # the plain step's cost is measured afresh
+                self.drafted_since = 0.0
             return
+        self.drafted_since += seconds
+        self.plain_streak = 0
         probe, self.plain_run = self.plain_run >= self.patience, 0
         # A probe succeeds when it had tokens accepted and drafting now looks
         # faster than plain decoding: then the next plain cycle probes again.
