@@ -491,8 +491,9 @@ class CycleCosts:
             # The table counts as PLAIN_PRIOR more steps: a loop that drafts
             # on sees few plain steps between its switches, and one slowed
             # step must not price plain decoding for the rest of the run.
-            table = self.table_plain + self.growth.at(1) * (self.context - self.table_context)
-            self.plain = statistics.median([*(y for _, y, _ in self.moved(window)), *[table] * PLAIN_PRIOR])
+            grow, now = self.growth.at(1), self.context  # moved as in moved(), one row each
+            table = self.table_plain + grow * (now - self.table_context)
+            self.plain = statistics.median([*(y + grow * (now - c) for _, y, c in window), *[table] * PLAIN_PRIOR])
             self.plain_context = self.context
         else:
             self.draft, self.slope = self.fit(self.moved(window), self.prior_slope_at(self.context))
@@ -503,8 +504,8 @@ class CycleCosts:
         rows verified, their seconds moved from their own context to the
         current one: a window spans contexts, and a fit across them would
         take what the context added for what the block length did."""
-        now = self.context
-        return [(x, y + self.growth.at(x + 1) * (now - c), now) for x, y, c in recent]
+        now, per_cycle, per_row = self.context, self.growth.per_cycle, self.growth.per_row
+        return [(x, y + (per_cycle + per_row * (x + 1)) * (now - c), now) for x, y, c in recent]
 
     def prior_slope_at(self, context: float) -> float:
         """The table's slope moved from its context to ``context``: each
