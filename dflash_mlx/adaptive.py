@@ -251,7 +251,7 @@ class ContextGrowth:
     fraction of it down: a growth read low prices long blocks low at long
     contexts, and the loop drafts where it should not."""
 
-    def __init__(self, decay: float = 1 - 1 / 256, every: int = 8, span: int = 1024):
+    def __init__(self, decay: float = 1 - 1 / 256, every: int = 32, span: int = 1024):
         self.decay, self.every, self.span = decay, every, span
         self.sums: Dict[object, List[float]] = {}  # kind -> [w, c, y, cc, cy, yy]
         self.rows: Dict[object, int] = {}  # kind -> rows it verifies
@@ -398,6 +398,7 @@ class CycleCosts:
         self.follow = follow
         self.warm = set()
         self.plain_recent = deque(maxlen=window)  # (0, seconds, context)
+        self.plain_dirty = False  # whether plain steps came since the plain line was fitted
         self.drafting_recent = deque(maxlen=window)  # (b - 1, seconds, context)
         self.tree_recent = deque(maxlen=window)  # (nodes, seconds, context)
         # Switches: the plain steps around drafting cycles, their seconds over two plain steps.
@@ -470,7 +471,7 @@ class CycleCosts:
         afresh (see :meth:`BlockSizer.recheck_interval`); the table stands
         until its steps outnumber it."""
         self.plain_recent.clear()
-        self.refit(self.plain_recent)
+        self.plain_dirty = True
 
     def count(self, choice, seconds: float, context: Optional[int]) -> None:
         """A cycle's seconds into its line's window (and the growth fit)."""
@@ -480,7 +481,10 @@ class CycleCosts:
             self.growth.observe(choice, rows, context, seconds)
         window = self.tree_recent if tree else self.plain_recent if choice == 1 else self.drafting_recent
         window.append((rows - 1, seconds, self.context if context is None else context))
-        self.refit(window)
+        if window is self.plain_recent:
+            self.plain_dirty = True  # refitted when next read: plain steps come fast, reads less often
+        else:
+            self.refit(window)
 
     def refit(self, window) -> None:
         """The line of ``window`` (trees, plain steps or drafting chains), at the current context."""
@@ -494,7 +498,7 @@ class CycleCosts:
             grow, now = self.growth.at(1), self.context  # moved as in moved(), one row each
             table = self.table_plain + grow * (now - self.table_context)
             self.plain = statistics.median([*(y + grow * (now - c) for _, y, c in window), *[table] * PLAIN_PRIOR])
-            self.plain_context = self.context
+            self.plain_context, self.plain_dirty = self.context, False
         else:
             self.draft, self.slope = self.fit(self.moved(window), self.prior_slope_at(self.context))
             self.draft_context = self.context
@@ -518,6 +522,8 @@ class CycleCosts:
 
     def upto(self, n: int) -> List[float]:
         """Seconds per cycle at b = 1..n, at the current context."""
+        if self.plain_dirty:
+            self.refit(self.plain_recent)
         one = self.growth.at(1)  # a one-row cycle's growth; each further row adds per_row
         plain = self.plain + one * (self.context - self.plain_context)
         draft, slope = self.draft + one * (self.context - self.draft_context), self.slope_at(self.context)
@@ -547,6 +553,8 @@ SEARCH_BUDGET = 0.01
 # step than the table's prior, so that its own steps price plain decoding.
 RECHECK_BUDGET = 0.01
 RECHECK_STEPS = PLAIN_PRIOR + 3
+# Plain steps between two reconsiderations of a plain spell (see BlockSizer.choose).
+REVISIT = 8
 
 
 class BlockSizer:
@@ -606,6 +614,12 @@ class BlockSizer:
             choice = TreeChoice(self.tree_nodes)
         elif self.fixed:
             choice = cap
+        elif 0 < self.plain_run and self.plain_run + 1 < self.patience and self.plain_run % REVISIT:
+            # Inside a plain spell nothing moves the acceptance estimates and
+            # a plain step barely moves the costs: the choice stands, and is
+            # reconsidered every REVISIT plain steps and before a probe.
+            self.plain_run += 1
+            choice = 1
         else:
             rate = self.rates(cap)
             choice = rate.index(max(rate)) + 1
