@@ -11,7 +11,7 @@ import pytest
 from tiny import ScriptedDrafter, ScriptedSizer, prompt_of
 
 import dflash_mlx
-from dflash_mlx.adaptive import PROBE_BUDGET, RECHECK_BUDGET, BlockSizer, CycleCosts, SlotAcceptance
+from dflash_mlx.adaptive import PROBE_BUDGET, RECHECK_BUDGET, REVISIT, BlockSizer, CycleCosts, SlotAcceptance
 from dflash_mlx.calibration import calibrate
 from dflash_mlx.errors import ArgumentError
 from dflash_mlx.generate import prefill
@@ -737,3 +737,30 @@ def test_a_plain_step_priced_in_a_slow_spell_is_rechecked_while_drafting():
     seconds, tokens, drafting = after_a_slow_spell(accept=0.85)
     gain = 1.0 - 3.0 / sum(0.85**k for k in range(16))  # what drafting saves a plain step's token
     assert (3000 - drafting) * gain <= RECHECK_BUDGET * seconds
+
+
+def test_a_plain_spell_is_reconsidered_every_few_steps_not_every_step():
+    """A plain step should cost the target's forward, not the sizer's
+    arithmetic: inside a plain spell the choice is worked out again every
+    REVISIT plain steps (and before a probe), and a change that makes
+    drafting pay (here plain steps turning three times dearer) is taken up
+    within that many steps."""
+    sizer = BlockSizer(16, CycleCosts({1: 1.0, 2: 2.0, 16: 2.4}))
+    rng = np.random.default_rng(0)
+    run(sizer, 0.3, 200, rng)  # about 1.4 tokens a cycle: plain decoding pays
+    sizer.patience = 10_000  # no probe in the way
+    worked = []
+    rates = sizer.rates
+    sizer.rates = lambda *a, **k: worked.append(1) or rates(*a, **k)
+    chosen = []
+    for _ in range(4 * REVISIT):
+        chosen.append(sizer.choose(10_000))
+        sizer.observe(chosen[-1], 0, 1.0)
+    assert set(chosen) == {1} and len(worked) <= 2 * 4  # rates() read at most twice per reconsideration
+    turned, chosen = None, []
+    for i in range(48):
+        chosen.append(sizer.choose(10_000))
+        sizer.observe(chosen[-1], 0, 3.0 if chosen[-1] == 1 else 2.4)
+        if turned is None and sizer.drafting_pays():
+            turned = i  # from here on drafting pays at the estimates
+    assert turned is not None and max(chosen[turned + 1 : turned + 2 + REVISIT]) > 1
