@@ -21,8 +21,11 @@ failing (at most ``PROBE_BUDGET`` of the plain decoding time), so drafting
 comes back when acceptance recovers. Where verified rows are dear (a CPU at
 a long context) the probe is short and costs little; where they are cheap
 it drafts the whole block, and one probe of every slot tells more than one
-of the first slot, since a drafter's acceptance comes in runs. What a pair's sizer has
-learnt carries over to its next generation in the process.
+of the first slot, since a drafter's acceptance comes in runs. While it
+drafts, it sees no plain step, so now and then it decodes a few plainly to
+price them afresh (a recheck, at most ``RECHECK_BUDGET`` of the drafting
+time). What a pair's sizer has learnt carries over to its next generation
+in the process.
 
 A cycle may also verify a draft tree of ``n`` nodes (:mod:`dflash_mlx.tree`):
 its expected committed tokens ``T(n)`` come from the same slot acceptance
