@@ -201,18 +201,20 @@ def stage_export(args):
     """The finished distillation shards into the repository, if they fit
     ``COMMITTED_LIMIT`` (they are uint16 tokens and packed answer bits),
     with the request set they answer (the target's own questions included,
-    which take the questions stage about an hour to write)."""
+    which take the questions stage about an hour to write) and the seconds
+    those stages took, for the card."""
     shards = sorted((Path(args.work_dir) / "distill").glob("shard-*.npz"))[: args.max_shards]
-    size = sum(p.stat().st_size for p in [*shards, requests_file(args)])
-    if not shards:
-        raise SystemExit("error: no distillation shards to export: run --stage distill first")
+    if not requests_file(args).exists():
+        raise SystemExit("error: no request set to export: run --stage requests (and questions, distill) first")
+    kept = [*shards, *(p for p in (requests_file(args), times_file(args, "requests")) if p.exists())]
+    size = sum(p.stat().st_size for p in kept)
     if size > COMMITTED_LIMIT:
         raise SystemExit(f"error: the {len(shards)} shards take {size / 1e6:.1f} MB, over the repository's "
                          f"{COMMITTED_LIMIT / 1e6:.0f} MB: export fewer with --max-shards")  # fmt: skip
     COMMITTED.mkdir(exist_ok=True)
-    for path in [*shards, requests_file(args)]:
+    for path in kept:
         shutil.copy(path, COMMITTED / path.name)
-    print(f"exported {len(shards)} shards ({size / 1e6:.1f} MB) and the requests they answer to {COMMITTED}")
+    print(f"exported {len(shards)} shards and the requests they answer ({size / 1e6:.1f} MB) to {COMMITTED}")
 
 
 def stage_rows(args):
@@ -398,7 +400,9 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     for name in [n for n in chosen_stages(STAGES, args.stage) if args.stage != "all" or n != "export"]:
         if name == "requests" and not requests_file(args).exists() and (COMMITTED / "requests.json").exists():
-            shutil.copy(COMMITTED / "requests.json", requests_file(args))  # the committed shards' requests
+            for kept in ("requests.json", "times.json"):  # the committed shards' requests, and their stages' seconds
+                if (COMMITTED / kept).exists() and not (work / kept).exists():
+                    shutil.copy(COMMITTED / kept, work / kept)
             print(f"restored the requests the committed shards answer from {COMMITTED}")
         if name == "requests" and requests_file(args).exists():
             continue  # seeded: the same file again

@@ -164,6 +164,7 @@ def test_exported_shards_seed_a_new_machine(tmp_path, monkeypatch):
     requests = {"seed": 0, "train": [{"topic": "general:x", "kind": "written", "request": "Why?"}], "heldout": [],
                 "written_questions": 1}  # fmt: skip
     (old / "requests.json").write_text(json.dumps(requests))
+    (old / "times.json").write_text(json.dumps({"requests": 4.0, "questions": 3600.0}))
     committed = tmp_path / "committed"
     monkeypatch.setattr(smollm2_drafter, "COMMITTED", committed)
     smollm2_drafter.main(["--stage", "export", "--work-dir", str(old)])
@@ -172,6 +173,7 @@ def test_exported_shards_seed_a_new_machine(tmp_path, monkeypatch):
     # questions are not asked again, and the shards' answers stay theirs.
     smollm2_drafter.main(["--stage", "requests", "--work-dir", str(new)])
     assert json.loads((new / "requests.json").read_text()) == requests
+    assert json.loads((new / "times.json").read_text())["questions"] == 3600.0  # the card keeps their hour
     monkeypatch.setattr(smollm2_drafter, "COMMITTED_LIMIT", 10)
     with pytest.raises(SystemExit, match="over the repository"):
         smollm2_drafter.main(["--stage", "export", "--work-dir", str(old)])
