@@ -498,9 +498,8 @@ class CycleCosts:
             # The table counts as PLAIN_PRIOR more steps: a loop that drafts
             # on sees few plain steps between its switches, and one slowed
             # step must not price plain decoding for the rest of the run.
-            grow, now = self.growth.at(1), self.context  # moved as in moved(), one row each
-            table = self.table_plain + grow * (now - self.table_context)
-            self.plain = statistics.median([*(y + grow * (now - c) for _, y, c in window), *[table] * PLAIN_PRIOR])
+            table = self.table_plain + self.growth.at(1) * (self.context - self.table_context)
+            self.plain = statistics.median([*(y for _, y, _ in self.moved(window)), *[table] * PLAIN_PRIOR])
             self.plain_context, self.plain_dirty = self.context, False
         else:
             self.draft, self.slope = self.fit(self.moved(window), self.prior_slope_at(self.context))
@@ -511,8 +510,8 @@ class CycleCosts:
         rows verified, their seconds moved from their own context to the
         current one: a window spans contexts, and a fit across them would
         take what the context added for what the block length did."""
-        now, per_cycle, per_row = self.context, self.growth.per_cycle, self.growth.per_row
-        return [(x, y + (per_cycle + per_row * (x + 1)) * (now - c), now) for x, y, c in recent]
+        now = self.context
+        return [(x, y + self.growth.at(x + 1) * (now - c), now) for x, y, c in recent]
 
     def prior_slope_at(self, context: float) -> float:
         """The table's slope moved from its context to ``context``: each
@@ -632,7 +631,7 @@ class BlockSizer:
                     choice = TreeChoice(nodes)
             if not isinstance(choice, TreeChoice) and choice > 1 and not self.pays(choice):
                 choice = 1
-            if self.recheck_left or (choice != 1 and self.drafted_since >= self.recheck_interval()):
+            if self.recheck_left or (choice != 1 and self.drafted_since >= self.recheck_interval(max(rate))):
                 if not self.recheck_left:  # a recheck starts
                     self.costs.forget_plain()
                     self.recheck_left, self.drafted_since = RECHECK_STEPS, 0.0
@@ -719,18 +718,19 @@ class BlockSizer:
         plain, probing = costs[0], costs[-1] + self.costs.switch
         return max(4, math.ceil((probing - plain) / (PROBE_BUDGET * plain)))
 
-    def recheck_interval(self) -> float:
+    def recheck_interval(self, best_rate: float) -> float:
         """Seconds of drafting before the plain step's cost is measured
         again, in a recheck of ``RECHECK_STEPS`` plain steps. While the loop
         drafts it sees no plain step, and the cost it last measured may be
         a slow spell's: drafting then looks better than it is, and nothing
         would show otherwise. A recheck costs its switch and what drafting
-        would have gained over its plain steps at the optimistic estimates;
+        would have gained over its plain steps at ``best_rate`` (tokens per
+        second at the best choice, optimistic estimates);
         rechecks cost at most ``RECHECK_BUDGET`` of the drafting time, and
         take no more time than the drafting between them where both are
         nearly free."""
         plain = self.costs.upto(1)[0]
-        per_token = 1 / max(self.rates(self.max_block))
+        per_token = 1 / best_rate
         lost = self.costs.switch + RECHECK_STEPS * max(0.0, plain - per_token)
         return max(lost / RECHECK_BUDGET, RECHECK_STEPS * plain)
 

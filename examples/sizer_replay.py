@@ -40,7 +40,7 @@ from dflash_mlx.adaptive import BlockSizer, CycleCosts
 from dflash_mlx.benchmark import run_autoregressive, time_forwards
 from dflash_mlx.cache import bound_target
 from dflash_mlx.defaults import DEFAULT_TARGET
-from dflash_mlx.generate import encode_prompt, prefill
+from dflash_mlx.generate import accept_greedy, encode_prompt, prefill
 from dflash_mlx.models.dflash import masked_block
 from dflash_mlx.pair import default_prompts, load_pair
 
@@ -56,10 +56,10 @@ def accepted_everywhere(model, draft, prompt_ids, tokens, block: int):
     for p in range(len(tokens) - 1):
         drafted = draft.propose(masked_block(draft, tokens[p], block), cache.target_hidden, cache.draft, slots=block - 1)
         cache.target_hidden = None  # taken into the drafter's context
-        drafted, a = drafted[0].tolist(), 0
-        while a < len(drafted) and p + 1 + a < len(tokens) and drafted[a] == tokens[p + 1 + a]:
-            a += 1
-        out.append(a)
+        future = tokens[p + 1 : p + block]  # shorter than the block near the end
+        # The target's token after the last slot is not read here: -1 stands in for it.
+        accepted, _ = accept_greedy(drafted[:, : len(future)], mx.array([future + [-1]]))
+        out.append(accepted.item())
         _, hidden = target.forward(mx.array([[tokens[p]]]), cache.target, record=False)
         cache.add_hidden(hidden)
     return out
