@@ -12,8 +12,10 @@ turn. Every ``--shard-size`` requests become one shard, written atomically
 uint16 where the vocabulary fits, ``offsets``, ``prompt_lens`` (up to the
 last answer), ``answers`` (a packed bit per token: written by the target), and
 the ``seconds`` it took), so ``--resume`` continues at the first missing
-shard and the drafter's card can add up the time. Progress goes to
-``progress.log`` in ``--out``.
+shard and the drafter's card can add up the time. Shards are made by index,
+except that ``--defer A:B`` makes shards A..B-1 after all others: a build
+that continues from a drafter gets the requests it has not seen first.
+Progress goes to ``progress.log`` in ``--out``.
 
 The target runs through :func:`dflash_mlx.targets.approximate.approximate`
 unless ``--no-fast-target``: its answers are training data, needed to training
@@ -27,6 +29,35 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+
+def shard_index(path: Path) -> int:
+    """``shard-00012.npz`` -> 12."""
+    return int(path.stem.rsplit("-", 1)[1])
+
+
+def shard_key(path: Path, defer=None):
+    """Where a shard file comes in the distillation's order: by index,
+    except that ``defer`` (a ``range`` of indices) comes after all others."""
+    i = shard_index(path)
+    return (defer is not None and i in defer, i)
+
+
+def ordered_shards(directory: Path, defer=None, max_shards=None) -> list:
+    """The shard files made in ``directory``, in the distillation's order,
+    the first ``max_shards`` of them: a fixed data set while more are made."""
+    return sorted(directory.glob("shard-*.npz"), key=lambda p: shard_key(p, defer))[:max_shards]
+
+
+def parse_defer(text: str):
+    """``A:B`` -> ``range(A, B)`` (``--defer``), or None for an empty text."""
+    if not text:
+        return None
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--defer takes A:B (shard indices A..B-1), not {text!r}") from None
+    return range(a, b)
 
 
 def log(out: Path, line: str):
@@ -155,6 +186,9 @@ def main(argv=None):
     p.add_argument("--shard-size", type=int, default=64)
     p.add_argument("--limit", type=int, default=None, help="answer only the first N training requests")
     p.add_argument("--resume", action="store_true", help="continue at the first missing shard")
+    p.add_argument("--defer", type=parse_defer, default=None, metavar="A:B",
+                   help="make shards A..B-1 after all others (requests a drafter the build continues from has seen)")
+    p.add_argument("--max-shards", type=int, default=None, help="make only the first N shards in that order")
     p.add_argument(
         "--fast-target", action=argparse.BooleanOptionalAction, default=True,
         help="approximate softmax / SiLU in the target (CPU float32; answers to training precision)",
@@ -171,8 +205,9 @@ def main(argv=None):
     model_dir, model, tokenizer = load_target(args)
     n_shards = (len(requests) + args.shard_size - 1) // args.shard_size
     log(out, f"start: {len(requests)} requests, {n_shards} shards, model {model_dir}")
-    for i in range(n_shards):
-        path = out / f"shard-{i:05d}.npz"
+    order = sorted((out / f"shard-{i:05d}.npz" for i in range(n_shards)), key=lambda p: shard_key(p, args.defer))
+    for path in order[: args.max_shards]:
+        i = shard_index(path)
         chunk = requests[i * args.shard_size : (i + 1) * args.shard_size]
         if path.exists() and len(read_shard(path)[1]) == len(chunk):
             continue  # done (a shard cut short by an earlier --limit is redone)

@@ -8,10 +8,13 @@ Stages (each resumable; run state lives in ~/.cache/dflash_mlx/smollm2/):
             on the training topics (once; --no-questions skips them)
   distill   recipes/smollm2_distill.py: the target's greedy answers, in shards
             (first restored from recipes/smollm2_shards/ when the committed
-            shards are there and the work directory has none)
+            shards are there and the work directory has none), those whose
+            requests the installed drafter has seen last (``DEFER``); with
+            --max-shards, only the first N
   rows      recipes/smollm2_rows.py: shards packed into rows of --seq-len
-            (the first --max-shards, or all finished ones; files are named
-            by that count, so a run on part of the data stays separate)
+            (the first --max-shards in that order, or all finished ones;
+            files are named by that count, so a run on part of the data
+            stays separate)
   train     ``mlx-dflash train`` on the rows (self-distillation), target
             outputs cached on disk (--cache-dir), checkpoints every
             --save-every steps, continued with --resume
@@ -54,6 +57,7 @@ REPO = RECIPES.parent
 sys.path.insert(0, str(RECIPES))
 sys.path.insert(0, str(REPO))
 
+from smollm2_distill import ordered_shards, shard_index, shard_seconds  # noqa: E402
 from smollm2_rows import answers_path  # noqa: E402
 from stages import add_training_arguments, chosen_stages, stage_parser  # noqa: E402
 
@@ -69,6 +73,13 @@ LAYERS, BLOCK, TAPS, MASK_TOKEN = 2, 16, "1,8,14,20,27", "<empty_output>"
 DRAFT_VOCAB = 16384
 DISTILL_MAX_TOKENS = 768  # answer cap; shorter answers ended their turn
 SHARD_SIZE = 128  # requests per distillation shard
+# Shards 6-17 answer only requests of the first list (stdlib, task and
+# general asks), which the installed drafter was trained on; the short asks,
+# conversations and the target's own questions come after them. They are
+# made last, so that a build continuing from that drafter (--init-from,
+# --max-shards) gets the kinds it has not seen first. Shards 0-5 were made
+# before this order was set.
+DEFER = range(6, 18)
 
 
 def end_of_turn() -> str:
@@ -193,7 +204,8 @@ def stage_distill(args):
     fast = ["--fast-target"] if args.fast_target else ["--no-fast-target"]
     smollm2_distill.main(
         ["--requests", str(requests_file(args)), "--out", str(out), "--batch-size", str(args.distill_batch_size),
-         "--shard-size", str(SHARD_SIZE), "--max-tokens", str(DISTILL_MAX_TOKENS), "--resume", *fast]  # fmt: skip
+         "--shard-size", str(SHARD_SIZE), "--max-tokens", str(DISTILL_MAX_TOKENS), "--resume", *fast,
+         "--defer", f"{DEFER.start}:{DEFER.stop}", *(["--max-shards", str(args.max_shards)] if args.max_shards else [])]  # fmt: skip
     )
 
 
@@ -203,7 +215,7 @@ def stage_export(args):
     with the request set they answer (the target's own questions included,
     which take the questions stage about an hour to write) and the seconds
     those stages took, for the card."""
-    shards = sorted((Path(args.work_dir) / "distill").glob("shard-*.npz"))[: args.max_shards]
+    shards = ordered_shards(Path(args.work_dir) / "distill", DEFER, args.max_shards)
     if not requests_file(args).exists():
         raise SystemExit("error: no request set to export: run --stage requests (and questions, distill) first")
     kept = [*shards, *(p for p in (requests_file(args), times_file(args, "requests")) if p.exists())]
@@ -221,10 +233,13 @@ def stage_rows(args):
     import smollm2_rows
 
     work, name = Path(args.work_dir), data_name(args)
+    wanted, made = int(name.rsplit("-s", 1)[1]), len(ordered_shards(work / "distill", DEFER))
+    if made < wanted:
+        raise SystemExit(f"error: {made} of the {wanted} shards asked for are made: run --stage distill first")
     smollm2_rows.main(
         ["--shards", str(work / "distill"), "--seq-len", str(args.seq_len), "--out", str(rows_file(args)),
          "--max-shards", name.rsplit("-s", 1)[1], "--max-tokens", str(DISTILL_MAX_TOKENS),
-         "--end-ids", end_of_turn()]  # fmt: skip
+         "--end-ids", end_of_turn(), "--defer", f"{DEFER.start}:{DEFER.stop}"]  # fmt: skip
     )
 
 
@@ -294,15 +309,24 @@ def stage_install(args):
 
 def build_times(args, state: dict) -> dict:
     """Wall seconds per stage of the data and drafter the card describes."""
-    from smollm2_distill import shard_seconds
-
     work = Path(args.work_dir)
     n_shards = int(data_name(args).rsplit("-s", 1)[1])
-    shards = sorted((work / "distill").glob("shard-*.npz"))[:n_shards]
+    shards = ordered_shards(work / "distill", DEFER, n_shards)
     files = {stage: times_file(args, stage) for stage in TIMED_STAGES}
     recorded = {path: json.loads(path.read_text()) if path.exists() else {} for path in set(files.values())}
     times = {stage: recorded[path].get(stage, 0.0) for stage, path in files.items()}
     return {**times, "distill": sum(map(shard_seconds, shards)), "train": state["train_seconds"]}
+
+
+def shard_list(paths) -> str:
+    """``N distillation shards (0-5, 18-26)``: which shards a data set holds."""
+    spans = []
+    for i in sorted(map(shard_index, paths)):
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return f"{len(paths)} distillation shards (" + ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans) + ")"
 
 
 def write_card(out: Path, state: dict, times: dict, accept: dict, args):
@@ -313,7 +337,7 @@ def write_card(out: Path, state: dict, times: dict, accept: dict, args):
     hours = {k: round(v / 3600, 2) for k, v in times.items()}
     name = data_name(args)
     rows = len(np.load(Path(args.work_dir) / f"rows-{name}.npy", mmap_mode="r"))
-    shards = name.rsplit("-s", 1)[1]
+    shards = shard_list(ordered_shards(Path(args.work_dir) / "distill", DEFER, int(name.rsplit("-s", 1)[1])))
     by_position = {k: v for k, v in accept.items() if k not in ("prompts", "max_tokens")}
     init = ", initialised from the target's last layers" if args.init_from_target else ""
     init += f", started from the drafter at {args.init_from}" if args.init_from else ""
@@ -335,7 +359,7 @@ mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_conf
 | target taps | {cfg['dflash_config']['target_layer_ids']} of {cfg['num_target_layers']} |
 | mask token | `{MASK_TOKEN}` = {cfg['dflash_config']['mask_token_id']} |
 | weights | bfloat16, {size / 1e6:.1f} MB (embedding and LM head are the target's); run in the target's dtype |
-| data | the target's greedy answers to the training requests of `recipes/smollm2_requests.py` (held-out topics excluded), the first {shards} distillation shards ({SHARD_SIZE} requests each), packed into {rows} rows of {args.seq_len} tokens |
+| data | the target's greedy answers to the training requests of `recipes/smollm2_requests.py` (held-out topics excluded), {shards}, {SHARD_SIZE} requests each,, packed into {rows} rows of {args.seq_len} tokens |
 | training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row{' (inside answers)' if args.answer_anchors else ''}, loss on slots 1-{args.loss_slots or cfg['block_size'] - 1}, peak lr {args.lr}; target with {'approximate' if args.fast_target else 'exact'} softmax / SiLU for answers and taps, drafter trained with {'approximate' if args.fast_softmax else 'exact'} softmax / logsumexp |
 | last 20 steps (training rows) | loss {mean[0]}, slot-1 accuracy {mean[1]}, mean slot accuracy {mean[2]}, accepted length per anchor {mean[3]} (per anchor, not per cycle: easy stretches weigh more than in decoding) |
 | tokens per cycle by answer position ({accept['prompts']} held-out requests, {accept['max_tokens']} new tokens, greedy, fixed block {cfg['block_size']}) | {by_position} |

@@ -5,7 +5,7 @@
 
 The conversations (chat-templated prompt + the target's answer, closed as
 the chat template closes a turn when the answer stopped) follow each other in
-shard order and are cut into rows of exactly ``--seq-len`` tokens,
+the distillation's shard order (``--defer``) and are cut into rows of exactly ``--seq-len`` tokens,
 as in language-model pre-training: a row may end one conversation and start
 the next, which the target reads as a longer chat. The leftover shorter than
 a row is dropped. Rows are a 2-D int32 ``.npy`` (each row one training
@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from smollm2_distill import read_answers, read_shard  # noqa: E402
+from smollm2_distill import ordered_shards, parse_defer, read_answers, read_shard  # noqa: E402
 
 
-def pack(shards, seq_len: int, max_shards=None, end_ids=(), max_tokens=None):
+def pack(shards, seq_len: int, end_ids=(), max_tokens=None):
     """(rows [n, seq_len] int32, answers [n, seq_len] bool, conversations
-    read, conversations >= seq_len).
+    read, conversations >= seq_len) of the ``shards`` files, in their order.
 
     An answer shorter than ``max_tokens`` stopped at the end-of-turn token,
     which the shards leave out (mlx-lm returns answers without it): ``end_ids``
@@ -35,7 +35,7 @@ def pack(shards, seq_len: int, max_shards=None, end_ids=(), max_tokens=None):
     """
     convs, marks = [], []
     end = np.asarray(end_ids, np.int32)
-    for path in sorted(shards)[:max_shards]:
+    for path in shards:
         rows, prompt_lens = read_shard(path)
         for row, n, answer in zip(rows, prompt_lens, read_answers(path)):
             stopped = max_tokens is not None and len(row) - n < max_tokens
@@ -64,15 +64,17 @@ def main(argv=None):
     p.add_argument("--shards", required=True, help="directory of shard-*.npz from smollm2_distill.py")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--max-shards", type=int, default=None, help="use only the first N shards (a fixed data set while more are made)")
+    p.add_argument("--defer", type=parse_defer, default=None, metavar="A:B",
+                   help="the distillation's order: shards A..B-1 after all others")
     p.add_argument("--out", required=True, help="rows .npy to write")
     p.add_argument("--end-ids", default="", help="comma list: the tokens ending a turn, put back after answers that stopped")
     p.add_argument("--max-tokens", type=int, default=None, help="the distillation's answer cap (shorter answers stopped)")
     args = p.parse_args(argv)
-    shards = list(Path(args.shards).expanduser().glob("shard-*.npz"))
+    shards = ordered_shards(Path(args.shards).expanduser(), args.defer, args.max_shards)
     if not shards:
         raise SystemExit(f"error: no shard-*.npz in {args.shards}: run recipes/smollm2_distill.py first")
     end_ids = [int(t) for t in args.end_ids.split(",") if t]
-    rows, answers, n_conv, n_long = pack(shards, args.seq_len, args.max_shards, end_ids, args.max_tokens)
+    rows, answers, n_conv, n_long = pack(shards, args.seq_len, end_ids, args.max_tokens)
     out = Path(args.out).expanduser()
     save_atomically(answers_path(out), answers)
     save_atomically(out, rows)

@@ -218,3 +218,34 @@ def test_gpu_script_plans_every_stage_within_its_budget(tmp_path):
     assert all("--draft-vocab 8192" in line for line in plan)
     assert "smollm2-run-state.tar.gz" in r.stdout and not (tmp_path / "out").exists()
     assert subprocess.run(["bash", str(RECIPES / "smollm2_gpu.sh")], capture_output=True).returncode == 2
+
+
+def test_deferred_shards_are_made_and_packed_last(monkeypatch, tmp_path, capsys):
+    """``--defer A:B``: shards A..B-1 come after the others, in the
+    distillation and in the rows, and ``--max-shards`` cuts that order."""
+    reqs = tmp_path / "requests.json"
+    reqs.write_text(json.dumps({"train": [{"request": str(i)} for i in range(5)], "heldout": []}))
+    monkeypatch.setattr(smollm2_distill, "load_target", lambda args: ("target", None, None))
+    made = []
+
+    def answer(model, tokenizer, requests, args):  # a row of 8 tokens naming its request
+        made.append(int(requests[0]["request"]))
+        rows = [np.full(8, int(r["request"]), np.int32) for r in requests]
+        return rows, [2] * len(rows), [np.arange(8) >= 2 for _ in rows]
+
+    monkeypatch.setattr(smollm2_distill, "answer", answer)
+    out = tmp_path / "shards"
+    argv = ["--requests", str(reqs), "--out", str(out), "--shard-size", "1", "--resume", "--defer", "1:3"]
+    smollm2_distill.main(argv + ["--max-shards", "3"])
+    assert made == [0, 3, 4]
+    rows = tmp_path / "rows.npy"
+    smollm2_rows.main(["--shards", str(out), "--seq-len", "8", "--out", str(rows), "--defer", "1:3", "--max-shards", "2"])
+    assert np.load(rows)[:, 0].tolist() == [0, 3]  # a fixed data set: the first two in the order
+    smollm2_distill.main(argv)
+    assert made == [0, 3, 4, 1, 2]
+    smollm2_rows.main(["--shards", str(out), "--seq-len", "8", "--out", str(rows), "--defer", "1:3"])
+    assert np.load(rows)[:, 0].tolist() == [0, 3, 4, 1, 2]
+    assert smollm2_drafter.shard_list(smollm2_distill.ordered_shards(out, range(1, 3), 3)) == "3 distillation shards (0, 3-4)"
+    with pytest.raises(SystemExit):
+        smollm2_distill.main(["--requests", str(reqs), "--out", str(out), "--defer", "3"])
+    assert "--defer takes A:B" in capsys.readouterr().err

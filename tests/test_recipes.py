@@ -162,6 +162,6 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
     assert "'distill': 0.04" in card and "'train': 2.0" in card and "'rows': 0.5" in card
     assert "'requests': 0.01" in card and "'measure': 0.1" in card
     assert "(3 held-out requests, 64 new tokens, greedy, fixed block 4) | {'0-64': 2.5, 'all': 2.5} |" in card
-    assert "first 2 distillation shards" in card and "3 rows of 64 tokens" in card and "bfloat16" in card
+    assert "2 distillation shards (0-1), 128 requests each" in card and "3 rows of 64 tokens" in card and "bfloat16" in card
     assert json.loads((pkg / "draft" / "config.json").read_text()) == json.loads((run / "config.json").read_text())
     assert "install" not in json.loads((run / "times.json").read_text())  # only the card's stages are timed
