@@ -173,6 +173,15 @@ class TrainConfig:
         "--draft-model) instead of a random initialisation; a fresh schedule and optimizer",
     )
     dtype: str = option("float32", "dtype of the saved model.safetensors (training is float32)", choices=tuple(DTYPES))
+    # The learning curve.
+    eval_data: Optional[str] = option(
+        None,
+        "2-D .npy of held-out rows (the target's greedy answers, never trained on): at the start and at every "
+        "checkpoint, the tokens a greedy verify cycle at the whole block would commit on them",
+    )
+    eval_answer_mask: Optional[str] = option(
+        None, "booleans shaped like --eval-data, true on the tokens the target wrote (default: every token after the first)"
+    )
 
 
 # ------------------------------------------------------------------ the math
@@ -373,6 +382,50 @@ def drafter_loss(draft, target_embed, tap_states, blocks, positions, mask, label
     return loss, (correct[..., 0].mean(), correct.mean(), accept_len)
 
 
+def cycles_along(accepted: np.ndarray, written: np.ndarray) -> List[int]:
+    """Tokens each cycle commits when greedy decoding at a fixed block writes
+    the runs of ``written`` (booleans per position: the target's tokens)
+    of one row, where a block drafted after anchor ``a`` has ``accepted[a]``
+    tokens accepted (-1: none drafted there, the row ends). The text is the
+    target's whatever the drafter proposes, so a cycle from anchor ``a``
+    commits ``accepted[a] + 1`` tokens (the last the target's own) and the
+    next cycle's anchor is the last of them. A run's first token comes from
+    the prompt's forward, as a generation's first token does."""
+    out = []
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], written.astype(np.int8), [0]])))
+    for start, end in zip(edges[::2], edges[1::2]):
+        a = max(int(start), 1)  # an anchor has context before it
+        while a < end - 1 and accepted[a] >= 0:
+            n = min(int(accepted[a]) + 1, end - 1 - a)
+            out.append(n)
+            a += n
+    return out
+
+
+def held_out_cycles(draft, adapter, rows, written, taps, fast=False, chunk=128) -> List[int]:
+    """:func:`cycles_along` over held-out ``rows`` (token arrays) and their
+    ``written`` masks: the drafter's block from every anchor whose next
+    token the target wrote, ``chunk`` blocks per pass, scored as training
+    scores them, against the row's own next tokens. ``taps``: per row, the
+    target's tap states [1, S, taps * hidden] (see :func:`target_pass`)."""
+    cfg = draft.config
+    out = []
+    for row, marks, tap_states in zip(rows, written, taps):
+        tokens, n_anchors = mx.array(row[None].astype(np.int32)), len(row) - cfg.block_size
+        anchors = np.flatnonzero(marks[2 : n_anchors + 2]) + 1  # a in 1..n_anchors, token a + 1 written
+        accepted = np.full(len(row), -1)
+        for i in range(0, len(anchors), chunk):
+            a = mx.array(anchors[None, i : i + chunk].astype(np.int32))
+            blocks, positions = make_blocks(tokens, a, cfg.block_size, cfg.mask_token_id)
+            mask = context_mask(a, len(row))
+            hidden = train_forward(draft, adapter.embed, tap_states, blocks, positions, mask, fast)[:, :, 1:]
+            labels = draft_labels(slot_labels(tokens, None, a, cfg.block_size), cfg.draft_vocab, adapter.vocab_size)
+            correct = mx.argmax(draft.head_logits(hidden), axis=-1) == labels
+            accepted[anchors[i : i + chunk]] = np.array(mx.cumprod(correct.astype(mx.int32), axis=-1).sum(-1))[0]
+        out += cycles_along(accepted, marks)
+    return out
+
+
 def frequent_tokens(docs: List[np.ndarray], k: int, vocab_size: int, answers: Optional[List[np.ndarray]] = None):
     """The ``k`` ids most frequent in ``docs`` (only on ``answers`` where
     given), ascending: a draft vocabulary (FR-Spec). Ties go to the lower id."""
@@ -507,6 +560,42 @@ def sample_batch(rng: np.random.Generator, data, args, answers: Optional[np.ndar
         fill = rng.choice(rest, size=n - len(take), replace=False)
         picked.append(np.concatenate([take, fill]) + 1)
     return starts, windows, np.sort(np.stack(picked), axis=-1).astype(np.int32)
+
+
+def read_eval(args: "TrainConfig"):
+    """``--eval-data`` rows and their ``--eval-answer-mask`` (default: every
+    token after a row's first), checked."""
+    rows = np.load(args.eval_data, allow_pickle=False)
+    if rows.ndim != 2 or not np.issubdtype(rows.dtype, np.integer) or rows.shape[1] < args.block_size + 2:
+        raise TrainError(
+            f"--eval-data must be a 2-D .npy of token rows of at least block-size + 2 = {args.block_size + 2} "
+            f"tokens, not {rows.dtype} {rows.shape}"
+        )
+    if args.eval_answer_mask is None:
+        return rows, np.arange(rows.shape[1]) >= np.ones((len(rows), 1))
+    written = np.load(args.eval_answer_mask, allow_pickle=False)
+    if written.dtype != np.bool_ or written.shape != rows.shape:
+        raise TrainError(f"--eval-answer-mask must be booleans shaped like --eval-data {rows.shape}, not {written.dtype} {written.shape}")
+    return rows, written
+
+
+class HeldOut:
+    """The learning curve (``--eval-data``): tokens per greedy cycle at the
+    whole block on held-out rows, at a step (:func:`held_out_cycles`). The
+    target's taps of the rows are computed once."""
+
+    def __init__(self, args: "TrainConfig", adapter):
+        self.rows, self.written = read_eval(args)
+        self.adapter, self.tap_ids, self.fast = adapter, list(args.taps), args.approximate_softmax
+        self.taps = None
+
+    def __call__(self, draft, step: int) -> list:
+        """``[step, tokens per cycle, cycles]``."""
+        if self.taps is None:
+            self.taps = [target_pass(self.adapter, mx.array(r[None].astype(np.int32)), self.tap_ids)[0] for r in self.rows]
+            mx.eval(self.taps)
+        committed = held_out_cycles(draft, self.adapter, self.rows, self.written, self.taps, self.fast)
+        return [step, round(float(np.mean(committed)), 4) if committed else 0.0, len(committed)]
 
 
 class TargetOutputs:
@@ -735,6 +824,13 @@ def check_args(args: TrainConfig) -> None:
             raise TrainError("--answer-mask marks the tokens of one --data .npy file: pass exactly one")
         if not Path(args.answer_mask).is_file():
             raise TrainError(f"--answer-mask file not found: {args.answer_mask}")
+    if args.eval_answer_mask is not None and args.eval_data is None:
+        raise TrainError("--eval-answer-mask marks the tokens of --eval-data: pass --eval-data too")
+    for flag, path in (("--eval-data", args.eval_data), ("--eval-answer-mask", args.eval_answer_mask)):
+        if path is not None and not Path(path).is_file():
+            raise TrainError(f"{flag} file not found: {path}")
+    if args.eval_data is not None:
+        read_eval(args)
     if args.taps is not None and not args.taps:
         raise TrainError("--taps is empty")
     if args.init_from is not None and args.init_from_target:
@@ -876,13 +972,24 @@ def train(args: TrainConfig) -> dict:
         optimizer.update(draft, grads)
         return loss, metrics
 
-    def save():
-        state["rng"] = rng.bit_generator.state
-        write_checkpoint(out, config, draft, optimizer, state, DTYPES[args.dtype])
-
     from tqdm import tqdm
 
     bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="drafter")
+    held_out = HeldOut(args, adapter) if args.eval_data else None
+
+    def evaluate():
+        if held_out is not None:
+            step, per_cycle, cycles = record = held_out(draft, state["step"])
+            state.setdefault("eval", []).append(record)
+            bar.write(f"step {step}: {per_cycle:.3f} tokens per cycle on the held-out rows ({cycles} cycles)")
+
+    def save():
+        evaluate()
+        state["rng"] = rng.bit_generator.state
+        write_checkpoint(out, config, draft, optimizer, state, DTYPES[args.dtype])
+
+    if not state.get("eval"):
+        evaluate()  # where the curve starts
     tic = time.perf_counter()
     for step in bar:
         optimizer.learning_rate = lr_at(step, args.steps, args.learning_rate, args.warmup)

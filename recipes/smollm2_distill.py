@@ -184,7 +184,9 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=896, help="answer length cap")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--shard-size", type=int, default=64)
-    p.add_argument("--limit", type=int, default=None, help="answer only the first N training requests")
+    p.add_argument("--limit", type=int, default=None, help="answer only the first N requests")
+    p.add_argument("--split", default="train", choices=("train", "heldout"), help="which requests of --requests")
+    p.add_argument("--skip", type=int, default=0, help="leave out the first N requests")
     p.add_argument("--resume", action="store_true", help="continue at the first missing shard")
     p.add_argument("--defer", type=parse_defer, default=None, metavar="A:B",
                    help="make shards A..B-1 after all others (requests a drafter the build continues from has seen)")
@@ -201,7 +203,7 @@ def main(argv=None):
     if out.exists() and any(out.glob("shard-*.npz")) and not args.resume:
         raise SystemExit(f"error: {out} holds shards already: pass --resume to continue")
     out.mkdir(parents=True, exist_ok=True)
-    requests = json.loads(Path(args.requests).expanduser().read_text())["train"][: args.limit]
+    requests = json.loads(Path(args.requests).expanduser().read_text())[args.split][args.skip :][: args.limit]
     model_dir, model, tokenizer = load_target(args)
     n_shards = (len(requests) + args.shard_size - 1) // args.shard_size
     log(out, f"start: {len(requests)} requests, {n_shards} shards, model {model_dir}")

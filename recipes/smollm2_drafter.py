@@ -80,6 +80,10 @@ SHARD_SIZE = 128  # requests per distillation shard
 # --max-shards) gets the kinds it has not seen first. Shards 0-5 were made
 # before this order was set.
 DEFER = range(6, 18)
+# The learning curve's held-out requests (``mlx-dflash train --eval-data``):
+# the last of the held-out set, whose first ones the bench and the measure
+# stage decode.
+EVAL_REQUESTS = 16
 
 
 def end_of_turn() -> str:
@@ -160,6 +164,11 @@ def rows_file(args) -> Path:
     return Path(args.work_dir) / f"rows-{data_name(args)}.npy"
 
 
+def eval_rows_file(args) -> Path:
+    """The learning curve's rows: the target's answers to ``EVAL_REQUESTS`` held-out requests."""
+    return Path(args.work_dir) / f"rows-heldout-{args.seq_len}.npy"
+
+
 def train_argv(args, target: str, mask_id: int) -> list:
     work = Path(args.work_dir)
     name = data_name(args) + ("-approx" if args.fast_target else "")  # the tap cache's key differs
@@ -170,6 +179,7 @@ def train_argv(args, target: str, mask_id: int) -> list:
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--anchors-per-seq", str(args.anchors),
         "--seed", str(args.seed), "--save-every", str(args.save_every), "--target-dtype", "float32",
         "--cache-target", "--cache-dir", str(work / f"target-outputs-{name}"), "--dtype", "float32",
+        "--eval-data", str(eval_rows_file(args)), "--eval-answer-mask", str(answers_path(eval_rows_file(args))),
         *lever_argv(args),
     ]  # fmt: skip
 
@@ -202,6 +212,13 @@ def stage_distill(args):
             shutil.copy(path, out / path.name)
         print(f"restored {len(list(out.glob('shard-*.npz')))} committed shards from {COMMITTED}")
     fast = ["--fast-target"] if args.fast_target else ["--no-fast-target"]
+    held_out = len(json.loads(requests_file(args).read_text())["heldout"])
+    smollm2_distill.main(
+        ["--requests", str(requests_file(args)), "--out", str(Path(args.work_dir) / "heldout-distill"),
+         "--split", "heldout", "--skip", str(max(0, held_out - EVAL_REQUESTS)), "--shard-size", str(EVAL_REQUESTS),
+         "--batch-size", str(min(EVAL_REQUESTS, args.distill_batch_size)), "--max-tokens", str(DISTILL_MAX_TOKENS),
+         "--resume", *fast]  # fmt: skip
+    )
     smollm2_distill.main(
         ["--requests", str(requests_file(args)), "--out", str(out), "--batch-size", str(args.distill_batch_size),
          "--shard-size", str(SHARD_SIZE), "--max-tokens", str(DISTILL_MAX_TOKENS), "--resume", *fast,
@@ -236,11 +253,12 @@ def stage_rows(args):
     wanted, made = int(name.rsplit("-s", 1)[1]), len(ordered_shards(work / "distill", DEFER))
     if made < wanted:
         raise SystemExit(f"error: {made} of the {wanted} shards asked for are made: run --stage distill first")
+    common = ["--seq-len", str(args.seq_len), "--max-tokens", str(DISTILL_MAX_TOKENS), "--end-ids", end_of_turn()]
     smollm2_rows.main(
-        ["--shards", str(work / "distill"), "--seq-len", str(args.seq_len), "--out", str(rows_file(args)),
-         "--max-shards", name.rsplit("-s", 1)[1], "--max-tokens", str(DISTILL_MAX_TOKENS),
-         "--end-ids", end_of_turn(), "--defer", f"{DEFER.start}:{DEFER.stop}"]  # fmt: skip
+        ["--shards", str(work / "distill"), "--out", str(rows_file(args)), "--max-shards", name.rsplit("-s", 1)[1],
+         "--defer", f"{DEFER.start}:{DEFER.stop}", *common]  # fmt: skip
     )
+    smollm2_rows.main(["--shards", str(work / "heldout-distill"), "--out", str(eval_rows_file(args)), *common])
 
 
 def stage_train(args):
@@ -341,6 +359,11 @@ def write_card(out: Path, state: dict, times: dict, accept: dict, args):
     by_position = {k: v for k, v in accept.items() if k not in ("prompts", "max_tokens")}
     init = ", initialised from the target's last layers" if args.init_from_target else ""
     init += f", started from the drafter at {args.init_from}" if args.init_from else ""
+    curve = ""
+    if state.get("eval"):  # mlx-dflash train --eval-data: [step, tokens per cycle, cycles]
+        points = ", ".join(f"{step}: {per_cycle}" for step, per_cycle, _ in state["eval"])
+        curve = (f"| learning curve: tokens per cycle by step ({EVAL_REQUESTS} other held-out requests' greedy answers, "
+                 f"fixed block {cfg['block_size']}, predicted by the training forward) | {points} |\n")
     card = f"""# DFlash drafter for SmolLM2-135M-Instruct (dflash_mlx smollm2 pair)
 
 Drafts {cfg['block_size']}-token blocks for SmolLM2-135M-Instruct (the Q4_1 GGUF of the
@@ -363,7 +386,7 @@ mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_conf
 | training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row{' (inside answers)' if args.answer_anchors else ''}, loss on slots 1-{args.loss_slots or cfg['block_size'] - 1}, peak lr {args.lr}; target with {'approximate' if args.fast_target else 'exact'} softmax / SiLU for answers and taps, drafter trained with {'approximate' if args.fast_softmax else 'exact'} softmax / logsumexp |
 | last 20 steps (training rows) | loss {mean[0]}, slot-1 accuracy {mean[1]}, mean slot accuracy {mean[2]}, accepted length per anchor {mean[3]} (per anchor, not per cycle: easy stretches weigh more than in decoding) |
 | tokens per cycle by answer position ({accept['prompts']} held-out requests, {accept['max_tokens']} new tokens, greedy, fixed block {cfg['block_size']}) | {by_position} |
-| wall time (hours, with any time the build was paused; built on {args.built_on}) | {hours} |
+{curve}| wall time (hours, with any time the build was paused; built on {args.built_on}) | {hours} |
 """
     (out / "README.md").write_text(card)
 

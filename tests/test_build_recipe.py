@@ -142,6 +142,8 @@ def test_levers_reach_the_training_command(tmp_path):
     assert "--approximate-target" in cmd and "--approximate-softmax" in cmd and "--answer-mask" in cmd and cmd[cmd.index("--num-layers") + 1] == "2"
     assert cmd[cmd.index("--answer-mask") + 1] == str(work / "rows-64-s2-answers.npy")
     assert cmd[cmd.index("--cache-dir") + 1].endswith("target-outputs-64-s2-approx")
+    assert cmd[cmd.index("--eval-data") + 1] == str(work / "rows-heldout-64.npy")  # the learning curve's rows
+    assert cmd[cmd.index("--eval-answer-mask") + 1] == str(work / "rows-heldout-64-answers.npy")
     assert cmd[cmd.index("--draft-vocab") + 1] == str(smollm2_drafter.DRAFT_VOCAB)  # on by default
     cmd, args = argv("--no-fast-target", "--no-fast-softmax", "--no-answer-anchors", "--draft-vocab", "8192", "--loss-slots", "8",
                      "--layers", "4", "--init-from-target", "--variant", "deep")  # fmt: skip
@@ -184,7 +186,8 @@ def test_exported_shards_seed_a_new_machine(tmp_path, monkeypatch):
     smollm2_drafter.main(["--stage", "distill", "--work-dir", str(new)])
     assert sorted(p.name for p in (new / "distill").glob("*.npz")) == ["shard-00000.npz", "shard-00001.npz"]
     assert smollm2_distill.shard_seconds(new / "distill" / "shard-00001.npz") == 10.0
-    assert calls and "--resume" in calls[0]
+    assert len(calls) == 2 and all("--resume" in c for c in calls)
+    assert calls[0][calls[0].index("--split") + 1] == "heldout"  # the learning curve's answers, then the shards
 
 
 def test_questions_stage_extends_the_requests_once(chat_model, tmp_path):

@@ -148,7 +148,8 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
     cfg = random_pair.draft_config(target_cfg, 400, block_size=4)
     random_pair.make_draft(run, cfg)
     (run / "training_state").mkdir()
-    state = {"step": 4, "train_seconds": 7200.0, "history": [[2.0, 0.5, 0.25, 1.5]] * 4}
+    state = {"step": 4, "train_seconds": 7200.0, "history": [[2.0, 0.5, 0.25, 1.5]] * 4,
+             "eval": [[0, 1.5, 10], [4, 1.75, 8]]}  # fmt: skip
     (run / "training_state" / "training_state.json").write_text(json.dumps(state))
     (run / "times.json").write_text(json.dumps({"rows": 1800.0, "measure": 360.0, "train": 9.0}))
     (run / "acceptance.json").write_text(json.dumps({"0-64": 2.5, "all": 2.5, "prompts": 3, "max_tokens": 64}))
@@ -162,6 +163,7 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
     assert "'distill': 0.04" in card and "'train': 2.0" in card and "'rows': 0.5" in card
     assert "'requests': 0.01" in card and "'measure': 0.1" in card
     assert "(3 held-out requests, 64 new tokens, greedy, fixed block 4) | {'0-64': 2.5, 'all': 2.5} |" in card
+    assert "fixed block 4, predicted by the training forward) | 0: 1.5, 4: 1.75 |" in card  # the learning curve
     assert "2 distillation shards (0-1), 128 requests each" in card and "3 rows of 64 tokens" in card and "bfloat16" in card
     assert json.loads((pkg / "draft" / "config.json").read_text()) == json.loads((run / "config.json").read_text())
     assert "install" not in json.loads((run / "times.json").read_text())  # only the card's stages are timed

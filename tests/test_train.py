@@ -173,9 +173,17 @@ def test_data_targets_npy_and_bf16_checkpoint(qwen3_pair, corpus, tmp_path):
     ids = np.asarray(pair.tokenizer.encode(corpus.read_text()[:4000]), dtype=np.uint16)
     np.save(tmp_path / "tokens.npy", ids[:3000].reshape(30, 100))  # rows: separate documents
     out = tmp_path / "draft"
+    np.save(tmp_path / "held_out.npy", ids[3000:3200].reshape(2, 100))
+    written = np.arange(100) >= np.array([[30], [0]])  # a prompt of 30 tokens, then a whole row of answer
+    np.save(tmp_path / "written.npy", written)
     argv = small_run(pair, tmp_path / "tokens.npy", out, "--steps", "3", "--targets", "data",
-                     "--dtype", "bfloat16", "--taps", "1,2", "--num-layers", "1")  # fmt: skip
+                     "--dtype", "bfloat16", "--taps", "1,2", "--num-layers", "1", "--save-every", "2",
+                     "--eval-data", str(tmp_path / "held_out.npy"), "--eval-answer-mask", str(tmp_path / "written.npy"))  # fmt: skip
     assert train_cli(argv) == 0
+    curve = json.loads((out / T.STATE_DIR / "training_state.json").read_text())["eval"]
+    assert [step for step, _, _ in curve] == [0, 2, 3]  # the start, then every checkpoint
+    # cycles from anchor 30 (row 0) and 1 (row 1) to where a block of 8 no longer fits (anchor 92)
+    assert all(1 <= per_cycle <= 8 and per_cycle * cycles >= (92 - 30) + (92 - 1) for _, per_cycle, cycles in curve)
     assert all(v.dtype == mx.bfloat16 for v in mx.load(str(out / "model.safetensors")).values())
     draft = dflash_mlx.load_draft(out, pair.model)
     assert draft.config.target_layer_ids == [1, 2] and draft.config.num_hidden_layers == 1
@@ -301,6 +309,8 @@ BAD = {  # case: (arguments after the common ones, words the message must hold)
     "unsupported target": (lambda p, d, t: ["--data", str(d), "--model", str(t / "mistral")], "unsupported target"),
     "missing target": (lambda p, d, t: ["--data", str(d), "--model", str(t / "absent")], "absent"),
     "nothing to resume": (lambda p, d, t: ["--data", str(d), "--resume"], "no training state"),
+    "eval rows not 2-D": (lambda p, d, t: ["--data", str(d), "--eval-data", str(t / "big.npy")], "2-D .npy"),
+    "eval mask alone": (lambda p, d, t: ["--data", str(d), "--eval-answer-mask", str(t / "big.npy")], "pass --eval-data too"),
 }
 
 
@@ -356,3 +366,36 @@ def test_train_config_api_equals_the_cli(qwen3_pair, corpus, tmp_path):
     assert state["step"] == 2 and state["history"] == history(tmp_path / "cli")
     a, b = mx.load(str(tmp_path / "cli" / "model.safetensors")), mx.load(str(tmp_path / "api" / "model.safetensors"))
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+def test_cycles_along_hops_from_anchor_to_anchor():
+    """A cycle from anchor ``a`` commits ``accepted[a] + 1`` tokens, clipped
+    at its run's end, and the next starts at the last token it committed."""
+    written = np.array([0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0], bool)
+    accepted = np.array([9, 2, 0, 0, 5, 1, 0, 0, 0, 9, 0, 9, 9, -1])
+    # run 1..7: anchor 1 commits 3 (to 4), anchor 4 commits 5 clipped to 3 (7 is the run's last)
+    # run 10..12: anchor 10 commits 1, anchor 11 commits 1 (the run's end)
+    assert T.cycles_along(accepted, written) == [3, 3, 1, 1]
+    accepted[4] = -1  # no block drafted there: the run stops being counted
+    assert T.cycles_along(accepted, written) == [3, 1, 1]
+
+
+def test_held_out_cycles_are_the_loops_own():
+    """The learning curve's measure: on the bundled pair's greedy text, the
+    cycles the training forward predicts are the cycles the loop runs at a
+    fixed block, up to where a whole block no longer fits the row."""
+    from dflash_mlx.benchmark import run_dflash
+    from dflash_mlx.generate import encode_prompt
+    from dflash_mlx.pair import DEFAULT_TARGET, default_prompts, load_pair
+
+    model, tokenizer, draft, _ = load_pair(DEFAULT_TARGET)
+    prompt = default_prompts()[0]
+    run = run_dflash(model, draft, tokenizer, prompt, 96, draft.block_size)
+    ids = encode_prompt(tokenizer, prompt).tolist()
+    row = np.array(ids + run["tokens"], np.int32)
+    written = np.arange(len(row)) >= len(ids)
+    taps, _ = T.target_pass(draft.target, mx.array(row[None]), draft.config.target_layer_ids)
+    got = T.held_out_cycles(draft, draft.target, [row], [written], [taps], chunk=16)
+    assert max(run["committed"]) > 3  # the pair's drafter agrees: the check has cycles of many lengths
+    assert got == run["committed"][: len(got)], (got, run["committed"])
+    assert len(ids) + sum(got) > len(row) - draft.block_size  # it stops only where no whole block fits
