@@ -557,6 +557,9 @@ RECHECK_BUDGET = 0.01
 RECHECK_STEPS = PLAIN_PRIOR + 3
 # Plain steps between two reconsiderations of a plain spell (see BlockSizer.choose).
 REVISIT = 8
+# Plain cycles before the first probe, and before the next one while
+# drafting looks faster (see BlockSizer.observe); failed probes double it.
+PROBE_WAIT = 4
 
 
 class BlockSizer:
@@ -586,7 +589,7 @@ class BlockSizer:
         self.ranks = RankAcceptance()
         # The longest probe (see the module's docstring for how long each is).
         self.probe_block = max_block if probe_block is None else min(probe_block, max_block)
-        self.patience = 4  # plain cycles before the next probe; doubles on each failed probe
+        self.patience = PROBE_WAIT  # plain cycles before the next probe; doubles on each failed probe
         self.plain_run = 0
         self.chosen: Dict[int, int] = {}
         # By cap, the bound on T(n) and T(n) itself at the acceptance of the
@@ -604,9 +607,15 @@ class BlockSizer:
     def begin(self, trees: bool = False) -> None:
         """Start a generation (``trees``: whether it may verify draft trees):
         a new histogram, the rest carried over (what the acceptance and the
-        costs have shown so far still holds)."""
+        costs have shown so far still holds), but for the wait before the
+        next probe. A new prompt may suit the drafter where the last one did
+        not, so its first probe comes within ``PROBE_WAIT`` plain cycles, as
+        the first one ever does, and a failed one leaves the wait where it
+        was; the plain steps that ended the last generation (too few tokens
+        left to draft) are no spell of this one."""
         self.chosen = {}
         self.trees = trees
+        self.plain_run = max(0, self.patience - PROBE_WAIT)
 
     def choose(self, remaining: int):
         """Block length or :class:`TreeChoice` for the next cycle, never
@@ -716,7 +725,7 @@ class BlockSizer:
         switch back to plain decoding after it)."""
         costs = self.costs.upto(probe)
         plain, probing = costs[0], costs[-1] + self.costs.switch
-        return max(4, math.ceil((probing - plain) / (PROBE_BUDGET * plain)))
+        return max(PROBE_WAIT, math.ceil((probing - plain) / (PROBE_BUDGET * plain)))
 
     def recheck_interval(self, best_rate: float) -> float:
         """Seconds of drafting before the plain step's cost is measured
@@ -761,7 +770,7 @@ class BlockSizer:
         # A probe succeeds when it had tokens accepted and drafting now looks
         # faster than plain decoding: then the next plain cycle probes again.
         # After a drafting cycle the sizer chose, while drafting still looks
-        # faster, the next probe is 4 plain cycles away, should the sizer
+        # faster, the next probe is PROBE_WAIT plain cycles away, should the sizer
         # stop drafting. After any other drafting cycle the next probe waits
         # twice as long: a drafter whose tokens are accepted now and then,
         # but too rarely to pay, is neither probed every other cycle nor,
@@ -770,6 +779,6 @@ class BlockSizer:
         if probe and accepted and self.drafting_pays():
             self.patience = 1
         elif not probe and self.drafting_pays():
-            self.patience = 4
+            self.patience = PROBE_WAIT
         else:
-            self.patience = min(max(self.patience, 4) * 2, self.longest_wait(block if isinstance(block, int) else self.probe_block))
+            self.patience = min(max(self.patience, PROBE_WAIT) * 2, self.longest_wait(block if isinstance(block, int) else self.probe_block))

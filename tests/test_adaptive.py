@@ -11,7 +11,7 @@ import pytest
 from tiny import ScriptedDrafter, ScriptedSizer, prompt_of
 
 import dflash_mlx
-from dflash_mlx.adaptive import PROBE_BUDGET, RECHECK_BUDGET, REVISIT, BlockSizer, CycleCosts, SlotAcceptance
+from dflash_mlx.adaptive import PROBE_BUDGET, PROBE_WAIT, RECHECK_BUDGET, REVISIT, BlockSizer, CycleCosts, SlotAcceptance
 from dflash_mlx.calibration import calibrate
 from dflash_mlx.errors import ArgumentError
 from dflash_mlx.generate import prefill
@@ -764,3 +764,31 @@ def test_a_plain_spell_is_reconsidered_every_few_steps_not_every_step():
         if turned is None and sizer.drafting_pays():
             turned = i  # from here on drafting pays at the estimates
     assert turned is not None and max(chosen[turned + 1 : turned + 2 + REVISIT]) > 1
+
+
+def test_a_new_generation_probes_soon_and_a_failed_probe_keeps_the_wait():
+    """A prompt the drafter suits, after one it did not: the first probe
+    comes within PROBE_WAIT plain steps, not after the wait the failures
+    built up; if it fails too, the wait stays where it was."""
+    sizer = BlockSizer(16, CycleCosts(LINEAR))
+    run(sizer, 0.0, 400, np.random.default_rng(0))  # never agrees: probes backed off
+    wait = sizer.patience
+    assert wait > 8 * PROBE_WAIT
+    sizer.begin()
+    plain = 0
+    while (block := sizer.choose(10_000)) == 1:
+        sizer.observe(1, 0, 1.0)
+        plain += 1
+    assert plain <= PROBE_WAIT
+    sizer.observe(block, 0, 2.4)
+    assert sizer.patience == wait
+
+
+def test_plain_steps_that_end_a_generation_are_no_spell_of_the_next():
+    sizer = BlockSizer(16, CycleCosts(LINEAR))
+    run(sizer, 0.9, 100, np.random.default_rng(0))  # drafting pays (and no recheck is due yet)
+    assert sizer.patience == PROBE_WAIT
+    assert sizer.choose(1) == 1  # one token left: a plain step, whatever pays
+    sizer.observe(1, 0, 1.0)
+    sizer.begin()
+    assert sizer.choose(10_000) > 1
