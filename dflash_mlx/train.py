@@ -176,9 +176,10 @@ class TrainConfig:
     # The learning curve.
     eval_data: Optional[str] = option(
         None,
-        "2-D .npy of held-out rows (the target's greedy answers, never trained on): at the start and at every "
-        "checkpoint, the tokens a greedy verify cycle at the whole block would commit on them",
+        "2-D .npy of held-out rows (the target's greedy answers, never trained on): at the start, every "
+        "--eval-every steps and at the end, the tokens a greedy verify cycle at the whole block would commit on them",
     )
+    eval_every: int = option(500, "with --eval-data: the learning curve's step between two points", type=cli.positive_int)
     eval_answer_mask: Optional[str] = option(
         None, "booleans shaped like --eval-data, true on the tokens the target wrote (default: every token after the first)"
     )
@@ -984,7 +985,6 @@ def train(args: TrainConfig) -> dict:
             bar.write(f"step {step}: {per_cycle:.3f} tokens per cycle on the held-out rows ({cycles} cycles)")
 
     def save():
-        evaluate()
         state["rng"] = rng.bit_generator.state
         write_checkpoint(out, config, draft, optimizer, state, DTYPES[args.dtype])
 
@@ -1000,6 +1000,8 @@ def train(args: TrainConfig) -> dict:
         state["history"].append(record)
         state["step"] = step + 1
         bar.set_postfix(loss=f"{record[0]:.3f}", acc1=f"{record[1]:.3f}", acc=f"{record[2]:.3f}", tau=f"{record[3]:.2f}")
+        if state["step"] % args.eval_every == 0 or state["step"] == args.steps:
+            evaluate()
         if state["step"] % args.save_every == 0 or state["step"] == args.steps:
             state["train_seconds"] += time.perf_counter() - tic
             tic = time.perf_counter()

@@ -177,11 +177,11 @@ def test_data_targets_npy_and_bf16_checkpoint(qwen3_pair, corpus, tmp_path):
     written = np.arange(100) >= np.array([[30], [0]])  # a prompt of 30 tokens, then a whole row of answer
     np.save(tmp_path / "written.npy", written)
     argv = small_run(pair, tmp_path / "tokens.npy", out, "--steps", "3", "--targets", "data",
-                     "--dtype", "bfloat16", "--taps", "1,2", "--num-layers", "1", "--save-every", "2",
+                     "--dtype", "bfloat16", "--taps", "1,2", "--num-layers", "1", "--eval-every", "2",
                      "--eval-data", str(tmp_path / "held_out.npy"), "--eval-answer-mask", str(tmp_path / "written.npy"))  # fmt: skip
     assert train_cli(argv) == 0
     curve = json.loads((out / T.STATE_DIR / "training_state.json").read_text())["eval"]
-    assert [step for step, _, _ in curve] == [0, 2, 3]  # the start, then every checkpoint
+    assert [step for step, _, _ in curve] == [0, 2, 3]  # the start, every --eval-every steps, the end
     # cycles from anchor 30 (row 0) and 1 (row 1) to where a block of 8 no longer fits (anchor 92)
     assert all(1 <= per_cycle <= 8 and per_cycle * cycles >= (92 - 30) + (92 - 1) for _, per_cycle, cycles in curve)
     assert all(v.dtype == mx.bfloat16 for v in mx.load(str(out / "model.safetensors")).values())
