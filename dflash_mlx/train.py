@@ -917,11 +917,10 @@ def restore(out: Path, run: dict, draft, optimizer, rng) -> dict:
     return saved
 
 
-def train(args: TrainConfig) -> dict:
-    """Run (or, with ``resume``, continue) the training run ``args`` describes;
-    returns its state (step, loss history, training seconds)."""
-    check_args(args)
-    model, adapter, docs, data, answers = prepare(args)
+def new_drafter(args: TrainConfig, model, adapter, docs, answers):
+    """``(config, drafter)`` the run starts from: the config for the target
+    (with its draft vocabulary, the ids most frequent in the answers), the
+    weights seeded, the target's last layers, or a checkpoint's."""
     config = draft_config_for_target(
         adapter.args,
         num_layers=args.num_layers,
@@ -930,11 +929,9 @@ def train(args: TrainConfig) -> dict:
         mask_token_id=args.mask_token_id,
         intermediate_size=args.intermediate_size,
     )
-    vocab_ids = None
     if args.draft_vocab is not None:
         mask_docs = None if answers is None else np.split(answers, np.cumsum([len(d) for d in docs[:-1]]))
-        vocab_ids = frequent_tokens(docs, args.draft_vocab, adapter.vocab_size, mask_docs)
-        config["dflash_config"]["draft_vocab"] = vocab_ids
+        config["dflash_config"]["draft_vocab"] = frequent_tokens(docs, args.draft_vocab, adapter.vocab_size, mask_docs)
     mx.random.seed(args.seed)  # drafter initialisation
     draft = DFlashDraftModel(DFlashConfig.from_hf(config))
     draft.bind(model)
@@ -942,6 +939,16 @@ def train(args: TrainConfig) -> dict:
         init_from_target_layers(draft, adapter)
     if args.init_from is not None:
         init_weights(draft, Path(args.init_from))
+    return config, draft
+
+
+def train(args: TrainConfig) -> dict:
+    """Run (or, with ``resume``, continue) the training run ``args`` describes;
+    returns its state (step, loss history, training seconds)."""
+    check_args(args)
+    model, adapter, docs, data, answers = prepare(args)
+    config, draft = new_drafter(args, model, adapter, docs, answers)
+    vocab_ids = config["dflash_config"].get("draft_vocab")
     optimizer = optim.AdamW(learning_rate=lr_at(0, args.steps, args.learning_rate, args.warmup), weight_decay=args.weight_decay)
     optimizer.init(draft.trainable_parameters())
     rng = np.random.default_rng(args.seed)
