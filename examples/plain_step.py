@@ -10,6 +10,7 @@ by tens of percent from run to run, so one run's ratio says little.
     python examples/plain_step.py --json plain_step.json
     python examples/plain_step.py --pairs default --max-tokens 32 --repeats 1   # a quick check
     python examples/plain_step.py --switching                # what a switch costs
+    python examples/plain_step.py --lockstep 32              # both decoders in turns of 32 tokens
 
 Pairs: ``default`` (the bundled pair), ``smollm2`` (prepared on first use;
 ``--slow-repeats`` rounds, it decodes slowly on a CPU), and tiny random
@@ -26,9 +27,11 @@ steady cycles (:func:`switching`).
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from never_slower import alternate
@@ -73,6 +76,57 @@ def measure(model, draft, tokenizer, prompt, max_tokens: int, repeats: int) -> d
     out = alternate(runners, repeats, warm_up)
     out["ratio"] = out["plain_tps"] / out["mlx_lm_tps"]
     return out
+
+
+def lockstep(model, draft, tokenizer, prompt, max_tokens: int, chunk: int, repeats: int) -> dict:
+    """mlx-lm's decode and the plain step, one generation each at a time,
+    advanced in turns of ``chunk`` tokens, the order of each pair of turns
+    alternating; each decoder's seconds summed over its turns (the first,
+    which holds the prefill, left out). A slow spell of the machine lasts
+    many turns, so it falls on both alike, where whole runs in turn can each
+    meet a different one. ``repeats`` such generations: per decoder the
+    median tok/s, and the median of the generations' own ratios."""
+    from mlx_lm import stream_generate as mlx_lm_stream_generate
+
+    def mlx_lm_tokens():
+        for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+            if r.finish_reason != "stop":
+                yield r.token
+
+    def plain_tokens():
+        for r in dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=1):
+            yield from r.tokens
+
+    compile_block_lengths(draft, encode_prompt(tokenizer, prompt), 1)
+    rounds = []
+    for _ in range(repeats + 1):  # the first one untimed
+        live = {"mlx_lm": mlx_lm_tokens(), "plain": plain_tokens()}
+        tokens = {name: [] for name in live}
+        seconds = {name: 0.0 for name in live}
+        timed = {name: 0 for name in live}
+        for turn in itertools.count():
+            order = list(live) if turn % 2 == 0 else list(live)[::-1]
+            for name in order:
+                tic = time.perf_counter()
+                got = list(itertools.islice(live[name], chunk))
+                if turn > 0:
+                    seconds[name] += time.perf_counter() - tic
+                    timed[name] += len(got)
+                tokens[name] += got
+            if all(len(t) >= max_tokens for t in tokens.values()) or not got:
+                break
+        tps = {name: timed[name] / seconds[name] for name in live}
+        rounds.append({**tps, "identical": tokens["plain"] == tokens["mlx_lm"], "tokens": len(tokens["mlx_lm"])})
+    rounds = rounds[1:]
+    return {
+        "mlx_lm_tps": statistics.median(r["mlx_lm"] for r in rounds),
+        "plain_tps": statistics.median(r["plain"] for r in rounds),
+        "paired_ratio": statistics.median(r["plain"] / r["mlx_lm"] for r in rounds),
+        "identical": all(r["identical"] for r in rounds),
+        "tokens": rounds[0]["tokens"],
+        "rounds": repeats,
+        "chunk": chunk,
+    }
 
 
 class Alternating:
@@ -143,6 +197,8 @@ def main():
     p.add_argument("--slow-repeats", type=int, default=2, help="timed rounds for smollm2")
     p.add_argument("--switching", action="store_true", help="measure what a switch between drafting and plain cycles costs")
     p.add_argument("--run", type=int, default=8, help="with --switching: cycles of each kind in a row")
+    p.add_argument("--lockstep", type=int, default=0, metavar="CHUNK",
+                   help="advance the two decoders in turns of CHUNK tokens within one generation each (see lockstep)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.switching:
@@ -164,6 +220,13 @@ def main():
                         model, tokenizer, draft, _ = load_pair(named or DEFAULT_TARGET)
                         prompt = build_prompt(tokenizer, default_prompt(named))
                     repeats = args.slow_repeats if name == "smollm2" else args.repeats
+                    if args.lockstep:
+                        r = lockstep(model, draft, tokenizer, prompt, max_tokens, args.lockstep, repeats)
+                        results[f"{name}@{max_tokens}"] = r
+                        print(f"{name:8s} {max_tokens:5d} tokens, {repeats} lockstep generations: mlx-lm "
+                              f"{r['mlx_lm_tps']:7.1f} tok/s, plain step {r['plain_tps']:7.1f} tok/s (medians); "
+                              f"paired {r['paired_ratio']:.2f}x; identical: {r['identical']}", flush=True)
+                        continue
                     r = measure(model, draft, tokenizer, prompt, max_tokens, repeats)
                     results[f"{name}@{max_tokens}"] = r
                     print(f"{name:8s} {max_tokens:5d} tokens, {repeats} rounds: mlx-lm {r['mlx_lm_tps']:7.1f} tok/s, "
