@@ -40,7 +40,9 @@ names a run directory of its own for one setting against another.
 The card reports the whole build's wall time, across interrupted sessions:
 each distillation shard and the training state keep their own seconds, and
 the short stages add theirs to a ``times.json``: the work directory's for
-the requests, the run directory's for a data set's rows and measure.
+the requests, the run directory's for a data set's rows and measure. A
+build that continues from another drafter (--init-from) also carries that
+drafter's data, training and wall time, as its card gave them.
 """
 
 import argparse
@@ -169,6 +171,14 @@ def eval_rows_file(args) -> Path:
     return Path(args.work_dir) / f"rows-heldout-{args.seq_len}.npy"
 
 
+def started_from(args) -> Path:
+    """The card of the drafter a run continues from (``--init-from``),
+    copied when its training starts: the install may overwrite that
+    drafter, and the new card carries what it was built from and how long
+    that took."""
+    return run_dir(args).with_name(run_dir(args).name + "-started-from.md")
+
+
 def train_argv(args, target: str, mask_id: int) -> list:
     work = Path(args.work_dir)
     name = data_name(args) + ("-approx" if args.fast_target else "")  # the tap cache's key differs
@@ -272,6 +282,9 @@ def stage_train(args):
     mask_id = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(MASK_TOKEN)
     argv = train_argv(args, target, mask_id)
     resume = ["--resume"] if (run_dir(args) / "training_state").exists() else []
+    earlier = Path(args.init_from or "").expanduser() / "README.md"
+    if args.init_from and not resume and earlier.is_file():
+        shutil.copy(earlier, started_from(args))
     if cli.run(dflash_train.main, argv + resume) != 0:
         raise SystemExit("drafter training failed")
 
@@ -364,6 +377,10 @@ def write_card(out: Path, state: dict, times: dict, accept: dict, args):
         points = ", ".join(f"{step}: {per_cycle}" for step, per_cycle, _ in state["eval"])
         curve = (f"| learning curve: tokens per cycle by step ({EVAL_REQUESTS} other held-out requests' greedy answers, "
                  f"fixed block {cfg['block_size']}, predicted by the training forward) | {points} |\n")
+    if started_from(args).is_file():  # the earlier drafter's data, training and time, as its card gave them
+        kept = [line for line in started_from(args).read_text().splitlines()
+                if line.startswith(("| data |", "| training |", "| wall time"))]  # fmt: skip
+        curve += "".join("| started from: " + line[2:] + "\n" for line in kept)
     card = f"""# DFlash drafter for SmolLM2-135M-Instruct (dflash_mlx smollm2 pair)
 
 Drafts {cfg['block_size']}-token blocks for SmolLM2-135M-Instruct (the Q4_1 GGUF of the
@@ -382,7 +399,7 @@ mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_conf
 | target taps | {cfg['dflash_config']['target_layer_ids']} of {cfg['num_target_layers']} |
 | mask token | `{MASK_TOKEN}` = {cfg['dflash_config']['mask_token_id']} |
 | weights | bfloat16, {size / 1e6:.1f} MB (embedding and LM head are the target's); run in the target's dtype |
-| data | the target's greedy answers to the training requests of `recipes/smollm2_requests.py` (held-out topics excluded), {shards}, {SHARD_SIZE} requests each,, packed into {rows} rows of {args.seq_len} tokens |
+| data | the target's greedy answers to the training requests of `recipes/smollm2_requests.py` (held-out topics excluded), {shards}, {SHARD_SIZE} requests each, packed into {rows} rows of {args.seq_len} tokens |
 | training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row{' (inside answers)' if args.answer_anchors else ''}, loss on slots 1-{args.loss_slots or cfg['block_size'] - 1}, peak lr {args.lr}; target with {'approximate' if args.fast_target else 'exact'} softmax / SiLU for answers and taps, drafter trained with {'approximate' if args.fast_softmax else 'exact'} softmax / logsumexp |
 | last 20 steps (training rows) | loss {mean[0]}, slot-1 accuracy {mean[1]}, mean slot accuracy {mean[2]}, accepted length per anchor {mean[3]} (per anchor, not per cycle: easy stretches weigh more than in decoding) |
 | tokens per cycle by answer position ({accept['prompts']} held-out requests, {accept['max_tokens']} new tokens, greedy, fixed block {cfg['block_size']}) | {by_position} |

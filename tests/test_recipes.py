@@ -153,6 +153,8 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
     (run / "training_state" / "training_state.json").write_text(json.dumps(state))
     (run / "times.json").write_text(json.dumps({"rows": 1800.0, "measure": 360.0, "train": 9.0}))
     (run / "acceptance.json").write_text(json.dumps({"0-64": 2.5, "all": 2.5, "prompts": 3, "max_tokens": 64}))
+    earlier = "| field | value |\n| --- | --- |\n| data | 19 shards |\n| layers | 2 |\n| wall time (hours) | {'train': 0.05} |\n"
+    (work / "drafter_run-64-s2-started-from.md").write_text(earlier)  # the train stage's copy (--init-from)
     smollm2_drafter.main(argv)
     shipped = mx.load(str(pkg / "draft" / "model.safetensors"))
     trained = mx.load(str(run / "model.safetensors"))
@@ -164,6 +166,8 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
     assert "'requests': 0.01" in card and "'measure': 0.1" in card
     assert "(3 held-out requests, 64 new tokens, greedy, fixed block 4) | {'0-64': 2.5, 'all': 2.5} |" in card
     assert "fixed block 4, predicted by the training forward) | 0: 1.5, 4: 1.75 |" in card  # the learning curve
-    assert "2 distillation shards (0-1), 128 requests each" in card and "3 rows of 64 tokens" in card and "bfloat16" in card
+    assert "| started from: data | 19 shards |" in card and "| started from: wall time (hours) | {'train': 0.05} |" in card
+    assert "started from: layers" not in card
+    assert "2 distillation shards (0-1), 128 requests each, packed into 3 rows" in card and "3 rows of 64 tokens" in card and "bfloat16" in card
     assert json.loads((pkg / "draft" / "config.json").read_text()) == json.loads((run / "config.json").read_text())
     assert "install" not in json.loads((run / "times.json").read_text())  # only the card's stages are timed
