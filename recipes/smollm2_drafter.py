@@ -137,6 +137,16 @@ def data_name(args) -> str:
     return f"{args.seq_len}-s{n}"
 
 
+def data_shard_count(args) -> int:
+    """How many shards the data set of :func:`data_name` holds."""
+    return int(data_name(args).rsplit("-s", 1)[1])
+
+
+def data_shards(args) -> list:
+    """The shard files of that data set, the first made in the distillation's order."""
+    return ordered_shards(Path(args.work_dir) / "distill", DEFER, data_shard_count(args))
+
+
 def run_dir(args) -> Path:
     variant = f"-{args.variant}" if args.variant else ""
     return Path(args.work_dir) / f"drafter_run-{data_name(args)}{variant}"
@@ -259,13 +269,13 @@ def stage_export(args):
 def stage_rows(args):
     import smollm2_rows
 
-    work, name = Path(args.work_dir), data_name(args)
-    wanted, made = int(name.rsplit("-s", 1)[1]), len(ordered_shards(work / "distill", DEFER))
+    work, wanted = Path(args.work_dir), data_shard_count(args)
+    made = len(data_shards(args))
     if made < wanted:
         raise SystemExit(f"error: {made} of the {wanted} shards asked for are made: run --stage distill first")
     common = ["--seq-len", str(args.seq_len), "--max-tokens", str(DISTILL_MAX_TOKENS), "--end-ids", end_of_turn()]
     smollm2_rows.main(
-        ["--shards", str(work / "distill"), "--out", str(rows_file(args)), "--max-shards", name.rsplit("-s", 1)[1],
+        ["--shards", str(work / "distill"), "--out", str(rows_file(args)), "--max-shards", str(wanted),
          "--defer", f"{DEFER.start}:{DEFER.stop}", *common]  # fmt: skip
     )
     smollm2_rows.main(["--shards", str(work / "heldout-distill"), "--out", str(eval_rows_file(args)), *common])
@@ -340,13 +350,10 @@ def stage_install(args):
 
 def build_times(args, state: dict) -> dict:
     """Wall seconds per stage of the data and drafter the card describes."""
-    work = Path(args.work_dir)
-    n_shards = int(data_name(args).rsplit("-s", 1)[1])
-    shards = ordered_shards(work / "distill", DEFER, n_shards)
     files = {stage: times_file(args, stage) for stage in TIMED_STAGES}
     recorded = {path: json.loads(path.read_text()) if path.exists() else {} for path in set(files.values())}
     times = {stage: recorded[path].get(stage, 0.0) for stage, path in files.items()}
-    return {**times, "distill": sum(map(shard_seconds, shards)), "train": state["train_seconds"]}
+    return {**times, "distill": sum(map(shard_seconds, data_shards(args))), "train": state["train_seconds"]}
 
 
 def shard_list(paths) -> str:
@@ -368,7 +375,7 @@ def write_card(out: Path, state: dict, times: dict, accept: dict, args):
     hours = {k: round(v / 3600, 2) for k, v in times.items()}
     name = data_name(args)
     rows = len(np.load(Path(args.work_dir) / f"rows-{name}.npy", mmap_mode="r"))
-    shards = shard_list(ordered_shards(Path(args.work_dir) / "distill", DEFER, int(name.rsplit("-s", 1)[1])))
+    shards = shard_list(data_shards(args))
     by_position = {k: v for k, v in accept.items() if k not in ("prompts", "max_tokens")}
     init = ", initialised from the target's last layers" if args.init_from_target else ""
     init += f", started from the drafter at {args.init_from}" if args.init_from else ""
