@@ -590,6 +590,7 @@ class BlockSizer:
         # The longest probe (see the module's docstring for how long each is).
         self.probe_block = max_block if probe_block is None else min(probe_block, max_block)
         self.patience = PROBE_WAIT  # plain cycles before the next probe; doubles on each failed probe
+        self.drafting_net = 0.0  # seconds drafting has saved over plain decoding, less what it lost
         self.plain_run = 0
         self.chosen: Dict[int, int] = {}
         # By cap, the bound on T(n) and T(n) itself at the acceptance of the
@@ -607,15 +608,19 @@ class BlockSizer:
     def begin(self, trees: bool = False) -> None:
         """Start a generation (``trees``: whether it may verify draft trees):
         a new histogram, the rest carried over (what the acceptance and the
-        costs have shown so far still holds), but for the wait before the
-        next probe. A new prompt may suit the drafter where the last one did
-        not, so its first probe comes within ``PROBE_WAIT`` plain cycles, as
-        the first one ever does, and a failed one leaves the wait where it
-        was; the plain steps that ended the last generation (too few tokens
-        left to draft) are no spell of this one."""
+        costs have shown so far still holds). A new prompt may suit the
+        drafter where the last one did not: where drafting has paid so far
+        (``drafting_net``), the first probe comes within ``PROBE_WAIT``
+        plain cycles, as the first one ever does, a failed one leaving the
+        wait where it was, and the plain steps that ended the last
+        generation (too few tokens left to draft) are no spell of this one.
+        Where it has not, the wait carries over, so a drafter that never
+        agrees is probed at ``PROBE_BUDGET``'s pace however short the
+        generations, not once more in each."""
         self.chosen = {}
         self.trees = trees
-        self.plain_run = max(0, self.patience - PROBE_WAIT)
+        if self.drafting_net > 0:
+            self.plain_run = max(0, self.patience - PROBE_WAIT)
 
     def choose(self, remaining: int):
         """Block length or :class:`TreeChoice` for the next cycle, never
@@ -776,9 +781,11 @@ class BlockSizer:
         # but too rarely to pay, is neither probed every other cycle nor,
         # after the sizer drafted on the strength of one lucky cycle,
         # probed from 4 plain cycles anew.
+        self.drafting_net += (1 + accepted) * self.costs.upto(1)[0] - seconds
         if probe and accepted and self.drafting_pays():
             self.patience = 1
         elif not probe and self.drafting_pays():
             self.patience = PROBE_WAIT
         else:
+            self.drafting_net -= self.costs.switch  # back to plain decoding
             self.patience = min(max(self.patience, PROBE_WAIT) * 2, self.longest_wait(block if isinstance(block, int) else self.probe_block))

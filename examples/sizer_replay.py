@@ -5,6 +5,7 @@ happened to be while it made them.
     python examples/sizer_replay.py                    # bundled pair, `import os`, 2,048 tokens
     python examples/sizer_replay.py --prompt-index 1   # a held-out prompt instead
     python examples/sizer_replay.py --slow 1.8         # with slow spells of the machine
+    python examples/sizer_replay.py --bench 24         # the bench's prompts in turn, 128 tokens each
 
 The bundled pair only: its costs are measured by ``plain_step.py``'s scripted sizer.
 
@@ -24,7 +25,10 @@ spells of a few hundred cycles.
 Then the loop's choices are replayed, cycle by cycle, for the default
 :class:`BlockSizer` (adaptive), the fixed trained block and plain decoding,
 each over ``--seeds`` seeds of the jitter: seconds per token against plain
-decoding's, the drafting cycles and the spells of them.
+decoding's, the drafting cycles and the spells of them. With ``--bench N``
+one sizer goes through the first N bench prompts in turn, as the bench's
+own loop does (what it learnt on one prompt carries over to the next), and
+the worst prompt's time is reported too.
 """
 
 import argparse
@@ -71,6 +75,7 @@ def replay(sizer, accepted, cost, switch: float, rng, noise: float, slow: float)
     plain step's successor is chosen before the step is read."""
     n, seconds, drafting, spells, after_drafting, slowed = 0, 0.0, 0, 0, False, False
     total = len(accepted)
+    sizer.begin()
     choice = sizer.choose(total)
     while n < total:
         if rng.random() < 1 / 300:  # a slow spell starts or ends
@@ -100,29 +105,43 @@ def replay(sizer, accepted, cost, switch: float, rng, noise: float, slow: float)
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-index", type=int, default=None, help="a held-out prompt of the bundled pair (default: `import os`)")
-    p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--switch-ms", type=float, default=None, help="a switch's cost over two plain steps (default: measured)")
+    p.add_argument("--bench", type=int, default=0, help="replay the first N bench prompts in turn instead")
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens (default: 2,048; 128 with --bench)")
+    p.add_argument("--costs-ms", type=float, nargs=4, default=None, metavar=("PLAIN", "DRAFT", "ROW", "SWITCH"),
+                   help="the loop's costs instead of measuring them, as the first run prints them: a plain step, a "
+                        "whole block's drafting cycle, what each row fewer saves, a switch (to compare sizers at equal costs)")
     p.add_argument("--noise", type=float, default=0.1, help="log-normal jitter of each cycle's seconds")
     p.add_argument("--slow", type=float, default=1.0, help="how much slower the machine runs in its slow spells")
     p.add_argument("--seeds", type=int, default=8)
     args = p.parse_args(argv)
     model, tokenizer, draft, _ = load_pair(DEFAULT_TARGET)
-    prompt = WALK_PROMPT if args.prompt_index is None else default_prompts()[args.prompt_index]
-    tokens = run_autoregressive(model, tokenizer, prompt, args.max_tokens)["tokens"]
-    ids = encode_prompt(tokenizer, prompt)
+    if args.bench:
+        prompts = default_prompts()[: args.bench]
+    else:
+        prompts = [WALK_PROMPT if args.prompt_index is None else default_prompts()[args.prompt_index]]
+    max_tokens = args.max_tokens or (128 if args.bench else 2048)
     block = draft.block_size
-    accepted = accepted_everywhere(model, draft, ids.tolist(), tokens, block)
-    loop = switching(repeats=2, max_tokens=600, run=8)
-    forwards = time_forwards(model, draft, ids, block)
-    plain, full = loop["plain_steady_ms"], loop["draft_steady_ms"]
-    row = (forwards[f"target_{block}"] - forwards["target_1"]) / (block - 1)
-    switch = loop["plain_run_extra_ms"] + loop["draft_run_extra_ms"] if args.switch_ms is None else args.switch_ms
+    generations = []  # per prompt, the tokens a drafted block commits at each position, less one
+    for prompt in prompts:
+        tokens = run_autoregressive(model, tokenizer, prompt, max_tokens)["tokens"]
+        ids = encode_prompt(tokenizer, prompt)
+        generations.append(accepted_everywhere(model, draft, ids.tolist(), tokens, block))
+    if args.costs_ms:
+        plain, full, row, switch = args.costs_ms
+    else:
+        loop = switching(repeats=2, max_tokens=600, run=8)
+        forwards = time_forwards(model, draft, encode_prompt(tokenizer, prompts[0]), block)
+        plain, full = loop["plain_steady_ms"], loop["draft_steady_ms"]
+        row = (forwards[f"target_{block}"] - forwards["target_1"]) / (block - 1)
+        switch = loop["plain_run_extra_ms"] + loop["draft_run_extra_ms"]
 
     def cost(b):  # seconds of a cycle verifying b rows
         return (plain if b == 1 else full - row * (block - b)) / 1e3
 
     table = {b: cost(b) for b in (1, 2, block)}
-    print(f"{len(tokens)} tokens; a drafted block at every position commits {np.mean(accepted) + 1:.2f} tokens on average")
+    everywhere = [a for accepted in generations for a in accepted]
+    print(f"{len(prompts)} prompt(s), {len(everywhere)} tokens; a drafted block at every position commits "
+          f"{np.mean(everywhere) + 1:.2f} tokens on average")
     print(f"the loop's costs (ms): plain step {plain:.2f}, drafting cycle of {block} {full:.2f} "
           f"(each row fewer {row:.2f} less), switch {switch:.2f}")
     policies = {
@@ -130,15 +149,20 @@ def main(argv=None):
         f"fixed block {block}": lambda: BlockSizer(block, CycleCosts(dict(table)), fixed=True),
         "adaptive": lambda: BlockSizer(block, CycleCosts(dict(table))),
     }
-    results = {}
+    results = {}  # per policy and prompt, the means over seeds of (seconds a token, drafting cycles, spells)
     for name, make in policies.items():
-        runs = [replay(make(), accepted, cost, switch / 1e3, np.random.default_rng(s), args.noise, args.slow)
-                for s in range(args.seeds)]
-        results[name] = [float(np.mean(column)) for column in zip(*runs)]
-    base = results["plain decoding"][0]
-    for name, (per_token, drafting, spells) in results.items():
-        print(f"{name:16s} {per_token / base:.3f} of plain decoding's time a token, "
-              f"{drafting:.0f} drafting cycles in {spells:.0f} spells")
+        runs = []
+        for seed in range(args.seeds):
+            sizer, rng = make(), np.random.default_rng(seed)
+            runs.append([replay(sizer, accepted, cost, switch / 1e3, rng, args.noise, args.slow) for accepted in generations])
+        results[name] = np.mean(np.array(runs), axis=0)
+    weights = np.array([len(accepted) for accepted in generations], float)
+    base = results["plain decoding"][:, 0]
+    for name, by_prompt in results.items():
+        ratio = by_prompt[:, 0] / base
+        worst = f" (worst prompt {ratio.max():.3f})" if len(prompts) > 1 else ""
+        print(f"{name:16s} {np.average(ratio, weights=weights):.3f} of plain decoding's time a token{worst}, "
+              f"{by_prompt[:, 1].sum():.0f} drafting cycles in {by_prompt[:, 2].sum():.0f} spells")
 
 
 if __name__ == "__main__":

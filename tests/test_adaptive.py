@@ -766,22 +766,45 @@ def test_a_plain_spell_is_reconsidered_every_few_steps_not_every_step():
     assert turned is not None and max(chosen[turned + 1 : turned + 2 + REVISIT]) > 1
 
 
-def test_a_new_generation_probes_soon_and_a_failed_probe_keeps_the_wait():
+def test_a_new_generation_probes_soon_once_the_drafter_has_paid():
     """A prompt the drafter suits, after one it did not: the first probe
     comes within PROBE_WAIT plain steps, not after the wait the failures
     built up; if it fails too, the wait stays where it was."""
     sizer = BlockSizer(16, CycleCosts(LINEAR))
-    run(sizer, 0.0, 400, np.random.default_rng(0))  # never agrees: probes backed off
+    rng = np.random.default_rng(0)
+    run(sizer, 0.9, 200, rng)  # drafting pays, and saves time
+    run(sizer, 0.0, 400, rng)  # then the drafter never agrees: probes backed off
     wait = sizer.patience
-    assert wait > 8 * PROBE_WAIT
+    assert wait > 8 * PROBE_WAIT and sizer.drafting_net > 0
     sizer.begin()
     plain = 0
     while (block := sizer.choose(10_000)) == 1:
         sizer.observe(1, 0, 1.0)
         plain += 1
     assert plain <= PROBE_WAIT
-    sizer.observe(block, 0, 2.4)
+    sizer.observe(block, 0, float(np.interp(block, list(LINEAR), list(LINEAR.values()))))
     assert sizer.patience == wait
+
+
+def test_a_drafter_that_never_agrees_costs_its_budget_however_short_the_generations():
+    """Generations of 32 tokens with a drafter that never agrees: drafting
+    has never paid, so the wait between probes carries over from one
+    generation to the next, and probing costs PROBE_BUDGET of the plain
+    decoding time, not a probe a generation (about 1.6% here)."""
+    sizer = BlockSizer(16, CycleCosts(LINEAR))
+    rng = np.random.default_rng(0)
+    seconds = tokens = 0.0
+    for generation in range(60):
+        sizer.begin()
+        n = 0
+        while n < 32:
+            b = sizer.choose(32 - n)
+            took = float(np.interp(b, list(LINEAR), list(LINEAR.values())))
+            sizer.observe(b, 0, took)
+            n += 1
+            if generation >= 10:  # after the first ones, which learn that it never agrees
+                seconds, tokens = seconds + took, tokens + 1
+    assert seconds / tokens - 1 <= 1.2 * PROBE_BUDGET, seconds / tokens
 
 
 def test_plain_steps_that_end_a_generation_are_no_spell_of_the_next():
