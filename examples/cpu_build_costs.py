@@ -1,6 +1,7 @@
 """What building a better SmolLM2 drafter costs on this machine, lever by
 lever: the target's tap pass over a training row (and where a layer's time
-goes), the target's batched answers, and one drafter training step.
+goes), the target's batched answers (and what a decode step's attention over
+their KV cache costs), and one drafter training step.
 
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
     python examples/cpu_build_costs.py                      # before: every lever off
@@ -128,6 +129,24 @@ def distillation(model, tokenizer, args, prompts):
         n = sum(len(t) for t in out)
         print(f"batch_generate, {batch} training requests x {args.answer_tokens} tokens: "
               f"{n / (time.perf_counter() - tic):.0f} answer tokens/s")  # fmt: skip
+        decode_attention(model, batch, args.repeats)
+
+
+def decode_attention(model, batch: int, repeats: int):
+    """What a decode step's attention costs at ``batch`` answers over
+    contexts of 128-768 positions: each step reads every layer's whole
+    float32 KV cache, so its rate in GB/s and the answer tokens/s it
+    allows (attention alone) follow the memory system, not the arithmetic."""
+    cfg = model.args
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    q = mx.random.normal((batch, H, 1, D))
+    for context in (128, 256, 512, 768):
+        k, v = mx.random.normal((batch, Hkv, context, D)), mx.random.normal((batch, Hkv, context, D))
+        dt = seconds(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5), max(repeats, 10))
+        step = dt * cfg.num_hidden_layers
+        print(f"  decode attention, batch {batch}, {context} positions: {dt * 1e3:.2f} ms a layer, its KV cache read at "
+              f"{(k.nbytes + v.nbytes) / dt / 1e9:.1f} GB/s; {step * 1e3:.0f} ms a step, at most {batch / step:.0f} "
+              f"answer tokens/s from attention alone")  # fmt: skip
 
 
 def check_answers(model, tokenizer, args, prompts):
