@@ -1,7 +1,8 @@
 """What building a better SmolLM2 drafter costs on this machine, lever by
 lever: the target's tap pass over a training row (and where a layer's time
 goes), the target's batched answers (and what a decode step's attention over
-their KV cache costs), and one drafter training step.
+their KV cache costs), one drafter training step, and what a deeper drafter
+costs each verify cycle.
 
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
     python examples/cpu_build_costs.py                      # before: every lever off
@@ -13,7 +14,7 @@ The levers: ``--fast-target`` (the data stages' approximate softmax / SiLU,
 ``--tap-batch`` (rows per tap pass), ``--approximate-softmax`` (the
 training step's softmax and logsumexp), ``--draft-vocab`` (the drafter head over
 K ids), ``--loss-slots`` / ``--anchors`` (positions the head and loss see),
-``--layers``. ``--check N`` compares N greedy answers of the target as the
+``--layers`` (``--depths``: the drafter depths whose cycle cost is priced). ``--check N`` compares N greedy answers of the target as the
 data stages run it with mlx-lm's exact ones and says how many differ and
 where. Rows and requests come from the recipe's run state when it exists,
 else random tokens and the recipe's seeded requests (a new machine).
@@ -149,6 +150,35 @@ def decode_attention(model, batch: int, repeats: int):
               f"answer tokens/s from attention alone")  # fmt: skip
 
 
+def drafter_depths(model, tokenizer, args, prompts):
+    """A deeper drafter's cost in the loop: its forward (one block, over the
+    context of a few chat prompts, about 300 positions) at each of
+    ``--depths`` layers, plus a 16-row verify (the median of the verifies
+    timed beside them), and the tokens per cycle each depth must commit,
+    as a multiple of ``--layers``' own, to be as fast at block 16."""
+    from dflash_mlx.benchmark import time_forwards
+
+    adapter, context = adapter_for(model), []
+    for prompt in prompts:
+        context += prompt
+        if len(context) >= 300:
+            break
+    drafting, verify = {}, []
+    for layers in sorted({*args.depths, args.layers}):
+        cfg = draft_config_for_target(adapter.args, num_layers=layers, block_size=BLOCK, target_layer_ids=taps_of(adapter),
+                                      mask_token_id=0)  # fmt: skip
+        draft = DFlashDraftModel(DFlashConfig.from_hf(cfg))
+        draft.bind(model)
+        ms = time_forwards(model, draft, mx.array(context), BLOCK, repeats=max(args.repeats, 10))
+        drafting[layers] = ms["drafter"]
+        verify.append(ms[f"target_{BLOCK}"])
+    verify = statistics.median(verify)
+    for layers, ms in drafting.items():
+        print(f"drafter of {layers} layers over {len(context)} positions: {ms:.1f} ms a block; a cycle at block {BLOCK} "
+              f"(with a {verify:.1f} ms verify) {ms + verify:.1f} ms: it must commit "
+              f"{(ms + verify) / (drafting[args.layers] + verify):.2f}x the tokens per cycle of {args.layers} layers")  # fmt: skip
+
+
 def check_answers(model, tokenizer, args, prompts):
     """How many of the data stages' greedy answers differ from mlx-lm's, and where."""
     exact, _ = load(target_path(args))
@@ -218,7 +248,9 @@ def main():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--approximate-softmax", action="store_true", help="the training step's approximate softmax / logsumexp")
     p.add_argument("--check", type=int, default=0, help="compare N greedy answers with mlx-lm's exact ones")
-    p.add_argument("--only", nargs="+", choices=("taps", "distill", "train"), default=("taps", "distill", "train"))
+    p.add_argument("--depths", type=int, nargs="+", default=[2, 3, 4, 5], help="drafter layers the depth stage prices")
+    p.add_argument("--only", nargs="+", choices=("taps", "distill", "train", "depth"),
+                   default=("taps", "distill", "train", "depth"))
     args = p.parse_args()
     model, tokenizer = load(target_path(args))
     if args.fast_target:
@@ -233,6 +265,8 @@ def main():
         check_answers(model, tokenizer, args, prompts)
     if "train" in args.only:
         training_step(model, args)
+    if "depth" in args.only:
+        drafter_depths(model, tokenizer, args, prompts)
 
 
 if __name__ == "__main__":
