@@ -47,6 +47,8 @@ drafter's data, training and wall time, as its card gave them.
 
 import argparse
 import json
+import math
+import re
 import shutil
 import sys
 import time
@@ -86,6 +88,9 @@ DEFER = range(6, 18)
 # the last of the held-out set, whose first ones the bench and the measure
 # stage decode.
 EVAL_REQUESTS = 16
+# The pair's goal (the issue that asked for this build): tokens per cycle on
+# held-out requests at block 16, which the learning curve's trend is read against.
+GOAL_PER_CYCLE = 3.0
 
 
 def end_of_turn() -> str:
@@ -297,6 +302,9 @@ def stage_train(args):
         shutil.copy(earlier, started_from(args))
     if cli.run(dflash_train.main, argv + resume) != 0:
         raise SystemExit("drafter training failed")
+    state = json.loads((run_dir(args) / "training_state" / "training_state.json").read_text())
+    if state.get("eval"):
+        print("learning curve (tokens per cycle by step):", learning_curve(state, args, len(np.load(rows_file(args), mmap_mode="r"))))
 
 
 def stage_measure(args):
@@ -367,6 +375,48 @@ def shard_list(paths) -> str:
     return f"{len(paths)} distillation shards (" + ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans) + ")"
 
 
+def earlier_steps(args) -> int:
+    """Training steps of the drafter this run continued from (its card), or 0."""
+    if not started_from(args).is_file():
+        return 0
+    found = re.search(r"^\| training \| ([\d,]+) steps", started_from(args).read_text(), re.M)
+    return int(found.group(1).replace(",", "")) if found else 0
+
+
+def steps_trend(points, earlier: int):
+    """What the learning curve's points ``[step, tokens per cycle, cycles]``
+    say more steps would give: tokens per cycle gained per doubling of the
+    drafter's steps (``earlier``: those before this run), fitted by least
+    squares against log2 of the steps over the points after this run's first
+    (which its warm-up has not reached), and the steps at which that line
+    reaches GOAL_PER_CYCLE (None where it does not rise). A line in log
+    steps is a rough law, read as a trend, not a promise; None with fewer
+    than three points."""
+    kept = [(math.log2(earlier + step), per_cycle) for step, per_cycle, _ in points if step > 0]
+    if len(kept) < 3:
+        return None
+    slope, intercept = np.polyfit(*zip(*kept), 1)
+    return float(slope), (int(2 ** ((GOAL_PER_CYCLE - intercept) / slope)) if slope > 0 else None)
+
+
+def learning_curve(state: dict, args, rows: int) -> str:
+    """The card's learning curve: tokens per cycle by step, with the
+    conversations seen by then (rows of ``args.batch_size``, each holding
+    the data set's conversations over its ``rows`` on average), and the
+    trend in steps."""
+    per_row = data_shard_count(args) * SHARD_SIZE / rows
+    points = ", ".join(f"{step} ({round(step * args.batch_size * per_row):,} conversations): {per_cycle}"
+                       for step, per_cycle, _ in state["eval"])  # fmt: skip
+    line = f"{points}"
+    trend = steps_trend(state["eval"], earlier_steps(args))
+    if trend is not None:
+        per_doubling, goal = trend
+        line += (f"; fitted against log2 of all the drafter's steps ({earlier_steps(args)} before this run): "
+                 f"{per_doubling:+.3f} tokens per cycle a doubling, "
+                 + (f"{GOAL_PER_CYCLE} at about {goal:,} steps at that rate" if goal else "not rising"))  # fmt: skip
+    return line
+
+
 def write_card(out: Path, state: dict, times: dict, accept: dict, args):
     cfg = json.loads((out / "config.json").read_text())
     size = (out / "model.safetensors").stat().st_size
@@ -381,9 +431,8 @@ def write_card(out: Path, state: dict, times: dict, accept: dict, args):
     init += f", started from the drafter at {args.init_from}" if args.init_from else ""
     curve = ""
     if state.get("eval"):  # mlx-dflash train --eval-data: [step, tokens per cycle, cycles]
-        points = ", ".join(f"{step}: {per_cycle}" for step, per_cycle, _ in state["eval"])
         curve = (f"| learning curve: tokens per cycle by step ({EVAL_REQUESTS} other held-out requests' greedy answers, "
-                 f"fixed block {cfg['block_size']}, predicted by the training forward) | {points} |\n")
+                 f"fixed block {cfg['block_size']}, predicted by the training forward) | {learning_curve(state, args, rows)} |\n")
     if started_from(args).is_file():  # the earlier drafter's data, training and time, as its card gave them
         kept = [line for line in started_from(args).read_text().splitlines()
                 if line.startswith(("| data |", "| training |", "| wall time"))]  # fmt: skip

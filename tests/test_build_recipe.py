@@ -156,6 +156,28 @@ def test_levers_reach_the_training_command(tmp_path):
     assert cmd[cmd.index("--init-from") + 1] == str(tmp_path / "shipped") and "--draft-vocab" not in cmd
 
 
+def test_the_learning_curve_reads_its_trend_in_doublings_of_steps(tmp_path):
+    """Points on a line in log2 of all the drafter's steps (2,000 before the
+    run, from the card it continued from) give that line's slope and the
+    steps where it reaches the goal; the first point (the warm-up's) is left
+    out of the fit, a falling curve reaches nothing, and three points are
+    needed."""
+    work = tmp_path / "work"
+    work.mkdir()
+    np.save(work / "rows-64-s2.npy", np.zeros((4, 64), np.int32))
+    args = smollm2_drafter.parser().parse_args(["--work-dir", str(work), "--seq-len", "64", "--max-shards", "2"])
+    smollm2_drafter.started_from(args).write_text("| training | 2,000 steps, batch 8, 16 anchors per row |\n")
+    assert smollm2_drafter.earlier_steps(args) == 2000
+    line = [[s, round(1.5 + 0.1 * np.log2(2000 + s), 6), 100] for s in (500, 1000, 1500, 2000)]
+    slope, goal = smollm2_drafter.steps_trend([[0, 0.9, 100]] + line, 2000)
+    assert slope == pytest.approx(0.1, abs=1e-4) and goal == pytest.approx(2**15, rel=1e-3)
+    assert smollm2_drafter.steps_trend([[s, 2.0 - 0.01 * i, 9] for i, s in enumerate((500, 1000, 1500))], 0)[1] is None
+    assert smollm2_drafter.steps_trend(line[:2], 2000) is None
+    card = smollm2_drafter.learning_curve({"eval": line}, args, rows=4)
+    # 2 shards of 128 conversations in 4 rows: 64 a row, 8 rows a step
+    assert card.startswith(f"500 ({500 * 8 * 64:,} conversations): {line[0][1]}") and "+0.100 tokens per cycle a doubling" in card
+
+
 def test_exported_shards_seed_a_new_machine(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     old, new = tmp_path / "old", tmp_path / "new"

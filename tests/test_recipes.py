@@ -165,7 +165,8 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
     assert "'distill': 0.04" in card and "'train': 2.0" in card and "'rows': 0.5" in card
     assert "'requests': 0.01" in card and "'measure': 0.1" in card
     assert "(3 held-out requests, 64 new tokens, greedy, fixed block 4) | {'0-64': 2.5, 'all': 2.5} |" in card
-    assert "fixed block 4, predicted by the training forward) | 0: 1.5, 4: 1.75 |" in card  # the learning curve
+    # the learning curve, with the conversations seen: 4 steps of 8 rows, 2 x 128 conversations in 3 rows
+    assert "fixed block 4, predicted by the training forward) | 0 (0 conversations): 1.5, 4 (2,731 conversations): 1.75 |" in card
     assert "| started from: data | 19 shards |" in card and "| started from: wall time (hours) | {'train': 0.05} |" in card
     assert "started from: layers" not in card
     assert "2 distillation shards (0-1), 128 requests each, packed into 3 rows" in card and "3 rows of 64 tokens" in card and "bfloat16" in card
