@@ -160,16 +160,17 @@ def runs_of(cycles):
     return out
 
 
-def switching(repeats: int, max_tokens: int, run: int) -> dict:
-    """What a switch costs on the bundled pair, pooled over ``repeats``
+def switching(repeats: int, max_tokens: int, run: int, model_path=DEFAULT_TARGET) -> dict:
+    """What a switch costs on a pair (the bundled one, or a pair name such as
+    ``smollm2``, on its first held-out prompt), pooled over ``repeats``
     generations after an untimed one. A run's first and last cycles carry
     the switch (a plain step queues the next one before its host read, so
     a run's first plain step also waits for its second and its last one
     for nothing): the steady cost of a kind is the median of the cycles
     inside its runs, and a run's extra is its seconds less as many steady
     cycles. Medians in ms, runs of each kind counted."""
-    model, tokenizer, draft, _ = load_pair(DEFAULT_TARGET)
-    prompt = build_prompt(tokenizer, default_prompt(None))
+    model, tokenizer, draft, _ = load_pair(model_path)
+    prompt = build_prompt(tokenizer, default_prompt(model_path))
     compile_block_lengths(draft, encode_prompt(tokenizer, prompt), draft.block_size)
     runs = []
     for i in range(repeats + 1):

@@ -6,8 +6,11 @@ happened to be while it made them.
     python examples/sizer_replay.py --prompt-index 1   # a held-out prompt instead
     python examples/sizer_replay.py --slow 1.8         # with slow spells of the machine
     python examples/sizer_replay.py --bench 24         # the bench's prompts in turn, 128 tokens each
+    python examples/sizer_replay.py --model smollm2 --bench 8 --max-tokens 256   # a named pair's held-out requests
 
-The bundled pair only: its costs are measured by ``plain_step.py``'s scripted sizer.
+The bundled pair by default, or a named pair (``--model smollm2``) on its
+held-out requests; the costs are measured by ``plain_step.py``'s scripted
+sizer on that pair.
 
 First the greedy generation (mlx-lm's), and at every position of it how many
 tokens of a whole drafted block the target accepts there: the drafter runs
@@ -46,7 +49,7 @@ from dflash_mlx.cache import bound_target
 from dflash_mlx.defaults import DEFAULT_TARGET
 from dflash_mlx.generate import accept_greedy, encode_prompt, prefill
 from dflash_mlx.models.dflash import masked_block
-from dflash_mlx.pair import default_prompts, load_pair
+from dflash_mlx.pair import benchmark_prompts, load_pair
 
 
 def accepted_everywhere(model, draft, prompt_ids, tokens, block: int):
@@ -104,7 +107,9 @@ def replay(sizer, accepted, cost, switch: float, rng, noise: float, slow: float)
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompt-index", type=int, default=None, help="a held-out prompt of the bundled pair (default: `import os`)")
+    p.add_argument("--model", default=None, help="a named pair, such as smollm2 (default: the bundled pair)")
+    p.add_argument("--prompt-index", type=int, default=None,
+                   help="a held-out prompt of the pair (default: the bundled pair's `import os`, a named pair's first)")
     p.add_argument("--bench", type=int, default=0, help="replay the first N bench prompts in turn instead")
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens (default: 2,048; 128 with --bench)")
     p.add_argument("--costs-ms", type=float, nargs=4, default=None, metavar=("PLAIN", "DRAFT", "ROW", "SWITCH"),
@@ -114,11 +119,15 @@ def main(argv=None):
     p.add_argument("--slow", type=float, default=1.0, help="how much slower the machine runs in its slow spells")
     p.add_argument("--seeds", type=int, default=8)
     args = p.parse_args(argv)
-    model, tokenizer, draft, _ = load_pair(DEFAULT_TARGET)
+    pair = args.model or DEFAULT_TARGET
+    model, tokenizer, draft, _ = load_pair(pair)
+    held_out = benchmark_prompts(pair, tokenizer)
     if args.bench:
-        prompts = default_prompts()[: args.bench]
+        prompts = held_out[: args.bench]
+    elif args.prompt_index is None and args.model is None:
+        prompts = [WALK_PROMPT]
     else:
-        prompts = [WALK_PROMPT if args.prompt_index is None else default_prompts()[args.prompt_index]]
+        prompts = [held_out[args.prompt_index or 0]]
     max_tokens = args.max_tokens or (128 if args.bench else 2048)
     block = draft.block_size
     generations = []  # per prompt, the tokens a drafted block commits at each position, less one
@@ -129,7 +138,7 @@ def main(argv=None):
     if args.costs_ms:
         plain, full, row, switch = args.costs_ms
     else:
-        loop = switching(repeats=2, max_tokens=600, run=8)
+        loop = switching(repeats=2, max_tokens=600, run=8, model_path=pair)
         forwards = time_forwards(model, draft, encode_prompt(tokenizer, prompts[0]), block)
         plain, full = loop["plain_steady_ms"], loop["draft_steady_ms"]
         row = (forwards[f"target_{block}"] - forwards["target_1"]) / (block - 1)
