@@ -614,12 +614,12 @@ class BlockSizer:
         plain cycles, as the first one ever does, a failed one leaving the
         wait where it was, and the plain steps that ended the last
         generation (too few tokens left to draft) are no spell of this one.
-        Where it has not, the wait carries over, so a drafter that never
-        agrees is probed at ``PROBE_BUDGET``'s pace however short the
-        generations, not once more in each."""
+        Where it has not and probing has backed off, the wait carries over,
+        so a drafter that never agrees is probed at ``PROBE_BUDGET``'s pace
+        however short the generations, not once more in each."""
         self.chosen = {}
         self.trees = trees
-        if self.drafting_net > 0:
+        if self.drafting_net > 0 or self.patience <= PROBE_WAIT:
             self.plain_run = max(0, self.patience - PROBE_WAIT)
 
     def choose(self, remaining: int):

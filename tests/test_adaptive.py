@@ -807,10 +807,14 @@ def test_a_drafter_that_never_agrees_costs_its_budget_however_short_the_generati
     assert seconds / tokens - 1 <= 1.2 * PROBE_BUDGET, seconds / tokens
 
 
-def test_plain_steps_that_end_a_generation_are_no_spell_of_the_next():
+@pytest.mark.parametrize("paid", [True, False])
+def test_plain_steps_that_end_a_generation_are_no_spell_of_the_next(paid):
+    """Whether or not drafting has paid on the whole so far (``drafting_net``)."""
     sizer = BlockSizer(16, CycleCosts(LINEAR))
     run(sizer, 0.9, 100, np.random.default_rng(0))  # drafting pays (and no recheck is due yet)
-    assert sizer.patience == PROBE_WAIT
+    assert sizer.patience == PROBE_WAIT and sizer.drafting_net > 0
+    if not paid:
+        sizer.drafting_net = -1.0  # as after a start where drafting lost more than it has saved since
     assert sizer.choose(1) == 1  # one token left: a plain step, whatever pays
     sizer.observe(1, 0, 1.0)
     sizer.begin()
