@@ -170,7 +170,8 @@ class TrainConfig:
     init_from: Optional[str] = option(
         None,
         "start from this drafter's weights (a checkpoint of the same shape, e.g. an earlier run's "
-        "--draft-model) instead of a random initialisation; a fresh schedule and optimizer",
+        "--draft-model, or with fewer layers: the added ones start adding nothing) instead of a random "
+        "initialisation; a fresh schedule and optimizer",
     )
     dtype: str = option("float32", "dtype of the saved model.safetensors (training is float32)", choices=tuple(DTYPES))
     # The learning curve.
@@ -713,23 +714,47 @@ def read_state(out: Path):
     return state, arrays
 
 
+# A drafter layer's outputs into the residual stream: zero, the layer adds nothing.
+RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+RESIDUAL_BIASES = ("self_attn.o_proj.bias",)  # with attention_bias
+
+
 def init_weights(draft: DFlashDraftModel, path: Path) -> None:
     """Copy the weights of the drafter at ``path``, which must have
     ``draft``'s configuration (loaded, and its files checked, by
     ``load_draft``), its draft vocabulary aside: the head is the target's,
     so no weight depends on which ids it scores, and a drafter trained over
-    the whole vocabulary can continue over the most frequent ids."""
+    the whole vocabulary can continue over the most frequent ids.
+
+    A run with more layers than that drafter grows it: its layers are the
+    first ones, and each added layer keeps its fresh initialisation but for
+    its outputs into the residual stream, set to zero, so the grown drafter
+    drafts exactly what the saved one does and training starts where that
+    one stopped, with the depth to use (zero-initialised residual branches,
+    as in Goyal et al. 2017, arXiv 1706.02677, and Net2Net's
+    function-preserving growth, arXiv 1511.05641)."""
     from .loading import check_weights, load_draft
 
     saved = load_draft(path, dtype=mx.float32)
+    kept, layers = saved.config.num_hidden_layers, draft.config.num_hidden_layers
     diff = [
         f"{k} {getattr(saved.config, k)!r} (run: {getattr(draft.config, k)!r})"
         for k in draft.config.__dataclass_fields__
-        if k != "draft_vocab" and getattr(saved.config, k) != getattr(draft.config, k)
+        if k not in ("draft_vocab", "num_hidden_layers", "layer_types") and getattr(saved.config, k) != getattr(draft.config, k)
     ]
+    if kept > layers:
+        diff.append(f"num_hidden_layers {kept} (run: {layers}; a run may add layers, not drop them)")
+    if saved.config.layer_types and list(saved.config.layer_types) != list(draft.config.layer_types or [])[:kept]:
+        diff.append(f"layer_types {saved.config.layer_types!r} (run: {draft.config.layer_types!r})")
     if diff:
         raise TrainError(f"--init-from {path} is a different drafter: {', '.join(diff)}")
     weights = dict(tree_flatten(saved.parameters()))
+    for j in range(kept, layers):
+        added = dict(tree_flatten(draft.layers[j].parameters()))
+        if not all(name in added for name in RESIDUAL_OUTPUTS):
+            raise TrainError(f"--init-from: layers of this drafter cannot be added ({', '.join(RESIDUAL_OUTPUTS)} needed)")
+        zeroed = RESIDUAL_OUTPUTS + RESIDUAL_BIASES
+        weights.update({f"layers.{j}.{k}": mx.zeros_like(v) if k in zeroed else v for k, v in added.items()})
     check_weights(draft, weights, path)  # e.g. a quantized checkpoint
     draft.load_weights(list(weights.items()), strict=True)
 

@@ -286,6 +286,28 @@ def test_init_from_starts_at_the_checkpoint(qwen3_pair, corpus, tmp_path, capsys
     assert "different drafter" in err and "num_hidden_layers" in err
 
 
+def test_init_from_a_shallower_drafter_grows_it_and_drafts_as_it_did(qwen3_pair, corpus, tmp_path):
+    """A run with more layers than the --init-from drafter: that drafter's
+    weights as they were, the added layer fresh but for its outputs into
+    the residual stream (zero), so at a zero learning rate the first loss is
+    the saved drafter's own on the same batch."""
+    pair = qwen3_pair
+    first = tmp_path / "first"
+    assert train_cli(small_run(pair, corpus, first, "--steps", "30")) == 0
+    losses = {}
+    for layers in (2, 3):
+        argv = small_run(pair, corpus, tmp_path / f"l{layers}", "--steps", "1", "--num-layers", str(layers),
+                         "--taps", "1,1", "--init-from", str(first))  # the first run's taps (by default they follow the depth)
+        argv[argv.index("--learning-rate") + 1] = "0"
+        assert train_cli(argv) == 0
+        losses[layers] = history(tmp_path / f"l{layers}")[0][0]
+    a, g = mx.load(str(first / "model.safetensors")), mx.load(str(tmp_path / "l3" / "model.safetensors"))
+    assert all(mx.array_equal(a[k], g[k]).item() for k in a) and "layers.2.mlp.down_proj.weight" in g
+    assert not mx.any(g["layers.2.self_attn.o_proj.weight"]).item() and not mx.any(g["layers.2.mlp.down_proj.weight"]).item()
+    assert mx.any(g["layers.2.self_attn.q_proj.weight"]).item()  # the rest of the layer is a fresh initialisation
+    assert losses[3] == pytest.approx(losses[2], rel=1e-5)
+
+
 def _no_mask_target(pair, root: Path) -> Path:
     path = root / "no_mask_target"
     shutil.copytree(pair.path, path)
