@@ -118,6 +118,7 @@ def main(argv=None):
     p.add_argument("--noise", type=float, default=0.1, help="log-normal jitter of each cycle's seconds")
     p.add_argument("--slow", type=float, default=1.0, help="how much slower the machine runs in its slow spells")
     p.add_argument("--seeds", type=int, default=8)
+    p.add_argument("--per-prompt", action="store_true", help="with --bench: each prompt's figures too")
     args = p.parse_args(argv)
     pair = args.model or DEFAULT_TARGET
     model, tokenizer, draft, _ = load_pair(pair)
@@ -172,6 +173,12 @@ def main(argv=None):
         worst = f" (worst prompt {ratio.max():.3f})" if len(prompts) > 1 else ""
         print(f"{name:16s} {np.average(ratio, weights=weights):.3f} of plain decoding's time a token{worst}, "
               f"{by_prompt[:, 1].sum():.0f} drafting cycles in {by_prompt[:, 2].sum():.0f} spells")
+        if args.per_prompt and len(prompts) > 1:
+            print("  by prompt (time a token / drafting cycles): "
+                  + " ".join(f"{i}:{r:.2f}/{d:.0f}" for i, (r, d) in enumerate(zip(ratio, by_prompt[:, 1]))))
+    if args.per_prompt and len(prompts) > 1:
+        print("  by prompt, tokens a drafted block commits on average: "
+              + " ".join(f"{i}:{np.mean(accepted) + 1:.1f}" for i, accepted in enumerate(generations)))
 
 
 if __name__ == "__main__":
