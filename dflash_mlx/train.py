@@ -717,6 +717,7 @@ def read_state(out: Path):
 # A drafter layer's outputs into the residual stream: zero, the layer adds nothing.
 RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 RESIDUAL_BIASES = ("self_attn.o_proj.bias",)  # with attention_bias
+ZEROED_IN_ADDED_LAYERS = RESIDUAL_OUTPUTS + RESIDUAL_BIASES
 
 
 def init_weights(draft: DFlashDraftModel, path: Path) -> None:
@@ -753,8 +754,7 @@ def init_weights(draft: DFlashDraftModel, path: Path) -> None:
         added = dict(tree_flatten(draft.layers[j].parameters()))
         if not all(name in added for name in RESIDUAL_OUTPUTS):
             raise TrainError(f"--init-from: layers of this drafter cannot be added ({', '.join(RESIDUAL_OUTPUTS)} needed)")
-        zeroed = RESIDUAL_OUTPUTS + RESIDUAL_BIASES
-        weights.update({f"layers.{j}.{k}": mx.zeros_like(v) if k in zeroed else v for k, v in added.items()})
+        weights.update({f"layers.{j}.{k}": mx.zeros_like(v) if k in ZEROED_IN_ADDED_LAYERS else v for k, v in added.items()})
     check_weights(draft, weights, path)  # e.g. a quantized checkpoint
     draft.load_weights(list(weights.items()), strict=True)
 

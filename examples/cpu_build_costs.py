@@ -150,7 +150,7 @@ def decode_attention(model, batch: int, repeats: int):
               f"answer tokens/s from attention alone")  # fmt: skip
 
 
-def drafter_depths(model, tokenizer, args, prompts):
+def drafter_depths(model, args, prompts):
     """A deeper drafter's cost in the loop: its forward (one block, over the
     context of a few chat prompts, about 300 positions) at each of
     ``--depths`` layers, plus a 16-row verify (the median of the verifies
@@ -266,7 +266,7 @@ def main():
     if "train" in args.only:
         training_step(model, args)
     if "depth" in args.only:
-        drafter_depths(model, tokenizer, args, prompts)
+        drafter_depths(model, args, prompts)
 
 
 if __name__ == "__main__":

@@ -407,11 +407,11 @@ def learning_curve(state: dict, args, rows: int) -> str:
     per_row = data_shard_count(args) * SHARD_SIZE / rows
     points = ", ".join(f"{step} ({round(step * args.batch_size * per_row):,} conversations): {per_cycle}"
                        for step, per_cycle, _ in state["eval"])  # fmt: skip
-    line = f"{points}"
-    trend = steps_trend(state["eval"], earlier_steps(args))
+    line, earlier = f"{points}", earlier_steps(args)
+    trend = steps_trend(state["eval"], earlier)
     if trend is not None:
         per_doubling, goal = trend
-        line += (f"; fitted against log2 of all the drafter's steps ({earlier_steps(args)} before this run): "
+        line += (f"; fitted against log2 of all the drafter's steps ({earlier} before this run): "
                  f"{per_doubling:+.3f} tokens per cycle a doubling, "
                  + (f"{GOAL_PER_CYCLE} at about {goal:,} steps at that rate" if goal else "not rising"))  # fmt: skip
     return line
