@@ -470,7 +470,9 @@ def init_from_target_layers(draft: DFlashDraftModel, adapter) -> None:
 
 
 def target_pass(adapter, tokens: mx.array, taps: Sequence[int]):
-    """Frozen target: tap states of every position and its greedy predictions."""
+    """Frozen target: tap states of every position and its greedy predictions
+    (lazy: a caller that evaluates only the taps never runs the layers past
+    the last tap nor the LM head)."""
     logits, tap_states = adapter.forward(
         tokens, adapter.make_cache(), taps=list(taps), last_logits_only=False, record=False
     )
@@ -601,7 +603,9 @@ class HeldOut:
 
 
 class TargetOutputs:
-    """The frozen target's taps and greedy predictions for a batch of windows.
+    """The frozen target's taps for a batch of windows, and its greedy
+    predictions where they are the labels (``--targets self-distill``; with
+    ``data`` they are None, and the target runs only up to its last tap).
 
     Without ``--cache-target`` the target runs on every batch. With it each
     row (a whole window) runs once: kept in memory, or with ``--cache-dir`` in
@@ -612,10 +616,12 @@ class TargetOutputs:
 
     def __init__(self, adapter, args, n_rows: int, width: int):
         self.adapter, self.taps_ids, self.seq_len = adapter, list(args.taps), args.seq_len
-        self.enabled = args.cache_target
+        self.enabled, self.greedy = args.cache_target, args.targets == "self-distill"
         if not self.enabled:
             return
-        shapes = {"taps": (n_rows, args.seq_len, width), "greedy": (n_rows, args.seq_len), "done": (n_rows,)}
+        shapes = {"taps": (n_rows, args.seq_len, width), "done": (n_rows,)}
+        if self.greedy:
+            shapes["greedy"] = (n_rows, args.seq_len)
         if args.cache_dir is None:
             dtypes = {"taps": np.float32, "greedy": np.int32, "done": np.bool_}
             self.arrays = {k: np.zeros(shape, dtypes[k]) for k, shape in shapes.items()}
@@ -628,12 +634,14 @@ class TargetOutputs:
         }  # fmt: skip
         if args.approximate_target:
             key["approximate_target"] = True
+        if not self.greedy:
+            key["greedy"] = False  # such a cache cannot serve self-distillation's labels
         meta = root / "cache.json"
         fresh = not meta.is_file()
         if not fresh and json.loads(meta.read_text()) != key:
             saved = json.loads(meta.read_text())
             diff = ", ".join(k for k in key if saved.get(k) != key[k])
-            raise TrainError(f"--cache-dir {root} holds the target outputs of other data ({diff} differ): choose another")
+            raise TrainError(f"--cache-dir {root} holds the target outputs of another run ({diff} differ): choose another directory")
         root.mkdir(parents=True, exist_ok=True)
         self.arrays = {
             k: np.lib.format.open_memmap(root / f"{k}.npy", "w+" if fresh else "r+", dtypes[k], shape)
@@ -644,7 +652,8 @@ class TargetOutputs:
 
     def __call__(self, starts: np.ndarray, windows: np.ndarray):
         if not self.enabled:
-            return target_pass(self.adapter, mx.array(windows), self.taps_ids)
+            taps, greedy = target_pass(self.adapter, mx.array(windows), self.taps_ids)
+            return taps, greedy if self.greedy else None
         rows = starts // self.seq_len  # each row is one window (checked in train)
         a = self.arrays
         new = sorted(set(rows[~a["done"][rows]].tolist()))
@@ -652,14 +661,16 @@ class TargetOutputs:
             pick = [int(np.flatnonzero(rows == r)[0]) for r in new]
             taps, greedy = target_pass(self.adapter, mx.array(windows[pick]), self.taps_ids)
             a["taps"][new] = np.array(taps.astype(mx.float32))
-            a["greedy"][new] = np.array(greedy)
-            for arr in (a["taps"], a["greedy"]):
-                if isinstance(arr, np.memmap):
-                    arr.flush()
+            if self.greedy:
+                a["greedy"][new] = np.array(greedy)
+            for name in ("taps", "greedy"):
+                if isinstance(a.get(name), np.memmap):
+                    a[name].flush()
             a["done"][new] = True
             if isinstance(a["done"], np.memmap):
                 a["done"].flush()
-        return mx.array(a["taps"][rows]).astype(mx.float32), mx.array(a["greedy"][rows])
+        greedy = mx.array(a["greedy"][rows]) if self.greedy else None
+        return mx.array(a["taps"][rows]).astype(mx.float32), greedy
 
 
 # ----------------------------------------------------------------- checkpoint
@@ -995,7 +1006,7 @@ def train(args: TrainConfig) -> dict:
         tokens = mx.array(windows)
         tap_states, greedy = target_outputs(starts, windows)
         blocks, positions = make_blocks(tokens, anchors, args.block_size, mask_id)
-        labels = slot_labels(tokens, greedy if args.targets == "self-distill" else None, anchors, args.block_size)
+        labels = slot_labels(tokens, greedy, anchors, args.block_size)
         labels = draft_labels(labels[..., :n_slots], vocab_ids, adapter.vocab_size)
         mask = context_mask(anchors, args.seq_len)
         (loss, metrics), grads = value_and_grad(

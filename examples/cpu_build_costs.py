@@ -101,9 +101,11 @@ def answers(model, tokenizer, prompts, batch: int, max_tokens: int) -> list:
 def tap_pass(model, args, rows):
     adapter = adapter_for(model)
     tokens = mx.array(rows)
-    dt = seconds(lambda: T.target_pass(adapter, tokens, taps_of(adapter)), args.repeats)
+    dt = seconds(lambda: T.target_pass(adapter, tokens, taps_of(adapter))[0], args.repeats)
+    labelled = seconds(lambda: T.target_pass(adapter, tokens, taps_of(adapter)), args.repeats)
     print(f"tap pass, {rows.shape[0]} row(s) of {rows.shape[1]} tokens: {dt:.2f} s "
-          f"({dt / rows.shape[0]:.2f} s a row, {rows.size / dt:.0f} tokens/s)")  # fmt: skip
+          f"({dt / rows.shape[0]:.2f} s a row, {rows.size / dt:.0f} tokens/s); with the target's greedy "
+          f"labels (--no-data-labels) {labelled / rows.shape[0]:.2f} s a row")  # fmt: skip
     cfg, layer, L = model.args, model.model.layers[0], rows.shape[1]
     h = mx.random.normal((1, L, cfg.hidden_size))
     H, D = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads

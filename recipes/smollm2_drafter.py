@@ -15,8 +15,8 @@ Stages (each resumable; run state lives in ~/.cache/dflash_mlx/smollm2/):
             (the first --max-shards in that order, or all finished ones;
             files are named by that count, so a run on part of the data
             stays separate)
-  train     ``mlx-dflash train`` on the rows (self-distillation), target
-            outputs cached on disk (--cache-dir), checkpoints every
+  train     ``mlx-dflash train`` on the rows (the target's own answers as
+            labels), target taps cached on disk (--cache-dir), checkpoints every
             --save-every steps, continued with --resume
   measure   tokens per verify cycle by answer position (0-256, 256-512,
             512-1024) on held-out requests, for the current checkpoint
@@ -31,6 +31,7 @@ The cheaper build's levers are flags with defaults: --fast-target
 (approximate softmax / SiLU in the target for distillation and the tap pass),
 --fast-softmax (approximate softmax / logsumexp in the drafter's training),
 --answer-anchors (anchors only where the next token is the target's),
+--data-labels (the rows' own next tokens as labels, no LM head in the tap pass),
 --draft-vocab K, --loss-slots N, --layers, --init-from-target, --init-from; --variant
 names a run directory of its own for one setting against another.
 
@@ -196,11 +197,12 @@ def started_from(args) -> Path:
 
 def train_argv(args, target: str, mask_id: int) -> list:
     work = Path(args.work_dir)
-    name = data_name(args) + ("-approx" if args.fast_target else "")  # the tap cache's key differs
+    # the tap cache's key differs with the target's arithmetic and the labels it keeps
+    name = data_name(args) + ("-approx" if args.fast_target else "") + ("" if args.data_labels else "-greedy")
     return [
         "--model", target, "--data", str(rows_file(args)), "--draft-model", str(run_dir(args)),
         "--block-size", str(BLOCK), "--taps", TAPS, "--mask-token-id", str(mask_id),
-        "--targets", "self-distill", "--steps", str(args.steps), "--learning-rate", str(args.lr),
+        "--targets", "data" if args.data_labels else "self-distill", "--steps", str(args.steps), "--learning-rate", str(args.lr),
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--anchors-per-seq", str(args.anchors),
         "--seed", str(args.seed), "--save-every", str(args.save_every), "--target-dtype", "float32",
         "--cache-target", "--cache-dir", str(work / f"target-outputs-{name}"), "--dtype", "float32",
@@ -456,7 +458,7 @@ mlx-dflash train {' '.join(train_argv(args, '<smollm2 target>', cfg['dflash_conf
 | mask token | `{MASK_TOKEN}` = {cfg['dflash_config']['mask_token_id']} |
 | weights | bfloat16, {size / 1e6:.1f} MB (embedding and LM head are the target's); run in the target's dtype |
 | data | the target's greedy answers to the training requests of `recipes/smollm2_requests.py` (held-out topics excluded), {shards}, {SHARD_SIZE} requests each, packed into {rows} rows of {args.seq_len} tokens |
-| training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row{' (inside answers)' if args.answer_anchors else ''}, loss on slots 1-{args.loss_slots or cfg['block_size'] - 1}, peak lr {args.lr}; target with {'approximate' if args.fast_target else 'exact'} softmax / SiLU for answers and taps, drafter trained with {'approximate' if args.fast_softmax else 'exact'} softmax / logsumexp |
+| training | {state['step']} steps, batch {args.batch_size}, {args.anchors} anchors per row{' (inside answers)' if args.answer_anchors else ''}, loss on slots 1-{args.loss_slots or cfg['block_size'] - 1}, labels {'the next data token' if args.data_labels else 'the target prediction'} per slot, peak lr {args.lr}; target with {'approximate' if args.fast_target else 'exact'} softmax / SiLU for answers and taps, drafter trained with {'approximate' if args.fast_softmax else 'exact'} softmax / logsumexp |
 | last 20 steps (training rows) | loss {mean[0]}, slot-1 accuracy {mean[1]}, mean slot accuracy {mean[2]}, accepted length per anchor {mean[3]} (per anchor, not per cycle: easy stretches weigh more than in decoding) |
 | tokens per cycle by answer position ({accept['prompts']} held-out requests, {accept['max_tokens']} new tokens, greedy, fixed block {cfg['block_size']}) | {by_position} |
 {curve}| wall time (hours, with any time the build was paused; built on {args.built_on}) | {hours} |
@@ -494,6 +496,9 @@ def parser():
                    help="approximate softmax / logsumexp in the drafter's training on the CPU")
     p.add_argument("--answer-anchors", action=argparse.BooleanOptionalAction, default=True,
                    help="anchors only where the next token is one the target wrote")
+    p.add_argument("--data-labels", action=argparse.BooleanOptionalAction, default=True,
+                   help="label each slot with the rows' own next token (the target's greedy answers) instead of the "
+                        "target's prediction at every position: the tap pass stops at the last tap, with no LM head")
     p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
                    help="the drafter's head over the K most frequent target tokens of the rows (FR-Spec; 0: the whole vocabulary)")
     p.add_argument("--loss-slots", type=int, default=None, help="train only slots 1..N of each block")

@@ -231,6 +231,24 @@ def test_disk_cache_of_target_outputs(qwen3_5_pair, corpus, tmp_path):
     assert train_cli(small_run(qwen3_5_pair, tmp_path / "rows.npy", tmp_path / "p", "--cache-dir", str(cache))) == 1
 
 
+def test_data_labels_cache_only_the_taps(qwen3_5_pair, corpus, tmp_path):
+    """With ``--targets data`` the cache holds taps and no greedy labels,
+    trains as the uncached run does, and is refused to self-distillation,
+    whose labels it lacks."""
+    ids = np.asarray(qwen3_5_pair.tokenizer.encode(corpus.read_text()[:2000]))
+    np.save(tmp_path / "rows.npy", ids[: 6 * 48].reshape(6, 48))
+    cache = tmp_path / "cache"
+    runs = {}
+    for name, extra in (("plain", []), ("disk", ["--cache-target", "--cache-dir", str(cache)])):
+        argv = small_run(qwen3_5_pair, tmp_path / "rows.npy", tmp_path / name, "--steps", "6", "--targets", "data", *extra)
+        assert train_cli(argv) == 0
+        runs[name] = np.array(history(tmp_path / name))
+    assert sorted(p.name for p in cache.glob("*.npy")) == ["done.npy", "taps.npy"]
+    assert np.abs(runs["disk"][:, 0] - runs["plain"][:, 0]).max() < 1e-2
+    argv = small_run(qwen3_5_pair, tmp_path / "rows.npy", tmp_path / "sd", "--cache-target", "--cache-dir", str(cache))
+    assert train_cli(argv) == 1
+
+
 def test_resume_equals_uninterrupted_run(qwen3_pair, corpus, tmp_path, monkeypatch, capsys):
     pair = qwen3_pair
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
