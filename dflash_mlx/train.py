@@ -602,6 +602,11 @@ class HeldOut:
         return [step, round(float(np.mean(committed)), 4) if committed else 0.0, len(committed)]
 
 
+# Rows a cache fill passes through the target at once: a pass over many rows
+# at once runs slower a row on a CPU, its activations outgrowing the caches.
+CACHE_PASS_ROWS = 4
+
+
 class TargetOutputs:
     """The frozen target's taps for a batch of windows, and its greedy
     predictions where they are the labels (``--targets self-distill``; with
@@ -657,12 +662,14 @@ class TargetOutputs:
         rows = starts // self.seq_len  # each row is one window (checked in train)
         a = self.arrays
         new = sorted(set(rows[~a["done"][rows]].tolist()))
-        if new:
-            pick = [int(np.flatnonzero(rows == r)[0]) for r in new]
+        for i in range(0, len(new), CACHE_PASS_ROWS):
+            part = new[i : i + CACHE_PASS_ROWS]
+            pick = [int(np.flatnonzero(rows == r)[0]) for r in part]
             taps, greedy = target_pass(self.adapter, mx.array(windows[pick]), self.taps_ids)
-            a["taps"][new] = np.array(taps.astype(mx.float32))
+            a["taps"][part] = np.array(taps.astype(mx.float32))
             if self.greedy:
-                a["greedy"][new] = np.array(greedy)
+                a["greedy"][part] = np.array(greedy)
+        if new:
             for name in ("taps", "greedy"):
                 if isinstance(a.get(name), np.memmap):
                     a[name].flush()

@@ -231,10 +231,11 @@ def test_disk_cache_of_target_outputs(qwen3_5_pair, corpus, tmp_path):
     assert train_cli(small_run(qwen3_5_pair, tmp_path / "rows.npy", tmp_path / "p", "--cache-dir", str(cache))) == 1
 
 
-def test_data_labels_cache_only_the_taps(qwen3_5_pair, corpus, tmp_path):
+def test_data_labels_cache_only_the_taps(qwen3_5_pair, corpus, tmp_path, monkeypatch):
     """With ``--targets data`` the cache holds taps and no greedy labels,
-    trains as the uncached run does, and is refused to self-distillation,
-    whose labels it lacks."""
+    trains as the uncached run does (filled a row a pass here), and is
+    refused to self-distillation, whose labels it lacks."""
+    monkeypatch.setattr(T, "CACHE_PASS_ROWS", 1)
     ids = np.asarray(qwen3_5_pair.tokenizer.encode(corpus.read_text()[:2000]))
     np.save(tmp_path / "rows.npy", ids[: 6 * 48].reshape(6, 48))
     cache = tmp_path / "cache"
