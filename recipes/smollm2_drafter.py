@@ -41,7 +41,7 @@ names a run directory of its own for one setting against another.
 The card reports the whole build's wall time, across interrupted sessions:
 each distillation shard and the training state keep their own seconds, and
 the short stages add theirs to a ``times.json``: the work directory's for
-the requests, the run directory's for a data set's rows and measure. A
+the requests, one beside the run directory for a data set's rows and measure. A
 build that continues from another drafter (--init-from) also carries that
 drafter's data, training and wall time, as its card gave them.
 """
@@ -123,8 +123,12 @@ def timed(path: Path, stage: str, fn):
 
 def times_file(args, stage: str) -> Path:
     """Where ``stage``'s wall time adds up: the work directory's for the
-    requests every data set shares, the run directory's for a data set's own."""
-    return (Path(args.work_dir) if stage in ("requests", "questions") else run_dir(args)) / "times.json"
+    requests every data set shares, one beside the run directory for a data
+    set's own (inside it, the rows' time would make the run directory look
+    like an earlier run's to ``mlx-dflash train``)."""
+    if stage in ("requests", "questions"):
+        return Path(args.work_dir) / "times.json"
+    return run_dir(args).with_name(run_dir(args).name + "-times.json")
 
 
 def data_name(args) -> str:

@@ -145,9 +145,12 @@ def test_levers_reach_the_training_command(tmp_path):
     assert cmd[cmd.index("--eval-data") + 1] == str(work / "rows-heldout-64.npy")  # the learning curve's rows
     assert cmd[cmd.index("--eval-answer-mask") + 1] == str(work / "rows-heldout-64-answers.npy")
     assert cmd[cmd.index("--draft-vocab") + 1] == str(smollm2_drafter.DRAFT_VOCAB)  # on by default
+    # the rows stage's seconds stay out of the run directory, which a new training run needs empty
+    assert smollm2_drafter.times_file(args, "rows").parent == work and "--targets" in cmd and cmd[cmd.index("--targets") + 1] == "data"
     cmd, args = argv("--no-fast-target", "--no-fast-softmax", "--no-answer-anchors", "--draft-vocab", "8192", "--loss-slots", "8",
-                     "--layers", "4", "--init-from-target", "--variant", "deep")  # fmt: skip
+                     "--layers", "4", "--init-from-target", "--variant", "deep", "--no-data-labels")  # fmt: skip
     assert not {"--approximate-target", "--approximate-softmax", "--answer-mask"} & set(cmd)
+    assert cmd[cmd.index("--targets") + 1] == "self-distill" and cmd[cmd.index("--cache-dir") + 1].endswith("target-outputs-64-s2-greedy")
     assert cmd[cmd.index("--draft-vocab") + 1] == "8192" and cmd[cmd.index("--loss-slots") + 1] == "8"
     assert cmd[cmd.index("--num-layers") + 1] == "4" and "--init-from-target" in cmd
     assert cmd[cmd.index("--draft-model") + 1] == str(work / "drafter_run-64-s2-deep")

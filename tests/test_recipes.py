@@ -139,7 +139,7 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
         rows = [rng.integers(0, 400, size=40).astype(np.int32) for _ in range(2)]
         smollm2_distill.write_shard(work / "distill" / f"shard-{i:05d}.npz", rows, [5, 5], seconds)
     np.save(work / "rows-64-s2.npy", np.zeros((3, 64), np.int32))
-    # Shared stages add up in the work directory, a data set's own in its run's.
+    # Shared stages add up in the work directory, a data set's own beside its run directory.
     (work / "times.json").write_text(json.dumps({"requests": 36.0, "rows": 99999.0}))
     argv = ["--stage", "install", "--work-dir", str(work), "--pkg-dir", str(pkg), "--max-shards", "2",
             "--seq-len", "64", "--steps", "4"]  # fmt: skip
@@ -151,7 +151,7 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
     state = {"step": 4, "train_seconds": 7200.0, "history": [[2.0, 0.5, 0.25, 1.5]] * 4,
              "eval": [[0, 1.5, 10], [4, 1.75, 8]]}  # fmt: skip
     (run / "training_state" / "training_state.json").write_text(json.dumps(state))
-    (run / "times.json").write_text(json.dumps({"rows": 1800.0, "measure": 360.0, "train": 9.0}))
+    (work / "drafter_run-64-s2-times.json").write_text(json.dumps({"rows": 1800.0, "measure": 360.0, "train": 9.0}))
     (run / "acceptance.json").write_text(json.dumps({"0-64": 2.5, "all": 2.5, "prompts": 3, "max_tokens": 64}))
     earlier = "| field | value |\n| --- | --- |\n| data | 19 shards |\n| layers | 2 |\n| wall time (hours) | {'train': 0.05} |\n"
     (work / "drafter_run-64-s2-started-from.md").write_text(earlier)  # the train stage's copy (--init-from)
@@ -171,4 +171,4 @@ def test_install_ships_a_bfloat16_drafter_with_its_card(tmp_path):
     assert "started from: layers" not in card
     assert "2 distillation shards (0-1), 128 requests each, packed into 3 rows" in card and "3 rows of 64 tokens" in card and "bfloat16" in card
     assert json.loads((pkg / "draft" / "config.json").read_text()) == json.loads((run / "config.json").read_text())
-    assert "install" not in json.loads((run / "times.json").read_text())  # only the card's stages are timed
+    assert "install" not in json.loads((work / "drafter_run-64-s2-times.json").read_text())  # only the card's stages are timed
