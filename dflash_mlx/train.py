@@ -184,6 +184,12 @@ class TrainConfig:
     eval_answer_mask: Optional[str] = option(
         None, "booleans shaped like --eval-data, true on the tokens the target wrote (default: every token after the first)"
     )
+    eval_train_rows: int = option(
+        0,
+        "with --eval-data: also score this many training rows (seeded) at each point; far above the held-out "
+        "rows, the drafter needs more varied data sooner than more steps",
+        type=cli.non_negative_int,
+    )
 
 
 # ------------------------------------------------------------------ the math
@@ -583,13 +589,29 @@ def read_eval(args: "TrainConfig"):
     return rows, written
 
 
+def training_sample(args: "TrainConfig", docs: List[np.ndarray], answers: Optional[np.ndarray]):
+    """``--eval-train-rows`` of the training documents (seeded apart from
+    the batches), each cut to ``--seq-len``, and their answer masks (default:
+    every token after the first), for the learning curve's training-row points."""
+    ends = np.cumsum([len(d) for d in docs])
+    fits = [i for i, d in enumerate(docs) if len(d) >= args.block_size + 2]
+    pick = np.random.default_rng([args.seed, 1]).choice(fits, min(args.eval_train_rows, len(fits)), replace=False)
+    rows, written = [], []
+    for i in sorted(pick):
+        n = min(len(docs[i]), args.seq_len)
+        rows.append(np.asarray(docs[i][:n]))
+        written.append(np.arange(n) >= 1 if answers is None else answers[ends[i] - len(docs[i]) :][:n])
+    return rows, written
+
+
 class HeldOut:
     """The learning curve (``--eval-data``): tokens per greedy cycle at the
-    whole block on held-out rows, at a step (:func:`held_out_cycles`). The
-    target's taps of the rows are computed once."""
+    whole block on ``rows`` (held-out ones, or a sample of the training
+    rows), at a step (:func:`held_out_cycles`). The target's taps of the
+    rows are computed once."""
 
-    def __init__(self, args: "TrainConfig", adapter):
-        self.rows, self.written = read_eval(args)
+    def __init__(self, rows, written, adapter, args: "TrainConfig"):
+        self.rows, self.written = rows, written
         self.adapter, self.tap_ids, self.fast = adapter, list(args.taps), args.approximate_softmax
         self.taps = None
 
@@ -870,6 +892,8 @@ def check_args(args: TrainConfig) -> None:
             raise TrainError(f"--answer-mask file not found: {args.answer_mask}")
     if args.eval_answer_mask is not None and args.eval_data is None:
         raise TrainError("--eval-answer-mask marks the tokens of --eval-data: pass --eval-data too")
+    if args.eval_train_rows and args.eval_data is None:
+        raise TrainError("--eval-train-rows adds training rows to the learning curve of --eval-data: pass --eval-data too")
     for flag, path in (("--eval-data", args.eval_data), ("--eval-answer-mask", args.eval_answer_mask)):
         if path is not None and not Path(path).is_file():
             raise TrainError(f"{flag} file not found: {path}")
@@ -1026,13 +1050,18 @@ def train(args: TrainConfig) -> dict:
     from tqdm import tqdm
 
     bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="drafter")
-    held_out = HeldOut(args, adapter) if args.eval_data else None
+    held_out = HeldOut(*read_eval(args), adapter, args) if args.eval_data else None
+    seen = HeldOut(*training_sample(args, docs, answers), adapter, args) if held_out and args.eval_train_rows else None
 
     def evaluate():
         if held_out is not None:
             step, per_cycle, cycles = record = held_out(draft, state["step"])
             state.setdefault("eval", []).append(record)
-            bar.write(f"step {step}: {per_cycle:.3f} tokens per cycle on the held-out rows ({cycles} cycles)")
+            line = f"step {step}: {per_cycle:.3f} tokens per cycle on the held-out rows ({cycles} cycles)"
+            if seen is not None:  # the same on rows it trains on: the gap says whether data or steps are short
+                state.setdefault("eval_train", []).append(seen(draft, step))
+                line += f", {state['eval_train'][-1][1]:.3f} on {len(seen.rows)} training rows"
+            bar.write(line)
 
     def save():
         state["rng"] = rng.bit_generator.state

@@ -89,6 +89,9 @@ DEFER = range(6, 18)
 # the last of the held-out set, whose first ones the bench and the measure
 # stage decode.
 EVAL_REQUESTS = 16
+# Training rows the learning curve also scores: far above the held-out rows,
+# more varied data would help sooner than more steps.
+EVAL_TRAIN_ROWS = 8
 # The pair's goal (the issue that asked for this build): tokens per cycle on
 # held-out requests at block 16, which the learning curve's trend is read against.
 GOAL_PER_CYCLE = 3.0
@@ -211,6 +214,7 @@ def train_argv(args, target: str, mask_id: int) -> list:
         "--seed", str(args.seed), "--save-every", str(args.save_every), "--target-dtype", "float32",
         "--cache-target", "--cache-dir", str(work / f"target-outputs-{name}"), "--dtype", "float32",
         "--eval-data", str(eval_rows_file(args)), "--eval-answer-mask", str(answers_path(eval_rows_file(args))),
+        "--eval-train-rows", str(EVAL_TRAIN_ROWS),
         *lever_argv(args),
     ]  # fmt: skip
 
@@ -420,6 +424,8 @@ def learning_curve(state: dict, args, rows: int) -> str:
         line += (f"; fitted against log2 of all the drafter's steps ({earlier} before this run): "
                  f"{per_doubling:+.3f} tokens per cycle a doubling, "
                  + (f"{GOAL_PER_CYCLE} at about {goal:,} steps at that rate" if goal else "not rising"))  # fmt: skip
+    if state.get("eval_train"):  # mlx-dflash train --eval-train-rows
+        line += f"; on {EVAL_TRAIN_ROWS} training rows: " + ", ".join(f"{step}: {per_cycle}" for step, per_cycle, _ in state["eval_train"])
     return line
 
 

@@ -144,6 +144,7 @@ def test_levers_reach_the_training_command(tmp_path):
     assert cmd[cmd.index("--cache-dir") + 1].endswith("target-outputs-64-s2-approx")
     assert cmd[cmd.index("--eval-data") + 1] == str(work / "rows-heldout-64.npy")  # the learning curve's rows
     assert cmd[cmd.index("--eval-answer-mask") + 1] == str(work / "rows-heldout-64-answers.npy")
+    assert cmd[cmd.index("--eval-train-rows") + 1] == str(smollm2_drafter.EVAL_TRAIN_ROWS)  # and some training rows
     assert cmd[cmd.index("--draft-vocab") + 1] == str(smollm2_drafter.DRAFT_VOCAB)  # on by default
     # the rows stage's seconds stay out of the run directory, which a new training run needs empty
     assert smollm2_drafter.times_file(args, "rows").parent == work and "--targets" in cmd and cmd[cmd.index("--targets") + 1] == "data"
@@ -179,6 +180,10 @@ def test_the_learning_curve_reads_its_trend_in_doublings_of_steps(tmp_path):
     card = smollm2_drafter.learning_curve({"eval": line}, args, rows=4)
     # 2 shards of 128 conversations in 4 rows: 64 a row, 8 rows a step
     assert card.startswith(f"500 ({500 * 8 * 64:,} conversations): {line[0][1]}") and "+0.100 tokens per cycle a doubling" in card
+    seen = [[s, 2.5, 90] for s in (500, 1000)]
+    assert smollm2_drafter.learning_curve({"eval": line, "eval_train": seen}, args, rows=4).endswith(
+        f"; on {smollm2_drafter.EVAL_TRAIN_ROWS} training rows: 500: 2.5, 1000: 2.5"
+    )
 
 
 def test_exported_shards_seed_a_new_machine(tmp_path, monkeypatch):

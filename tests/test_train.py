@@ -178,16 +178,36 @@ def test_data_targets_npy_and_bf16_checkpoint(qwen3_pair, corpus, tmp_path):
     np.save(tmp_path / "written.npy", written)
     argv = small_run(pair, tmp_path / "tokens.npy", out, "--steps", "3", "--targets", "data",
                      "--dtype", "bfloat16", "--taps", "1,2", "--num-layers", "1", "--eval-every", "2",
-                     "--eval-data", str(tmp_path / "held_out.npy"), "--eval-answer-mask", str(tmp_path / "written.npy"))  # fmt: skip
+                     "--eval-data", str(tmp_path / "held_out.npy"), "--eval-answer-mask", str(tmp_path / "written.npy"),
+                     "--eval-train-rows", "3")  # fmt: skip
     assert train_cli(argv) == 0
-    curve = json.loads((out / T.STATE_DIR / "training_state.json").read_text())["eval"]
-    assert [step for step, _, _ in curve] == [0, 2, 3]  # the start, every --eval-every steps, the end
+    state = json.loads((out / T.STATE_DIR / "training_state.json").read_text())
+    curve, seen = state["eval"], state["eval_train"]
+    assert [step for step, _, _ in curve] == [step for step, _, _ in seen] == [0, 2, 3]  # the start, every --eval-every steps, the end
     # cycles from anchor 30 (row 0) and 1 (row 1) to where a block of 8 no longer fits (anchor 92)
     assert all(1 <= per_cycle <= 8 and per_cycle * cycles >= (92 - 30) + (92 - 1) for _, per_cycle, cycles in curve)
+    # 3 training rows cut to --seq-len 48, all written (no --answer-mask): from anchor 1 to 40 each
+    assert all(1 <= per_cycle <= 8 and per_cycle * cycles >= 3 * (40 - 1) for _, per_cycle, cycles in seen)
     assert all(v.dtype == mx.bfloat16 for v in mx.load(str(out / "model.safetensors")).values())
     draft = dflash_mlx.load_draft(out, pair.model)
     assert draft.config.target_layer_ids == [1, 2] and draft.config.num_hidden_layers == 1
     assert_lossless(pair, draft, "import mlx", 20)
+
+
+def test_training_sample_takes_rows_with_their_answer_marks():
+    """The learning curve's training rows: whole documents cut to --seq-len,
+    each with its own slice of the flat answer mask, the same for a seed."""
+    docs = [np.arange(n) + 100 * i for i, n in enumerate((40, 5, 70, 30, 60))]
+    answers = np.concatenate([np.arange(len(d)) % 3 == 0 for d in docs])
+    args = T.TrainConfig(model="m", data=["d"], draft_model="o", block_size=8, seq_len=50, eval_train_rows=3, seed=4)
+    rows, written = T.training_sample(args, docs, answers)
+    again, _ = T.training_sample(args, docs, answers)
+    assert [r.tolist() for r in rows] == [r.tolist() for r in again]
+    assert len(rows) == 3 and all(len(r) >= 10 and r[0] % 100 == 0 for r in rows)  # never doc 1 (5 < block + 2)
+    for row, marks in zip(rows, written):
+        assert len(row) == min(50, len(docs[row[0] // 100])) and (marks == (np.arange(len(row)) % 3 == 0)).all()
+    _, plain = T.training_sample(args, docs, None)
+    assert all(m.tolist() == [False] + [True] * (len(m) - 1) for m in plain)
 
 
 def test_cached_target_trains_identically(qwen3_5_pair, corpus, tmp_path):
@@ -352,6 +372,7 @@ BAD = {  # case: (arguments after the common ones, words the message must hold)
     "nothing to resume": (lambda p, d, t: ["--data", str(d), "--resume"], "no training state"),
     "eval rows not 2-D": (lambda p, d, t: ["--data", str(d), "--eval-data", str(t / "big.npy")], "2-D .npy"),
     "eval mask alone": (lambda p, d, t: ["--data", str(d), "--eval-answer-mask", str(t / "big.npy")], "pass --eval-data too"),
+    "train rows alone": (lambda p, d, t: ["--data", str(d), "--eval-train-rows", "2"], "pass --eval-data too"),
 }
 
 
