@@ -589,18 +589,23 @@ def read_eval(args: "TrainConfig"):
     return rows, written
 
 
+def answers_by_doc(docs: List[np.ndarray], answers: Optional[np.ndarray]) -> Optional[List[np.ndarray]]:
+    """The flat ``--answer-mask`` split into one mask per document (None without one)."""
+    return None if answers is None else np.split(answers, np.cumsum([len(d) for d in docs[:-1]]))
+
+
 def training_sample(args: "TrainConfig", docs: List[np.ndarray], answers: Optional[np.ndarray]):
     """``--eval-train-rows`` of the training documents (seeded apart from
     the batches), each cut to ``--seq-len``, and their answer masks (default:
     every token after the first), for the learning curve's training-row points."""
-    ends = np.cumsum([len(d) for d in docs])
+    marks = answers_by_doc(docs, answers)
     fits = [i for i, d in enumerate(docs) if len(d) >= args.block_size + 2]
     pick = np.random.default_rng([args.seed, 1]).choice(fits, min(args.eval_train_rows, len(fits)), replace=False)
     rows, written = [], []
     for i in sorted(pick):
         n = min(len(docs[i]), args.seq_len)
         rows.append(np.asarray(docs[i][:n]))
-        written.append(np.arange(n) >= 1 if answers is None else answers[ends[i] - len(docs[i]) :][:n])
+        written.append(np.arange(n) >= 1 if marks is None else marks[i][:n])
     return rows, written
 
 
@@ -997,8 +1002,7 @@ def new_drafter(args: TrainConfig, model, adapter, docs, answers):
         intermediate_size=args.intermediate_size,
     )
     if args.draft_vocab is not None:
-        mask_docs = None if answers is None else np.split(answers, np.cumsum([len(d) for d in docs[:-1]]))
-        config["dflash_config"]["draft_vocab"] = frequent_tokens(docs, args.draft_vocab, adapter.vocab_size, mask_docs)
+        config["dflash_config"]["draft_vocab"] = frequent_tokens(docs, args.draft_vocab, adapter.vocab_size, answers_by_doc(docs, answers))
     mx.random.seed(args.seed)  # drafter initialisation
     draft = DFlashDraftModel(DFlashConfig.from_hf(config))
     draft.bind(model)
