@@ -665,6 +665,7 @@ def long_prompt_runs(d: LongPromptDecoder, ar: LongPromptDecoder) -> dict:
         "paired_speedup": statistics.median(x / y for x, y in zip(tps, ar_tps)),
         "ttft_s": d.ttft_s,
         "tokens_per_cycle": mean_tokens_per_cycle([c for run in d.runs for c in run["committed"]]),
+        "drafting_cycles": statistics.median(sum(b > 1 for b in run["block_sizes"]) for run in d.runs),
         "peak_memory_gb": d.peak_gb,
         "outputs_identical": all(run["tokens"] == ar.runs[0]["tokens"] for run in [*ar.runs, *d.runs]),
     }
@@ -764,15 +765,16 @@ def print_long_prompt_report(r: dict) -> None:
     print(f"long prompts: {r['max_tokens']} new tokens, block size {mode}, medians of {r['rounds']} rounds after one "
           f"prefill each; documents: {r['document_source']}")
     print(f"{'prompt':>7} {'decoder':<28} {'tok/s':>8} {'speedup':>8} {'paired':>7} {'TTFT s':>8} {'tok/cycle':>9} "
-          f"{'drafter':>8} {'peak GB':>8} identical")
+          f"{'drafted':>7} {'drafter':>8} {'peak GB':>8} identical")
     for row in r["lengths"]:
         ar = row["autoregressive"]
         print(f"{row['prompt_tokens']:>7} {'mlx-lm':<28} {ar['tps']:8.1f} {'':>8} {'':>7} {ar['ttft_s']:8.2f} {'':>9} "
-              f"{'':>8} {ar['peak_memory_gb']:8.3f}")
+              f"{'':>7} {'':>8} {ar['peak_memory_gb']:8.3f}")
         for name, d in row["dflash"].items():
             print(f"{'':>7} {'DFlash, ' + name:<28} {d['tps']:8.1f} {d['speedup']:7.2f}x {d['paired_speedup']:6.2f}x "
                   f"{d['ttft_s']:8.2f} "
-                  f"{d['tokens_per_cycle']:9.2f} {100 * d['drafter_share']:7.1f}% {d['peak_memory_gb']:8.3f} "
+                  f"{d['tokens_per_cycle']:9.2f} {d['drafting_cycles']:7g} {100 * d['drafter_share']:7.1f}% "
+                  f"{d['peak_memory_gb']:8.3f} "
                   f"{d['outputs_identical']}")
 
 

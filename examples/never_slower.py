@@ -3,10 +3,13 @@ against mlx-lm's greedy decode and against z-lab's reference MLX runtime, all
 in one process, the decoders alternating over ``--repeats`` rounds: medians,
 best against best, and the median of each round's own ratio (a millisecond
 step on a shared machine moves by tens of percent from run to run, so one
-run's ratio says little).
+run's ratio says little). With ``--lockstep CHUNK`` each round is instead one
+generation of each decoder at a time, advanced in turns of CHUNK tokens
+(:func:`lockstep`), so that a slow spell of the machine falls on all alike.
 
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
     python examples/never_slower.py --json never_slower.json
+    python examples/never_slower.py --lockstep 32 --json never_slower.json   # decoders in turns of 32 tokens
     python examples/never_slower.py --repeats 1 --random-repeats 1 --random-tokens 32 \\
         --long-tokens 64 --num-prompts 2 --bench-tokens 16     # a quick end-to-end check
 
@@ -40,12 +43,17 @@ every run's tokens are checked against mlx-lm's.
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Iterator, Optional
+
+import mlx.core as mx
+from mlx_lm import stream_generate as mlx_lm_stream_generate
 
 import dflash_mlx
 from dflash_mlx.benchmark import benchmark, compile_block_lengths, run_autoregressive, run_dflash
@@ -96,6 +104,68 @@ def alternate(runners: Dict[str, Callable[[], dict]], repeats: int, warm_up: Opt
     return out
 
 
+def lockstep(streams: Dict[str, Callable[[], Iterator[int]]], max_tokens: int, chunk: int, repeats: int) -> dict:
+    """One generation of each decoder (``streams``: name -> a fresh token
+    stream) at a time, advanced in turns of ``chunk`` tokens, the order
+    rotating by one each turn. A turn ends once its tokens are out and the
+    device is idle (``mx.synchronize``): each decoder queues its next step
+    before it yields, and that step must not run in the next decoder's turn.
+    Each decoder's seconds are summed over its turns, the first (which holds
+    the prefill) left out. A slow spell of the machine lasts many turns, so
+    it falls on every decoder alike, where whole runs in turn can each meet
+    a different one. ``repeats`` such generations after an untimed one; the
+    result has :func:`alternate`'s keys (tok/s a generation in place of a
+    run's), and ``chunk``."""
+    names = list(streams)
+    rounds = []
+    for _ in range(repeats + 1):
+        live = {name: stream() for name, stream in streams.items()}
+        tokens = {name: [] for name in names}
+        seconds = {name: 0.0 for name in names}
+        timed = {name: 0 for name in names}
+        for turn in itertools.count():
+            k = turn % len(names)
+            for name in [n for n in names[k:] + names[:k] if n in live]:
+                tic = time.perf_counter()
+                got = list(itertools.islice(live[name], chunk))
+                mx.synchronize()
+                if turn:
+                    seconds[name] += time.perf_counter() - tic
+                    timed[name] += len(got)
+                tokens[name] += got
+                if len(got) < chunk or len(tokens[name]) >= max_tokens:
+                    del live[name]
+            if not live:
+                break
+        rounds.append({name: (timed[name] / seconds[name], tokens[name]) for name in names})
+    rounds = rounds[1:]
+    first = names[0]
+    tps = {name: [r[name][0] for r in rounds] for name in names}
+    out = {f"{name}_tps": statistics.median(v) for name, v in tps.items()}
+    out.update({f"{name}_best_tps": max(v) for name, v in tps.items()})
+    for name in names[1:]:
+        out[f"{name}_best_ratio"] = max(tps[name]) / max(tps[first])
+        out[f"{name}_paired_ratio"] = statistics.median(x / y for x, y in zip(tps[name], tps[first]))
+    reference = rounds[0][first][1]
+    out["identical"] = all(r[name][1] == reference for r in rounds for name in names)
+    out.update(tokens=len(reference), rounds=repeats, chunk=chunk)
+    return out
+
+
+def mlx_lm_tokens(model, tokenizer, prompt, max_tokens: int) -> Iterator[int]:
+    """mlx-lm's greedy decode as a token stream (its eos left out, as
+    :func:`~dflash_mlx.benchmark.run_autoregressive` leaves it)."""
+    for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+        if r.finish_reason != "stop":
+            yield r.token
+
+
+def dflash_tokens(model, draft, tokenizer, prompt, max_tokens: int, block_size: Optional[int] = None) -> Iterator[int]:
+    """DFlash's greedy decode as a token stream (``block_size`` None: adaptive)."""
+    for r in dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size):
+        yield from r.tokens
+
+
 def full_length_pair(directory: Path, family: str, prompt, max_tokens: int):
     """A random pair of ``family`` whose target writes all ``max_tokens``
     tokens before an eos (the first seed that does), so that the scenario
@@ -117,33 +187,46 @@ def load_zlab(zlab_dir: Path):
     return model_mlx
 
 
-def zlab_runner(zlab, target_path: Path, draft_path: Path, prompt, max_tokens: int):
-    """A runner for z-lab's stream_generate on its own target instance."""
+def zlab_decoder(zlab, target_path: Path, draft_path: Path, prompt, max_tokens: int):
+    """z-lab's stream_generate on its own target instance: a runner for
+    :func:`alternate` and a token stream for :func:`lockstep`."""
     model, tokenizer = zlab.load(str(target_path))
     draft = zlab.load_draft(str(draft_path))
 
+    def tokens():
+        for r in zlab.stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens):
+            yield from (t for t in r.tokens if t not in tokenizer.eos_token_ids)
+
     def run():
-        tokens, last = [], None
+        out, last = [], None
         for last in zlab.stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens):
-            tokens += [t for t in last.tokens if t not in tokenizer.eos_token_ids]
-        return {"tokens": tokens[:max_tokens], "tps": last.generation_tps}
+            out += [t for t in last.tokens if t not in tokenizer.eos_token_ids]
+        return {"tokens": out[:max_tokens], "tps": last.generation_tps}
 
-    return run
+    return run, lambda: itertools.islice(tokens(), max_tokens)
 
 
-def pair_runners(target_path: Path, draft_path: Path, prompt, max_tokens: int, zlab=None):
-    """mlx-lm, DFlash (adaptive) and, given z-lab's module, z-lab's runtime."""
+def measure_pair(target_path: Path, draft_path: Path, prompt, max_tokens: int, repeats: int, chunk: int = 0, zlab=None) -> dict:
+    """mlx-lm, DFlash (adaptive) and, given z-lab's module, z-lab's runtime
+    on one prompt, in :func:`lockstep` turns of ``chunk`` tokens, or
+    (``chunk`` 0) in whole runs in turn (:func:`alternate`); with DFlash's
+    :func:`ratios`."""
     model, tokenizer = dflash_mlx.load(str(target_path))
     draft = dflash_mlx.load_draft(str(draft_path), model)
     # each block length's graphs compile once per process: not decoding speed
     compile_block_lengths(draft, encode_prompt(tokenizer, prompt), draft.block_size)
+    zlab_run, zlab_stream = zlab_decoder(zlab, target_path, draft_path, prompt, max_tokens) if zlab else (None, None)
+    if chunk:
+        streams = {
+            "mlx_lm": lambda: mlx_lm_tokens(model, tokenizer, prompt, max_tokens),
+            "dflash": lambda: dflash_tokens(model, draft, tokenizer, prompt, max_tokens),
+        }
+        return ratios(lockstep({**streams, **({"zlab": zlab_stream} if zlab else {})}, max_tokens, chunk, repeats))
     runners = {
         "mlx_lm": lambda: run_autoregressive(model, tokenizer, prompt, max_tokens),
         "dflash": lambda: run_dflash(model, draft, tokenizer, prompt, max_tokens, None),
     }
-    if zlab is not None:
-        runners["zlab"] = zlab_runner(zlab, target_path, draft_path, prompt, max_tokens)
-    return runners
+    return ratios(alternate({**runners, **({"zlab": zlab_run} if zlab else {})}, repeats))
 
 
 def ratios(result: dict) -> dict:
@@ -167,6 +250,9 @@ def main(argv=None) -> int:
     p.add_argument("--long-prompts", type=int, default=3, help="prompts of the long runs: WALK_PROMPT, then held-out ones")
     p.add_argument("--bench-tokens", type=int, default=128, help="new tokens, the bundled pair's bench")
     p.add_argument("--num-prompts", type=int, default=None, help="bench prompts (default: all)")
+    p.add_argument("--lockstep", type=int, default=0, metavar="CHUNK",
+                   help="decoders compared one generation each at a time, in turns of CHUNK tokens (see lockstep); "
+                        "0: whole runs in turn")
     p.add_argument("--zlab-dir", type=Path, default=ZLAB_DIR, help="where z-lab's dflash 0.1.0 is installed")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -177,17 +263,16 @@ def main(argv=None) -> int:
         for family in ("qwen3", "qwen3_5"):
             target, draft, seed = full_length_pair(Path(tmp), family, prompt, args.random_tokens)
             with_zlab = zlab if family == "qwen3" else None
-            runners = pair_runners(target, draft, prompt, args.random_tokens, with_zlab)
-            results["never_agreeing"][family] = {"seed": seed, **ratios(alternate(runners, args.random_repeats))}
+            result = measure_pair(target, draft, prompt, args.random_tokens, args.random_repeats, args.lockstep, with_zlab)
+            results["never_agreeing"][family] = {"seed": seed, **result}
             print(family, "never agreeing:", json.dumps(results["never_agreeing"][family]), flush=True)
     results["long"] = []
     for long_prompt in ([WALK_PROMPT] + default_prompts())[: args.long_prompts]:
-        runners = pair_runners(DEFAULT_TARGET, DEFAULT_DRAFT, long_prompt, args.long_tokens)
-        results["long"].append({"prompt": long_prompt[:40], **ratios(alternate(runners, args.repeats))})
+        result = measure_pair(DEFAULT_TARGET, DEFAULT_DRAFT, long_prompt, args.long_tokens, args.repeats, args.lockstep)
+        results["long"].append({"prompt": long_prompt[:40], **result})
         print("bundled pair, long:", json.dumps(results["long"][-1]), flush=True)
     if zlab is not None:
-        runners = pair_runners(DEFAULT_TARGET, DEFAULT_DRAFT, prompt, args.bench_tokens, zlab)
-        results["zlab_bundled"] = ratios(alternate(runners, args.repeats))
+        results["zlab_bundled"] = measure_pair(DEFAULT_TARGET, DEFAULT_DRAFT, prompt, args.bench_tokens, args.repeats, args.lockstep, zlab)
         print("bundled pair vs z-lab:", json.dumps(results["zlab_bundled"]), flush=True)
     else:
         results["zlab_skipped"] = f"z-lab's dflash 0.1.0 not found under {args.zlab_dir}"

@@ -27,14 +27,12 @@ steady cycles (:func:`switching`).
 """
 
 import argparse
-import itertools
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
-from never_slower import alternate
+from never_slower import alternate, dflash_tokens, lockstep, mlx_lm_tokens
 
 import dflash_mlx
 from dflash_mlx.benchmark import compile_block_lengths, run_autoregressive, run_dflash
@@ -78,55 +76,17 @@ def measure(model, draft, tokenizer, prompt, max_tokens: int, repeats: int) -> d
     return out
 
 
-def lockstep(model, draft, tokenizer, prompt, max_tokens: int, chunk: int, repeats: int) -> dict:
-    """mlx-lm's decode and the plain step, one generation each at a time,
-    advanced in turns of ``chunk`` tokens, the order of each pair of turns
-    alternating; each decoder's seconds summed over its turns (the first,
-    which holds the prefill, left out). A slow spell of the machine lasts
-    many turns, so it falls on both alike, where whole runs in turn can each
-    meet a different one. ``repeats`` such generations: per decoder the
-    median tok/s, and the median of the generations' own ratios."""
-    from mlx_lm import stream_generate as mlx_lm_stream_generate
-
-    def mlx_lm_tokens():
-        for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
-            if r.finish_reason != "stop":
-                yield r.token
-
-    def plain_tokens():
-        for r in dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=1):
-            yield from r.tokens
-
+def plain_lockstep(model, draft, tokenizer, prompt, max_tokens: int, chunk: int, repeats: int) -> dict:
+    """mlx-lm's decode and the plain step in :func:`never_slower.lockstep`
+    turns of ``chunk`` tokens, ``repeats`` generations each."""
     compile_block_lengths(draft, encode_prompt(tokenizer, prompt), 1)
-    rounds = []
-    for _ in range(repeats + 1):  # the first one untimed
-        live = {"mlx_lm": mlx_lm_tokens(), "plain": plain_tokens()}
-        tokens = {name: [] for name in live}
-        seconds = {name: 0.0 for name in live}
-        timed = {name: 0 for name in live}
-        for turn in itertools.count():
-            order = list(live) if turn % 2 == 0 else list(live)[::-1]
-            for name in order:
-                tic = time.perf_counter()
-                got = list(itertools.islice(live[name], chunk))
-                if turn > 0:
-                    seconds[name] += time.perf_counter() - tic
-                    timed[name] += len(got)
-                tokens[name] += got
-            if all(len(t) >= max_tokens for t in tokens.values()) or not got:
-                break
-        tps = {name: timed[name] / seconds[name] for name in live}
-        rounds.append({**tps, "identical": tokens["plain"] == tokens["mlx_lm"], "tokens": len(tokens["mlx_lm"])})
-    rounds = rounds[1:]
-    return {
-        "mlx_lm_tps": statistics.median(r["mlx_lm"] for r in rounds),
-        "plain_tps": statistics.median(r["plain"] for r in rounds),
-        "paired_ratio": statistics.median(r["plain"] / r["mlx_lm"] for r in rounds),
-        "identical": all(r["identical"] for r in rounds),
-        "tokens": rounds[0]["tokens"],
-        "rounds": repeats,
-        "chunk": chunk,
+    streams = {
+        "mlx_lm": lambda: mlx_lm_tokens(model, tokenizer, prompt, max_tokens),
+        "plain": lambda: dflash_tokens(model, draft, tokenizer, prompt, max_tokens, block_size=1),
     }
+    out = lockstep(streams, max_tokens, chunk, repeats)
+    out["ratio"] = out["plain_tps"] / out["mlx_lm_tps"]
+    return out
 
 
 class Alternating:
@@ -222,11 +182,11 @@ def main():
                         prompt = build_prompt(tokenizer, default_prompt(named))
                     repeats = args.slow_repeats if name == "smollm2" else args.repeats
                     if args.lockstep:
-                        r = lockstep(model, draft, tokenizer, prompt, max_tokens, args.lockstep, repeats)
+                        r = plain_lockstep(model, draft, tokenizer, prompt, max_tokens, args.lockstep, repeats)
                         results[f"{name}@{max_tokens}"] = r
                         print(f"{name:8s} {max_tokens:5d} tokens, {repeats} lockstep generations: mlx-lm "
                               f"{r['mlx_lm_tps']:7.1f} tok/s, plain step {r['plain_tps']:7.1f} tok/s (medians); "
-                              f"paired {r['paired_ratio']:.2f}x; identical: {r['identical']}", flush=True)
+                              f"paired {r['plain_paired_ratio']:.2f}x; identical: {r['identical']}", flush=True)
                         continue
                     r = measure(model, draft, tokenizer, prompt, max_tokens, repeats)
                     results[f"{name}@{max_tokens}"] = r

@@ -352,6 +352,7 @@ def test_bench_long_prompts(qwen3_pair, tmp_path, capsys):
         assert list(row["dflash"]) == ["full context", "window 16 + sink 4"]
         for d in row["dflash"].values():
             assert d["outputs_identical"] and d["tokens_per_cycle"] >= 1 and 0 < d["drafter_share"] < 1
+            assert 0 <= d["drafting_cycles"] <= 3  # the cycles after the prefill's token
             assert d["peak_memory_gb"] > 0 and d["ttft_s"] > 0 and d["paired_speedup"] > 0
     assert "window 16 + sink 4" in capsys.readouterr().out
     with pytest.raises(ArgumentError, match="--prompt-lengths"):
