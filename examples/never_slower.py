@@ -215,18 +215,20 @@ def measure_pair(target_path: Path, draft_path: Path, prompt, max_tokens: int, r
     draft = dflash_mlx.load_draft(str(draft_path), model)
     # each block length's graphs compile once per process: not decoding speed
     compile_block_lengths(draft, encode_prompt(tokenizer, prompt), draft.block_size)
-    zlab_run, zlab_stream = zlab_decoder(zlab, target_path, draft_path, prompt, max_tokens) if zlab else (None, None)
     if chunk:
-        streams = {
+        decoders = {
             "mlx_lm": lambda: mlx_lm_tokens(model, tokenizer, prompt, max_tokens),
             "dflash": lambda: dflash_tokens(model, draft, tokenizer, prompt, max_tokens),
         }
-        return ratios(lockstep({**streams, **({"zlab": zlab_stream} if zlab else {})}, max_tokens, chunk, repeats))
-    runners = {
-        "mlx_lm": lambda: run_autoregressive(model, tokenizer, prompt, max_tokens),
-        "dflash": lambda: run_dflash(model, draft, tokenizer, prompt, max_tokens, None),
-    }
-    return ratios(alternate({**runners, **({"zlab": zlab_run} if zlab else {})}, repeats))
+    else:
+        decoders = {
+            "mlx_lm": lambda: run_autoregressive(model, tokenizer, prompt, max_tokens),
+            "dflash": lambda: run_dflash(model, draft, tokenizer, prompt, max_tokens, None),
+        }
+    if zlab is not None:
+        run, stream = zlab_decoder(zlab, target_path, draft_path, prompt, max_tokens)
+        decoders["zlab"] = stream if chunk else run
+    return ratios(lockstep(decoders, max_tokens, chunk, repeats) if chunk else alternate(decoders, repeats))
 
 
 def ratios(result: dict) -> dict:
