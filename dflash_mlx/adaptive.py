@@ -532,6 +532,11 @@ class CycleCosts:
         draft = max(draft, plain)  # a draft and a verify of the anchor: never less than a plain step
         return [plain] + [draft + slope * (b - 1) for b in range(2, n + 1)]
 
+    def cost(self, choice) -> float:
+        """Seconds a cycle at ``choice`` (a block length or a
+        :class:`TreeChoice`) costs by the table, at the current context."""
+        return self.trees(choice.nodes)[-1] if isinstance(choice, TreeChoice) else self.upto(choice)[-1]
+
     def trees(self, n: int) -> List[float]:
         """Seconds per cycle of trees of 0..n nodes (0: the anchor alone), at the current context."""
         plain, one = self.upto(1)[0], self.growth.at(1)
@@ -756,6 +761,11 @@ class BlockSizer:
         in ``seconds``, verifying after ``context`` positions (None: unknown)."""
         if self.fixed or self.tree_nodes:
             return
+        if not self.costs.follow:
+            # Choices on acceptance alone (see CycleCosts): the clock differs
+            # from run to run, and between pipelined ranks, whose choices
+            # must agree; every one of them holds the same table.
+            seconds = self.costs.cost(block)
         self.costs.observe(block, seconds, context)
         self.decoded += seconds
         self.stale = self.stale or block != 1  # a drafting cycle moves the acceptance estimates

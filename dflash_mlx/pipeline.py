@@ -214,10 +214,15 @@ def share_request(item, group):
     return (item[0] if group.rank() == 0 else queue.Queue(), *shared)
 
 
-def agree_flag(flag: bool, group) -> bool:
+def agree_flag(flag: bool, group, stream) -> bool:
     """Whether any rank's ``flag`` is set, on every rank alike (a stop that
-    rank 0 alone sees, such as a client that went away)."""
-    return mx.distributed.all_sum(mx.array(int(flag)), group=group, stream=mx.cpu).item() > 0
+    rank 0 alone sees, such as a client that went away), agreed on the
+    ``stream`` the generation's forwards run on. The ranks' collectives
+    share one connection, so they must run in one order on every rank:
+    ops on one stream run in the order they were queued, where a forward
+    still queued on another stream could run before the flag's sum on one
+    rank and after it on the other, each then reading the other's data."""
+    return mx.distributed.all_sum(mx.array(int(flag)), group=group, stream=stream).item() > 0
 
 
 def rank0_repl(input_fn, group):

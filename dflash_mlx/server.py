@@ -400,7 +400,7 @@ class DFlashResponseGenerator:
         stops at the same token and keeps the same prompt cache."""
         if self.group is None:
             return ctx.stopped
-        return not from_draft and agree_flag(ctx.stopped, self.group)
+        return not from_draft and agree_flag(ctx.stopped, self.group, generation_stream)
 
 
 class DFlashAPIHandler(APIHandler):

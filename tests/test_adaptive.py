@@ -133,6 +133,29 @@ def test_a_fixed_cost_table_ignores_measured_times():
     assert costs.upto(16) == before and before[-1] == pytest.approx(2.4, abs=0.05)
 
 
+def test_a_fixed_cost_table_chooses_on_acceptance_alone():
+    """Pipelined ranks each time their own cycles, and their choices must
+    agree: sizers over a fixed table, shown the same acceptance but
+    different seconds (one clock twice the other, one far off), choose
+    alike, generation after generation."""
+
+    def choices(clock):
+        sizer, rng, chosen = BlockSizer(16, CycleCosts(LINEAR, follow=False)), np.random.default_rng(3), []
+        for generation in range(3):
+            sizer.begin()
+            for cycle in range(150):
+                b = sizer.choose(10_000)
+                accepted = sum(1 for _ in range(b - 1) if rng.random() < (0.9 if cycle % 50 < 20 else 0.1))
+                sizer.observe(b, accepted, clock(b, cycle))
+                chosen.append(b)
+        return chosen
+
+    table = choices(lambda b, i: LINEAR.get(b, 2.0))
+    assert len(set(table)) > 2  # drafting, plain decoding and probes between
+    assert choices(lambda b, i: 2 * LINEAR.get(b, 2.0)) == table
+    assert choices(lambda b, i: 50.0 if i % 7 == 0 else 0.01) == table
+
+
 def test_failed_probes_back_off_and_a_successful_probe_probes_again():
     sizer = BlockSizer(16, CycleCosts(LINEAR))
     chosen = run(sizer, 0.0, 400, np.random.default_rng(0))  # the drafter never agrees: plain decoding
