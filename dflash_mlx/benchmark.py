@@ -28,7 +28,7 @@ before timing starts.
 
 import argparse
 import copy
-import gc
+import functools
 import importlib
 import inspect
 import itertools
@@ -39,7 +39,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
 import mlx.core as mx
 
@@ -179,13 +179,96 @@ def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=No
     return {
         "tokens": [t for r in responses for t in r.tokens],
         "tps": responses[-1].generation_tps,
+        **cycle_record(responses),
+        "peak_memory": responses[-1].peak_memory,
+        "ttft_s": responses[-1].prompt_tokens / responses[-1].prompt_tps,
+    }
+
+
+def cycle_record(responses) -> dict:
+    """A DFlash generation's cycles, from its responses (the first is the
+    prefill's token)."""
+    return {
         "accepted": [r.accepted for r in responses[1:]],
         "committed": cycle_lengths(responses),
         "block_sizes": [r.block_size for r in responses[1:]],
         "tree_sizes": [r.tree_size for r in responses[1:]],
-        "peak_memory": responses[-1].peak_memory,
-        "ttft_s": responses[-1].prompt_tokens / responses[-1].prompt_tps,
     }
+
+
+def mlx_lm_tokens(model, tokenizer, prompt, max_tokens, prompt_cache=None) -> Iterator[int]:
+    """mlx-lm's greedy decode as a token stream, its eos left out (as
+    :func:`run_autoregressive` leaves it)."""
+    from mlx_lm import stream_generate as mlx_lm_stream_generate
+
+    for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, prompt_cache=prompt_cache):
+        if r.finish_reason != "stop":
+            yield r.token
+
+
+def dflash_tokens(
+    model, draft, tokenizer, prompt, max_tokens, block_size=None, responses=None, **options
+) -> Iterator[int]:
+    """DFlash's decode as a token stream (``block_size`` None: adaptive;
+    ``options`` as :func:`run_dflash` takes them); each response is
+    appended to ``responses`` where given."""
+    for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, **options):
+        if responses is not None:
+            responses.append(r)
+        yield from r.tokens
+
+
+def lockstep(streams: Dict[str, Callable[[], Iterator[int]]], max_tokens: int, chunk: int, repeats: int,
+             untimed: int = 1, held: Optional[Callable[[str], int]] = None,
+             turn_s: Optional[float] = None) -> Dict[str, List[dict]]:
+    """One generation of each decoder (``streams``: name -> a fresh token
+    stream) at a time, advanced in turns, the order rotating by one each
+    turn: the first turn is the prefill's token, untimed (tok/s counts from
+    the first token, as mlx-lm's does); then turns of ``chunk`` tokens, or
+    fewer where ``turn_s`` seconds have passed (slow steps then still make
+    short turns). A turn ends once its tokens are out and the device is idle
+    (``mx.synchronize``): a decoder queues its next step before it yields,
+    and that step must not run in the next decoder's turn. A slow spell of
+    the machine lasts many turns, so it falls on every decoder alike, where
+    whole runs in turn can each meet a different one.
+
+    ``untimed`` whole rounds warm up, then ``repeats`` are kept: per name a
+    list of ``{"tps", "tokens"}``; with ``held(name)`` (the bytes other
+    decoders hold while ``name`` runs) also ``peak_memory`` (GB), the
+    round's peak as if ``name`` ran alone."""
+    names = list(streams)
+    runs = {name: [] for name in names}
+    for r in range(untimed + repeats):
+        live = {name: stream() for name, stream in streams.items()}
+        tokens = {name: [] for name in names}
+        seconds, timed, peak = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+        for turn in itertools.count():
+            k = turn % len(names)
+            for name in [n for n in names[k:] + names[:k] if n in live]:
+                want, got, ended = chunk if turn else 1, [], True
+                mx.reset_peak_memory()
+                tic = time.perf_counter()
+                for token in live[name]:
+                    got.append(token)
+                    if len(got) == want or (turn and turn_s and time.perf_counter() - tic >= turn_s):
+                        ended = False
+                        break
+                mx.synchronize()
+                if turn:
+                    seconds[name] += time.perf_counter() - tic
+                    timed[name] += len(got)
+                if held is not None:
+                    peak[name] = max(peak[name], mx.get_peak_memory() - held(name))
+                tokens[name] += got
+                if ended or len(tokens[name]) >= max_tokens:
+                    del live[name]
+            if not live:
+                break
+        if r >= untimed:
+            for name in names:
+                run = {"tps": timed[name] / seconds[name] if timed[name] else 0.0, "tokens": tokens[name]}
+                runs[name].append(run if held is None else {**run, "peak_memory": peak[name] / 1e9})
+    return runs
 
 
 def tokens_per_cycle_by_rule(
@@ -546,6 +629,13 @@ DOCUMENT_MODULES = (
     "argparse", "json", "logging", "collections", "pathlib", "subprocess", "textwrap", "dataclasses",
     "unittest", "http.server", "email.message", "inspect", "functools",
 )
+# A turn when decoders are timed in :func:`lockstep`: at most this many
+# tokens and, once one is out, about this many seconds. Many turns per
+# generation, each long enough that its closing synchronisation is a small
+# part of it, and short enough that a slow spell of the machine spans
+# several decoders' turns.
+LOCKSTEP_TOKENS = 32
+LOCKSTEP_SECONDS = 0.25
 DOCUMENT_QUESTION = "Which modules does the documentation above describe, and what is each one for? Answer briefly."
 
 
@@ -587,15 +677,19 @@ def window_name(window, sink) -> str:
 @dataclass
 class LongPromptDecoder:
     """One decoder of :func:`long_prompt_report`: ``run(prompt, max_tokens,
-    prompt_cache)`` generates (a result of :func:`run_autoregressive` or
-    :func:`run_dflash`), ``make_cache()`` makes its empty prompt cache."""
+    prompt_cache)`` generates at once (:func:`run_autoregressive`,
+    :func:`run_dflash`), ``tokens(prompt, max_tokens, prompt_cache,
+    responses)`` as a token stream (:func:`mlx_lm_tokens`,
+    :func:`dflash_tokens`), ``make_cache()`` makes its empty prompt cache."""
 
     run: Callable
+    tokens: Callable
     make_cache: Callable
     state: Optional[object] = None  # its prompt cache after all of the prompt but its last token
+    live: Optional[object] = None  # the prompt cache of the round under way
     ttft_s: float = 0.0
     peak_gb: float = 0.0
-    runs: List[dict] = field(default_factory=list)
+    responses: List[list] = field(default_factory=list)  # each round's
 
     def prefill(self, ids: List[int], others_bytes: int) -> None:
         """Generate one token after the whole prompt on a fresh cache (the
@@ -613,22 +707,14 @@ class LongPromptDecoder:
             cache.trim(cache.offset - (len(ids) - 1))
             self.state = cache
 
-    def decode(self, ids: List[int], max_tokens: int, last: bool, others_bytes: int) -> None:
-        """One round; the ``last`` runs on the state itself (no copy beside
-        it), and its peak memory counts."""
-        if self.state is None:
-            self.runs.append(self.run(ids, max_tokens, None))
-            return
-        cache = self.state if last else copy.deepcopy(self.state)
-        if last:
-            self.state = None
-            gc.collect()
-            mx.clear_cache()
-            mx.reset_peak_memory()
-        run = self.run(ids[-1:], max_tokens, cache)
-        if last:
-            self.peak_gb = max(self.peak_gb, run["peak_memory"] - others_bytes / 1e9)
-        self.runs.append(run)
+    def stream(self, ids: List[int], max_tokens: int) -> Iterator[int]:
+        """One round's token stream, on a copy of the state (or, where none
+        was kept, on a fresh cache from the whole prompt); its responses
+        are kept in ``responses``."""
+        self.live = self.make_cache() if self.state is None else copy.deepcopy(self.state)
+        self.responses.append([])
+        prompt = ids if self.state is None else ids[-1:]
+        return self.tokens(prompt, max_tokens, self.live, self.responses[-1])
 
 
 class MlxLmCache(list):
@@ -656,18 +742,20 @@ class MlxLmCache(list):
         return trim_prompt_cache(self, n)
 
 
-def long_prompt_runs(d: LongPromptDecoder, ar: LongPromptDecoder) -> dict:
-    """A DFlash decoder's rounds at one length against mlx-lm's (``ar``)."""
-    tps, ar_tps = [run["tps"] for run in d.runs], [run["tps"] for run in ar.runs]
+def long_prompt_runs(d: LongPromptDecoder, runs: List[dict], ar_runs: List[dict]) -> dict:
+    """A DFlash decoder's :func:`lockstep` rounds at one length against
+    mlx-lm's (``ar_runs``)."""
+    tps, ar_tps = [run["tps"] for run in runs], [run["tps"] for run in ar_runs]
+    cycles = [cycle_record(responses) for responses in d.responses[-len(runs):]]
     return {
         "tps": statistics.median(tps),
         "speedup": statistics.median(tps) / statistics.median(ar_tps),
         "paired_speedup": statistics.median(x / y for x, y in zip(tps, ar_tps)),
         "ttft_s": d.ttft_s,
-        "tokens_per_cycle": mean_tokens_per_cycle([c for run in d.runs for c in run["committed"]]),
-        "drafting_cycles": statistics.median(sum(b > 1 for b in run["block_sizes"]) for run in d.runs),
-        "peak_memory_gb": d.peak_gb,
-        "outputs_identical": all(run["tokens"] == ar.runs[0]["tokens"] for run in [*ar.runs, *d.runs]),
+        "tokens_per_cycle": mean_tokens_per_cycle([c for record in cycles for c in record["committed"]]),
+        "drafting_cycles": statistics.median(sum(b > 1 for b in record["block_sizes"]) for record in cycles),
+        "peak_memory_gb": max([d.peak_gb] + [run["peak_memory"] for run in runs]),
+        "outputs_identical": all(run["tokens"] == ar_runs[0]["tokens"] for run in [*ar_runs, *runs]),
     }
 
 
@@ -693,14 +781,16 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
 
     A long prompt's prefill takes minutes on a CPU, and one generation's
     tok/s moves from run to run by more than the bars, so each decoder
-    prefills the prompt once (time to first token measured there) and
-    decodes ``repeats`` rounds from that state, the decoders taking turns,
-    mlx-lm first (:meth:`LongPromptDecoder.prefill`). Reported per decoder:
-    median tok/s, DFlash's speedup (of the medians, and the median of each
-    round's own ratio), tokens per cycle, peak memory (of the prefill and of
-    the last round, as if the decoder ran alone: the other decoders' states
-    are not counted) and the drafter's share of a cycle (its forward over
-    its windowed cache against the verify, at that context)."""
+    prefills the prompt once (time to first token measured there,
+    :meth:`LongPromptDecoder.prefill`) and decodes ``repeats`` rounds from
+    that state, all decoders in :func:`lockstep` turns of up to
+    :data:`LOCKSTEP_TOKENS` tokens or :data:`LOCKSTEP_SECONDS`. Reported
+    per decoder: median tok/s, DFlash's speedup (of the medians, and the
+    median of each round's own ratio), tokens per cycle, peak memory (of
+    the prefill and of the rounds, as if the decoder ran alone: the other
+    decoders' states are not counted) and the drafter's share of a cycle
+    (its forward over its windowed cache against the verify, at that
+    context)."""
     from mlx_lm.models.cache import make_prompt_cache as mlx_lm_prompt_cache
 
     configs = list(dict.fromkeys([0, *windows]))
@@ -715,6 +805,8 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
     def dflash(w):
         return LongPromptDecoder(
             lambda ids, n, cache: run_dflash(model, draft, tokenizer, ids, n, block_size, prompt_cache=cache),
+            lambda ids, n, cache, responses: dflash_tokens(model, draft, tokenizer, ids, n, block_size, responses,
+                                                           prompt_cache=cache),
             lambda: make_prompt_cache(model, draft, w, sink),
         )
 
@@ -723,39 +815,41 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
         ids = encode_prompt(tokenizer, long_prompt(tokenizer, length)).tolist()
         decoders = {"mlx-lm": LongPromptDecoder(
             lambda ids, n, cache: run_autoregressive(model, tokenizer, ids, n, prompt_cache=cache),
+            lambda ids, n, cache, _: mlx_lm_tokens(model, tokenizer, ids, n, cache),
             lambda: MlxLmCache(mlx_lm_prompt_cache(model)),
         )}
         decoders.update({w: dflash(w) for w in configs})
-        names = list(decoders)
 
-        def others(name):
-            return sum(d.state.nbytes for n, d in decoders.items() if n != name and d.state is not None)
+        def states():
+            return sum(d.state.nbytes for d in decoders.values() if d.state is not None)
 
-        for name in names:
-            decoders[name].prefill(ids, others(name))
-        for r in range(repeats):
-            last = r == repeats - 1
-            if last:  # while the full context's state is still there to copy
-                verify, target_hidden = context_forwards(draft, decoders[0].state, ids, max_block)
-            turn = r % len(configs)  # the run right after mlx-lm's is slowed on the CPU backend: they take turns
-            for name in names[:1] + configs[turn:] + configs[:turn]:
-                decoders[name].decode(ids, max_tokens, last, others(name))
+        def held(name):  # while ``name`` runs a round: every saved state and the others' rounds
+            return states() + sum(d.live.nbytes for n, d in decoders.items() if n != name and d.live is not None)
+
+        for d in decoders.values():
+            d.prefill(ids, states())
+        streams = {name: functools.partial(d.stream, ids, max_tokens) for name, d in decoders.items()}
+        runs = lockstep(streams, max_tokens, LOCKSTEP_TOKENS, repeats, untimed=0, held=held, turn_s=LOCKSTEP_SECONDS)
+        for d in decoders.values():
+            d.live = None
+        verify, target_hidden = context_forwards(draft, decoders[0].state, ids, max_block)
         ar = decoders.pop("mlx-lm")
         row = {
             "prompt_length": length,
             "prompt_tokens": len(ids),
-            "autoregressive": {"tps": statistics.median(run["tps"] for run in ar.runs), "ttft_s": ar.ttft_s,
-                               "peak_memory_gb": ar.peak_gb},
+            "autoregressive": {"tps": statistics.median(run["tps"] for run in runs["mlx-lm"]), "ttft_s": ar.ttft_s,
+                               "peak_memory_gb": max([ar.peak_gb] + [run["peak_memory"] for run in runs["mlx-lm"]])},
             "dflash": {},
         }
         for w, d in decoders.items():
             drafter = time_drafter(model, draft, target_hidden, max_block, repeats=5, draft_window=w, draft_sink=sink)
             row["dflash"][window_name(w, sink)] = {
-                "draft_window": w, "draft_sink": sink if w else 0, **long_prompt_runs(d, ar),
+                "draft_window": w, "draft_sink": sink if w else 0, **long_prompt_runs(d, runs[w], runs["mlx-lm"]),
                 "drafter_ms": drafter, "verify_ms": verify, "drafter_share": drafter / (drafter + verify),
             }
         rows.append(row)
     return {"max_tokens": max_tokens, "block_size": max_block, "adaptive": block_size is None, "rounds": repeats,
+            "turn_tokens": LOCKSTEP_TOKENS, "turn_seconds": LOCKSTEP_SECONDS,
             "document_source": f"docstrings of Python {sys.version.split()[0]}'s {', '.join(DOCUMENT_MODULES)}",
             "question": DOCUMENT_QUESTION, "lengths": rows}
 
@@ -763,7 +857,8 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
 def print_long_prompt_report(r: dict) -> None:
     mode = f"adaptive, up to {r['block_size']}" if r["adaptive"] else f"fixed {r['block_size']}"
     print(f"long prompts: {r['max_tokens']} new tokens, block size {mode}, medians of {r['rounds']} rounds after one "
-          f"prefill each; documents: {r['document_source']}")
+          f"prefill each, the decoders in turns of up to {r['turn_tokens']} tokens "
+          f"or {r['turn_seconds']} s; documents: {r['document_source']}")
     print(f"{'prompt':>7} {'decoder':<28} {'tok/s':>8} {'speedup':>8} {'paired':>7} {'TTFT s':>8} {'tok/cycle':>9} "
           f"{'drafted':>7} {'drafter':>8} {'peak GB':>8} identical")
     for row in r["lengths"]:

@@ -5,7 +5,8 @@ best against best, and the median of each round's own ratio (a millisecond
 step on a shared machine moves by tens of percent from run to run, so one
 run's ratio says little). With ``--lockstep CHUNK`` each round is instead one
 generation of each decoder at a time, advanced in turns of CHUNK tokens
-(:func:`lockstep`), so that a slow spell of the machine falls on all alike.
+(:func:`dflash_mlx.benchmark.lockstep`), so that a slow spell of the machine
+falls on all alike.
 
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
     python examples/never_slower.py --json never_slower.json
@@ -28,6 +29,10 @@ Scenarios, each with the bar it is held to:
    trained block's, and >= 0.85 of the ideal.
 4. ``zlab``: against z-lab's ``dflash`` 0.1.0 (``dflash.model_mlx.stream_generate``)
    on the never-agreeing qwen3 pair (>= 1.0x) and the bundled pair (>= 1.1x).
+   On the bundled pair (a hybrid target) always in whole runs: z-lab's
+   runtime records the inputs of every GatedDeltaNet layer that runs while
+   its generation is under way, other targets' included, so it cannot take
+   turns with another generation there.
 
 z-lab's runtime is a pure-Python wheel, imported from its own directory and
 never a dependency of this package::
@@ -48,15 +53,13 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Optional
-
-import mlx.core as mx
-from mlx_lm import stream_generate as mlx_lm_stream_generate
+from typing import Callable, Dict, List, Optional
 
 import dflash_mlx
-from dflash_mlx.benchmark import benchmark, compile_block_lengths, run_autoregressive, run_dflash
+from dflash_mlx.benchmark import (
+    benchmark, compile_block_lengths, dflash_tokens, lockstep, mlx_lm_tokens, run_autoregressive, run_dflash,
+)
 from dflash_mlx.generate import encode_prompt
 from dflash_mlx.pair import DEFAULT_DRAFT, DEFAULT_TARGET, default_prompts
 from dflash_mlx.random_pair import write_random_pair
@@ -72,13 +75,7 @@ def alternate(runners: Dict[str, Callable[[], dict]], repeats: int, warm_up: Opt
     long to spend on warming), then ``repeats`` rounds of each in turn, the
     order rotating by one each round (a run right after mlx-lm's is slower
     on the CPU backend, BENCHMARKS.md "The bench's order", so no runner
-    always takes that place): per runner its median and best tok/s
-    (``NAME_tps``, ``NAME_best_tps``), and for each runner after the first
-    its ratio to the first both ways a noisy machine allows: best against
-    best (``NAME_best_ratio``) and the median of the rounds' own ratios
-    (``NAME_paired_ratio``: the two ran side by side, so a slow spell of
-    the machine slows both); whether every run gave the first runner's
-    tokens, and how many it gave."""
+    always takes that place); :func:`compare` of the runs."""
     if warm_up is None:
         for run in runners.values():
             run()
@@ -90,80 +87,30 @@ def alternate(runners: Dict[str, Callable[[], dict]], repeats: int, warm_up: Opt
         turn = i % len(names)
         for name in names[turn:] + names[:turn]:
             runs[name].append(runners[name]())
-    reference = runs[names[0]][0]["tokens"]
+    return compare(runs)
+
+
+def compare(runs: Dict[str, List[dict]]) -> dict:
+    """Decoders' runs (each with ``tps`` and ``tokens``; a round of each, in
+    :func:`alternate` or :func:`~dflash_mlx.benchmark.lockstep`): per
+    decoder its median and best tok/s (``NAME_tps``, ``NAME_best_tps``),
+    and for each decoder after the first its ratio to the first both ways a
+    noisy machine allows: best against best (``NAME_best_ratio``) and the
+    median of the rounds' own ratios (``NAME_paired_ratio``: the two ran
+    side by side, so a slow spell of the machine slows both); whether every
+    run gave the first decoder's tokens, how many it gave, and the rounds."""
+    first, *others = runs
+    reference = runs[first][0]["tokens"]
     tps = {name: [r["tps"] for r in v] for name, v in runs.items()}
     out = {f"{name}_tps": statistics.median(v) for name, v in tps.items()}
     out.update({f"{name}_best_tps": max(v) for name, v in tps.items()})
-    first, *others = tps
     for name in others:
         out[f"{name}_best_ratio"] = max(tps[name]) / max(tps[first])
         out[f"{name}_paired_ratio"] = statistics.median(x / y for x, y in zip(tps[name], tps[first]))
     out["identical"] = all(r["tokens"] == reference for v in runs.values() for r in v)
     out["tokens"] = len(reference)
-    out["rounds"] = repeats
+    out["rounds"] = len(tps[first])
     return out
-
-
-def lockstep(streams: Dict[str, Callable[[], Iterator[int]]], max_tokens: int, chunk: int, repeats: int) -> dict:
-    """One generation of each decoder (``streams``: name -> a fresh token
-    stream) at a time, advanced in turns of ``chunk`` tokens, the order
-    rotating by one each turn. A turn ends once its tokens are out and the
-    device is idle (``mx.synchronize``): each decoder queues its next step
-    before it yields, and that step must not run in the next decoder's turn.
-    Each decoder's seconds are summed over its turns, the first (which holds
-    the prefill) left out. A slow spell of the machine lasts many turns, so
-    it falls on every decoder alike, where whole runs in turn can each meet
-    a different one. ``repeats`` such generations after an untimed one; the
-    result has :func:`alternate`'s keys (tok/s a generation in place of a
-    run's), and ``chunk``."""
-    names = list(streams)
-    rounds = []
-    for _ in range(repeats + 1):
-        live = {name: stream() for name, stream in streams.items()}
-        tokens = {name: [] for name in names}
-        seconds = {name: 0.0 for name in names}
-        timed = {name: 0 for name in names}
-        for turn in itertools.count():
-            k = turn % len(names)
-            for name in [n for n in names[k:] + names[:k] if n in live]:
-                tic = time.perf_counter()
-                got = list(itertools.islice(live[name], chunk))
-                mx.synchronize()
-                if turn:
-                    seconds[name] += time.perf_counter() - tic
-                    timed[name] += len(got)
-                tokens[name] += got
-                if len(got) < chunk or len(tokens[name]) >= max_tokens:
-                    del live[name]
-            if not live:
-                break
-        rounds.append({name: (timed[name] / seconds[name], tokens[name]) for name in names})
-    rounds = rounds[1:]
-    first = names[0]
-    tps = {name: [r[name][0] for r in rounds] for name in names}
-    out = {f"{name}_tps": statistics.median(v) for name, v in tps.items()}
-    out.update({f"{name}_best_tps": max(v) for name, v in tps.items()})
-    for name in names[1:]:
-        out[f"{name}_best_ratio"] = max(tps[name]) / max(tps[first])
-        out[f"{name}_paired_ratio"] = statistics.median(x / y for x, y in zip(tps[name], tps[first]))
-    reference = rounds[0][first][1]
-    out["identical"] = all(r[name][1] == reference for r in rounds for name in names)
-    out.update(tokens=len(reference), rounds=repeats, chunk=chunk)
-    return out
-
-
-def mlx_lm_tokens(model, tokenizer, prompt, max_tokens: int) -> Iterator[int]:
-    """mlx-lm's greedy decode as a token stream (its eos left out, as
-    :func:`~dflash_mlx.benchmark.run_autoregressive` leaves it)."""
-    for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
-        if r.finish_reason != "stop":
-            yield r.token
-
-
-def dflash_tokens(model, draft, tokenizer, prompt, max_tokens: int, block_size: Optional[int] = None) -> Iterator[int]:
-    """DFlash's greedy decode as a token stream (``block_size`` None: adaptive)."""
-    for r in dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size):
-        yield from r.tokens
 
 
 def full_length_pair(directory: Path, family: str, prompt, max_tokens: int):
@@ -189,7 +136,7 @@ def load_zlab(zlab_dir: Path):
 
 def zlab_decoder(zlab, target_path: Path, draft_path: Path, prompt, max_tokens: int):
     """z-lab's stream_generate on its own target instance: a runner for
-    :func:`alternate` and a token stream for :func:`lockstep`."""
+    :func:`alternate` and a token stream for :func:`~dflash_mlx.benchmark.lockstep`."""
     model, tokenizer = zlab.load(str(target_path))
     draft = zlab.load_draft(str(draft_path))
 
@@ -208,7 +155,7 @@ def zlab_decoder(zlab, target_path: Path, draft_path: Path, prompt, max_tokens: 
 
 def measure_pair(target_path: Path, draft_path: Path, prompt, max_tokens: int, repeats: int, chunk: int = 0, zlab=None) -> dict:
     """mlx-lm, DFlash (adaptive) and, given z-lab's module, z-lab's runtime
-    on one prompt, in :func:`lockstep` turns of ``chunk`` tokens, or
+    on one prompt, in :func:`~dflash_mlx.benchmark.lockstep` turns of ``chunk`` tokens, or
     (``chunk`` 0) in whole runs in turn (:func:`alternate`); with DFlash's
     :func:`ratios`."""
     model, tokenizer = dflash_mlx.load(str(target_path))
@@ -228,7 +175,9 @@ def measure_pair(target_path: Path, draft_path: Path, prompt, max_tokens: int, r
     if zlab is not None:
         run, stream = zlab_decoder(zlab, target_path, draft_path, prompt, max_tokens)
         decoders["zlab"] = stream if chunk else run
-    return ratios(lockstep(decoders, max_tokens, chunk, repeats) if chunk else alternate(decoders, repeats))
+    if not chunk:
+        return ratios(alternate(decoders, repeats))
+    return ratios({**compare(lockstep(decoders, max_tokens, chunk, repeats)), "chunk": chunk})
 
 
 def ratios(result: dict) -> dict:
@@ -274,7 +223,7 @@ def main(argv=None) -> int:
         results["long"].append({"prompt": long_prompt[:40], **result})
         print("bundled pair, long:", json.dumps(results["long"][-1]), flush=True)
     if zlab is not None:
-        results["zlab_bundled"] = measure_pair(DEFAULT_TARGET, DEFAULT_DRAFT, prompt, args.bench_tokens, args.repeats, args.lockstep, zlab)
+        results["zlab_bundled"] = measure_pair(DEFAULT_TARGET, DEFAULT_DRAFT, prompt, args.bench_tokens, args.repeats, 0, zlab)
         print("bundled pair vs z-lab:", json.dumps(results["zlab_bundled"]), flush=True)
     else:
         results["zlab_skipped"] = f"z-lab's dflash 0.1.0 not found under {args.zlab_dir}"

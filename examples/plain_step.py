@@ -30,12 +30,13 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
-from never_slower import alternate, dflash_tokens, lockstep, mlx_lm_tokens
+from never_slower import alternate, compare
 
 import dflash_mlx
-from dflash_mlx.benchmark import compile_block_lengths, run_autoregressive, run_dflash
+from dflash_mlx.benchmark import compile_block_lengths, dflash_tokens, lockstep, mlx_lm_tokens, run_autoregressive, run_dflash
 from dflash_mlx.generate import build_prompt, encode_prompt
 from dflash_mlx.defaults import DEFAULT_TARGET
 from dflash_mlx.pair import default_prompt, load_pair
@@ -76,15 +77,21 @@ def measure(model, draft, tokenizer, prompt, max_tokens: int, repeats: int) -> d
     return out
 
 
-def plain_lockstep(model, draft, tokenizer, prompt, max_tokens: int, chunk: int, repeats: int) -> dict:
-    """mlx-lm's decode and the plain step in :func:`never_slower.lockstep`
-    turns of ``chunk`` tokens, ``repeats`` generations each."""
+def plain_lockstep(model, draft, tokenizer, prompt, max_tokens: int, chunk: int, repeats: int, warm_s: float = 0) -> dict:
+    """mlx-lm's decode and the plain step in
+    :func:`~dflash_mlx.benchmark.lockstep` turns of ``chunk`` tokens,
+    ``repeats`` generations each, after untimed ones for ``warm_s`` seconds
+    at least (the first row a process times reads low without them:
+    BENCHMARKS.md, "Every family in lockstep")."""
     compile_block_lengths(draft, encode_prompt(tokenizer, prompt), 1)
     streams = {
         "mlx_lm": lambda: mlx_lm_tokens(model, tokenizer, prompt, max_tokens),
         "plain": lambda: dflash_tokens(model, draft, tokenizer, prompt, max_tokens, block_size=1),
     }
-    out = lockstep(streams, max_tokens, chunk, repeats)
+    end = time.perf_counter() + warm_s
+    while time.perf_counter() < end:
+        lockstep(streams, max_tokens, chunk, repeats=0)
+    out = {**compare(lockstep(streams, max_tokens, chunk, repeats)), "chunk": chunk}
     out["ratio"] = out["plain_tps"] / out["mlx_lm_tps"]
     return out
 
@@ -160,6 +167,8 @@ def main():
     p.add_argument("--run", type=int, default=8, help="with --switching: cycles of each kind in a row")
     p.add_argument("--lockstep", type=int, default=0, metavar="CHUNK",
                    help="advance the two decoders in turns of CHUNK tokens within one generation each (see lockstep)")
+    p.add_argument("--warm-seconds", type=float, default=30,
+                   help="with --lockstep: untimed generations before the first row, for at least this long")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.switching:
@@ -182,7 +191,8 @@ def main():
                         prompt = build_prompt(tokenizer, default_prompt(named))
                     repeats = args.slow_repeats if name == "smollm2" else args.repeats
                     if args.lockstep:
-                        r = plain_lockstep(model, draft, tokenizer, prompt, max_tokens, args.lockstep, repeats)
+                        warm_s = 0 if results else args.warm_seconds
+                        r = plain_lockstep(model, draft, tokenizer, prompt, max_tokens, args.lockstep, repeats, warm_s)
                         results[f"{name}@{max_tokens}"] = r
                         print(f"{name:8s} {max_tokens:5d} tokens, {repeats} lockstep generations: mlx-lm "
                               f"{r['mlx_lm_tps']:7.1f} tok/s, plain step {r['plain_tps']:7.1f} tok/s (medians); "

@@ -1,10 +1,12 @@
 """The draft window: a drafter reading only the first S and the last W
 context positions decodes exactly what mlx-lm decodes, and keeps no more."""
 
+import functools
 import importlib
 import json
 import os
 import threading
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -314,10 +316,11 @@ def test_smollm2_six_thousand_token_prompt_is_exact(smollm2_long, window, sink):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_long_prompt_rounds_continue_as_a_fresh_run(request, tmp_path, family):
-    """The long-prompt bench's rounds decode from a copy of each decoder's
-    prefilled state (the last prompt token fed alone): every round writes
-    what a fresh run writes, for mlx-lm and DFlash alike; a hybrid target,
-    whose caches cannot trim, keeps no state and prefills each round."""
+    """The long-prompt bench's rounds decode in lockstep from a copy of each
+    decoder's prefilled state (the last prompt token fed alone): every
+    round writes what a fresh run writes, for mlx-lm and DFlash alike, and
+    keeps DFlash's cycles; a hybrid target, whose caches cannot trim,
+    keeps no state and prefills each round."""
     from mlx_lm.models.cache import make_prompt_cache as lm_cache
 
     pair = request.getfixturevalue(f"{family}_pair")
@@ -325,18 +328,60 @@ def test_long_prompt_rounds_continue_as_a_fresh_run(request, tmp_path, family):
     draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=4), model)
     ids = encode_prompt(tok, benchmark.long_prompt(tok, 200)).tolist()
     fresh = benchmark.run_autoregressive(model, tok, ids, 12)["tokens"]
-    decoders = [
-        benchmark.LongPromptDecoder(lambda i, n, c: benchmark.run_autoregressive(model, tok, i, n, prompt_cache=c),
-                                    lambda: benchmark.MlxLmCache(lm_cache(model))),
-        benchmark.LongPromptDecoder(lambda i, n, c: benchmark.run_dflash(model, draft, tok, i, n, None, prompt_cache=c),
-                                    lambda: dflash_mlx.make_prompt_cache(model, draft, draft_window=16, draft_sink=4)),
-    ]
-    for d in decoders:
+    decoders = {
+        "mlx-lm": benchmark.LongPromptDecoder(
+            lambda i, n, c: benchmark.run_autoregressive(model, tok, i, n, prompt_cache=c),
+            lambda i, n, c, _: benchmark.mlx_lm_tokens(model, tok, i, n, c),
+            lambda: benchmark.MlxLmCache(lm_cache(model))),
+        "dflash": benchmark.LongPromptDecoder(
+            lambda i, n, c: benchmark.run_dflash(model, draft, tok, i, n, None, prompt_cache=c),
+            lambda i, n, c, responses: benchmark.dflash_tokens(model, draft, tok, i, n, None, responses, prompt_cache=c),
+            lambda: dflash_mlx.make_prompt_cache(model, draft, draft_window=16, draft_sink=4)),
+    }
+    for d in decoders.values():
         d.prefill(ids, 0)
         assert d.ttft_s > 0 and d.peak_gb > 0 and (d.state is None) == (family == "qwen3_5")
-        d.decode(ids, 12, False, 0)
-        d.decode(ids, 12, True, 0)
-        assert [r["tokens"] for r in d.runs] == [fresh, fresh] and d.state is None
+    streams = {name: functools.partial(d.stream, ids, 12) for name, d in decoders.items()}
+    runs = benchmark.lockstep(streams, 12, 5, 2, untimed=0, held=lambda name: 0)
+    for name, d in decoders.items():
+        assert [r["tokens"] for r in runs[name]] == [fresh, fresh]
+        assert all(r["tps"] > 0 and r["peak_memory"] > 0 for r in runs[name])
+        assert len(d.responses) == 2 and d.live is not None  # the last round ran on it
+    responses = decoders["dflash"].responses[0]
+    assert [t for r in responses for t in r.tokens] == fresh
+    # every token after the prefill's in a cycle (and an eos that ends it early)
+    assert sum(benchmark.cycle_record(responses)["committed"]) - (len(fresh) - 1) == (len(fresh) < 12)
+
+
+def test_lockstep_takes_turns_and_times_all_but_the_first_token():
+    """Turns rotate: the prefill's token first (untimed), then ``chunk``
+    tokens a turn; a stream that ends early (an eos) leaves the others
+    going; the untimed round is dropped."""
+    order = []
+
+    def stream(name, n):
+        def tokens():
+            for t in range(n):
+                order.append(name)
+                yield t
+        return tokens
+
+    runs = benchmark.lockstep({"a": stream("a", 9), "b": stream("b", 4)}, 9, 3, repeats=2)
+    assert [r["tokens"] for r in runs["a"]] == [list(range(9))] * 2 and [r["tokens"] for r in runs["b"]] == [list(range(4))] * 2
+    assert all(r["tps"] > 0 and "peak_memory" not in r for r in runs["a"] + runs["b"])
+    # per round: a's first token, b's; then b leads the next turn (3 of b, 3 of a); then a (3), b is done
+    assert order[-13:] == ["a", "b"] + ["b"] * 3 + ["a"] * 3 + ["a"] * 3 + ["a"] * 2
+    assert len(order) == 3 * 13  # one untimed round and two kept
+    order.clear()
+
+    def slow():  # 0.02 s a token: past turn_s after 2 tokens
+        for t in stream("a", 9)():
+            time.sleep(0.02)
+            yield t
+
+    runs = benchmark.lockstep({"a": slow, "b": stream("b", 9)}, 9, 4, repeats=1, untimed=0, turn_s=0.03)
+    assert [r[0]["tokens"] for r in runs.values()] == [list(range(9))] * 2
+    assert order[:12] == ["a", "b"] + ["b"] * 4 + ["a"] * 2 + ["a"] * 2 + ["b"] * 2
 
 
 def test_bench_long_prompts(qwen3_pair, tmp_path, capsys):
