@@ -246,7 +246,8 @@ def lockstep(streams: Dict[str, Callable[[], Iterator[int]]], max_tokens: int, c
             k = turn % len(names)
             for name in [n for n in names[k:] + names[:k] if n in live]:
                 want, got, ended = chunk if turn else 1, [], True
-                mx.reset_peak_memory()
+                if held is not None:
+                    mx.reset_peak_memory()
                 tic = time.perf_counter()
                 for token in live[name]:
                     got.append(token)
@@ -716,6 +717,10 @@ class LongPromptDecoder:
         prompt = ids if self.state is None else ids[-1:]
         return self.tokens(prompt, max_tokens, self.live, self.responses[-1])
 
+    def peak(self, runs: List[dict]) -> float:
+        """Peak GB of the prefill and of the decoder's :func:`lockstep` rounds."""
+        return max([self.peak_gb] + [run["peak_memory"] for run in runs])
+
 
 class MlxLmCache(list):
     """mlx-lm's prompt cache (a list of layer caches) with the ``offset``,
@@ -754,7 +759,7 @@ def long_prompt_runs(d: LongPromptDecoder, runs: List[dict], ar_runs: List[dict]
         "ttft_s": d.ttft_s,
         "tokens_per_cycle": mean_tokens_per_cycle([c for record in cycles for c in record["committed"]]),
         "drafting_cycles": statistics.median(sum(b > 1 for b in record["block_sizes"]) for record in cycles),
-        "peak_memory_gb": max([d.peak_gb] + [run["peak_memory"] for run in runs]),
+        "peak_memory_gb": d.peak(runs),
         "outputs_identical": all(run["tokens"] == ar_runs[0]["tokens"] for run in [*ar_runs, *runs]),
     }
 
@@ -838,7 +843,7 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
             "prompt_length": length,
             "prompt_tokens": len(ids),
             "autoregressive": {"tps": statistics.median(run["tps"] for run in runs["mlx-lm"]), "ttft_s": ar.ttft_s,
-                               "peak_memory_gb": max([ar.peak_gb] + [run["peak_memory"] for run in runs["mlx-lm"]])},
+                               "peak_memory_gb": ar.peak(runs["mlx-lm"])},
             "dflash": {},
         }
         for w, d in decoders.items():
