@@ -747,6 +747,16 @@ class MlxLmCache(list):
         return trim_prompt_cache(self, n)
 
 
+def separate_drafter(draft):
+    """A drafter object on ``draft``'s weights, target binding and draft
+    head (shared, not copied) that learns on its own: what the loop learns
+    (the calibration and the block sizer, :mod:`dflash_mlx.calibration`)
+    is kept per drafter object. Decoders taking :func:`lockstep` turns
+    each learn from their own cycles then, as one generating alone does,
+    where sharing one drafter would mix their cycles into one sizer."""
+    return copy.copy(draft)
+
+
 def long_prompt_runs(d: LongPromptDecoder, runs: List[dict], ar_runs: List[dict]) -> dict:
     """A DFlash decoder's :func:`lockstep` rounds at one length against
     mlx-lm's (``ar_runs``)."""
@@ -778,6 +788,22 @@ def context_forwards(draft, state, ids, block_size):
     return time_verify(target, cache, block_size, repeats=5), target_hidden
 
 
+def warmed_drafters(model, draft, tokenizer, windows, sink, block_size) -> dict:
+    """Compile and calibrate before anything is timed (mlx-lm and DFlash on
+    a short prompt, every block length), and give each draft window its
+    own :func:`separate_drafter`, calibrated too: ``{window: drafter}``."""
+    draft.bind(model)
+    warm = long_prompt(tokenizer, 64)
+    run_autoregressive(model, tokenizer, warm, 8)
+    for w in windows:
+        run_dflash(model, draft, tokenizer, warm, 8, block_size, draft_window=w, draft_sink=sink)
+    compile_block_lengths(draft, encode_prompt(tokenizer, warm), block_size or draft.block_size)
+    drafts = {w: separate_drafter(draft) for w in windows}
+    for w, d in drafts.items():
+        run_dflash(model, d, tokenizer, warm, 8, block_size, draft_window=w, draft_sink=sink)
+    return drafts
+
+
 def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, sink, block_size=None,
                        repeats=DEFAULT_BENCH_REPEATS) -> dict:
     """Long prompts: at each length, mlx-lm and DFlash with the full context
@@ -789,7 +815,8 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
     prefills the prompt once (time to first token measured there,
     :meth:`LongPromptDecoder.prefill`) and decodes ``repeats`` rounds from
     that state, all decoders in :func:`lockstep` turns of up to
-    :data:`LOCKSTEP_TOKENS` tokens or :data:`LOCKSTEP_SECONDS`. Reported
+    :data:`LOCKSTEP_TOKENS` tokens or :data:`LOCKSTEP_SECONDS`, each DFlash
+    decoder with a drafter of its own (:func:`warmed_drafters`). Reported
     per decoder: median tok/s, DFlash's speedup (of the medians, and the
     median of each round's own ratio), tokens per cycle, peak memory (of
     the prefill and of the rounds, as if the decoder ran alone: the other
@@ -800,19 +827,14 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
 
     configs = list(dict.fromkeys([0, *windows]))
     max_block = block_size or draft.block_size
-    draft.bind(model)
-    warm = long_prompt(tokenizer, 64)  # compiles and calibrates before anything is timed
-    run_autoregressive(model, tokenizer, warm, 8)
-    for w in configs:
-        run_dflash(model, draft, tokenizer, warm, 8, block_size, draft_window=w, draft_sink=sink)
-    compile_block_lengths(draft, encode_prompt(tokenizer, warm), max_block)
+    drafts = warmed_drafters(model, draft, tokenizer, configs, sink, block_size)
 
-    def dflash(w):
+    def dflash(d, w):
         return LongPromptDecoder(
-            lambda ids, n, cache: run_dflash(model, draft, tokenizer, ids, n, block_size, prompt_cache=cache),
-            lambda ids, n, cache, responses: dflash_tokens(model, draft, tokenizer, ids, n, block_size, responses,
+            lambda ids, n, cache: run_dflash(model, d, tokenizer, ids, n, block_size, prompt_cache=cache),
+            lambda ids, n, cache, responses: dflash_tokens(model, d, tokenizer, ids, n, block_size, responses,
                                                            prompt_cache=cache),
-            lambda: make_prompt_cache(model, draft, w, sink),
+            lambda: make_prompt_cache(model, d, w, sink),
         )
 
     rows = []
@@ -823,7 +845,7 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
             lambda ids, n, cache, _: mlx_lm_tokens(model, tokenizer, ids, n, cache),
             lambda: MlxLmCache(mlx_lm_prompt_cache(model)),
         )}
-        decoders.update({w: dflash(w) for w in configs})
+        decoders.update({w: dflash(d, w) for w, d in drafts.items()})
 
         def states():
             return sum(d.state.nbytes for d in decoders.values() if d.state is not None)
@@ -837,7 +859,7 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
         runs = lockstep(streams, max_tokens, LOCKSTEP_TOKENS, repeats, untimed=0, held=held, turn_s=LOCKSTEP_SECONDS)
         for d in decoders.values():
             d.live = None
-        verify, target_hidden = context_forwards(draft, decoders[0].state, ids, max_block)
+        verify, target_hidden = context_forwards(drafts[0], decoders[0].state, ids, max_block)
         ar = decoders.pop("mlx-lm")
         row = {
             "prompt_length": length,

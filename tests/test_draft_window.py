@@ -353,6 +353,33 @@ def test_long_prompt_rounds_continue_as_a_fresh_run(request, tmp_path, family):
     assert sum(benchmark.cycle_record(responses)["committed"]) - (len(fresh) - 1) == (len(fresh) < 12)
 
 
+def test_a_separate_drafter_shares_the_weights_not_what_the_loop_learns(qwen3_pair, tmp_path):
+    """The long-prompt bench gives each DFlash decoder a drafter of its own:
+    the same weight arrays (no copy, no memory), the same tokens, and a
+    calibration and block sizer of its own, so that decoders taking turns
+    never mix their cycles into one sizer."""
+    from mlx.utils import tree_flatten
+
+    from dflash_mlx.calibration import calibrate
+    from dflash_mlx.generate import prefill
+
+    model, tok = qwen3_pair.model, qwen3_pair.tokenizer
+    draft = dflash_mlx.load_draft(qwen3_pair.make_draft(tmp_path / "d", block_size=4), model)
+    first = benchmark.run_dflash(model, draft, tok, PROMPT, 12, None)["tokens"]
+    twin = benchmark.separate_drafter(draft)
+    pairs = zip(tree_flatten(draft.parameters()), tree_flatten(twin.parameters()))
+    assert all(a is b for (_, a), (_, b) in pairs)
+    active = mx.get_active_memory()
+    assert benchmark.run_dflash(model, twin, tok, PROMPT, 12, None)["tokens"] == first
+    mx.clear_cache()
+    assert mx.get_active_memory() - active < 1_000_000  # no second copy of anything the drafter holds
+    cache = dflash_mlx.make_prompt_cache(model, draft)
+    prefill(draft.target, cache, prompt_of(9), 2048)
+    ours, theirs = (calibrate(d.target, d, cache.target, cache.target_hidden, 4) for d in (draft, twin))
+    assert ours is not theirs and ours.sizer is not theirs.sizer
+    assert calibrate(twin.target, twin, cache.target, cache.target_hidden, 4) is theirs  # its own, kept
+
+
 def test_lockstep_takes_turns_and_times_all_but_the_first_token():
     """Turns rotate: the prefill's token first (untimed), then ``chunk``
     tokens a turn; a stream that ends early (an eos) leaves the others
