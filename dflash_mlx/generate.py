@@ -153,12 +153,10 @@ class AcceptanceRule:
         return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     def outcome(self, logits, proposal, q) -> mx.array:
-        """A verified cycle's result as one lazy int32 vector, so the loop
+        """A drafting cycle's result as one lazy int32 vector, so the loop
         can queue it and read it with one host sync (:func:`read_outcome`):
-        ``[accepted count, the token after them, *proposal]``, or for a
-        plain cycle (empty ``proposal``) ``[the target's token]``."""
-        if proposal.size == 0:
-            return self.choose(logits[-1:])
+        ``[accepted count, the token after them, *proposal]``. A plain
+        cycle's is the target's token alone, :meth:`choose` of its logits."""
         if q is None:
             accepted, token = accept_greedy(proposal, self.choose(logits))
         else:
@@ -392,10 +390,8 @@ class Drafting:
         (``length`` 1: plain decoding, no draft), and the outcome. A plain
         step's anchor may be the previous plain step's lazy outcome."""
         cache, rule = self.cache, self.rule
-        if isinstance(anchor, mx.array):
-            verify_in, q = anchor.reshape(1, 1).astype(mx.int32), None
-        else:
-            verify_in, q = mx.array([[anchor]]), None
+        verify_in = anchor.reshape(1, 1) if isinstance(anchor, mx.array) else mx.array([[anchor]], dtype=mx.int32)
+        q = None
         if length > 1:
             block, slots = self.block(anchor), length - 1
             if rule.sampling is not None:
@@ -407,7 +403,7 @@ class Drafting:
             self.settle(drafted)
             verify_in = mx.concatenate([verify_in, drafted.astype(mx.int32)], axis=1)
         logits, target_hidden = self.target.forward(verify_in, cache.target)
-        outcome = rule.outcome(logits[0], verify_in[0, 1:], q)
+        outcome = rule.outcome(logits[0], verify_in[0, 1:], q) if length > 1 else rule.choose(logits[0, -1:])
         mx.async_eval(outcome, target_hidden)
         return Cycle(length, outcome, logits, target_hidden)
 
