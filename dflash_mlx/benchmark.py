@@ -791,12 +791,13 @@ def context_forwards(draft, state, ids, block_size):
 def warmed_drafters(model, draft, tokenizer, windows, sink, block_size) -> dict:
     """Compile and calibrate before anything is timed (mlx-lm and DFlash on
     a short prompt, every block length), and give each draft window its
-    own :func:`separate_drafter`, calibrated too: ``{window: drafter}``."""
+    own :func:`separate_drafter`, warmed on that window: ``{window:
+    drafter}``. ``draft`` runs once first, so that what the drafters share
+    (the draft head) is built before they are separated."""
     draft.bind(model)
     warm = long_prompt(tokenizer, 64)
     run_autoregressive(model, tokenizer, warm, 8)
-    for w in windows:
-        run_dflash(model, draft, tokenizer, warm, 8, block_size, draft_window=w, draft_sink=sink)
+    run_dflash(model, draft, tokenizer, warm, 8, block_size)
     compile_block_lengths(draft, encode_prompt(tokenizer, warm), block_size or draft.block_size)
     drafts = {w: separate_drafter(draft) for w in windows}
     for w, d in drafts.items():
