@@ -150,14 +150,17 @@ def repeated_4gram_share(tokens: List[int]) -> float:
 
 
 def run_autoregressive(model, tokenizer, prompt, max_tokens, prompt_cache=None):
-    from mlx_lm import stream_generate as mlx_lm_stream_generate
-
-    tokens, last = [], None
-    for last in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, prompt_cache=prompt_cache):
-        if last.finish_reason != "stop":
-            tokens.append(last.token)
+    """One generation of mlx-lm's greedy decode (:func:`mlx_lm_tokens`)."""
+    responses = []
+    tokens = list(mlx_lm_tokens(model, tokenizer, prompt, max_tokens, prompt_cache, responses))
+    last = responses[-1]
     return {"tokens": tokens, "tps": last.generation_tps, "peak_memory": last.peak_memory,
-            "ttft_s": last.prompt_tokens / last.prompt_tps}
+            "ttft_s": time_to_first_token(last)}
+
+
+def time_to_first_token(response) -> float:
+    """Seconds of the prefill, from a response of mlx-lm's or DFlash's."""
+    return response.prompt_tokens / response.prompt_tps
 
 
 def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=None, tree_budget=None, **options):
@@ -181,7 +184,7 @@ def run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, timer=No
         "tps": responses[-1].generation_tps,
         **cycle_record(responses),
         "peak_memory": responses[-1].peak_memory,
-        "ttft_s": responses[-1].prompt_tokens / responses[-1].prompt_tps,
+        "ttft_s": time_to_first_token(responses[-1]),
     }
 
 
@@ -196,12 +199,15 @@ def cycle_record(responses) -> dict:
     }
 
 
-def mlx_lm_tokens(model, tokenizer, prompt, max_tokens, prompt_cache=None) -> Iterator[int]:
-    """mlx-lm's greedy decode as a token stream, its eos left out (as
-    :func:`run_autoregressive` leaves it)."""
+def mlx_lm_tokens(model, tokenizer, prompt, max_tokens, prompt_cache=None, responses=None) -> Iterator[int]:
+    """mlx-lm's greedy decode as a token stream, its eos left out as
+    DFlash's responses leave it; each response is appended to ``responses``
+    where given."""
     from mlx_lm import stream_generate as mlx_lm_stream_generate
 
     for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, prompt_cache=prompt_cache):
+        if responses is not None:
+            responses.append(r)
         if r.finish_reason != "stop":
             yield r.token
 
@@ -677,13 +683,11 @@ def window_name(window, sink) -> str:
 
 @dataclass
 class LongPromptDecoder:
-    """One decoder of :func:`long_prompt_report`: ``run(prompt, max_tokens,
-    prompt_cache)`` generates at once (:func:`run_autoregressive`,
-    :func:`run_dflash`), ``tokens(prompt, max_tokens, prompt_cache,
-    responses)`` as a token stream (:func:`mlx_lm_tokens`,
-    :func:`dflash_tokens`), ``make_cache()`` makes its empty prompt cache."""
+    """One decoder of :func:`long_prompt_report`: ``tokens(prompt,
+    max_tokens, prompt_cache, responses)`` generates as a token stream
+    (:func:`mlx_lm_tokens`, :func:`dflash_tokens`), ``make_cache()`` makes
+    its empty prompt cache."""
 
-    run: Callable
     tokens: Callable
     make_cache: Callable
     state: Optional[object] = None  # its prompt cache after all of the prompt but its last token
@@ -701,9 +705,11 @@ class LongPromptDecoder:
         round prefills anew."""
         cache = self.make_cache()
         mx.reset_peak_memory()
-        first = self.run(ids, 1, cache)
-        self.ttft_s = first["ttft_s"]
-        self.peak_gb = first["peak_memory"] - others_bytes / 1e9
+        responses = []
+        for _ in self.tokens(ids, 1, cache, responses):
+            pass
+        self.ttft_s = time_to_first_token(responses[-1])
+        self.peak_gb = responses[-1].peak_memory - others_bytes / 1e9
         if cache.is_trimmable():
             cache.trim(cache.offset - (len(ids) - 1))
             self.state = cache
@@ -832,7 +838,6 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
 
     def dflash(d, w):
         return LongPromptDecoder(
-            lambda ids, n, cache: run_dflash(model, d, tokenizer, ids, n, block_size, prompt_cache=cache),
             lambda ids, n, cache, responses: dflash_tokens(model, d, tokenizer, ids, n, block_size, responses,
                                                            prompt_cache=cache),
             lambda: make_prompt_cache(model, d, w, sink),
@@ -842,8 +847,7 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
     for length in lengths:
         ids = encode_prompt(tokenizer, long_prompt(tokenizer, length)).tolist()
         decoders = {"mlx-lm": LongPromptDecoder(
-            lambda ids, n, cache: run_autoregressive(model, tokenizer, ids, n, prompt_cache=cache),
-            lambda ids, n, cache, _: mlx_lm_tokens(model, tokenizer, ids, n, cache),
+            lambda ids, n, cache, responses: mlx_lm_tokens(model, tokenizer, ids, n, cache, responses),
             lambda: MlxLmCache(mlx_lm_prompt_cache(model)),
         )}
         decoders.update({w: dflash(d, w) for w, d in drafts.items()})

@@ -330,11 +330,9 @@ def test_long_prompt_rounds_continue_as_a_fresh_run(request, tmp_path, family):
     fresh = benchmark.run_autoregressive(model, tok, ids, 12)["tokens"]
     decoders = {
         "mlx-lm": benchmark.LongPromptDecoder(
-            lambda i, n, c: benchmark.run_autoregressive(model, tok, i, n, prompt_cache=c),
-            lambda i, n, c, _: benchmark.mlx_lm_tokens(model, tok, i, n, c),
+            lambda i, n, c, responses: benchmark.mlx_lm_tokens(model, tok, i, n, c, responses),
             lambda: benchmark.MlxLmCache(lm_cache(model))),
         "dflash": benchmark.LongPromptDecoder(
-            lambda i, n, c: benchmark.run_dflash(model, draft, tok, i, n, None, prompt_cache=c),
             lambda i, n, c, responses: benchmark.dflash_tokens(model, draft, tok, i, n, None, responses, prompt_cache=c),
             lambda: dflash_mlx.make_prompt_cache(model, draft, draft_window=16, draft_sink=4)),
     }
