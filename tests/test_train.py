@@ -303,18 +303,21 @@ def test_resume_equals_uninterrupted_run(qwen3_pair, corpus, tmp_path, monkeypat
 
 def test_init_from_starts_at_the_checkpoint(qwen3_pair, corpus, tmp_path, capsys):
     """--init-from loads an earlier drafter's weights: with a zero learning
-    rate the new run saves them unchanged and its first loss is the old run's
-    level, not a random drafter's; a run with a draft vocabulary may start
-    from one without. A drafter of another shape is refused."""
+    rate the new run saves them unchanged and its losses are the old run's
+    level, not a random drafter's: on the same first batches (one seed), the
+    old run's first ones were a drafter's first steps (one batch alone says
+    little at this size, and which batches come depends on the corpus, this
+    package's source). A run with a draft vocabulary may start from one
+    without. A drafter of another shape is refused."""
     pair = qwen3_pair
     first, second = tmp_path / "first", tmp_path / "second"
     assert train_cli(small_run(pair, corpus, first, "--steps", "30")) == 0
-    argv = small_run(pair, corpus, second, "--steps", "2", "--init-from", str(first))
+    argv = small_run(pair, corpus, second, "--steps", "8", "--init-from", str(first))
     argv[argv.index("--learning-rate") + 1] = "0"
     assert train_cli(argv) == 0
     a, b = mx.load(str(first / "model.safetensors")), mx.load(str(second / "model.safetensors"))
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
-    assert history(second)[0][0] < np.mean([h[0] for h in history(first)[:3]]) - 0.3
+    assert np.mean([h[0] for h in history(second)]) < np.mean([h[0] for h in history(first)[:8]]) - 0.3
     vocab = small_run(pair, corpus, tmp_path / "vocab", "--steps", "1", "--draft-vocab", "64", "--init-from", str(first))
     assert train_cli(vocab) == 0  # a head over fewer ids: the same weights
     c = mx.load(str(tmp_path / "vocab" / "model.safetensors"))
