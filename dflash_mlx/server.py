@@ -48,7 +48,7 @@ from .api import ENDPOINTS, Metrics, ResponseStore, read_json_body
 from .api.turn import openai_tool_choice, tool_choice_rule
 from .cache import make_prompt_cache
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BLOCK_SIZE
-from .errors import ArgumentError, DFlashError, RequestError
+from .errors import ArgumentError, RequestError
 from .generate import feed, generate_step
 from .pipeline import STOP, agree_flag, share_request
 

@@ -815,7 +815,6 @@ def test_a_drafter_that_never_agrees_costs_its_budget_however_short_the_generati
     generation to the next, and probing costs PROBE_BUDGET of the plain
     decoding time, not a probe a generation (about 1.6% here)."""
     sizer = BlockSizer(16, CycleCosts(LINEAR))
-    rng = np.random.default_rng(0)
     seconds = tokens = 0.0
     for generation in range(60):
         sizer.begin()

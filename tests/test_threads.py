@@ -15,7 +15,6 @@ import threading
 import mlx.core as mx
 import pytest
 from test_state import assert_like_fresh_prefill
-from tiny import reference_tokens
 
 import dflash_mlx
 from dflash_mlx.errors import ArgumentError
