@@ -3,7 +3,6 @@ greedy and sampled), the approximate target of the data stages, and the
 trainer's options (slots, answer anchors, layers from the target)."""
 
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -172,9 +171,9 @@ def small_run(pair, data, out, *extra):
 
 @pytest.fixture(scope="module")
 def rows(qwen3_pair, tmp_path_factory):
-    """Rows of real text and an answer mask (the second half of each row)."""
+    """Rows of structured text and an answer mask (the second half of each row)."""
     root = tmp_path_factory.mktemp("rows")
-    text = "".join(p.read_text() for p in sorted((Path(dflash_mlx.__file__).parent).glob("*.py")))[:6000]
+    text = tiny.seeded_source()[:6000]
     ids = np.asarray(qwen3_pair.tokenizer.encode(text))[: 12 * 48].reshape(12, 48)
     np.save(root / "rows.npy", ids)
     mask = np.zeros(ids.shape, bool)

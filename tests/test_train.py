@@ -28,36 +28,10 @@ VARIANTS = {
 }
 
 
-NOUNS = "cache block draft target token layer window prefix state chunk row step sample verify stream tap head mask".split()
-VERBS = "read keep drop join count build choose commit roll_back load save trim".split()
-
-
-def seeded_source(seed: int = 0, functions: int = 1500) -> str:
-    """Python-like source from a small seeded grammar: structured enough to
-    learn from, and fixed, where this package's own source (the corpus
-    once) moved the tests' batches with every edit."""
-    rng = np.random.default_rng(seed)
-
-    def pick(words):
-        return words[rng.integers(len(words))]
-
-    out = []
-    for _ in range(functions):
-        verb, noun, other = pick(VERBS), pick(NOUNS), pick(NOUNS)
-        k, limit = rng.integers(2, 9), rng.integers(10, 99)
-        out.append(
-            f"def {verb}_{noun}({noun}s, {other}):\n"
-            f'    """{verb.replace("_", " ").capitalize()} the {noun} of every {other} in {noun}s."""\n'
-            f"    total = len({noun}s) + {other} * {k}\n"
-            f"    return total if total > {limit} else {other}\n\n\n"
-        )
-    return "".join(out)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text(seeded_source())
+    path.write_text(tiny.seeded_source())
     return path
 
 

@@ -281,6 +281,32 @@ def prompt_of(n, seed=0):
     return rng.integers(0, 256, size=n).tolist()
 
 
+NOUNS = "cache block draft target token layer window prefix state chunk row step sample verify stream tap head mask".split()
+VERBS = "read keep drop join count build choose commit roll_back load save trim".split()
+
+
+def seeded_source(seed: int = 0, functions: int = 1500) -> str:
+    """Python-like source from a small seeded grammar: text for the trainer's
+    tests, structured enough to learn from, and fixed, where this package's
+    own source (their text once) moved their batches with every edit."""
+    rng = np.random.default_rng(seed)
+
+    def pick(words):
+        return words[rng.integers(len(words))]
+
+    out = []
+    for _ in range(functions):
+        verb, noun, other = pick(VERBS), pick(NOUNS), pick(NOUNS)
+        k, limit = rng.integers(2, 9), rng.integers(10, 99)
+        out.append(
+            f"def {verb}_{noun}({noun}s, {other}):\n"
+            f'    """{verb.replace("_", " ").capitalize()} the {noun} of every {other} in {noun}s."""\n'
+            f"    total = len({noun}s) + {other} * {k}\n"
+            f"    return total if total > {limit} else {other}\n\n\n"
+        )
+    return "".join(out)
+
+
 # ---------------------------------------------------------------------------
 # Statistics (see tests/test_sampling.py for the bounds)
 
