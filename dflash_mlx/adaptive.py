@@ -562,6 +562,8 @@ RECHECK_BUDGET = 0.01
 RECHECK_STEPS = PLAIN_PRIOR + 3
 # Plain steps between two reconsiderations of a plain spell (see BlockSizer.choose).
 REVISIT = 8
+# Every so many drafting cycles a batch sizer tries another length (see BatchSizer.choose).
+EXPLORE_EVERY = 8
 # Plain cycles before the first probe, and before the next one while
 # drafting looks faster (see BlockSizer.observe); failed probes double it.
 PROBE_WAIT = 4
@@ -799,3 +801,130 @@ class BlockSizer:
         else:
             self.drafting_net -= self.costs.switch  # back to plain decoding
             self.patience = min(max(self.patience, PROBE_WAIT) * 2, self.longest_wait(block if isinstance(block, int) else self.probe_block))
+
+
+class BatchCosts:
+    """Seconds of a batched cycle by its shape, measured: ``B`` rows, each
+    verifying ``L`` tokens (``L = 1``: a plain batched step, no draft).
+
+    A cycle costs ``t = a + b B + [L > 1] (d + e B) + s B (L - 1)``: a
+    forward whose cost grows with the rows it runs (``a + b B`` for the
+    anchors, ``s`` per verified draft row, priced by the total rows the
+    batch verifies), plus the drafter's forward for ``B`` requests when
+    drafting. The five terms are fitted to the last ``window`` cycles by
+    least squares, drawn toward ``prior`` (from the pair's one-request cost
+    table, :meth:`from_table`) as if it were ``prior_weight`` cycles: a
+    batch shape the loop has not run yet is priced from the shapes it has.
+    """
+
+    def __init__(self, prior: List[float], window: int = 64, prior_weight: float = 2.0):
+        self.prior = np.asarray(prior, float)
+        self.theta = self.prior.copy()
+        self.recent = deque(maxlen=window)
+        self.prior_weight = prior_weight
+        self.warm = set()
+
+    @classmethod
+    def from_table(cls, table: CycleCosts) -> "BatchCosts":
+        """The prior from one request's costs: a plain step, a draft and a
+        verified row. Split between what the batch shares and what each row
+        adds as a one-request table can tell: a row of a plain step costs
+        what a verified row does, and half the draft is per request."""
+        plain, draft, slope = table.upto(2)[0], table.draft, table.slope
+        extra = max(0.0, draft - plain)
+        return cls([max(plain - slope, 0.0), slope, extra / 2, extra / 2, slope])
+
+    @staticmethod
+    def features(rows: int, block: int) -> List[float]:
+        drafting = float(block > 1)
+        return [1.0, rows, drafting, drafting * rows, rows * (block - 1)]
+
+    def cost(self, rows: int, block: int) -> float:
+        return max(float(np.dot(self.theta, self.features(rows, block))), 1e-6)
+
+    def observe(self, rows: int, block: int, seconds: float) -> None:
+        """A cycle of ``rows`` rows at ``block`` took ``seconds``; the first
+        of each shape is not counted (it may include compiling)."""
+        if (rows, block) not in self.warm:
+            self.warm.add((rows, block))
+            return
+        self.recent.append((self.features(rows, block), seconds))
+        x = np.array([f for f, _ in self.recent])
+        y = np.array([t for _, t in self.recent])
+        scale = np.maximum(np.abs(self.prior), 1e-6)  # the prior's pull per term, in its own units
+        reg = self.prior_weight * np.diag(1.0 / scale**2) * float(np.mean(y)) ** 2
+        theta = np.linalg.solve(x.T @ x + reg, x.T @ y + reg @ self.prior)
+        self.theta = np.maximum(theta, 0.0)
+
+
+class BatchSizer:
+    """Chooses each batched cycle's block length: the ``L`` that maximises
+    the batch's expected committed tokens per second,
+    ``sum_b E_b(min(L, r_b)) / C(B, L)``, with each row's own acceptance
+    (``E_b`` from its :class:`SlotAcceptance`, so a row the drafter suits
+    pulls toward longer blocks and one it does not toward shorter) and
+    :class:`BatchCosts`. Drafting at all is decided on the shares as seen
+    (as :meth:`BlockSizer.pays` does); while plain steps win, a probe drafts
+    now and then, after ``PROBE_WAIT`` plain cycles, twice as many after
+    each probe that did not pay, at most ``PROBE_BUDGET`` of the plain time."""
+
+    def __init__(self, max_block: int, costs: Optional[BatchCosts], fixed: bool = False):
+        self.max_block = max_block
+        self.costs = costs
+        self.fixed = fixed or costs is None or max_block == 1
+        self.patience, self.plain_run = PROBE_WAIT, 0
+        self.probing = False
+        self.drafting = 0  # drafting cycles chosen
+        self.chosen: Dict[int, int] = {}
+
+    def rates(self, rows: List[SlotAcceptance], remaining: List[int], optimistic: bool = True) -> List[float]:
+        """Expected tokens per second at block lengths 1..max_block."""
+        out = []
+        for block in range(1, self.max_block + 1):
+            tokens = sum(
+                (r.expected if optimistic else r.expected_as_seen)[min(block, rem) - 1] for r, rem in zip(rows, remaining)
+            )
+            out.append(tokens / self.costs.cost(len(rows), block))
+        return out
+
+    def choose(self, rows: List[SlotAcceptance], remaining: List[int]) -> int:
+        cap = max(1, min(self.max_block, max(remaining)))
+        if self.fixed:
+            choice = cap
+        else:
+            rate = self.rates(rows, remaining)[:cap]
+            choice = rate.index(max(rate)) + 1
+            as_seen = self.rates(rows, remaining, optimistic=False)
+            if choice > 1 and as_seen[choice - 1] <= as_seen[0]:
+                choice = 1  # drafting is decided on the shares as seen (see BlockSizer.pays)
+            self.probing = False
+            if choice == 1:
+                self.plain_run += 1
+                if self.plain_run >= self.patience and cap > 1:
+                    choice = max(range(2, cap + 1), key=lambda b: rate[b - 1])
+                    self.probing = True
+            else:
+                self.plain_run = 0
+                self.drafting += 1
+                if self.drafting % EXPLORE_EVERY == 0:
+                    # Now and then half or twice the best length: cycles at one
+                    # length cannot tell the draft's cost from the verified rows'.
+                    choice = max(2, min(cap, choice // 2 if self.drafting // EXPLORE_EVERY % 2 else choice * 2))
+        self.chosen[choice] = self.chosen.get(choice, 0) + 1
+        return choice
+
+    def observe(self, rows: List[SlotAcceptance], remaining: List[int], block: int, seconds: float) -> None:
+        """The cycle at ``block`` over ``len(rows)`` rows took ``seconds``
+        (the rows' acceptance is already updated with it)."""
+        if self.fixed:
+            return
+        self.costs.observe(len(rows), block, seconds)
+        if block == 1:
+            return
+        as_seen = self.rates(rows, remaining, optimistic=False)
+        if max(as_seen[1:], default=0.0) > as_seen[0]:
+            self.patience, self.plain_run = PROBE_WAIT, 0
+        elif self.probing:
+            plain, probe = self.costs.cost(len(rows), 1), self.costs.cost(len(rows), block)
+            wait = max(PROBE_WAIT, math.ceil((probe - plain) / (PROBE_BUDGET * plain)))
+            self.patience, self.plain_run = min(self.patience * 2, wait), 0

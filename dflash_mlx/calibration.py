@@ -18,7 +18,7 @@ from typing import Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .adaptive import BlockSizer, CycleCosts
+from .adaptive import BatchSizer, BlockSizer, CycleCosts
 from .models.dflash import masked_block
 from .tree import build_tree, candidates
 
@@ -36,6 +36,7 @@ class Calibration:
     overlap: bool
     sizer: BlockSizer
     tree: Optional[Tuple[int, float]] = None  # (nodes, seconds) of a tree cycle, once trees may be chosen
+    batch_sizer: Optional[BatchSizer] = None  # the pair's batched cycles' sizer (dflash_mlx.batch), made there
 
     @property
     def settle(self) -> Callable:

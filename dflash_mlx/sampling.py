@@ -54,13 +54,14 @@ def processed_probs(
     return mx.softmax(logprobs / temperature, axis=-1)
 
 
-def sample(probs: mx.array) -> mx.array:
-    """One token per row of ``probs [..., V]`` (unnormalized is fine)."""
-    return mx.random.categorical(mx.log(probs))
+def sample(probs: mx.array, key=None) -> mx.array:
+    """One token per row of ``probs [..., V]`` (unnormalized is fine);
+    ``key``: a request's own random key (None: ``mx.random``'s state)."""
+    return mx.random.categorical(mx.log(probs), key=key)
 
 
 def speculative_accept(
-    draft_tokens: mx.array, p: mx.array, q: mx.array
+    draft_tokens: mx.array, p: mx.array, q: mx.array, key=None
 ) -> Tuple[mx.array, mx.array]:
     """Rejection-sample a drafted block against the target.
 
@@ -70,6 +71,8 @@ def speculative_accept(
             (row ``i`` is the target's choice for draft slot ``i``; row ``n``
             is the bonus slot).
         q: ``[..., n, V]`` drafter distribution the tokens were drawn from.
+
+        key: a request's own random key (None: ``mx.random``'s state).
 
     Returns:
         ``(accepted, next_token)``, each ``[...]``: the accepted prefix length
@@ -81,7 +84,8 @@ def speculative_accept(
     p_x = mx.take_along_axis(p[..., :n, :], idx, axis=-1)[..., 0]
     q_x = mx.take_along_axis(q, idx, axis=-1)[..., 0]
     # u < p/q, written without dividing (q_x > 0 for a token sampled from q).
-    keep = mx.random.uniform(shape=p_x.shape) * q_x < p_x
+    keys = (None, None) if key is None else mx.random.split(key)
+    keep = mx.random.uniform(shape=p_x.shape, key=keys[0]) * q_x < p_x
     accepted = mx.cumprod(keep.astype(mx.int32), axis=-1).sum(axis=-1)
     # A zero q row after the last slot turns the residual rule into the bonus rule.
     q = mx.concatenate([q, mx.zeros_like(p[..., :1, :])], axis=-2)
@@ -90,4 +94,4 @@ def speculative_accept(
     residual = mx.maximum(p_row - mx.take_along_axis(q, at, axis=-2)[..., 0, :], 0.0)
     # Rounding can empty the residual when p == q; p itself is then exact.
     residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p_row)
-    return accepted, sample(residual)
+    return accepted, sample(residual, keys[1])

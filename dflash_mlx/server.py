@@ -49,6 +49,7 @@ from .api.turn import openai_tool_choice, tool_choice_rule
 from .cache import make_prompt_cache
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BLOCK_SIZE
 from .errors import ArgumentError, RequestError
+from .batch import DEFAULT_COMPLETION_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, BatchGenerator
 from .generate import feed, generate_step
 from .pipeline import STOP, agree_flag, share_request
 
@@ -203,6 +204,54 @@ def top_logprobs(logprobs: mx.array, n: int, tokenizer) -> tuple:
     )
 
 
+class Served:
+    """One request being answered: its tokens turned into mlx-lm's
+    ``Response`` objects for its handler (text, logprobs, stop words,
+    finish), and its DFlash statistics, whichever loop decodes it."""
+
+    def __init__(self, generator, responses, prepared: Prepared, args, ctx, matcher, cache, todo, progress):
+        self.responses, self.prepared, self.args, self.ctx, self.matcher = responses, prepared, args, ctx, matcher
+        self.cache, self.todo, self.progress = cache, todo, progress
+        self.tokenizer = generator.tokenizer
+        self.eos = set(self.tokenizer.eos_token_ids)
+        self.want = args.logprobs or args.top_logprobs > 0
+        self.detok = self.tokenizer.detokenizer
+        self.n = self.yielded = self.accepted = 0
+        self.sizes, self.trees, self.cycle_starts = Counter(), Counter(), False
+        self.alive = time.monotonic()
+
+    def add(self, token: int, logprobs, from_draft: bool, block: int, tree: int) -> bool:
+        """One committed token out to the client; True when the request is done."""
+        self.yielded += 1
+        self.accepted += from_draft
+        self.sizes[block] += self.cycle_starts and not tree
+        self.trees[tree] += self.cycle_starts and tree > 0
+        self.cycle_starts = not from_draft  # each cycle ends with the target's own token
+        finish = "stop" if token in self.eos else None
+        if finish is None:
+            self.detok.add_token(token)
+            self.n += 1
+            finish = "stop" if self.matcher.advance(token) else ("length" if self.n == self.args.max_tokens else None)
+        if finish is not None:
+            self.detok.finalize()
+        logprob = logprobs[token].item() if self.want else 0.0
+        top = top_logprobs(logprobs, self.args.top_logprobs, self.tokenizer) if self.want else ()
+        self.responses.put(Response(self.detok.last_segment, token, logprob, finish, top))
+        return finish is not None
+
+    def close(self) -> None:
+        """The request's DFlash statistics, into its context."""
+        if self.ctx.stopped:
+            logging.info("request stopped by the client after %d tokens", self.n)
+        cycles = sum(self.sizes.values()) + sum(self.trees.values())
+        self.ctx.dflash.update(
+            cycles=cycles, accepted_draft_tokens=self.accepted,
+            block_sizes={b: k for b, k in sorted(self.sizes.items()) if k},
+            tree_sizes={n: k for n, k in sorted(self.trees.items()) if k},
+            tokens_per_cycle=round((self.yielded - 1) / max(1, cycles), 3),
+        )
+
+
 class DFlashResponseGenerator:
     """The generation side mlx-lm's ``APIHandler`` talks to (the interface of
     mlx-lm's ``ResponseGenerator``: ``generate``, ``cli_args``,
@@ -222,6 +271,16 @@ class DFlashResponseGenerator:
         self.done = threading.Event()  # set when the generation thread has ended its work
         # --pipeline: every rank generates what rank 0 receives (pipeline.share_request).
         self.group = mx.distributed.init() if cli_args.pipeline else None
+        # Requests decode together in batched cycles, except on a pipelined
+        # target or with forced draft trees: those serve one at a time.
+        self.batch = None
+        if not cli_args.pipeline and not cli_args.tree_budget:
+            self.batch = BatchGenerator(
+                model, draft, block_size=cli_args.block_size, completion_batch_size=cli_args.decode_concurrency,
+                prefill_batch_size=cli_args.prompt_concurrency, prefill_step_size=cli_args.prefill_step_size,
+                draft_window=cli_args.draft_window, draft_sink=cli_args.draft_sink, stream=generation_stream,
+            )
+        self.serving: Dict[int, "Served"] = {}  # batched requests in flight, by uid
         self.thread = threading.Thread(target=self.run, name="dflash-generation", daemon=True)
         self.thread.start()
 
@@ -235,7 +294,9 @@ class DFlashResponseGenerator:
 
     def run(self):
         try:
-            while (item := self.next_request()) != STOP:
+            if self.batch is not None:
+                self.run_batched()
+            while self.batch is None and (item := self.next_request()) != STOP:
                 if item is not None:
                     self.serve(*item)
         except Exception:
@@ -313,86 +374,138 @@ class DFlashResponseGenerator:
             start = end
         return start
 
+    def start(self, responses, prepared: Prepared, args) -> "Served":
+        """A request's context and its nearest cached state, snapshotted at
+        its message boundaries where the cache cannot trim; its handler
+        hears the context."""
+        tok = self.tokenizer
+        with self.tokenizer_lock:
+            stop_sequences = make_stop_sequences(tok, args.stop_words)
+            text_sm = make_text_state_machine(tok, args.stop_words)
+        ctx = RequestContext(
+            has_tool_calling=tok.has_tool_calling, has_thinking=tok.has_thinking, tool_parser=tok.tool_parser,
+            text_sm=text_sm, initial_state=prepared.initial_state, prompt=prepared.tokens,
+        )
+        tokens = prepared.tokens
+
+        def progress(done, total):
+            responses.put((done, total))
+
+        cache, ctx.prompt_cache_count = self.restore(tokens)
+        responses.put(ctx)
+        start = self.snapshot(cache, tokens, ctx.prompt_cache_count, prepared.boundaries, progress)
+        return Served(self, responses, prepared, args, ctx, stop_sequences.matcher(), cache, tokens[start:], progress)
+
     def serve(self, responses, prepared: Prepared, args):
-        """One request, start to end; its errors go back to its handler."""
+        """One request, start to end, alone; its errors go back to its handler."""
         self.busy = True
         try:
-            tok = self.tokenizer
-            with self.tokenizer_lock:
-                stop_sequences = make_stop_sequences(tok, args.stop_words)
-                text_sm = make_text_state_machine(tok, args.stop_words)
-            ctx = RequestContext(
-                has_tool_calling=tok.has_tool_calling, has_thinking=tok.has_thinking, tool_parser=tok.tool_parser,
-                text_sm=text_sm, initial_state=prepared.initial_state, prompt=prepared.tokens,
-            )
-            tokens = prepared.tokens
-
-            def progress(done, total):
-                responses.put((done, total))
-
-            cache, ctx.prompt_cache_count = self.restore(tokens)
-            responses.put(ctx)
+            served = self.start(responses, prepared, args)
             if args.seed is not None:
                 mx.random.seed(args.seed)
-            start = self.snapshot(cache, tokens, ctx.prompt_cache_count, prepared.boundaries, progress)
             block_size = prepared.block_size or self.cli_args.block_size  # None: adaptive
             tree_budget = 0 if prepared.block_size else self.cli_args.tree_budget  # num_draft_tokens: a chain
-            generated = self.decode(cache, tokens[start:], block_size, tree_budget, args, ctx, stop_sequences.matcher(), responses, progress)
-            self.metrics.served(len(tokens), ctx.prompt_cache_count, generated, ctx.dflash)
-            responses.put(None)
-            self.prompt_cache.insert_cache(self.key, list(cache.tokens), [cache])
+            steps = generate_step(
+                served.todo, self.model, self.draft, prompt_cache=served.cache, max_tokens=args.max_tokens,
+                block_size=block_size, tree_budget=tree_budget, temperature=args.sampling.temperature,
+                top_p=args.sampling.top_p, top_k=args.sampling.top_k, min_p=args.sampling.min_p,
+                eos_token_ids=served.eos, logprobs=served.want, prefill_step_size=self.cli_args.prefill_step_size,
+                prompt_progress_callback=served.progress,
+            )
+            with wired_limit(self.model, [generation_stream]), closing(steps):
+                for token, logprobs, from_draft, block, tree in steps:
+                    if served.add(token, logprobs, from_draft, block, tree) or self.client_gone(served.ctx, from_draft):
+                        break
+            self.finish(served)
         except Exception as e:
             logging.exception("request failed")
             responses.put(e)
         finally:
             self.busy = False
 
-    def decode(self, cache, tokens, block_size, tree_budget, args, ctx, matcher, responses, progress) -> int:
-        """Token by token, as mlx-lm's server streams: text, logprobs, finish;
-        returns how many tokens it yielded."""
-        tok, eos = self.tokenizer, set(self.tokenizer.eos_token_ids)
-        want = args.logprobs or args.top_logprobs > 0
-        steps = generate_step(
-            tokens, self.model, self.draft, prompt_cache=cache, max_tokens=args.max_tokens,
-            block_size=block_size, tree_budget=tree_budget, temperature=args.sampling.temperature,
-            top_p=args.sampling.top_p, top_k=args.sampling.top_k, min_p=args.sampling.min_p,
-            eos_token_ids=eos, logprobs=want, prefill_step_size=self.cli_args.prefill_step_size,
-            prompt_progress_callback=progress,
-        )
-        detok = tok.detokenizer
-        detok.reset()
-        n = yielded = accepted = 0
-        sizes, cycle_starts = Counter(), False  # verified block lengths; the prefill's token is no cycle
-        trees = Counter()  # nodes of the draft trees verified
-        with wired_limit(self.model, [generation_stream]), closing(steps):
-            for token, logprobs, from_draft, block, tree in steps:
-                yielded += 1
-                accepted += from_draft
-                sizes[block] += cycle_starts and not tree
-                trees[tree] += cycle_starts and tree > 0
-                cycle_starts = not from_draft  # each cycle ends with the target's own token
-                finish = "stop" if token in eos else None
-                if finish is None:
-                    detok.add_token(token)
-                    n += 1
-                    finish = "stop" if matcher.advance(token) else ("length" if n == args.max_tokens else None)
-                if finish is not None:
-                    detok.finalize()
-                logprob = logprobs[token].item() if want else 0.0
-                top = top_logprobs(logprobs, args.top_logprobs, tok) if want else ()
-                responses.put(Response(detok.last_segment, token, logprob, finish, top))
-                if finish is not None or self.client_gone(ctx, from_draft):
-                    break
-        if ctx.stopped:
-            logging.info("request stopped by the client after %d tokens", n)
-        cycles = sum(sizes.values()) + sum(trees.values())
-        ctx.dflash.update(
-            cycles=cycles, accepted_draft_tokens=accepted,
-            block_sizes={b: k for b, k in sorted(sizes.items()) if k},
-            tree_sizes={n: k for n, k in sorted(trees.items()) if k},
-            tokens_per_cycle=round((yielded - 1) / max(1, cycles), 3),
-        )
-        return yielded
+    def finish(self, served: "Served") -> None:
+        """A request ended (finished or stopped): its statistics, its end of
+        stream, and its cache kept for the next request."""
+        served.close()
+        self.metrics.served(len(served.prepared.tokens), served.ctx.prompt_cache_count, served.yielded, served.ctx.dflash)
+        served.responses.put(None)
+        self.prompt_cache.insert_cache(self.key, list(served.cache.tokens), [served.cache])
+
+    def run_batched(self):
+        """Continuous batching: new requests join between cycles, finished
+        and disconnected ones leave at once (see :class:`~dflash_mlx.batch.BatchGenerator`)."""
+        while not self.stopping:
+            self.admit(block=not self.batch.busy)
+            if not self.batch.busy:
+                continue
+            self.busy = True
+            self.keep_alive()
+            try:
+                out = self.batch.next()
+            except Exception as e:  # every request in flight hears it; the server goes on
+                logging.exception("a batched cycle failed")
+                for served in self.serving.values():
+                    served.responses.put(e)
+                self.batch.remove(list(self.serving))
+                self.serving.clear()
+                continue
+            finally:
+                self.busy = False
+            cycles = {r.batch for r in out if r.block}
+            for batch in cycles:
+                self.metrics.cycle(batch)
+            gone = []
+            for r in out:
+                served = self.serving[r.uid]
+                ended = False
+                for i, token in enumerate(r.tokens):
+                    lp = None if r.logprobs is None else r.logprobs[i]
+                    if served.add(token, lp, r.from_draft[i], r.block, 0):
+                        ended = True
+                        break
+                if ended or r.finish_reason is not None or served.ctx.stopped:
+                    gone.append(r.uid)
+            if gone:
+                self.batch.remove([u for u in gone if u in self.serving and not self.ended(u, out)])
+            for uid in gone:
+                self.finish(self.serving.pop(uid))
+
+    @staticmethod
+    def ended(uid: int, out) -> bool:
+        """Whether the cycle's ``out`` finished request ``uid`` itself (it left the batch)."""
+        return any(r.uid == uid and r.finish_reason is not None for r in out)
+
+    def admit(self, block: bool) -> None:
+        """Take every queued request into the batch (waiting a little for
+        one when ``block`` and none is in flight)."""
+        while True:
+            try:
+                item = self.requests.get(timeout=0.1) if block else self.requests.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            responses, prepared, args = item
+            try:
+                served = self.start(responses, prepared, args)
+                s = args.sampling
+                (uid,) = self.batch.insert(
+                    [served.todo], args.max_tokens, prompt_caches=[served.cache], temperature=s.temperature,
+                    top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=args.seed, eos_token_ids=served.eos,
+                    logprobs=served.want, block_size=prepared.block_size, progress=served.progress,
+                )
+                self.serving[uid] = served
+            except Exception as e:
+                logging.exception("request failed")
+                responses.put(e)
+
+    def keep_alive(self) -> None:
+        """Streaming clients of requests still waiting for a slot hear that they are queued."""
+        now = time.monotonic()
+        for uid in self.batch.queued():
+            served = self.serving.get(uid)
+            if served is not None and now - served.alive > 1.0:
+                served.alive = now
+                served.progress(0, len(served.todo))
 
     def client_gone(self, ctx, from_draft: bool) -> bool:
         """Whether to stop for a client that went away: with ``--pipeline``
@@ -538,6 +651,8 @@ def setup_arg_parser() -> cli.ArgumentParser:
     cli.add_tree_budget_argument(p)  # a request's num_draft_tokens fixes a chain
     p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS, help="default max_tokens of a request")
     cli.add_sampling_arguments(p)  # a request's defaults
+    p.add_argument("--decode-concurrency", type=cli.positive_int, default=DEFAULT_COMPLETION_BATCH_SIZE, help="most requests decoded together in one batch (mlx-lm's flag)")
+    p.add_argument("--prompt-concurrency", type=cli.positive_int, default=DEFAULT_PREFILL_BATCH_SIZE, help="most prompts prefilled between two decode cycles (mlx-lm's flag)")
     p.add_argument("--prompt-cache-size", type=cli.positive_int, default=10, help="most prompt caches kept")
     p.add_argument("--prompt-cache-bytes", type=cli.positive_int, default=1 << 63, help="most bytes of prompt caches kept")
     cli.add_prefill_step_size_argument(p)

@@ -18,6 +18,14 @@ class Metrics:
         self.blocks: Counter = Counter()  # verify cycles by block size
         self.trees: Counter = Counter()  # tree cycles by their node count
         self.last_tokens_per_cycle = 0.0
+        self.batches: Counter = Counter()  # batched cycles by the requests they verified
+        self.last_batch = 0
+
+    def cycle(self, batch: int):
+        """A batched cycle verified ``batch`` requests together."""
+        with self.lock:
+            self.batches[batch] += 1
+            self.last_batch = batch
 
     def request(self, endpoint: str):
         with self.lock:
@@ -68,6 +76,9 @@ class Metrics:
                    [({"block_size": str(b)}, n) for b, n in sorted(self.blocks.items())])
             metric("dflash_verify_trees_total", "counter", "Verify cycles that checked a draft tree, by its node count.",
                    [({"tree_size": str(k)}, n) for k, n in sorted(self.trees.items())])
+            metric("dflash_batch_cycles_total", "counter", "Batched decode cycles, by the requests each verified together.",
+                   [({"batch_size": str(b)}, n) for b, n in sorted(self.batches.items())])
+            metric("dflash_batch_size", "gauge", "Requests the latest batched cycle verified together.", [({}, self.last_batch)])
             metric("dflash_last_tokens_per_cycle", "gauge", "Tokens committed per cycle in the latest generation.",
                    [({}, self.last_tokens_per_cycle)])
         metric("dflash_queued_requests", "gauge", "Requests waiting for the generation thread.", [({}, queued)])

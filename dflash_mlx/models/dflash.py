@@ -505,6 +505,46 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+    def rows(self, x, contexts, rope, caches: List[ContextCache]) -> mx.array:
+        """:meth:`__call__` for a batch of requests: row ``b`` of ``x``
+        attends to its own context (``caches[b]``, after injecting
+        ``contexts[b]``, None: nothing new) and its own block. The contexts
+        differ in length: each is padded to the longest, and the padding
+        masked."""
+        B, L, _ = x.shape
+        held = []
+        for context, cache in zip(contexts, caches):
+            if context is not None and context.shape[1]:
+                held.append(cache.inject(context, lambda rows, at: self.project_kv(rows, rope, at)))
+            else:
+                held.append(cache.fetch())
+        starts = mx.array([c.offset for c in caches], dtype=mx.int32)
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
+        q = rope(q.transpose(0, 2, 1, 3), offset=starts)
+        k, v = self.project_kv(x, rope, starts)
+        sizes = [0 if ck is None else ck.shape[2] for ck, _ in held]
+        width = max(sizes)
+        masks = []
+        for b, ((ck, cv), cache) in enumerate(zip(held, caches)):
+            start = cache.offset
+            seen = draft_attention_mask(
+                cache.positions() if ck is not None else mx.zeros((0,), mx.int32), mx.arange(start, start + L),
+                is_causal=self.is_causal, sliding_window=self.sliding_window,
+            )
+            seen = mx.ones((L, sizes[b] + L), dtype=mx.bool_) if seen is None else mx.broadcast_to(seen, (L, sizes[b] + L))
+            pad = width - sizes[b]
+            masks.append(mx.concatenate([seen[:, : sizes[b]], mx.zeros((L, pad), mx.bool_), seen[:, sizes[b] :]], axis=1))
+        if width:
+            pad = lambda a, n: a if n == 0 else mx.pad(a, [(0, 0), (0, 0), (0, n), (0, 0)])  # noqa: E731
+            empty = mx.zeros((1, self.n_kv_heads, 0, self.head_dim), k.dtype)
+            ctx_k = mx.concatenate([pad(empty if ck is None else ck, width - n) for (ck, _), n in zip(held, sizes)])
+            ctx_v = mx.concatenate([pad(empty if cv is None else cv, width - n) for (_, cv), n in zip(held, sizes)])
+            k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
+        mask = mx.stack(masks)[:, None]
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
 class DraftMLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -528,6 +568,11 @@ class DraftLayer(nn.Module):
 
     def __call__(self, x, context, rope, cache):
         h = x + self.self_attn(self.input_layernorm(x), context, rope, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def rows(self, x, contexts, rope, caches):
+        """:meth:`__call__` for a batch of requests (see :meth:`DraftAttention.rows`)."""
+        h = x + self.self_attn.rows(self.input_layernorm(x), contexts, rope, caches)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -613,10 +658,15 @@ class DFlashDraftModel(nn.Module):
     def layer_inputs(self, block_tokens, target_hidden, embed=None) -> Tuple[mx.array, mx.array]:
         """(block slot states, fused context) that the first layer reads;
         ``embed`` defaults to the bound target's (training passes its own)."""
+        h = self.embed_block(block_tokens, embed)
+        return h, self.fuse(target_hidden.astype(h.dtype))
+
+    def embed_block(self, block_tokens, embed=None) -> mx.array:
+        """The block's slot states before the first layer."""
         h = (self.target.embed if embed is None else embed)(block_tokens)
         if self.config.input_embedding_scale != 1.0:
             h = h * self.config.input_embedding_scale
-        return h, self.fuse(target_hidden.astype(h.dtype))
+        return h
 
     def hidden_states(self, block_tokens, target_hidden, cache) -> mx.array:
         """Final (normed) drafter states of every block slot."""
@@ -656,6 +706,34 @@ class DFlashDraftModel(nn.Module):
 
     def __call__(self, block_tokens, target_hidden, cache) -> mx.array:
         return self.compute_logits(self.hidden_states(block_tokens, target_hidden, cache))
+
+    def draft_rows(self, block_tokens, target_hidden: List[Optional[mx.array]], caches: List[List[ContextCache]], slots: int, samplings: List[Optional[dict]], keys=None):
+        """One drafter forward for a batch of requests: row ``b`` of
+        ``block_tokens [B, L]`` reads its own context (``caches[b]``, fed
+        ``target_hidden[b]``). Returns the proposals ``[B, slots]`` and, per
+        row, the ``q`` its tokens were sampled from (None: greedy; a row's
+        ``samplings[b]`` holds :func:`processed_probs`' settings, or None;
+        ``keys[b]`` its random key, or None)."""
+        h = self.embed_block(block_tokens)
+        contexts = [None if t is None else self.fuse(t.astype(h.dtype)) for t in target_hidden]
+        for i, layer in enumerate(self.layers):
+            h = layer.rows(h, contexts, self.rope, [c[i] for c in caches])
+        hidden = self.norm(h)[:, 1 : 1 + slots]
+        head = self.head_logits(hidden)
+        best = mx.argmax(head, axis=-1)
+        tokens = best if self.vocab_ids is None else self.vocab_ids[best]
+        qs = [None] * len(samplings)
+        if any(samplings):
+            logits = self.compute_logits(hidden)
+            rows = []
+            for b, sampling in enumerate(samplings):
+                if sampling is None:
+                    rows.append(tokens[b])
+                else:
+                    qs[b] = processed_probs(logits[b], **sampling)
+                    rows.append(sample(qs[b], None if keys is None else keys[b]))
+            tokens = mx.stack(rows)
+        return tokens, qs
 
     def slot_hidden(self, block_tokens, target_hidden, cache, slots: Optional[int] = None) -> mx.array:
         """Final states of the drafted slots 1..``slots`` (default all, L-1).

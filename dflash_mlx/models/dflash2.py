@@ -455,6 +455,22 @@ class DFlash2DraftModel(DFlashDraftModel):
         tokens, q = self.sampled_walk(block_tokens, target_hidden, cache, sampling)
         return tokens[:, :slots], q[:, :slots]
 
+    def draft_rows(self, block_tokens, target_hidden, caches, slots: int, samplings, keys=None):
+        """:meth:`DFlashDraftModel.draft_rows` one row at a time: the
+        selector's walk and the layers' convolutions run per request (its
+        sampled walk draws from ``mx.random``'s state, not ``keys``)."""
+        tokens, qs = [], []
+        for b, sampling in enumerate(samplings):
+            block = block_tokens[b : b + 1]
+            if sampling is None:
+                tokens.append(self.propose(block, target_hidden[b], caches[b], slots=slots))
+                qs.append(None)
+            else:
+                drafted, q = self.draw(block, target_hidden[b], caches[b], sampling, slots=slots)
+                tokens.append(drafted)
+                qs.append(q[0])
+        return mx.concatenate(tokens), qs
+
     def sampled_walk(self, block_tokens, target_hidden, cache, sampling: dict) -> Tuple[mx.array, mx.array]:
         """(tokens [B, L-1], q [B, L-1, vocab]): the walk and the distribution
         each token was drawn from, for speculative sampling.

@@ -147,6 +147,12 @@ class TargetAdapter:
     def rollback(self, cache: Sequence, keep) -> None:
         raise NotImplementedError
 
+    def rollback_rows(self, cache, kept: Sequence[int]) -> None:
+        """A batch's rollback (``cache``: a :class:`~.rows.BatchCache`): row
+        ``b`` keeps the first ``kept[b]`` tokens of the last forward."""
+        cache.undo = None
+        cache.advance(kept)
+
     def tree_scope(self, tree, cache):
         """While a tree's forward is built, every attention layer of this
         instance rotates its rows at the tree's positions (nothing without

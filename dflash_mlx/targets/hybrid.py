@@ -246,27 +246,33 @@ def rewind_tree(cache, rec: TreeDeltaRecord, tree, rows: List[int]) -> None:
     cache[1] = rec.levels[tree.depths[leaf]][rec.slot[leaf]][None]
 
 
-def rewind_gated_delta(gdn, cache, rec: DeltaRecord, keep: int) -> None:
-    """Set ``cache`` to the state after the first ``keep`` tokens of ``rec``."""
+def rewind_gated_delta(gdn, cache, rec: DeltaRecord, keep) -> None:
+    """Set ``cache`` to the state after the first ``keep`` tokens of ``rec``;
+    ``keep`` a list: row ``b`` of a batch keeps its first ``keep[b]``."""
     n_keep = gdn.conv_kernel_size - 1
-    cache[0] = mx.contiguous(rec.conv_input[:, keep : keep + n_keep, :])
-    if keep == 0:
-        state = rec.state
-    elif rec.chunk is not None:
-        state = rec.chunk.state_after(keep)
-    else:
+
+    def state_after(n: int) -> mx.array:
+        if n == 0:
+            return rec.state
+        if rec.chunk is not None:
+            return rec.chunk.state_after(n)
         _, state = gated_delta_update(
-            rec.q[:, :keep],
-            rec.k[:, :keep],
-            rec.v[:, :keep],
-            rec.a[:, :keep],
-            rec.b[:, :keep],
-            gdn.A_log,
-            gdn.dt_bias,
-            rec.state,
-            None,
-            use_kernel=not gdn.training,
+            rec.q[:, :n], rec.k[:, :n], rec.v[:, :n], rec.a[:, :n], rec.b[:, :n],
+            gdn.A_log, gdn.dt_bias, rec.state, None, use_kernel=not gdn.training,
         )
+        return state
+
+    if isinstance(keep, int):
+        cache[0] = mx.contiguous(rec.conv_input[:, keep : keep + n_keep, :])
+        cache[1] = state_after(keep)
+        return
+    kept = mx.array(list(keep), dtype=mx.int32)
+    at = (kept[:, None] + mx.arange(n_keep, dtype=mx.int32))[..., None]  # [B, K-1, 1]
+    cache[0] = mx.take_along_axis(rec.conv_input, at, axis=1)
+    state = None
+    for n in sorted(set(keep)):  # each distinct length once, for the whole batch
+        after = state_after(n)
+        state = after if state is None else mx.where((kept == n).reshape(-1, 1, 1, 1), after, state)
     cache[1] = state
 
 
@@ -376,3 +382,11 @@ class HybridTarget(TargetAdapter):
                 rewind_gated_delta(layer.linear_attn, c, records[i], keep)
             else:
                 c.trim(drop)
+
+    def rollback_rows(self, cache, kept):
+        length, records = cache.undo
+        if any(k < length for k in kept):
+            for i, layer in enumerate(self.backbone.layers):
+                if layer.is_linear:
+                    rewind_gated_delta(layer.linear_attn, cache[i], records[i], list(kept))
+        super().rollback_rows(cache, kept)

@@ -1,0 +1,471 @@
+"""Many requests in one loop: batched DFlash cycles, exact per request.
+
+    from dflash_mlx import batch_generate
+    result = batch_generate(model, draft, tokenizer, ["def fib(n):", "import os"], max_tokens=128)
+
+Each cycle drafts a block for every request in ONE drafter forward, verifies
+all of them in ONE target forward (``[B, L]``: each row its own anchor and
+drafted tokens), and then each row accepts its own prefix and rolls back its
+own rejected tail: the target's attention caches keep a length per row
+(:mod:`dflash_mlx.targets.rows`), a hybrid target's recurrent state is
+rewound per row to its accepted tokens, and each request keeps its own
+drafter context (its :class:`~dflash_mlx.cache.PromptCache`). No row waits
+for another's rejection, so acceptance per request does not fall with the
+batch, and every row is exact as its lone run: greedy rows token for token,
+sampled rows in distribution (speculative sampling per row, each with its
+own settings and, given a seed, its own random key).
+
+The block length is chosen for the whole batch (:class:`~dflash_mlx.adaptive.BatchSizer`):
+the one with the most expected tokens per second over all rows, from each
+row's acceptance and the measured cost of a cycle of that many rows, so a
+large batch falls back to plain batched steps when verified rows get dear.
+
+:class:`BatchGenerator` is the object a server drives (mlx-lm's
+``BatchGenerator`` shape): requests are inserted and removed between
+cycles, a long prompt is prefilled a chunk at a time between decode cycles,
+and a finished request leaves with its prompt cache. Draft trees verify
+one request at a time (:func:`~dflash_mlx.generate.generate_step`); a
+batch verifies chains.
+"""
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream, wired_limit
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .adaptive import BatchCosts, BatchSizer, SlotAcceptance
+from .cache import PromptCache, bound_target, prompt_cache_for
+from .calibration import calibrate
+from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
+from .errors import ArgumentError
+from .generate import AcceptanceRule, accept_greedy, acceptance_rule, encode_prompt, feed, max_block_size, one_thread_per_pair, prefill
+from .models.dflash import masked_block
+from .sampling import processed_probs, sample, speculative_accept
+from .targets.rows import BatchCache
+
+DEFAULT_COMPLETION_BATCH_SIZE = 32  # mlx-lm's --decode-concurrency default
+DEFAULT_PREFILL_BATCH_SIZE = 8  # mlx-lm's --prompt-concurrency default
+
+
+@dataclass
+class BatchResponse:
+    """What one request got from one :meth:`BatchGenerator.next`.
+
+    Args:
+        uid: the request (from :meth:`BatchGenerator.insert`).
+        tokens: the tokens it committed this cycle (its first: the prefill's).
+        from_draft: per token, whether it was a drafted token the target accepted.
+        logprobs: per token, the target's log-probabilities ``[V]`` there
+            (None unless the request asked for them).
+        finish_reason: "stop" (eos), "length" (max_tokens) or None.
+        block: tokens this request verified this cycle (0: its prefill's token).
+        batch: requests the cycle verified together.
+        prompt_cache: the request's prompt cache, once it has finished.
+    """
+
+    uid: int
+    tokens: List[int]
+    from_draft: List[bool]
+    logprobs: Optional[List[mx.array]]
+    finish_reason: Optional[str]
+    block: int
+    batch: int = 1
+    prompt_cache: Optional[PromptCache] = None
+
+
+@dataclass
+class Request:
+    """One row: its prompt cache (whose target part lives in the batch's
+    caches while it decodes), how it samples, and how far it has got."""
+
+    uid: int
+    cache: PromptCache
+    todo: List[int]  # prompt tokens not prefilled yet
+    rule: AcceptanceRule
+    max_tokens: int
+    eos: set
+    logprobs: bool
+    key: Optional[mx.array] = None  # its own random key (a seeded sampled request)
+    block_limit: Optional[int] = None  # the longest block it lets the batch verify
+    progress: Optional[Callable[[int, int], None]] = None  # hears its prefill's progress
+    total: int = 0  # prompt tokens to prefill
+    acceptance: Optional[SlotAcceptance] = None
+    n: int = 0  # tokens generated
+    anchor: int = -1  # the last committed token, not yet run by the target
+
+    def next_key(self):
+        if self.key is None:
+            return None
+        self.key, key = mx.random.split(self.key)
+        return key
+
+    def choose(self, logits: mx.array) -> mx.array:
+        """The target's token(s) for ``logits [..., V]``, with this request's own key."""
+        if self.rule.sampling is not None:
+            return sample(processed_probs(logits, **self.rule.sampling), self.next_key())
+        return self.rule.choose(logits)
+
+
+class BatchGenerator:
+    """Decodes many requests with one drafter and one target, cycle by cycle.
+
+    ``insert`` queues requests (their prompts are prefilled a chunk at a
+    time, ``prefill_step_size`` tokens per :meth:`next` across at most
+    ``prefill_batch_size`` prompts, between decode cycles); each
+    :meth:`next` returns what every request committed in one cycle;
+    ``remove`` drops requests (a disconnected client) between cycles. At
+    most ``completion_batch_size`` requests decode at once; the others wait
+    for a slot before their prefill. ``block_size`` fixes every cycle's block
+    (None: adaptive, see :class:`~dflash_mlx.adaptive.BatchSizer`).
+    """
+
+    def __init__(
+        self,
+        model,
+        draft,
+        *,
+        block_size: Optional[int] = None,
+        completion_batch_size: int = DEFAULT_COMPLETION_BATCH_SIZE,
+        prefill_batch_size: int = DEFAULT_PREFILL_BATCH_SIZE,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+        draft_window: Optional[int] = None,
+        draft_sink: Optional[int] = None,
+        stream=generation_stream,
+    ):
+        for name, value in (("completion_batch_size", completion_batch_size), ("prefill_batch_size", prefill_batch_size), ("prefill_step_size", prefill_step_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ArgumentError(f"{name} must be a whole number of at least 1, not {value!r}")
+        self.model, self.draft, self.stream = model, draft, stream
+        self.target = bound_target(model, draft)
+        self.max_block = max_block_size(draft, block_size, None)
+        self.fixed = block_size is not None
+        self.completion_batch_size, self.prefill_batch_size = completion_batch_size, prefill_batch_size
+        self.prefill_step_size = prefill_step_size
+        self.draft_window, self.draft_sink = draft_window, draft_sink
+        self.waiting: List[Request] = []  # queued: not prefilled, or partly
+        self.active: List[Request] = []  # decoding, in the batch's row order
+        self.cache: Optional[BatchCache] = None
+        self.sizer: Optional[BatchSizer] = None
+        self.settle = mx.async_eval
+        self.pair_acceptance: Optional[SlotAcceptance] = None
+        self.uid = 0
+
+    def insert(
+        self,
+        prompts: Sequence,
+        max_tokens=DEFAULT_MAX_TOKENS,
+        *,
+        prompt_caches: Optional[Sequence[Optional[PromptCache]]] = None,
+        temperature=0.0,
+        top_p=0.0,
+        top_k=0,
+        min_p=0.0,
+        seed=None,
+        acceptance: str = "speculative",
+        eos_token_ids: Iterable[int] = (),
+        logprobs: bool = False,
+        block_size=None,
+        progress=None,
+    ) -> List[int]:
+        """Queue requests; returns their uids. ``prompts``: token lists (only
+        the part new to a request's prompt cache, as in
+        :func:`~dflash_mlx.generate.generate_step`). ``max_tokens``,
+        ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``seed`` are one
+        value for all or one per prompt; a request's seed gives it its own
+        random key (None: ``mx.random``'s state). A request's ``block_size``
+        caps the batch's blocks while it decodes (None: no cap); its
+        ``progress(done, total)`` hears how far its prompt's prefill is."""
+        n = len(prompts)
+
+        def each(name, value):
+            values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+            if len(values) != n:
+                raise ArgumentError(f"{name} has {len(values)} values for {n} prompts")
+            return values
+
+        settings = zip(
+            prompts, each("max_tokens", max_tokens), each("prompt_caches", prompt_caches or [None] * n),
+            each("temperature", temperature), each("top_p", top_p), each("top_k", top_k), each("min_p", min_p),
+            each("seed", seed), each("block_size", block_size), each("progress", progress),
+        )
+        eos = set(eos_token_ids)
+        requests = []
+        for prompt, limit, cache, temp, tp, tk, mp, s, cap, hear in settings:
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                raise ArgumentError(f"max_tokens must be a whole number of at least 1, got {limit!r}")
+            rule = acceptance_rule(temp, tp, tk, mp, None, acceptance)
+            cache = prompt_cache_for(self.model, self.draft, cache, self.draft_window, self.draft_sink)
+            tokens = prompt.tolist() if isinstance(prompt, mx.array) else [int(t) for t in prompt]
+            if not tokens and not cache.pending:
+                raise ArgumentError("a prompt is empty")
+            if cache.target.undo is not None:
+                raise ArgumentError("a prompt cache is in the middle of a generation: close that generation first")
+            key = None if s is None else mx.random.key(int(s))
+            if cap is not None:
+                max_block_size(self.draft, cap, None)
+            request = Request(self.uid + len(requests), cache, tokens, rule, limit, eos, logprobs, key, cap, hear)
+            request.total = len(tokens)
+            requests.append(request)
+        self.uid += len(requests)
+        self.waiting.extend(requests)
+        return [r.uid for r in requests]
+
+    def remove(self, uids: Iterable[int]) -> Dict[int, PromptCache]:
+        """Drop requests between cycles; returns their prompt caches, each
+        consistent with the tokens it holds (``cache.tokens``)."""
+        uids = set(uids)
+        out = {r.uid: r.cache for r in self.waiting if r.uid in uids}
+        self.waiting = [r for r in self.waiting if r.uid not in uids]
+        leaving = [b for b, r in enumerate(self.active) if r.uid in uids]
+        for b in leaving:
+            out[self.active[b].uid] = self.active[b].cache
+        self.leave(leaving)
+        return out
+
+    def queued(self) -> List[int]:
+        """Requests waiting for a slot, their prefill not begun."""
+        return [r.uid for r in self.waiting if len(r.todo) == r.total]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def next(self) -> List[BatchResponse]:
+        """Prefill what fits of the queued prompts, then one decode cycle
+        of the batch; what every request committed."""
+        with one_thread_per_pair(self.draft), mx.stream(self.stream), wired_limit(self.model, [self.stream]):
+            out = self.prefill_queued()
+            if self.active:
+                out += self.cycle()
+            return out
+
+    # -- prefill -----------------------------------------------------------
+
+    def prefill_queued(self) -> List[BatchResponse]:
+        budget, out, started = self.prefill_step_size, [], 0
+        while budget > 0 and started < self.prefill_batch_size and self.waiting:
+            if len(self.active) >= self.completion_batch_size:
+                break
+            r = self.waiting[0]
+            started += 1
+            chunk, r.todo = r.todo[:budget], r.todo[budget:]
+            budget -= max(1, len(chunk))
+            if r.todo:
+                feed(self.target, r.cache, chunk, self.prefill_step_size)
+                if r.progress is not None:
+                    r.progress(r.total - len(r.todo), r.total)
+                continue
+            self.waiting.pop(0)
+            logits = prefill(self.target, r.cache, chunk, self.prefill_step_size)
+            if r.progress is not None:
+                r.progress(r.total, r.total)
+            out.append(self.first_token(r, logits))
+        return out
+
+    def first_token(self, r: Request, logits: mx.array) -> BatchResponse:
+        """The prefill's token; the request then joins the batch, unless it is done."""
+        token = r.choose(logits).item()
+        lp = [logits[0] - mx.logsumexp(logits[0])] if r.logprobs else None
+        r.anchor, r.n = token, 1
+        r.cache.pending = [token]
+        r.cache.tokens.append(token)
+        finish = "stop" if token in r.eos else ("length" if r.max_tokens == 1 else None)
+        if finish is not None:
+            r.cache.drop_unreadable()
+            return BatchResponse(r.uid, [token], [False], lp, finish, 0, 0, r.cache)
+        self.join(r)
+        return BatchResponse(r.uid, [token], [False], lp, None, 0, 0)
+
+    def join(self, r: Request) -> None:
+        if self.sizer is None:
+            calibration = calibrate(self.target, self.draft, r.cache.target, r.cache.target_hidden, self.max_block)
+            self.settle = calibration.settle
+            self.pair_acceptance = calibration.sizer.acceptance
+            if calibration.batch_sizer is None:
+                calibration.batch_sizer = BatchSizer(self.max_block, BatchCosts.from_table(calibration.sizer.costs))
+            self.sizer = BatchSizer(self.max_block, None, fixed=True) if self.fixed else calibration.batch_sizer
+        r.acceptance = copy.deepcopy(self.pair_acceptance)
+        position = len(r.cache.tokens) - len(r.cache.pending)
+        parts = [r.cache.target] if self.cache is None else [self.cache, r.cache.target]
+        positions = ([] if self.cache is None else self.cache.rows.pos) + [position]
+        self.cache = BatchCache.join(parts, positions)
+        r.cache.target = None  # in the batch until it leaves
+        self.active.append(r)
+
+    def leave(self, rows: Sequence[int]) -> None:
+        """Rows ``rows`` leave the batch, each with its own target cache back."""
+        if not rows:
+            return
+        for b in rows:
+            r = self.active[b]
+            r.cache.target = self.cache.row(b)
+            r.cache.drop_unreadable()
+        stay = [b for b in range(len(self.active)) if b not in set(rows)]
+        self.active = [self.active[b] for b in stay]
+        if stay:
+            self.cache.take(stay)
+        else:
+            self.cache = None
+
+    # -- one cycle ---------------------------------------------------------
+
+    def cycle(self) -> List[BatchResponse]:
+        """Draft, verify, accept, roll back, commit: every row at once."""
+        rows, target, tic = self.active, self.target, time.perf_counter()
+        remaining = [r.max_tokens - r.n for r in rows]
+        limits = [r.block_limit for r in rows if r.block_limit]
+        if len(limits) == len(rows):  # every request fixed its block: the shortest, for all
+            block = max(1, min(min(limits), max(remaining)))
+        else:
+            block = min([self.sizer.choose([r.acceptance for r in rows], remaining)] + limits)
+        anchors = mx.array([[r.anchor] for r in rows], dtype=mx.int32)
+        drafted, qs = None, [None] * len(rows)
+        if block > 1:
+            blocks = mx.concatenate([masked_block(self.draft, r.anchor, self.max_block) for r in rows])
+            drafted, qs = self.draft.draft_rows(
+                blocks, [r.cache.target_hidden for r in rows], [r.cache.draft for r in rows], block - 1,
+                [r.rule.sampling for r in rows], [r.next_key() for r in rows],
+            )
+            for r in rows:
+                r.cache.target_hidden = None  # injected into its drafter context
+            drafted = drafted.astype(mx.int32)
+            self.settle(drafted)
+        verify_in = anchors if drafted is None else mx.concatenate([anchors, drafted], axis=1)
+        logits, taps = target.forward(verify_in, self.cache)
+        outcome = self.outcome(rows, logits, drafted, qs)
+        values = outcome.tolist()  # the cycle's one host read
+        kept, out, done = [], [], []
+        for b, (r, row) in enumerate(zip(rows, values)):
+            accepted, bonus, proposed = row[0], row[1], row[2:]
+            new = proposed[:accepted] + [bonus]
+            stop = next((i for i, t in enumerate(new) if t in r.eos), None)
+            if stop is not None:
+                new = new[: stop + 1]
+            new = new[: r.max_tokens - r.n]
+            if block > 1:
+                r.acceptance.observe(block - 1, accepted)
+            r.n += len(new)
+            kept.append(len(new))
+            r.cache.tokens.extend(new)
+            r.anchor = new[-1]
+            r.cache.pending = [r.anchor]
+            finish = "stop" if stop is not None and stop < len(new) else ("length" if r.n >= r.max_tokens else None)
+            lp = None
+            if r.logprobs:
+                lps = logits[b] - mx.logsumexp(logits[b], axis=-1, keepdims=True)
+                lp = [lps[i] for i in range(len(new))]
+            out.append(BatchResponse(r.uid, new, [i < accepted for i in range(len(new))], lp, finish, block, len(rows)))
+            if finish is not None:
+                done.append(b)
+        target.rollback_rows(self.cache, kept)
+        for r, k, b in zip(rows, kept, range(len(rows))):
+            r.cache.add_hidden(taps[b : b + 1, :k])
+        self.sizer.observe([r.acceptance for r in rows], remaining, block, time.perf_counter() - tic)
+        for b in done:
+            out[b].prompt_cache = rows[b].cache
+        self.leave(done)
+        return out
+
+    def outcome(self, rows: List[Request], logits: mx.array, drafted: Optional[mx.array], qs) -> mx.array:
+        """``[B, 2 + L - 1]`` int32: per row its accepted count, the token
+        after them and its proposal (:meth:`AcceptanceRule.outcome`'s
+        layout, a row per request), greedy rows decided together."""
+        B, L = logits.shape[0], logits.shape[1]
+        proposal = drafted if drafted is not None else mx.zeros((B, 0), mx.int32)
+        greedy = [b for b, r in enumerate(rows) if r.rule.sampler is None]
+        accepted, token = [None] * B, [None] * B
+        if greedy:
+            idx = mx.array(greedy, dtype=mx.int32) if len(greedy) < B else None
+            sub = (lambda a: a) if idx is None else (lambda a: a[idx])  # noqa: E731
+            if L == 1:
+                acc, tok = mx.zeros((len(greedy),), mx.int32), mx.argmax(sub(logits)[:, 0], axis=-1)
+            else:
+                acc, tok = accept_greedy(sub(proposal), mx.argmax(sub(logits), axis=-1))
+            for i, b in enumerate(greedy):
+                accepted[b], token[b] = acc[i], tok[i]
+        for b, r in enumerate(rows):
+            if r.rule.sampler is None:
+                continue
+            if L == 1:
+                accepted[b], token[b] = mx.array(0, mx.int32), r.choose(logits[b, 0])
+            elif qs[b] is not None:
+                p = processed_probs(logits[b], **r.rule.sampling)
+                accepted[b], token[b] = speculative_accept(proposal[b], p, qs[b], r.next_key())
+            else:  # exact match against the target's own samples
+                accepted[b], token[b] = accept_greedy(proposal[b], r.rule.choose(logits[b]))
+        head = mx.stack([mx.stack([a.astype(mx.int32), t.astype(mx.int32)]) for a, t in zip(accepted, token)])
+        return mx.concatenate([head, proposal], axis=1)
+
+
+@dataclass
+class BatchResult:
+    """:func:`batch_generate`'s answer: texts, per request the tokens and its statistics."""
+
+    texts: List[str]
+    tokens: List[List[int]]
+    finish_reasons: List[Optional[str]]
+    stats: List[dict] = field(default_factory=list)
+    prompt_caches: List[PromptCache] = field(default_factory=list)
+
+
+def batch_generate(
+    model,
+    draft,
+    tokenizer,
+    prompts: Sequence,
+    *,
+    max_tokens=DEFAULT_MAX_TOKENS,
+    prompt_caches: Optional[Sequence[Optional[PromptCache]]] = None,
+    verbose: bool = False,
+    **kwargs,
+) -> BatchResult:
+    """Generate for every prompt at once (mlx-lm's ``batch_generate``, with
+    a drafter): the requests decode together in batched cycles
+    (:class:`BatchGenerator`, whose options ``kwargs`` may hold, with
+    :meth:`BatchGenerator.insert`'s sampling ones). Each text is what
+    :func:`~dflash_mlx.generate.generate` gives for its prompt alone:
+    token-identical when greedy, identically distributed when sampled.
+    ``stats[i]``: its prompt and generated tokens, cycles, accepted draft
+    tokens and tokens per cycle."""
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    insert_keys = ("temperature", "top_p", "top_k", "min_p", "seed", "acceptance", "logprobs")
+    insert = {k: kwargs.pop(k) for k in insert_keys if k in kwargs}
+    gen = BatchGenerator(model, draft, **kwargs)
+    encoded = [encode_prompt(tokenizer, p).tolist() for p in prompts]
+    uids = gen.insert(
+        encoded, max_tokens, prompt_caches=prompt_caches, eos_token_ids=tokenizer.eos_token_ids, **insert
+    )
+    index = {u: i for i, u in enumerate(uids)}
+    n = len(uids)
+    tokens, finish = [[] for _ in range(n)], [None] * n
+    stats = [dict(prompt_tokens=len(e), generation_tokens=0, cycles=0, accepted=0) for e in encoded]
+    caches = [None] * n
+    tic = time.perf_counter()
+    while gen.busy:
+        for r in gen.next():
+            i = index[r.uid]
+            tokens[i] += r.tokens
+            stats[i]["cycles"] += r.block > 0
+            stats[i]["accepted"] += sum(r.from_draft)
+            if r.finish_reason is not None:
+                finish[i], caches[i] = r.finish_reason, r.prompt_cache
+                if verbose:
+                    print(f"[request {i} done: {len(tokens[i])} tokens, {r.finish_reason}]")
+    elapsed = time.perf_counter() - tic
+    eos = set(tokenizer.eos_token_ids)
+    texts = []
+    for i, t in enumerate(tokens):
+        body = [x for x in t if x not in eos]
+        texts.append(tokenizer.decode(body))
+        s = stats[i]
+        s["generation_tokens"] = len(body)
+        s["tokens_per_cycle"] = round((len(t) - 1) / max(1, s["cycles"]), 3)
+    total = sum(s["generation_tokens"] for s in stats)
+    for s in stats:
+        s["batch_tps"] = total / max(elapsed, 1e-9)
+    return BatchResult(texts, tokens, finish, stats, caches)
