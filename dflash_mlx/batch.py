@@ -403,7 +403,9 @@ class BatchGenerator:
 
 @dataclass
 class BatchResult:
-    """:func:`batch_generate`'s answer: texts, per request the tokens and its statistics."""
+    """:func:`batch_generate`'s answer: per request its text, its tokens (eos
+    excluded, as :func:`~dflash_mlx.generate.stream_generate` reports them),
+    why it ended, its statistics and its prompt cache."""
 
     texts: List[str]
     tokens: List[List[int]]
@@ -458,9 +460,10 @@ def batch_generate(
                     print(f"[request {i} done: {len(tokens[i])} tokens, {r.finish_reason}]")
     elapsed = time.perf_counter() - tic
     eos = set(tokenizer.eos_token_ids)
-    texts = []
+    texts, bodies = [], []
     for i, t in enumerate(tokens):
-        body = [x for x in t if x not in eos]
+        body = [x for x in t if x not in eos]  # as stream_generate reports them
+        bodies.append(body)
         texts.append(tokenizer.decode(body))
         s = stats[i]
         s["generation_tokens"] = len(body)
@@ -468,4 +471,4 @@ def batch_generate(
     total = sum(s["generation_tokens"] for s in stats)
     for s in stats:
         s["batch_tps"] = total / max(elapsed, 1e-9)
-    return BatchResult(texts, tokens, finish, stats, caches)
+    return BatchResult(texts, bodies, finish, stats, caches)

@@ -288,6 +288,11 @@ class DFlashResponseGenerator:
     def is_healthy(self) -> bool:
         return self.thread.is_alive() and not self.failed
 
+    def queued(self) -> int:
+        """Requests waiting: not yet taken by the generation thread, or taken
+        and waiting for a slot in the batch."""
+        return self.requests.qsize() + (0 if self.batch is None else len(self.batch.queued()))
+
     def stop_and_join(self):
         self.stopping = True
         self.done.wait()
@@ -598,7 +603,7 @@ class DFlashAPIHandler(APIHandler):
     def do_GET(self):
         if self.path != "/metrics":
             return super().do_GET()
-        text = self.generator.metrics.render(self.generator.requests.qsize(), self.generator.busy).encode()
+        text = self.generator.metrics.render(self.generator.queued(), self.generator.busy).encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
         self.send_header("Content-Length", str(len(text)))

@@ -429,18 +429,18 @@ def test_metrics_parse_and_move(served, claude):
     assert after[("dflash_queued_requests", ())] == 0 and after[("dflash_generating", ())] in (0, 1)
 
 
-def test_metrics_show_the_queue(served, oai):
-    """Two long prompts at once: one generates while the other waits."""
-    names = (("dflash_generating", ()), ("dflash_queued_requests", ()))
+def test_metrics_show_requests_decoded_together(served, oai):
+    """Two long prompts at once decode in one batch: /metrics counts cycles
+    that verified both, and shows nothing queued once they are done."""
+    key = ("dflash_batch_cycles_total", (("batch_size", "2"),))
+    before = metrics(served[0]).get(key, 0)
     threads = [threading.Thread(target=oai.chat.completions.create,
-                                kwargs=dict(model="m", messages=long_conversation(tag), max_tokens=8))
-               for tag in ("queue-a", "queue-b")]
+                                kwargs=dict(model="m", messages=long_conversation(tag, 600), max_tokens=48))
+               for tag in ("batch-a", "batch-b")]
     for t in threads:
         t.start()
-    seen = set()
-    while any(t.is_alive() for t in threads):
-        now = metrics(served[0])
-        seen.add(tuple(now[name] for name in names))
     for t in threads:
         t.join()
-    assert (1, 1) in seen and metrics(served[0])[names[1]] == 0
+    after = metrics(served[0])
+    assert after.get(key, 0) > before
+    assert after[("dflash_queued_requests", ())] == 0 and after[("dflash_generating", ())] == 0

@@ -33,7 +33,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.sample_utils import make_sampler
 from tiny import (
-    PROMPT, TRUNCATED, V, DoubleDrafter, EchoDFlash2, generated_tokens, pit_check,
+    PROMPT, TRUNCATED, V, DoubleDrafter, EchoDFlash2, generated_tokens, pit_check, small_pair,
     reference_tokens, sampled_runs, tv, tv_bound,
 )
 
@@ -45,16 +45,6 @@ from dflash_mlx.models.dflash import DFlashConfig, masked_block
 from dflash_mlx.sampling import processed_probs, sample, speculative_accept
 
 SETTINGS = [dict(temperature=1.0), TRUNCATED, dict(temperature=0.7, min_p=0.05)]
-
-
-def small_pair(root, base):
-    """A tiny target with a 16-token vocabulary and a random DFlash drafter
-    for it (block size 4). The byte tokenizer stays: ids 0..15 decode fine,
-    and its eos (256) can never be sampled, so runs never stop early."""
-    model, tokenizer = load(str(tiny.make_target(root / "target", base, seed=3, vocab_size=V)))
-    cfg = tiny.draft_config(base, V, block_size=4)
-    draft = dflash_mlx.load_draft(str(tiny.make_draft(root / "draft", cfg, seed=1)), model)
-    return SimpleNamespace(model=model, tokenizer=tokenizer, draft=draft, base=base)
 
 
 @pytest.fixture(scope="module")

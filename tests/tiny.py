@@ -8,6 +8,7 @@ bypassed.
 """
 
 import itertools
+from types import SimpleNamespace
 import json
 from pathlib import Path
 
@@ -341,6 +342,16 @@ V = 16  # small vocabulary: exact joint tables over a few tokens stay small
 PROMPT = [1, 5, 3, 7]
 TRUNCATED = dict(temperature=0.8, top_p=0.9, top_k=8)
 REAL_TOKENS = 64
+
+
+def small_pair(root, base):
+    """A tiny target with a 16-token vocabulary and a random DFlash drafter
+    for it (block size 4). The byte tokenizer stays: ids 0..15 decode fine,
+    and its eos (256) can never be sampled, so runs never stop early."""
+    model, tokenizer = load(str(make_target(root / "target", base, seed=3, vocab_size=V)))
+    cfg = draft_config(base, V, block_size=4)
+    draft = dflash_mlx.load_draft(str(make_draft(root / "draft", cfg, seed=1)), model)
+    return SimpleNamespace(model=model, tokenizer=tokenizer, draft=draft, base=base)
 
 
 def generated_tokens(model, draft, tokenizer, seed, max_tokens, **kw):

@@ -1,0 +1,279 @@
+"""Batched cycles: every request of a batch decodes exactly as it would alone.
+
+Rows accept different numbers of drafted tokens each cycle (a scripted
+drafter plants each row's mistakes where its script says), join and leave
+mid-flight, stop at their own eos and max_tokens; each must end with its
+lone run's tokens (greedy), its lone run's distribution (sampled), and a
+prompt cache the next turn can continue.
+"""
+
+import itertools
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+import tiny
+from tiny import PROMPT, TRUNCATED, FakeDrafter, committed_sequence, pit_check, prompt_of, reference_tokens, small_pair
+
+import dflash_mlx
+from dflash_mlx.batch import BatchGenerator, batch_generate
+from dflash_mlx.errors import ArgumentError
+from dflash_mlx.targets import adapter_for
+from dflash_mlx.targets.rows import BatchCache, in_time_order
+
+FAMILIES = ["qwen3", "qwen3_5", "llama", "gemma4_text"]
+
+
+class RowScriptedDrafter(FakeDrafter):
+    """:class:`tiny.ScriptedDrafter` for a batch: each request's script (its
+    prompt, the target's greedy continuation and where to plant mistakes)
+    lives in its own drafter cache, so rows accept different lengths."""
+
+    def __init__(self, vocab, block_size=16):
+        super().__init__([0, 0], block_size)  # the calibration's probes read as probes
+        self.vocab = vocab
+        self.accepted_runs = {}
+
+    def script(self, cache, prompt, reference, mistakes):
+        cache.draft.update(prompt=list(prompt), reference=list(reference), mistakes=itertools.cycle(mistakes))
+        return cache
+
+    def draft_rows(self, blocks, target_hidden, caches, slots, samplings, keys=None):
+        out = []
+        for b, cache in enumerate(caches):
+            seq = committed_sequence(cache["prompt"], blocks[b : b + 1], target_hidden[b], cache, cache["reference"])
+            at = len(seq) - 1 - len(cache["prompt"])
+            n = blocks.shape[1] - 1
+            proposal = (cache["reference"][at + 1 : at + 1 + n] + [0] * n)[:n]
+            slot = next(cache["mistakes"])
+            if slot < n:
+                proposal[slot] = (proposal[slot] + 1) % self.vocab
+            cache["last"] = [seq[-1]] + proposal
+            out.append(proposal[:slots])
+        return mx.array(out, dtype=mx.int32), [None] * len(caches)
+
+
+class Collected:
+    """Every response of a :class:`BatchGenerator`, by request uid."""
+
+    def __init__(self):
+        self.tokens, self.finish, self.caches, self.cycles = {}, {}, {}, {}
+
+    def add(self, responses):
+        for r in responses:
+            self.tokens.setdefault(r.uid, []).extend(r.tokens)
+            self.cycles.setdefault(r.uid, []).append((r.block, len(r.tokens), sum(r.from_draft)))
+            if r.finish_reason is not None:
+                self.finish[r.uid], self.caches[r.uid] = r.finish_reason, r.prompt_cache
+        return responses
+
+    def drain(self, gen):
+        while gen.busy:
+            self.add(gen.next())
+        return self
+
+
+def run_all(gen):
+    return Collected().drain(gen)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_rows_accept_their_own_lengths_exactly(make_pair, family, block_size):
+    """Eight requests of different prompt lengths, max_tokens and mistake
+    scripts, four joining after the first cycles: each ends with mlx-lm's
+    own greedy tokens, and accepts what it accepts alone."""
+    pair = make_pair(family)
+    draft = RowScriptedDrafter(pair.vocab, block_size).bind(pair.model)
+    lengths, limits = [1, 7, 40, 300, 3, 90, 12, 150], [60, 25, 80, 40, 70, 33, 90, 50]
+    prompts = [prompt_of(n, seed=i) for i, n in enumerate(lengths)]
+    refs = [pair.reference(p, m + block_size, eos_ids=[]) for p, m in zip(prompts, limits)]  # rows run past eos
+    mistakes = [range(block_size), [0], [block_size], [1, 5, 2], [3, 0, 0, 7], range(block_size - 1, -1, -1), [13, 12, 11, 10], [9, 1]]
+
+    def cache_for(i):
+        return draft.script(dflash_mlx.make_prompt_cache(pair.model, draft), prompts[i], refs[i], mistakes[i])
+
+    gen, seen = BatchGenerator(pair.model, draft, block_size=block_size), Collected()
+    first = gen.insert(prompts[:4], limits[:4], prompt_caches=[cache_for(i) for i in range(4)])
+    for _ in range(3):
+        assert {r.uid for r in seen.add(gen.next())} <= set(first)
+    later = gen.insert(prompts[4:], limits[4:], prompt_caches=[cache_for(i) for i in range(4, 8)])
+    seen.drain(gen)
+    accepted = set()
+    for i, uid in enumerate(first + later):
+        assert seen.tokens[uid] == refs[i][: limits[i]], f"request {i}"
+        assert seen.finish[uid] == "length"
+        accepted |= {a for block, _, a in seen.cycles[uid] if block}
+    assert accepted >= set(range(block_size))  # every acceptance length occurred somewhere
+
+
+def test_greedy_rows_match_their_lone_runs_cycle_for_cycle(qwen3_5_pair):
+    """Acceptance does not fall with the batch: each row's cycles (tokens
+    committed per cycle) are those of its lone run at the same block."""
+    pair = qwen3_5_pair
+    draft = RowScriptedDrafter(pair.vocab, 8).bind(pair.model)
+    prompts = [prompt_of(n, seed=n) for n in (5, 60, 17, 33)]
+    refs = [pair.reference(p, 48, eos_ids=[]) for p in prompts]
+    scripts = [[0, 7], [3], [7, 7, 1], [5, 2]]
+
+    def per_cycle(batch):
+        gen = BatchGenerator(pair.model, draft, block_size=8)
+        caches = [draft.script(dflash_mlx.make_prompt_cache(pair.model, draft), p, r, s)
+                  for p, r, s in zip(prompts[:batch], refs, scripts)]
+        uids = gen.insert(prompts[:batch], 40, prompt_caches=caches)
+        seen = run_all(gen)
+        return [[n for block, n, _ in seen.cycles[u] if block] for u in uids], [seen.tokens[u] for u in uids]
+
+    together, tokens = per_cycle(4)
+    for i in range(4):
+        alone, lone_tokens = per_cycle(i + 1)
+        assert alone[i] == together[i] and lone_tokens[i] == tokens[i] == refs[i][:40]
+
+
+FAMILIES_REAL = ["qwen3", "qwen3_5", "qwen3_5_moe", "llama", "gemma4", "gemma4_text"]
+
+
+@pytest.mark.parametrize("family", FAMILIES_REAL)
+def test_batch_generate_with_a_real_drafter_is_exact(make_pair, family, tmp_path):
+    """A real (random) DFlash drafter, one batched drafter forward per cycle
+    over contexts of different lengths; adaptive and fixed blocks; Gemma-4's
+    sliding windows wrap many times over."""
+    pair = make_pair(family)
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    prompts = [prompt_of(n, seed=3) for n in (4, 70, 23)]
+    limits = [50, 30, 64]
+    refs = [pair.reference(p, m) for p, m in zip(prompts, limits)]
+    for block_size in (None, 4):
+        result = batch_generate(pair.model, draft, pair.tokenizer, prompts, max_tokens=limits, block_size=block_size)
+        assert result.tokens == refs
+        assert result.finish_reasons == ["length" if len(r) == m else "stop" for r, m in zip(refs, limits)]
+
+
+def test_a_quantized_target_batches_exactly(make_pair, tmp_path):
+    pair = make_pair("qwen3")
+    model, tokenizer = dflash_mlx.load(str(pair.path))
+    nn.quantize(model, group_size=32, bits=4)
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), model)
+    prompts = [prompt_of(n, seed=5) for n in (9, 41)]
+    refs = [reference_tokens(model, tokenizer, p, 40) for p in prompts]
+    assert batch_generate(model, draft, tokenizer, prompts, max_tokens=40, block_size=4).tokens == refs
+
+
+def test_rows_stop_at_their_own_eos(qwen3_pair, tmp_path):
+    """An eos ends its row (kept, as the lone run keeps it) and no other."""
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    prompts = [prompt_of(n, seed=11) for n in (6, 19, 44)]
+    refs = [pair.reference(p, 40) for p in prompts]
+    eos = refs[1][12]  # the second row's 13th token
+    gen = BatchGenerator(pair.model, draft, block_size=4)
+    uids = gen.insert(prompts, 40, eos_token_ids=[eos])
+    seen = run_all(gen)
+    for uid, ref in zip(uids, refs):
+        want = ref[: ref.index(eos) + 1] if eos in ref else ref
+        assert seen.tokens[uid] == want
+        assert seen.finish[uid] == ("stop" if eos in ref else "length")
+    assert seen.finish[uids[1]] == "stop"
+
+
+def test_a_removed_request_leaves_a_cache_to_continue(qwen3_5_pair, tmp_path):
+    """A client that disconnects: its row leaves between cycles with a
+    consistent prompt cache (continuing it alone gives mlx-lm's tokens);
+    the rows that stay are unaffected. Then a second turn on a finished
+    row's cache equals mlx-lm's second turn with its own prompt cache."""
+    pair = qwen3_5_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    prompts = [prompt_of(n, seed=2) for n in (8, 30, 15)]
+    refs = [pair.reference(p, 60) for p in prompts]
+    gen = BatchGenerator(pair.model, draft, block_size=4)
+    uids = gen.insert(prompts, 60)
+    so_far = {u: [] for u in uids}
+    while len(so_far[uids[1]]) < 10:
+        for r in gen.next():
+            so_far[r.uid] += r.tokens
+    left = gen.remove([uids[1]])[uids[1]]
+    seen = run_all(gen)
+    got, caches = seen.tokens, seen.caches
+    assert so_far[uids[0]] + got[uids[0]] == refs[0] and so_far[uids[2]] + got[uids[2]] == refs[2]
+    n = len(so_far[uids[1]])
+    assert left.tokens == prompts[1] + refs[1][:n]
+    rest = [t for r in dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, [], prompt_cache=left, max_tokens=60 - n) for t in r.tokens]
+    assert so_far[uids[1]] + rest == refs[1]
+    # a second turn on a finished row's cache
+    turn = prompt_of(5, seed=9)
+    second = [t for r in dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, turn, prompt_cache=caches[uids[0]], max_tokens=20) for t in r.tokens]
+    assert second == pair.reference(prompts[0] + refs[0] + turn, 20)
+
+
+def test_sampled_and_greedy_rows_share_a_batch(tmp_path):
+    """Mixed rows: greedy ones identical to their lone run, sampled ones
+    (each its own seed and settings) distributed as the target samples:
+    a randomised PIT of every token under the target's processed p."""
+    small = small_pair(tmp_path, tiny.QWEN3)
+    model, tokenizer, draft = small.model, small.tokenizer, small.draft
+    greedy_ref = reference_tokens(model, tokenizer, PROMPT, 48)
+    settings = [TRUNCATED, dict(temperature=1.0), dict(temperature=0.7, min_p=0.05)]
+    runs = {i: [] for i in range(len(settings))}
+    for round_ in range(4):
+        gen = BatchGenerator(model, draft, block_size=4)
+        greedy = gen.insert([PROMPT], 48)
+        sampled = [gen.insert([PROMPT], 48, seed=100 * round_ + i, **s)[0] for i, s in enumerate(settings)]
+        got = run_all(gen).tokens
+        assert got[greedy[0]] == greedy_ref
+        for i, uid in enumerate(sampled):
+            runs[i].append(got[uid])
+    rng = np.random.default_rng(0)
+    for i, setting in enumerate(settings):
+        ks, bound, outside = pit_check(model, runs[i], setting, rng)
+        assert outside == 0 and ks < bound, (setting, ks, bound)
+    # a seed repeats its row
+    gen = BatchGenerator(model, draft, block_size=4)
+    a, b = gen.insert([PROMPT, PROMPT], 30, seed=[7, 7], temperature=1.0)
+    got = run_all(gen).tokens
+    assert got[a] == got[b]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4_text"])
+def test_batch_caches_round_trip(make_pair, family):
+    """Requests' caches joined into a batch and taken back out hold what they
+    held (a rotating cache: the rows a next block attends to, in time order)."""
+    pair = make_pair(family)
+    adapter = adapter_for(pair.model)
+    caches = []
+    for n in (3, 40):
+        c = adapter.make_cache()
+        adapter.forward(mx.array([prompt_of(n)]), c, taps=[], record=False)
+        caches.append(c)
+    batch = BatchCache.join(caches, [3, 40])
+
+    def held(cache):
+        if isinstance(cache, ArraysCache):
+            return list(cache.cache)
+        if isinstance(cache, RotatingKVCache):
+            keys, values = in_time_order(cache)
+            keep = min(keys.shape[2], cache.max_size - 1)  # what a next block attends to
+            return [keys[..., -keep:, :], values[..., -keep:, :], cache.offset]
+        return [cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :], cache.offset]
+
+    for b, c in enumerate(caches):
+        for before, after in zip(c, batch.row(b)):
+            assert type(before) is type(after)
+            for u, v in zip(held(before), held(after)):
+                assert (u == v) if isinstance(u, int) else mx.array_equal(u, v)
+
+
+def test_bad_batch_requests_get_one_clear_error(qwen3_pair, tmp_path):
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    gen = BatchGenerator(pair.model, draft)
+    with pytest.raises(ArgumentError, match="max_tokens"):
+        gen.insert([[1, 2]], 0)
+    with pytest.raises(ArgumentError, match="empty"):
+        gen.insert([[]], 5)
+    with pytest.raises(ArgumentError, match="3 values for 2 prompts"):
+        gen.insert([[1], [2]], [4, 5, 6])
+    with pytest.raises(ArgumentError, match="completion_batch_size"):
+        BatchGenerator(pair.model, draft, completion_batch_size=0)
+    assert not gen.busy
