@@ -151,6 +151,8 @@ class BatchGenerator:
         self.cache: Optional[BatchCache] = None
         self.sizer: Optional[BatchSizer] = None
         self.settle = mx.async_eval
+        self.ahead: Optional[Launched] = None  # a plain step queued before the last one was read
+        self.clock = self.left = 0.0  # when the last cycle was read; when the caller got its tokens
         self.pair_acceptance: Optional[SlotAcceptance] = None
         self.uid = 0
 
@@ -220,6 +222,7 @@ class BatchGenerator:
         uids = set(uids)
         out = {r.uid: r.cache for r in self.waiting if r.uid in uids}
         self.waiting = [r for r in self.waiting if r.uid not in uids]
+        self.drop_ahead()
         leaving = [b for b, r in enumerate(self.active) if r.uid in uids]
         for b in leaving:
             out[self.active[b].uid] = self.active[b].cache
@@ -289,12 +292,20 @@ class BatchGenerator:
                 calibration.batch_sizer = BatchSizer(self.max_block, BatchCosts.from_table(calibration.sizer.costs))
             self.sizer = BatchSizer(self.max_block, None, fixed=True) if self.fixed else calibration.batch_sizer
         r.acceptance = copy.deepcopy(self.pair_acceptance)
+        self.drop_ahead()
         position = len(r.cache.tokens) - len(r.cache.pending)
         parts = [r.cache.target] if self.cache is None else [self.cache, r.cache.target]
         positions = ([] if self.cache is None else self.cache.rows.pos) + [position]
         self.cache = BatchCache.join(parts, positions)
         r.cache.target = None  # in the batch until it leaves
         self.active.append(r)
+
+    def drop_ahead(self) -> None:
+        """Forget a plain step queued ahead (its rows keep none of it): the
+        batch is about to change shape."""
+        if self.ahead is not None:
+            self.target.rollback_rows(self.cache, [0] * len(self.ahead.rows))
+            self.ahead = None
 
     def leave(self, rows: Sequence[int]) -> None:
         """Rows ``rows`` leave the batch, each with its own target cache back."""
@@ -313,16 +324,51 @@ class BatchGenerator:
 
     # -- one cycle ---------------------------------------------------------
 
-    def cycle(self) -> List[BatchResponse]:
-        """Draft, verify, accept, roll back, commit: every row at once."""
-        rows, target, tic = self.active, self.target, time.perf_counter()
-        remaining = [r.max_tokens - r.n for r in rows]
+    def choose(self, rows: List[Request], ahead: int = 0) -> int:
+        """The next cycle's block, from the cycles before it (``ahead``: chosen
+        before the last cycle is read, each row that many tokens further)."""
+        remaining = [r.max_tokens - r.n - ahead for r in rows]
         limits = [r.block_limit for r in rows if r.block_limit]
         if len(limits) == len(rows):  # every request fixed its block: the shortest, for all
-            block = max(1, min(min(limits), max(remaining)))
+            return max(1, min(min(limits), max(remaining)))
+        return min([self.sizer.choose([r.acceptance for r in rows], remaining)] + limits)
+
+    def cycle(self) -> List[BatchResponse]:
+        """Draft, verify, accept, roll back, commit: every row at once, one
+        host read. A plain step keeps its one row whatever its token, so
+        when the next cycle is plain too it is queued on this one's lazy
+        tokens before the host reads them, as mlx-lm's batched decode runs
+        ahead (and as :func:`~dflash_mlx.generate.decode` does for one
+        request); a row that then ends is rolled back out of it."""
+        now = time.perf_counter()
+        if self.ahead is None:
+            launched, self.clock = self.launch(self.active, self.choose(self.active)), now
         else:
-            block = min([self.sizer.choose([r.acceptance for r in rows], remaining)] + limits)
-        anchors = mx.array([[r.anchor] for r in rows], dtype=mx.int32)
+            launched, self.ahead = self.ahead, None
+            self.clock += now - self.left  # the caller's time between cycles is no cycle's
+        rows = launched.rows
+        if launched.block == 1 and all(r.max_tokens - r.n > 1 for r in rows) and self.choose(rows, ahead=1) == 1:
+            self.commit(launched, [1] * len(rows))
+            self.ahead = self.launch(rows, 1, anchors=launched.outcome[:, 1:2])
+        out, done = self.accept(launched, launched.outcome.tolist())
+        if done and self.ahead is not None:  # the rows that ended leave it unkept
+            ahead, self.ahead = self.ahead, None
+            more, later = self.accept(ahead, ahead.outcome.tolist(), void=set(done))
+            out, done = out + more, done + later
+        ending = sorted(set(done))
+        for b in ending:
+            for response in out:
+                if response.uid == rows[b].uid and response.finish_reason is not None:
+                    response.prompt_cache = rows[b].cache
+        self.leave(ending)
+        self.left = time.perf_counter()
+        return out
+
+    def launch(self, rows: List[Request], block: int, anchors: Optional[mx.array] = None) -> "Launched":
+        """Queue a cycle of ``block`` tokens per row (1: a plain step, its
+        ``anchors`` may be the last plain step's lazy tokens)."""
+        if anchors is None:
+            anchors = mx.array([[r.anchor] for r in rows], dtype=mx.int32)
         drafted, qs = None, [None] * len(rows)
         if block > 1:
             blocks = mx.concatenate([masked_block(self.draft, r.anchor, self.max_block) for r in rows])
@@ -335,11 +381,30 @@ class BatchGenerator:
             drafted = drafted.astype(mx.int32)
             self.settle(drafted)
         verify_in = anchors if drafted is None else mx.concatenate([anchors, drafted], axis=1)
-        logits, taps = target.forward(verify_in, self.cache)
+        logits, taps = self.target.forward(verify_in, self.cache)
         outcome = self.outcome(rows, logits, drafted, qs)
-        values = outcome.tolist()  # the cycle's one host read
+        mx.async_eval(outcome, taps)
+        return Launched(list(rows), block, outcome, logits, taps)
+
+    def commit(self, launched: "Launched", kept: List[int]) -> None:
+        """Each row keeps its first ``kept[b]`` verified tokens in the
+        target's caches, and their tap states for its drafter."""
+        self.target.rollback_rows(self.cache, kept)
+        for b, (r, k) in enumerate(zip(launched.rows, kept)):
+            if k:
+                r.cache.add_hidden(launched.taps[b : b + 1, :k])
+        launched.committed = True
+
+    def accept(self, launched: "Launched", values, void=frozenset()):
+        """Each row's tokens from the read ``values``; rows in ``void`` (ended
+        before this cycle, which ran ahead) keep nothing of it. Returns the
+        responses and the rows that ended."""
         kept, out, done = [], [], []
+        block, rows = launched.block, launched.rows
         for b, (r, row) in enumerate(zip(rows, values)):
+            if b in void:
+                kept.append(0)
+                continue
             accepted, bonus, proposed = row[0], row[1], row[2:]
             new = proposed[:accepted] + [bonus]
             stop = next((i for i, t in enumerate(new) if t in r.eos), None)
@@ -356,19 +421,18 @@ class BatchGenerator:
             finish = "stop" if stop is not None and stop < len(new) else ("length" if r.n >= r.max_tokens else None)
             lp = None
             if r.logprobs:
-                lps = logits[b] - mx.logsumexp(logits[b], axis=-1, keepdims=True)
+                lps = launched.logits[b] - mx.logsumexp(launched.logits[b], axis=-1, keepdims=True)
                 lp = [lps[i] for i in range(len(new))]
             out.append(BatchResponse(r.uid, new, [i < accepted for i in range(len(new))], lp, finish, block, len(rows)))
             if finish is not None:
                 done.append(b)
-        target.rollback_rows(self.cache, kept)
-        for r, k, b in zip(rows, kept, range(len(rows))):
-            r.cache.add_hidden(taps[b : b + 1, :k])
-        self.sizer.observe([r.acceptance for r in rows], remaining, block, time.perf_counter() - tic)
-        for b in done:
-            out[b].prompt_cache = rows[b].cache
-        self.leave(done)
-        return out
+        if not launched.committed:
+            self.commit(launched, kept)
+        read = time.perf_counter()
+        remaining = [r.max_tokens - r.n for r in rows]
+        self.sizer.observe([r.acceptance for r in rows], remaining, block, read - self.clock)
+        self.clock = read
+        return out, done
 
     def outcome(self, rows: List[Request], logits: mx.array, drafted: Optional[mx.array], qs) -> mx.array:
         """``[B, 2 + L - 1]`` int32: per row its accepted count, the token
@@ -399,6 +463,19 @@ class BatchGenerator:
                 accepted[b], token[b] = accept_greedy(proposal[b], r.rule.choose(logits[b]))
         head = mx.stack([mx.stack([a.astype(mx.int32), t.astype(mx.int32)]) for a, t in zip(accepted, token)])
         return mx.concatenate([head, proposal], axis=1)
+
+
+@dataclass
+class Launched:
+    """A queued cycle: its rows, block, lazy outcome (:meth:`BatchGenerator.outcome`),
+    logits and tap states, and whether its rows' kept tokens are committed."""
+
+    rows: List[Request]
+    block: int
+    outcome: mx.array
+    logits: mx.array
+    taps: mx.array
+    committed: bool = False
 
 
 @dataclass

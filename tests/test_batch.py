@@ -161,14 +161,17 @@ def test_a_quantized_target_batches_exactly(make_pair, tmp_path):
     assert batch_generate(model, draft, tokenizer, prompts, max_tokens=40, block_size=4).tokens == refs
 
 
-def test_rows_stop_at_their_own_eos(qwen3_pair, tmp_path):
-    """An eos ends its row (kept, as the lone run keeps it) and no other."""
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_rows_stop_at_their_own_eos(qwen3_pair, tmp_path, block_size):
+    """An eos ends its row (kept, as the lone run keeps it) and no other;
+    plain batched steps (block 1) run ahead of their reads, and a row that
+    ends is rolled back out of the step queued after it."""
     pair = qwen3_pair
     draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
     prompts = [prompt_of(n, seed=11) for n in (6, 19, 44)]
     refs = [pair.reference(p, 40) for p in prompts]
     eos = refs[1][12]  # the second row's 13th token
-    gen = BatchGenerator(pair.model, draft, block_size=4)
+    gen = BatchGenerator(pair.model, draft, block_size=block_size)
     uids = gen.insert(prompts, 40, eos_token_ids=[eos])
     seen = run_all(gen)
     for uid, ref in zip(uids, refs):
@@ -178,7 +181,8 @@ def test_rows_stop_at_their_own_eos(qwen3_pair, tmp_path):
     assert seen.finish[uids[1]] == "stop"
 
 
-def test_a_removed_request_leaves_a_cache_to_continue(qwen3_5_pair, tmp_path):
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_a_removed_request_leaves_a_cache_to_continue(qwen3_5_pair, tmp_path, block_size):
     """A client that disconnects: its row leaves between cycles with a
     consistent prompt cache (continuing it alone gives mlx-lm's tokens);
     the rows that stay are unaffected. Then a second turn on a finished
@@ -187,7 +191,7 @@ def test_a_removed_request_leaves_a_cache_to_continue(qwen3_5_pair, tmp_path):
     draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
     prompts = [prompt_of(n, seed=2) for n in (8, 30, 15)]
     refs = [pair.reference(p, 60) for p in prompts]
-    gen = BatchGenerator(pair.model, draft, block_size=4)
+    gen = BatchGenerator(pair.model, draft, block_size=block_size)
     uids = gen.insert(prompts, 60)
     so_far = {u: [] for u in uids}
     while len(so_far[uids[1]]) < 10:
