@@ -9,6 +9,7 @@ import warnings
 warnings.filterwarnings("ignore", message=r"'dflash_mlx\.generate' found in sys\.modules", category=RuntimeWarning)
 
 from ._version import __version__
+from .batch import BatchGenerator, BatchResponse, BatchResult, batch_generate
 from .cache import PromptCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 from .drafters import known_drafter
 from .generate import GenerationResponse, generate, generate_step, stream_generate
@@ -17,10 +18,14 @@ from .models.dflash import DFlashConfig, DFlashDraftModel
 
 __all__ = [
     "__version__",
+    "BatchGenerator",
+    "BatchResponse",
+    "BatchResult",
     "DFlashConfig",
     "DFlashDraftModel",
     "GenerationResponse",
     "PromptCache",
+    "batch_generate",
     "generate",
     "generate_step",
     "known_drafter",

@@ -148,6 +148,7 @@ class BatchGenerator:
         self.draft_window, self.draft_sink = draft_window, draft_sink
         self.waiting: List[Request] = []  # queued: not prefilled, or partly
         self.active: List[Request] = []  # decoding, in the batch's row order
+        self.joining: List[Request] = []  # prefilled, first token out, joining at the next cycle
         self.cache: Optional[BatchCache] = None
         self.sizer: Optional[BatchSizer] = None
         self.settle = mx.async_eval
@@ -220,8 +221,9 @@ class BatchGenerator:
         """Drop requests between cycles; returns their prompt caches, each
         consistent with the tokens it holds (``cache.tokens``)."""
         uids = set(uids)
-        out = {r.uid: r.cache for r in self.waiting if r.uid in uids}
+        out = {r.uid: r.cache for r in self.waiting + self.joining if r.uid in uids}
         self.waiting = [r for r in self.waiting if r.uid not in uids]
+        self.joining = [r for r in self.joining if r.uid not in uids]
         self.drop_ahead()
         leaving = [b for b, r in enumerate(self.active) if r.uid in uids]
         for b in leaving:
@@ -235,12 +237,15 @@ class BatchGenerator:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.active or self.joining)
 
     def next(self) -> List[BatchResponse]:
         """Prefill what fits of the queued prompts, then one decode cycle
         of the batch; what every request committed."""
         with one_thread_per_pair(self.draft), mx.stream(self.stream), wired_limit(self.model, [self.stream]):
+            for r in self.joining:
+                self.join(r)
+            self.joining = []
             out = self.prefill_queued()
             if self.active:
                 out += self.cycle()
@@ -280,7 +285,7 @@ class BatchGenerator:
         if finish is not None:
             r.cache.drop_unreadable()
             return BatchResponse(r.uid, [token], [False], lp, finish, 0, 0, r.cache)
-        self.join(r)
+        self.joining.append(r)  # at the next call: its first token goes out first
         return BatchResponse(r.uid, [token], [False], lp, None, 0, 0)
 
     def join(self, r: Request) -> None:

@@ -98,6 +98,17 @@ def median_seconds(fn: Callable[[], float], repeats: int = 3) -> float:
 _calibrations: Dict[int, dict] = {}  # id(drafter) -> {(target id, device, max block): Calibration}
 
 
+def calibration_key(target, max_block: int):
+    return (id(target.model), str(mx.default_device()), max_block)
+
+
+def calibrated(target, draft, max_block: int, trees: bool = False) -> bool:
+    """Whether :func:`calibrate` has measured this pair already (and its
+    tree cycle, when ``trees``): then a generation's cycles start at once."""
+    calibration = _calibrations.get(id(draft), {}).get(calibration_key(target, max_block))
+    return calibration is not None and (not trees or max_block == 1 or calibration.tree is not None)
+
+
 def calibrate(target, draft, cache, context: mx.array, max_block: int, trees: bool = False) -> Calibration:
     """Measure cycle costs at a few block lengths up to ``max_block``, the
     faster evaluation strategy (cycles at ``max_block``, the two strategies
@@ -120,7 +131,7 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int, trees: bo
     cycle's timings would need one more collective per cycle to agree on
     them.
     """
-    key = (id(target.model), str(mx.default_device()), max_block)
+    key = calibration_key(target, max_block)
     saved = _calibrations.get(id(draft))
     if saved is None:  # modules are dicts, so unhashable: key by id, forget on collection
         saved = _calibrations[id(draft)] = {}

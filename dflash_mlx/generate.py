@@ -18,7 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import cli
 from .adaptive import BlockSizer, TreeChoice, TreeWalk
-from .calibration import plan
+from .calibration import calibrated, plan
 from .cache import PromptCache, bound_target, prompt_cache_for
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
 from .errors import ArgumentError
@@ -318,8 +318,21 @@ def generate_step(
     with one_thread_per_pair(draft), mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
+            anchor = rule.choose(logits).item()
+            first = (anchor, logits[0] - mx.logsumexp(logits[0]) if logprobs else None, False, 0, 0)
+            cache.pending = [anchor]
+            cache.tokens.append(anchor)
+            eos = set(eos_token_ids)
+            if max_tokens == 1 or anchor in eos:
+                yield first
+                return
+            if not calibrated(target, draft, max_block, trees[1]):
+                # The first generation in a process measures the cycles'
+                # costs: its first token does not wait for that.
+                yield first
+                first = None
             sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)
-            yield from decode(target, draft, cache, logits, rule, sizer, settle, max_tokens, set(eos_token_ids), logprobs)
+            yield from decode(target, draft, cache, first, rule, sizer, settle, max_tokens, eos, logprobs)
         finally:
             if cache.target.undo is not None:  # interrupted inside a cycle
                 target.rollback(cache.target, 0)
@@ -434,11 +447,13 @@ class Drafting:
             self.cache.add_hidden(cycle.target_hidden[:, mx.array(rows)])
 
 
-def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_tokens, eos, want_logprobs):
-    """The cycles: draft, verify, accept, roll back, commit, one host sync
-    each. ``sizer`` chooses each block or tree from the cycles before it;
-    ``settle`` evaluates the draft (``mx.eval``, or ``mx.async_eval`` to
-    overlap).
+def decode(target, draft, cache: PromptCache, first, rule, sizer, settle, max_tokens, eos, want_logprobs):
+    """The cycles after the prefill's token (the cache's pending one): draft,
+    verify, accept, roll back, commit, one host sync each. ``sizer``
+    chooses each block or tree from the cycles before it; ``settle``
+    evaluates the draft (``mx.eval``, or ``mx.async_eval`` to overlap).
+    ``first``: the prefill's token as :func:`generate_step` yields it, to
+    yield once the first cycle is queued (None: already yielded).
 
     Each cycle is queued before the previous one's tokens are yielded, as
     mlx-lm queues its next step, so the caller's work on them (detokenizing,
@@ -447,20 +462,13 @@ def decode(target, draft, cache: PromptCache, logits, rule, sizer, settle, max_t
     :func:`generate_step`).
     """
     drafting = Drafting(target, draft, cache, rule, sizer.max_block, settle)
-    token = rule.choose(logits)
-    lp = logits[0] - mx.logsumexp(logits[0]) if want_logprobs else None
-    anchor = token.item()
-    cache.pending = [anchor]
-    cache.tokens.append(anchor)
-    n = 1
-    if n == max_tokens or anchor in eos:
-        yield anchor, lp, False, 0, 0
-        return
+    anchor, n = cache.pending[0], 1
     tic = time.perf_counter()  # cycles are timed without the caller's time
     cycle = drafting.launch(anchor, sizer.choose(max_tokens - n), max_tokens - n)  # never more slots than tokens left
-    paused = time.perf_counter()
-    yield anchor, lp, False, 0, 0
-    tic += time.perf_counter() - paused
+    if first is not None:
+        paused = time.perf_counter()
+        yield first
+        tic += time.perf_counter() - paused
     while True:
         # A plain step keeps its one row whatever its token, so when the
         # next cycle is plain too it is queued on this one's lazy token

@@ -269,6 +269,7 @@ class DFlashResponseGenerator:
         self.metrics = Metrics()
         self.stored_responses = ResponseStore()  # for /v1/responses' previous_response_id
         self.done = threading.Event()  # set when the generation thread has ended its work
+        self.ready = threading.Event()  # set once it has warmed up and takes requests
         # --pipeline: every rank generates what rank 0 receives (pipeline.share_request).
         self.group = mx.distributed.init() if cli_args.pipeline else None
         # Requests decode together in batched cycles, except on a pipelined
@@ -297,16 +298,30 @@ class DFlashResponseGenerator:
         self.stopping = True
         self.done.wait()
 
+    def warm_up(self) -> None:
+        """One short generation before the first request: the first
+        generation in a process measures the cycles' costs, and no client
+        should wait for that."""
+        with self.tokenizer_lock:
+            prompt = self.tokenizer.encode("Hello")
+        self.batch.insert([prompt or [0]], 4)
+        while self.batch.busy:
+            self.batch.next()
+
     def run(self):
         try:
             if self.batch is not None:
+                self.warm_up()
+                self.ready.set()
                 self.run_batched()
+            self.ready.set()
             while self.batch is None and (item := self.next_request()) != STOP:
                 if item is not None:
                     self.serve(*item)
         except Exception:
             logging.exception("the generation thread died")
             self.failed = True
+        self.ready.set()
         # Ended, but not returning: MLX (0.32) aborts the process in the
         # teardown of a thread that generated, so this daemon thread stays.
         self.done.set()
@@ -732,6 +747,7 @@ def main(argv=None):
         if server is not None:
             server.server_close()
         raise
+    server.generator.ready.wait()  # connections wait in the socket's backlog meanwhile
     host, port = server.server_address[:2]
     print(f"mlx-dflash server listening on http://{host}:{port}", file=sys.stderr, flush=True)
     try:

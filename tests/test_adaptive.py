@@ -12,7 +12,7 @@ from tiny import ScriptedDrafter, ScriptedSizer, prompt_of
 
 import dflash_mlx
 from dflash_mlx.adaptive import PROBE_BUDGET, PROBE_WAIT, RECHECK_BUDGET, REVISIT, BlockSizer, CycleCosts, SlotAcceptance
-from dflash_mlx.calibration import calibrate
+from dflash_mlx.calibration import calibrate, calibrated
 from dflash_mlx.errors import ArgumentError
 from dflash_mlx.generate import prefill
 
@@ -332,6 +332,14 @@ def test_plain_cycles_queue_the_next_step_and_closing_undoes_it(qwen3_pair, tmp_
     closing the generator at any token rolls the queued step back."""
     pair = qwen3_pair
     draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    # The pair's first generation in the process yields its first token
+    # before the cycles' costs are measured, so nothing is queued yet.
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft)
+    steps = dflash_mlx.generate_step(prompt_of(5), pair.model, draft, prompt_cache=cache, block_size=1, max_tokens=6)
+    next(steps)
+    assert cache.target.undo is None and not calibrated(draft.target, draft, 1)
+    list(steps)
+    assert calibrated(draft.target, draft, 1)
     for stop_after in range(1, 7):
         cache = dflash_mlx.make_prompt_cache(pair.model, draft)
         steps = dflash_mlx.generate_step(prompt_of(5), pair.model, draft, prompt_cache=cache, block_size=1, max_tokens=6)

@@ -1,0 +1,185 @@
+"""Many requests at once: DFlash's batched cycles against mlx-lm's batching.
+
+    python examples/concurrency.py                       # library: batch_generate, bundled pair
+    python examples/concurrency.py --server --model smollm2   # both servers on loopback
+
+Library mode runs mlx-lm's ``batch_generate`` and dflash_mlx's on the same
+held-out prompts at each concurrency, taking turns (``--repeats`` rounds
+of each), and reports aggregate tokens per second, their ratio, tokens per
+cycle per request, and whether every text matched mlx-lm's.
+
+Server mode starts ``mlx_lm server`` (its default continuous batching) and
+``mlx-dflash server`` on loopback ports with the same target, sends the
+pair's held-out prompts as greedy chat requests, ``c`` at a time, each
+server in turn, and reports aggregate tokens per second (all completion
+tokens over the round's wall time), mean request latency and their ratios.
+Every answer is compared with mlx-lm's. Run with nothing else on the
+machine and OpenBLAS preloaded (see BENCHMARKS.md).
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import mlx.core as mx
+
+
+def prompts_for(model, count):
+    from dflash_mlx.pair import DEFAULT_TARGET, named_prompts
+
+    if str(model) == str(DEFAULT_TARGET):
+        from dflash_mlx.pair import default_prompts
+
+        found = default_prompts()
+    else:
+        found = named_prompts(model)
+    return [found[i % len(found)] for i in range(count)]
+
+
+def library(args):
+    from mlx_lm import batch_generate as mlx_lm_batch_generate
+
+    from dflash_mlx.batch import batch_generate
+    from dflash_mlx.blas import warn_if_reference
+    from dflash_mlx.pair import load_pair
+
+    model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
+    warn_if_reference()
+    rows = []
+    for c in args.concurrency:
+        prompts = prompts_for(args.model, c)
+        encoded = [tokenizer.encode(p) for p in prompts]
+        mlx_lm_batch_generate(model, tokenizer, encoded, max_tokens=4)  # warm both
+        batch_generate(model, draft, tokenizer, prompts, max_tokens=4, block_size=args.block_size)
+        lm_times, df_times, same, per_cycle = [], [], True, []
+        for _ in range(args.repeats):
+            tic = time.perf_counter()
+            lm = mlx_lm_batch_generate(model, tokenizer, encoded, max_tokens=args.max_tokens)
+            lm_times.append(time.perf_counter() - tic)
+            tic = time.perf_counter()
+            df = batch_generate(model, draft, tokenizer, prompts, max_tokens=args.max_tokens, block_size=args.block_size)
+            df_times.append(time.perf_counter() - tic)
+            same = same and df.texts == lm.texts
+            per_cycle += [s["tokens_per_cycle"] for s in df.stats]
+        tokens = sum(len(tokenizer.encode(t)) for t in lm.texts)
+        lm_tps, df_tps = tokens / statistics.median(lm_times), tokens / statistics.median(df_times)
+        rows.append(dict(concurrency=c, mlx_lm_tps=round(lm_tps, 1), dflash_tps=round(df_tps, 1),
+                         ratio=round(df_tps / lm_tps, 2), tokens_per_cycle=round(statistics.mean(per_cycle), 2),
+                         identical=same))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def wait_ready(url, proc, timeout=600):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server at {url} exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5):
+                return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit(f"the server at {url} did not come up")
+
+
+def chat(url, prompt, max_tokens):
+    body = json.dumps({"model": "default", "messages": [{"role": "user", "content": prompt}],
+                       "max_tokens": max_tokens, "temperature": 0.0}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    tic = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=3600) as resp:
+        answer = json.loads(resp.read())
+    return answer["choices"][0]["message"]["content"], answer["usage"]["completion_tokens"], time.perf_counter() - tic
+
+
+def round_of(url, prompts, max_tokens):
+    """All ``prompts`` at once; (texts, completion tokens, wall seconds, latencies)."""
+    out = [None] * len(prompts)
+
+    def one(i):
+        out[i] = chat(url, prompts[i], max_tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    tic = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    return [o[0] for o in out], sum(o[1] for o in out), wall, [o[2] for o in out]
+
+
+def servers(args):
+    from dflash_mlx.pair import resolve_pair
+
+    target, _ = resolve_pair(args.model, args.draft_model)
+    lm_port, df_port = args.port, args.port + 1
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(target), "--port", str(lm_port)],
+                         stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL),
+        subprocess.Popen([sys.executable, "-m", "dflash_mlx", "server", "--model", str(args.model), "--port", str(df_port)]
+                         + (["--draft-model", str(args.draft_model)] if args.draft_model else []),
+                         stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL),
+    ]
+    urls = {"mlx_lm": f"http://127.0.0.1:{lm_port}", "dflash": f"http://127.0.0.1:{df_port}"}
+    rows = []
+    try:
+        for url, proc in zip(urls.values(), procs):
+            wait_ready(url, proc)
+        for name, url in urls.items():  # warm both
+            round_of(url, prompts_for(args.model, 2), 8)
+        for c in args.concurrency:
+            prompts = prompts_for(args.model, c)
+            seen = {name: dict(tps=[], latency=[], texts=None) for name in urls}
+            for _ in range(args.repeats):
+                for name, url in urls.items():
+                    texts, tokens, wall, latencies = round_of(url, prompts, args.max_tokens)
+                    seen[name]["tps"].append(tokens / wall)
+                    seen[name]["latency"].append(statistics.mean(latencies))
+                    seen[name]["texts"] = texts
+            lm, df = seen["mlx_lm"], seen["dflash"]
+            row = dict(
+                concurrency=c, mlx_lm_tps=round(statistics.median(lm["tps"]), 1),
+                dflash_tps=round(statistics.median(df["tps"]), 1),
+                ratio=round(statistics.median(df["tps"]) / statistics.median(lm["tps"]), 2),
+                latency_ratio=round(statistics.median(df["latency"]) / statistics.median(lm["latency"]), 2),
+                identical=lm["texts"] == df["texts"],
+            )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=60)
+    return rows
+
+
+def main(argv=None):
+    from dflash_mlx.pair import DEFAULT_TARGET
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_TARGET), help="target (a path or a pair name such as smollm2)")
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--block-size", type=int, default=None, help="library mode: fix DFlash's block (default adaptive)")
+    p.add_argument("--server", action="store_true", help="compare the two servers over HTTP")
+    p.add_argument("--port", type=int, default=8391)
+    p.add_argument("--json", default=None, help="write the rows here")
+    args = p.parse_args(argv)
+    rows = servers(args) if args.server else library(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), rows=rows, device=str(mx.default_device())), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
