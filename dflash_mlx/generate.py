@@ -315,6 +315,7 @@ def generate_step(
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt and not cache.pending:
         raise ArgumentError("the prompt is empty")
+    target.check_tokens(prompt)
     with one_thread_per_pair(draft), mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
@@ -413,7 +414,8 @@ class Drafting:
         nodes at most ``remaining - 1`` deep and verify it in one forward;
         the outcome is the target's choice at every row."""
         cache = self.cache
-        head = self.draft.slot_head_logits(self.block(anchor), cache.target_hidden, cache.draft, slots=remaining - 1)
+        slots = min(remaining, self.max_block) - 1
+        head = self.draft.slot_head_logits(self.block(anchor), cache.target_hidden, cache.draft, slots=slots)
         cache.target_hidden = None  # injected into the drafter's context
         ids, logprobs = candidates(head[0], nodes, self.draft.vocab_ids)
         tree = build_tree(anchor, ids, logprobs, nodes)
