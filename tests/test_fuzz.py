@@ -383,7 +383,10 @@ MESSAGE = st.fixed_dictionaries(
         "output": JSON,
     },
 )
+# Token-id prompts: ids inside the vocabulary, negative, past it and past any integer MLX takes.
+TOKEN_IDS = st.lists(st.integers(0, 60) | st.integers(-(2**70), 2**70) | st.sampled_from([-1, 10**9, 2**31, 2**63]), min_size=1, max_size=4)
 FIELD_VALUES = {
+    "prompt": TOKEN_IDS | JSON,
     "messages": st.lists(MESSAGE, max_size=3) | JSON,
     "input": st.lists(MESSAGE, max_size=3) | JSON,
     # Valid ones stay small: a request the server accepts is generated in full.
@@ -476,6 +479,41 @@ def test_request_bodies_get_answers_or_4xx(tiny_server, path, base, stream_end):
 
 # ---------------------------------------------------------------------------
 # What the fuzzers found, one regression test each (see docs/robustness.md)
+
+
+def raw_bodies(base: dict):
+    """Bodies that are not UTF-8 JSON or hold what a JSON parser chokes on:
+    invalid bytes anywhere in a valid body, integers of thousands of digits
+    in any field, deep nesting."""
+    valid = json.dumps(base).encode()
+    invalid = st.tuples(st.integers(0, len(valid)), st.binary(min_size=1, max_size=3).filter(lambda b: not is_utf8(b))).map(
+        lambda at: valid[: at[0]] + at[1] + valid[at[0] :]
+    )
+    huge = st.sampled_from(FIELDS).map(lambda k: json.dumps({**base, k: 0}).encode().replace(b": 0}", b": 1" + b"0" * 5000 + b"}"))
+    deep = st.integers(1000, 100_000).map(lambda n: b"[" * n + b"]" * n)
+    return invalid | huge | deep
+
+
+def is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("path, base, stream_end", ENDPOINTS, ids=[p for p, _, _ in ENDPOINTS])
+def test_raw_bodies_get_400_in_the_dialect(tiny_server, path, base, stream_end):
+    @fuzz(20)
+    @seed(SEED)
+    @given(raw_bodies(base))
+    def check(raw):
+        status, answer = post_raw(tiny_server, path, raw)
+        assert status == 400, (status, answer[:300])
+        error_of(path, answer)
+
+    check()
+    assert post_raw(tiny_server, path, json.dumps(base).encode())[0] == 200
 
 
 def test_gguf_errors_are_package_errors():
@@ -573,6 +611,10 @@ def test_target_config_values_are_named(qwen3_pair, tmp_path, key, value, match)
         ("/v1/chat/completions", {"temperature": 2**63}, "temperature"),  # std::bad_cast in MLX's sampler
         ("/v1/chat/completions", {"temperature": float("nan")}, "temperature"),  # sampled from NaN probabilities
         ("/v1/completions", {"top_p": float("inf")}, "top_p"),
+        ("/v1/completions", {"prompt": [1000000000]}, "prompt"),  # a segfault in MLX's embedding gather
+        ("/v1/completions", {"prompt": [5, -3]}, "prompt"),  # answered from memory before the table
+        ("/v1/completions", {"prompt": [5], "max_tokens": 10**12}, "max_tokens"),  # dropped the connection
+        ("/v1/chat/completions", {"max_completion_tokens": 10**12}, "max_tokens"),
     ],
 )
 def test_requests_the_fuzzer_broke_the_server_with(tiny_server, path, fields, param):
@@ -601,6 +643,8 @@ USER = {"role": "user", "content": "hi"}
         ("/v1/responses", {"previous_response_id": 7}, "previous_response_id must be a string"),  # a 400 that named no type
         ("/v1/messages", {"temperature": 2**70}, "temperature must be at most"),  # a 500: std::bad_cast in MLX's sampler
         ("/v1/responses", {"temperature": 2**63}, "temperature must be at most"),
+        ("/v1/messages", {"max_tokens": 10**12}, "max_tokens is 1000000000000, but the model's context"),
+        ("/v1/responses", {"max_output_tokens": 10**12}, "max_tokens is 1000000000000, but the model's context"),
     ],
 )
 def test_agent_requests_the_fuzzer_broke_the_server_with(tiny_server, path, fields, message):
@@ -641,6 +685,42 @@ def test_a_bug_while_serving_answers_500_in_the_dialect(tiny_server, monkeypatch
     assert status == 500 and "injected fault" in error_of(path, raw)["message"], raw
     monkeypatch.undo()
     assert post_raw(tiny_server, path, json.dumps(base).encode())[0] == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", [p for p, _, end in ENDPOINTS if end is not None])
+def test_a_generation_error_answers_in_the_dialect(tiny_server, monkeypatch, path, stream):
+    """An exception on the generation thread (injected where it starts
+    decoding) ends the request with an error in its dialect, a 500 or, once
+    a stream is under way, an error event; never a dropped connection."""
+    import dflash_mlx.server
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected generation fault")
+
+    base = next(body for p, body, _ in ENDPOINTS if p == path)
+    monkeypatch.setattr(dflash_mlx.server, "generate_step", broken)
+    status, raw = post_raw(tiny_server, path, json.dumps({**base, "stream": stream}).encode())
+    if stream:
+        assert status == 200 and b"injected generation fault" in raw and b"error" in raw.rstrip().splitlines()[-1], raw
+    else:
+        assert status == 500 and "injected generation fault" in error_of(path, raw)["message"], raw
+    monkeypatch.undo()
+    assert post_raw(tiny_server, path, json.dumps(base).encode())[0] == 200
+
+
+def test_the_library_refuses_token_ids_outside_the_vocabulary(qwen3_pair, drafter, monkeypatch):
+    """One clear error before any forward (past the table, MLX's gather crashed the process)."""
+    from dflash_mlx.errors import ArgumentError
+
+    draft = dflash_mlx.load_draft(drafter["path"], qwen3_pair.model)
+    forwards = []
+    monkeypatch.setattr(type(draft.target), "forward", lambda self, tokens, *a, **kw: forwards.append(tokens))
+    vocab = qwen3_pair.vocab
+    for prompt in ([1, 10**9], [-3], [vocab]):
+        with pytest.raises(ArgumentError, match=f"outside the target's vocabulary \\(0..{vocab - 1}\\)"):
+            dflash_mlx.generate(qwen3_pair.model, draft, qwen3_pair.tokenizer, prompt, max_tokens=2)
+    assert forwards == []
 
 
 def test_absurd_block_sizes_are_refused(qwen3_pair, drafter):
