@@ -18,7 +18,12 @@ bytes), keyed by the tokens and by the target and drafter: the longest
 common prefix is reused, trimmed where the caches can trim; caches that
 cannot (hybrid targets) are snapshotted at message boundaries and at the end
 of each prompt. The drafter's context is part of each entry, so a hit
-restores it with the target's.
+restores it with the target's. ``--prompt-cache-dir`` adds a disk tier
+under it (:mod:`dflash_mlx.disk_cache`).
+
+``--api-key`` is checked on every route but ``/health``; request bodies,
+prompts and ``max_tokens`` are bounded, and token ids checked against the
+vocabulary, before anything is queued (docs/server.md, "Keys and limits").
 """
 
 import argparse

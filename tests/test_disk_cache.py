@@ -164,3 +164,68 @@ def test_files_are_written_whole_and_checked(qwen3_pair, tmp_path):
         path.write_bytes(bytes(flipped))
         with pytest.raises(ArgumentError, match="not a whole prompt cache file"):
             load_prompt_cache(str(path), draft)
+
+
+@contextmanager
+def server_process(log, *flags):
+    """A server in its own process (a real restart); yields its OpenAI client."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import openai
+
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_mlx", "server", "--port", "0", *flags],
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.time() + 600
+        while not (m := re.search(r"listening on (http://\S+)", log.read_text())):
+            assert proc.poll() is None and time.time() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield openai.OpenAI(base_url=m.group(1) + "/v1", api_key="x", max_retries=0, timeout=1800)
+    finally:
+        proc.terminate()  # as Ctrl-C: the pending cache files are written first
+        proc.wait(timeout=600)
+
+
+def timed_chat(client, messages):
+    """(answer, seconds to the first token, cached prompt tokens, prompt tokens) of a streamed greedy chat."""
+    import time
+
+    tic, first, text, usage = time.perf_counter(), None, "", None
+    for chunk in client.chat.completions.create(model="m", messages=messages, max_tokens=64, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
+            first = time.perf_counter() - tic
+        text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+        usage = chunk.usage or usage
+    return text, first, usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens
+
+
+@pytest.mark.skipif(os.environ.get("DFLASH_MLX_SMOLLM2") != "1", reason="downloads SmolLM2 (set DFLASH_MLX_SMOLLM2=1)")
+def test_smollm2_restart_serves_a_long_conversation_from_disk(tmp_path):
+    """A 6,000-token conversation, the server restarted, the conversation
+    and one more turn: read from disk, at least 90% of the prompt cached,
+    the first token in at most 0.2x a cold run's time, the cold run's answer."""
+    from dflash_mlx.benchmark import documentation_text
+    from dflash_mlx.pair import load_pair
+
+    tokenizer = load_pair("smollm2")[1]
+    document = tokenizer.decode(tokenizer.encode(documentation_text(), add_special_tokens=False)[:5900])
+    messages = [{"role": "user", "content": f"{document}\n\nWhat is this text about?"}]
+    flags = ["--model", "smollm2", "--prompt-cache-dir", str(tmp_path / "cache")]
+    with server_process(tmp_path / "first.log", *flags) as client:
+        answer, cold_first, _, prompt_tokens = timed_chat(client, messages)
+    assert prompt_tokens >= 5900
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Say it in one sentence."}]
+    with server_process(tmp_path / "second.log", *flags) as client:
+        warm = timed_chat(client, messages)
+    with server_process(tmp_path / "cold.log", "--model", "smollm2") as client:
+        cold = timed_chat(client, messages)
+    print(f"turn 1: ttft {cold_first:.2f}s over {prompt_tokens} tokens; after the restart: ttft {warm[1]:.2f}s, "
+          f"{warm[2]} of {warm[3]} tokens cached; cold: ttft {cold[1]:.2f}s; ratio {warm[1] / cold[1]:.3f}")
+    assert warm[0] == cold[0]
+    assert warm[2] >= 0.9 * warm[3]
+    assert warm[1] <= 0.2 * cold[1]
