@@ -429,6 +429,7 @@ def load_prompt_cache(file_name: str, draft, return_metadata: bool = False):
     is cut short, damaged or of another format version is refused."""
     read_cache_metadata(file_name, verify=True)
     arrays, metadata = mx.load(file_name, return_metadata=True)
+    mx.eval(arrays)  # read now, the file just checked, not when first used
     metadata.pop("dflash_mlx_format")
     metadata.pop("dflash_mlx_sha256")
     info = json.loads(metadata.pop("dflash_mlx"))

@@ -691,6 +691,8 @@ def make_generator(args, model, tokenizer, draft, draft_id: str) -> DFlashRespon
     args.num_draft_tokens = (args.block_size or draft.block_size) - 1  # mlx-lm's default for requests
     if args.tree_budget and draft.target.no_trees:
         raise ArgumentError(draft.target.no_trees)
+    if args.pipeline and args.prompt_cache_dir:  # every rank must restore the same cache, and the writes are not agreed
+        raise ArgumentError("--prompt-cache-dir does not work with --pipeline yet: leave one of them out")
     return DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
 
 

@@ -489,7 +489,11 @@ def raw_bodies(base: dict):
     invalid = st.tuples(st.integers(0, len(valid)), st.binary(min_size=1, max_size=3).filter(lambda b: not is_utf8(b))).map(
         lambda at: valid[: at[0]] + at[1] + valid[at[0] :]
     )
-    huge = st.sampled_from(FIELDS).map(lambda k: json.dumps({**base, k: 0}).encode().replace(b": 0}", b": 1" + b"0" * 5000 + b"}"))
+    def with_huge(k):  # the field last, its value an integer of 5,000 digits
+        last = {**{f: v for f, v in base.items() if f != k}, k: 0}
+        return json.dumps(last).encode()[: -len(b"0}")] + b"1" + b"0" * 5000 + b"}"
+
+    huge = st.sampled_from(FIELDS).map(with_huge)
     deep = st.integers(1000, 100_000).map(lambda n: b"[" * n + b"]" * n)
     return invalid | huge | deep
 
