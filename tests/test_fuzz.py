@@ -343,6 +343,45 @@ def test_target_config_values_get_package_errors(qwen3_pair, tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# Prompt cache files (save_prompt_cache; the server's --prompt-cache-dir)
+
+
+def test_prompt_cache_file_mutations_are_refused_or_read_exactly(qwen3_pair, drafter, tmp_path):
+    """A changed byte anywhere (header, JSON, data), a hostile length or a
+    cut: one ArgumentError, or (a change JSON does not see, such as its
+    padding) the very cache that was saved."""
+    from dflash_mlx.cache import load_prompt_cache, save_prompt_cache
+
+    draft = dflash_mlx.load_draft(drafter["path"], qwen3_pair.model)
+    cache = dflash_mlx.make_prompt_cache(qwen3_pair.model, draft)
+    list(dflash_mlx.stream_generate(qwen3_pair.model, draft, qwen3_pair.tokenizer, [5, 6, 7, 8] * 5, max_tokens=6, prompt_cache=cache))
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(str(path), cache)
+    data, want = path.read_bytes(), mx.load(str(path))
+    header_end = 8 + struct.unpack("<Q", data[:8])[0]
+    seen = {"refused": 0, "loaded": 0}
+
+    @fuzz(40)
+    @seed(SEED)
+    @given(gguf_mutation(header_end, len(data)))
+    def check(how):
+        path.write_bytes(mutate(data, how))
+        try:
+            loaded = load_prompt_cache(str(path), draft)
+        except DFlashError:
+            seen["refused"] += 1
+        else:
+            seen["loaded"] += 1
+            assert loaded.tokens == cache.tokens and loaded.pending == cache.pending
+            got = mx.load(str(path))
+            assert got.keys() == want.keys() and all(mx.array_equal(got[k], want[k]) for k in want)
+
+    check()
+    print(f"seed {SEED}: {seen}")
+    assert seen["refused"] > seen["loaded"]
+
+
+# ---------------------------------------------------------------------------
 # Request bodies, over HTTP. One row per endpoint: its path and a minimal
 # valid body, which the fuzzer edits; a new endpoint is one more row.
 
