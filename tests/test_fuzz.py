@@ -766,6 +766,16 @@ def test_the_library_refuses_token_ids_outside_the_vocabulary(qwen3_pair, drafte
     assert forwards == []
 
 
+def test_the_library_takes_a_huge_max_tokens(qwen3_pair, drafter):
+    """max_tokens of 10^12 took a draft tree's slots past MLX's 32-bit slice indices (ValueError)."""
+    import itertools
+
+    draft = dflash_mlx.load_draft(drafter["path"], qwen3_pair.model)
+    steps = dflash_mlx.stream_generate(qwen3_pair.model, draft, qwen3_pair.tokenizer, [1, 2, 3, 4, 5], max_tokens=10**12)
+    assert sum(len(r.tokens) for r in itertools.islice(steps, 12)) >= 12
+    steps.close()
+
+
 def test_absurd_block_sizes_are_refused(qwen3_pair, drafter):
     from dflash_mlx.errors import ArgumentError
 
