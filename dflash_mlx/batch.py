@@ -42,7 +42,10 @@ from .cache import PromptCache, bound_target, prompt_cache_for
 from .calibration import calibrate
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
-from .generate import AcceptanceRule, accept_greedy, acceptance_rule, encode_prompt, feed, max_block_size, one_thread_per_pair, prefill
+from .generate import (
+    AcceptanceRule, accept_greedy, acceptance_rule, checked_prompt, encode_prompt, feed, max_block_size, one_thread_per_pair,
+    prefill,
+)
 from .models.dflash import masked_block
 from .sampling import processed_probs, sample, speculative_accept
 from .targets.rows import BatchCache
@@ -202,9 +205,7 @@ class BatchGenerator:
                 raise ArgumentError(f"max_tokens must be a whole number of at least 1, got {limit!r}")
             rule = acceptance_rule(temp, tp, tk, mp, None, acceptance)
             cache = prompt_cache_for(self.model, self.draft, cache, self.draft_window, self.draft_sink)
-            tokens = prompt.tolist() if isinstance(prompt, mx.array) else [int(t) for t in prompt]
-            if not tokens and not cache.pending:
-                raise ArgumentError("a prompt is empty")
+            tokens = checked_prompt(self.target, cache, prompt)
             if cache.target.undo is not None:
                 raise ArgumentError("a prompt cache is in the middle of a generation: close that generation first")
             key = None if s is None else mx.random.key(int(s))

@@ -26,7 +26,12 @@ one-element cache list, and :func:`save_prompt_cache` /
 :func:`load_prompt_cache` mirror mlx-lm's functions of the same names.
 """
 
+import hashlib
 import json
+import os
+import shutil
+import struct
+import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -287,13 +292,19 @@ def prompt_cache_for(model, draft, prompt_cache: Optional[PromptCache], draft_wi
     return prompt_cache
 
 
-def save_prompt_cache(file_name: str, cache: PromptCache, metadata: Optional[Dict[str, str]] = None) -> None:
-    """Write ``cache`` to a ``.safetensors`` file (mlx-lm's
-    ``save_prompt_cache``, with the drafter's side and pending tokens too)."""
-    leaves = tree_flatten(
-        {"state": cache.state, "meta": [c.meta_state for c in cache.draft]}
-    )
-    arrays = {k: v for k, v in leaves if isinstance(v, mx.array)}
+# The version of the prompt cache file layout (save_prompt_cache): a file of
+# another version is refused, not misread.
+CACHE_FORMAT = "1"
+CHUNK = 1 << 22  # bytes hashed or copied at a time
+
+
+def cache_contents(cache: PromptCache, metadata: Optional[Dict[str, str]] = None) -> Tuple[Dict[str, mx.array], Dict[str, str]]:
+    """The arrays and metadata :func:`save_prompt_cache` writes for ``cache``,
+    evaluated and contiguous: another thread can write them to disk while
+    this one goes on generating (they are never changed in place)."""
+    leaves = tree_flatten({"state": cache.state, "meta": [c.meta_state for c in cache.draft]})
+    arrays = {k: mx.contiguous(v) for k, v in leaves if isinstance(v, mx.array)}
+    mx.eval(arrays)
     info = {
         "target_classes": [type(c).__name__ for c in cache.target],
         "scalars": {k: v for k, v in leaves if not isinstance(v, mx.array)},
@@ -301,16 +312,126 @@ def save_prompt_cache(file_name: str, cache: PromptCache, metadata: Optional[Dic
         "tokens": cache.tokens,
         "draft_window": [cache.draft_window, cache.draft_sink],
         "hole": cache.hole,
+        "trimmable": cache.is_trimmable(),
     }
-    mx.save_safetensors(file_name, arrays, {**(metadata or {}), "dflash_mlx": json.dumps(info)})
+    return arrays, {**(metadata or {}), "dflash_mlx": json.dumps(info), "dflash_mlx_format": CACHE_FORMAT}
+
+
+def safetensors_header(f) -> Tuple[dict, int]:
+    """The JSON header of an open safetensors file and where its data starts
+    (https://huggingface.co/docs/safetensors: a little-endian u64 length, then the JSON)."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise ValueError("shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    if n > 1 << 30:
+        raise ValueError(f"a header of {n} bytes")
+    raw = f.read(n)
+    if len(raw) < n:
+        raise ValueError("the header is cut short")
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header, 8 + n
+
+
+def file_digest(header: dict, f, length: int) -> str:
+    """SHA-256 of a cache file: its header but the checksum (as canonical
+    JSON) and the next ``length`` bytes of ``f``, its tensor data (fewer:
+    the file is cut short)."""
+    head = {k: v for k, v in header.items() if k != "__metadata__"}
+    head["__metadata__"] = {k: v for k, v in (header.get("__metadata__") or {}).items() if k != "dflash_mlx_sha256"}
+    digest, left = hashlib.sha256(json.dumps(head, sort_keys=True).encode()), length
+    while left > 0:
+        chunk = f.read(min(CHUNK, left))
+        if not chunk:
+            raise ValueError("the data is cut short")
+        digest.update(chunk)
+        left -= len(chunk)
+    return digest.hexdigest()
+
+
+def data_length(header: dict) -> int:
+    """Bytes of tensor data the header describes."""
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    return max(ends, default=0)
+
+
+def write_cache_file(file_name: str, arrays: Dict[str, mx.array], metadata: Dict[str, str]) -> None:
+    """Write :func:`cache_contents` to ``file_name`` atomically (a temporary
+    file beside it, renamed over it once whole), with the SHA-256 of its
+    header and tensor data in the metadata: a reader never sees half a
+    file, and a file damaged later is found out."""
+    folder, name = os.path.split(os.path.abspath(file_name))
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        mx.save_safetensors(tmp + ".safetensors", arrays, metadata)
+        with open(tmp + ".safetensors", "rb") as src:
+            header, start = safetensors_header(src)
+            header.setdefault("__metadata__", {})["dflash_mlx_sha256"] = file_digest(header, src, data_length(header))
+            text = json.dumps(header).encode()
+            text += b" " * (-len(text) % 8)  # the data stays 8-byte aligned
+            src.seek(start)
+            with open(tmp, "wb") as out:
+                out.write(struct.pack("<Q", len(text)) + text)
+                shutil.copyfileobj(src, out, CHUNK)
+                out.flush()
+                os.fsync(out.fileno())
+        os.replace(tmp, file_name)
+    finally:
+        for leftover in (tmp, tmp + ".safetensors"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+
+
+def save_prompt_cache(file_name: str, cache: PromptCache, metadata: Optional[Dict[str, str]] = None) -> None:
+    """Write ``cache`` to a ``.safetensors`` file (mlx-lm's
+    ``save_prompt_cache``, with the drafter's side and pending tokens too),
+    atomically, with a format version and a checksum that
+    :func:`load_prompt_cache` checks."""
+    write_cache_file(file_name, *cache_contents(cache, metadata))
+
+
+def read_cache_metadata(file_name: str, verify: bool = False) -> Dict[str, str]:
+    """The metadata of a prompt cache file, its version and length checked
+    (and with ``verify`` its checksum, which reads the whole file); an
+    :class:`ArgumentError` names what is wrong."""
+
+    def damaged(e):
+        return ArgumentError(f"{file_name} is not a whole prompt cache file ({e}): save it again with save_prompt_cache")
+
+    try:
+        with open(file_name, "rb") as f:
+            header, start = safetensors_header(f)
+            metadata = header.get("__metadata__") or {}
+            size = os.fstat(f.fileno()).st_size
+            if size != start + data_length(header):
+                raise ValueError(f"{size} bytes where the header describes {start + data_length(header)}")
+            if not isinstance(metadata, dict) or "dflash_mlx" not in metadata:
+                raise ArgumentError(f"{file_name} is not a dflash_mlx prompt cache (save it with save_prompt_cache)")
+            if metadata.get("dflash_mlx_format") != CACHE_FORMAT:
+                raise ArgumentError(
+                    f"{file_name} is a prompt cache of format {metadata.get('dflash_mlx_format', '0')}, this "
+                    f"dflash_mlx reads format {CACHE_FORMAT}: save it again with this version"
+                )
+            if verify and file_digest(header, f, size - start) != metadata.get("dflash_mlx_sha256"):
+                raise ValueError("its checksum does not match its contents")
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        if isinstance(e, ArgumentError):
+            raise
+        raise damaged(e) from None
+    return metadata
 
 
 def load_prompt_cache(file_name: str, draft, return_metadata: bool = False):
     """Read a cache written by :func:`save_prompt_cache`; ``draft`` (the
-    drafter the cache was made with) builds the drafter's side."""
+    drafter the cache was made with) builds the drafter's side. A file that
+    is cut short, damaged or of another format version is refused."""
+    read_cache_metadata(file_name, verify=True)
     arrays, metadata = mx.load(file_name, return_metadata=True)
-    if "dflash_mlx" not in metadata:
-        raise ArgumentError(f"{file_name} is not a dflash_mlx prompt cache (save it with save_prompt_cache)")
+    mx.eval(arrays)  # read now, the file just checked, not when first used
+    metadata.pop("dflash_mlx_format")
+    metadata.pop("dflash_mlx_sha256")
     info = json.loads(metadata.pop("dflash_mlx"))
     leaves = sorted({**arrays, **info["scalars"]}.items(), key=lambda kv: [int(p) if p.isdigit() else p for p in kv[0].split(".")])
     tree = tree_unflatten(leaves)

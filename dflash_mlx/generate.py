@@ -245,6 +245,16 @@ def tree_plan(target, draft, tree_budget: Optional[int], sizer) -> Tuple[int, bo
     return tree_budget or 0, able and tree_budget is None and sizer is None
 
 
+def checked_prompt(target, cache: PromptCache, prompt) -> List[int]:
+    """``prompt`` as a token list, checked before any forward: not empty
+    unless the cache has a pending token, every id in the target's vocabulary."""
+    prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+    if not prompt and not cache.pending:
+        raise ArgumentError("the prompt is empty")
+    target.check_tokens(prompt)
+    return prompt
+
+
 def generate_step(
     prompt: Union[List[int], mx.array],
     model,
@@ -272,7 +282,8 @@ def generate_step(
     cycle verified (0 for the prefill's token) and its draft tree's nodes.
 
     ``prompt`` holds only the tokens new to ``prompt_cache`` (it may be empty
-    when the cache has a pending token). ``logprobs`` (the target's
+    when the cache has a pending token; an id outside the target's
+    vocabulary is refused before any forward). ``logprobs`` (the target's
     log-probabilities ``[V]`` at the token's position) is None unless asked
     for. Generation ends after ``max_tokens`` tokens or an eos (yielded, and
     kept in the cache as mlx-lm keeps it). While a token is out, the next
@@ -312,9 +323,7 @@ def generate_step(
     target = bound_target(model, draft)
     trees = tree_plan(target, draft, tree_budget, sizer)
     cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink)
-    prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
-    if not prompt and not cache.pending:
-        raise ArgumentError("the prompt is empty")
+    prompt = checked_prompt(target, cache, prompt)
     with one_thread_per_pair(draft), mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
@@ -426,7 +435,8 @@ class Drafting:
         nodes at most ``remaining - 1`` deep and verify it in one forward;
         the outcome is the target's choice at every row."""
         cache = self.cache
-        head = self.draft.slot_head_logits(self.block(anchor), cache.target_hidden, cache.draft, slots=remaining - 1)
+        slots = min(remaining, self.max_block) - 1
+        head = self.draft.slot_head_logits(self.block(anchor), cache.target_hidden, cache.draft, slots=slots)
         cache.target_hidden = None  # injected into the drafter's context
         ids, logprobs = candidates(head[0], nodes, self.draft.vocab_ids)
         tree = build_tree(anchor, ids, logprobs, nodes)

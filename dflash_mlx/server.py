@@ -11,23 +11,35 @@ DFlash statistics to ``usage.dflash``. The agent dialects (Anthropic's
 ``/v1/messages``, OpenAI's ``/v1/responses``) and ``GET /metrics`` live in
 :mod:`dflash_mlx.api` and run on the same generation side.
 
-Requests run one at a time on one generation thread (MLX streams and the
-prompt caches belong to it); the others wait in a queue. Prompt caches are
+Requests are served on one generation thread (MLX streams and the prompt
+caches belong to it), decoded together in batched cycles
+(:class:`~dflash_mlx.batch.BatchGenerator`: they join between cycles and
+leave as they finish; with ``--pipeline`` or forced draft trees, one at a
+time, the others waiting in a queue). Prompt caches are
 kept across requests in mlx-lm's ``LRUPromptCache`` (bounded by entries and
 bytes), keyed by the tokens and by the target and drafter: the longest
 common prefix is reused, trimmed where the caches can trim; caches that
 cannot (hybrid targets) are snapshotted at message boundaries and at the end
 of each prompt. The drafter's context is part of each entry, so a hit
-restores it with the target's.
+restores it with the target's. ``--prompt-cache-dir`` adds a disk tier
+under it (:mod:`dflash_mlx.disk_cache`).
+
+``--api-key`` is checked on every route but ``/health``; request bodies,
+prompts and ``max_tokens`` are bounded, and token ids checked against the
+vocabulary, before anything is queued (docs/server.md, "Keys and limits").
 """
 
 import argparse
 import copy
+import hmac
 import io
+import ipaddress
 import json
 import logging
 import math
+import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -47,6 +59,7 @@ from . import cli
 from .api import ENDPOINTS, Metrics, ResponseStore, read_json_body
 from .api.turn import openai_tool_choice, tool_choice_rule
 from .cache import make_prompt_cache
+from .disk_cache import DiskPromptCache, TieredPromptCache, pair_identity
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BLOCK_SIZE
 from .errors import ArgumentError, RequestError
 from .batch import DEFAULT_COMPLETION_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, BatchGenerator
@@ -60,6 +73,10 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 # The largest number a request field may hold: MLX takes no larger integer.
 MAX_INT = 2**63 - 1
+
+API_KEY_VARIABLE = "MLX_DFLASH_API_KEY"  # --api-key's default, kept out of the process list
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # an agent's whole conversation, with room to spare
+DEFAULT_DISK_BYTES = 32 << 30
 
 # mlx-lm request fields the lossless loop cannot honour, with their "off" values.
 UNSUPPORTED = {
@@ -164,25 +181,42 @@ def chat_tokens(tokenizer, body: dict, template_args: dict):
     return prompt, boundaries
 
 
-def prepare(tokenizer, body: dict, kind: str, context: Optional[int], template_args: dict) -> Prepared:
-    """Check a request and tokenize it, before it is queued."""
+def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int], template_args: dict) -> Prepared:
+    """Check a request and tokenize it, before it is queued: its prompt
+    within the target's vocabulary, the server's ``max_prompt`` tokens and,
+    with its ``max_tokens``, the target's context."""
     check_fields(body)
+    param = "messages" if kind == "chat" else "prompt"
     if kind == "text":
         prompt = body.get("prompt")
         if isinstance(prompt, str) and prompt:
             tokens, boundaries = tokenizer.encode(prompt), []
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             tokens, boundaries = list(prompt), []
+            try:
+                target.check_tokens(tokens)
+            except ArgumentError as e:
+                raise RequestError(str(e), "prompt") from None
         else:
             raise RequestError("prompt must be a non-empty string or list of token ids", "prompt")
     else:
         tokens, boundaries = chat_tokens(tokenizer, body, template_args)
     if not tokens:
         raise RequestError("the prompt is empty", "prompt")
-    if context is not None and len(tokens) >= context:
+    if max_prompt is not None and len(tokens) > max_prompt:
         raise RequestError(
-            f"the prompt has {len(tokens)} tokens but the model's context is {context}: shorten it",
-            "messages" if kind == "chat" else "prompt",
+            f"the prompt has {len(tokens)} tokens, more than this server's limit of {max_prompt} (--max-prompt-tokens): shorten it",
+            param,
+        )
+    context = getattr(target.args, "max_position_embeddings", None)
+    if context is not None and len(tokens) >= context:
+        raise RequestError(f"the prompt has {len(tokens)} tokens but the model's context is {context}: shorten it", param)
+    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+    if context is not None and max_tokens is not None and len(tokens) + max_tokens > context:
+        raise RequestError(
+            f"max_tokens is {max_tokens}, but the model's context of {context} tokens holds only "
+            f"{context - len(tokens)} after this prompt of {len(tokens)}: ask for fewer",
+            "max_tokens",
         )
     state = "normal"
     if kind == "chat" and tokenizer.has_thinking and tokenizer.rfind_think_start(tokens) > tokenizer.rfind_think_end(tokens):
@@ -261,8 +295,14 @@ class DFlashResponseGenerator:
         self.model, self.tokenizer, self.draft, self.cli_args = model, tokenizer, draft, cli_args
         self.key = (model_id, draft_id)  # cache entries never cross target/drafter pairs
         self.created = int(time.time())
-        self.context_length = getattr(draft.target.args, "max_position_embeddings", None)
         self.prompt_cache = LRUPromptCache(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
+        self.disk = None  # --prompt-cache-dir: the disk tier under the memory one
+        if cli_args.prompt_cache_dir is not None:
+            classes = [type(c).__name__ for c in draft.target.make_cache()]
+            self.disk = DiskPromptCache(
+                cli_args.prompt_cache_dir, cli_args.prompt_cache_disk_bytes, pair_identity(model, draft), draft, classes
+            )
+            self.prompt_cache = TieredPromptCache(self.prompt_cache, self.disk)
         self.requests: "queue.Queue" = queue.Queue()
         self.tokenizer_lock = threading.Lock()  # handler threads tokenize too
         self.failed = self.stopping = self.busy = False
@@ -297,6 +337,8 @@ class DFlashResponseGenerator:
     def stop_and_join(self):
         self.stopping = True
         self.done.wait()
+        if self.disk is not None:  # what a restart will find
+            self.disk.flush()
 
     def warm_up(self) -> None:
         """One short generation before the first request: the first
@@ -341,7 +383,7 @@ class DFlashResponseGenerator:
     def prepare(self, body: dict, kind: str) -> Prepared:
         """Check and tokenize a request (on the handler's thread)."""
         with self.tokenizer_lock:
-            return prepare(self.tokenizer, body, kind, self.context_length, self.cli_args.chat_template_args)
+            return prepare(self.tokenizer, self.draft.target, body, kind, self.cli_args.max_prompt_tokens, self.cli_args.chat_template_args)
 
     def generate(self, request, args, progress_callback=None, prepared: Prepared = None):
         """Queue a request; returns its context and an iterator of responses."""
@@ -538,12 +580,37 @@ class DFlashResponseGenerator:
 
 class DFlashAPIHandler(APIHandler):
     """mlx-lm's handler, with requests checked and tokenized before they are
-    queued (OpenAI-style errors), the loaded pair in ``/v1/models`` and the
-    DFlash statistics in ``usage.dflash``."""
+    queued (errors in each API's dialect), ``--api-key`` checked, the loaded
+    pair in ``/v1/models`` and the DFlash statistics in ``usage.dflash``.
+
+    The status line and headers wait for ``end_headers``: until then an
+    error (one from the generation thread, say) can still replace a 200
+    mlx-lm began, so the client hears it instead of a dropped connection."""
+
+    status_line = None  # (code, message) of the answer begun, not yet sent
+    header_lines: list = []
+    stream = False  # mlx-lm's handler sets it from the body
 
     def __init__(self, generator: DFlashResponseGenerator, *args, **kwargs):
         self.generator, self.prepared, self.context = generator, None, None
         super().__init__(RequestScope(generator, self), *args, **kwargs)
+
+    def send_response(self, code, message=None):
+        self.status_line, self.header_lines = (code, message), []
+
+    def send_header(self, keyword, value):
+        if self.status_line is None:
+            return super().send_header(keyword, value)
+        self.header_lines.append((keyword, value))
+
+    def end_headers(self):
+        if self.status_line is not None:  # (not a bare "100 Continue")
+            super().send_response(*self.status_line)
+            for keyword, value in self.header_lines:
+                super().send_header(keyword, value)
+            self.status_line = None
+            self.answered = True  # from here on, an error can no longer be the answer
+        super().end_headers()
 
     def send_json(self, status: int, obj: dict):
         if status >= 400:
@@ -571,28 +638,60 @@ class DFlashAPIHandler(APIHandler):
         self._set_stream_headers(200)
         self.end_headers()
 
-    def send_response(self, *args, **kwargs):
-        self.answered = True  # from here on, an error can no longer be the answer
-        super().send_response(*args, **kwargs)
+    def send_error_in_dialect(self, status: int, message: str, param: Optional[str] = None):
+        """An error in the shape of the API the request's route belongs to."""
+        if self.route in ENDPOINTS:
+            return ENDPOINTS[self.route](self).send_error(status, message)
+        self.send_error_json(status, message, param)
+
+    def authorized(self) -> bool:
+        """Whether the request may be served: ``--api-key`` given as OpenAI's
+        ``Authorization: Bearer`` or Anthropic's ``x-api-key`` (every route
+        but ``/health``; no key set: every request)."""
+        key = self.generator.cli_args.api_key
+        if not key or self.route == "/health":
+            return True
+        bearer = self.headers.get("Authorization", "")
+        given = [bearer[7:].strip() if bearer[:7].lower() == "bearer " else "", self.headers.get("x-api-key", "")]
+        return any(hmac.compare_digest(g.encode(), key.encode()) for g in given)
+
+    def refuse_unauthorized(self):
+        self.close_connection = True  # the body, if any, is left unread
+        self.send_error_in_dialect(401, "a valid API key is required: send it as Authorization: Bearer KEY or x-api-key: KEY")
 
     def do_POST(self):
+        self.answered = False
+        if not self.authorized():
+            return self.refuse_unauthorized()
         kind, route = ROUTES.get(self.path), self.route
         if kind is None and route not in ENDPOINTS:
             routes = list(ROUTES) + list(ENDPOINTS)
             return self.send_error_json(404, f"no route {self.path}; use {', '.join(routes)}")
         self.generator.metrics.request(route)
-        self.answered = False
         endpoint = ENDPOINTS[route](self) if kind is None else None
         try:
             if endpoint is not None:  # an agent dialect (dflash_mlx.api)
                 return endpoint.serve()
             self.serve_openai(kind)
-        except Exception as e:  # a bug: the client hears a 500 in its dialect, not a dropped connection
+        except Exception as e:  # a bug or a failed generation: the client hears a 500 in its dialect
             logging.exception("request failed")
-            if self.answered:  # half an answer went out: end it by closing
-                self.close_connection = True
-            else:
-                (endpoint.send_error if endpoint is not None else self.send_error_json)(500, f"internal error: {e!r}")
+            self.fail(endpoint, e)
+
+    def fail(self, endpoint, error: Exception):
+        """Answer a request that failed: a 500 in its dialect, or, once an
+        answer is under way, an error event ending the OpenAI stream."""
+        message = f"internal error: {error!r}"
+        if not self.answered:
+            self.status_line = None  # the answer mlx-lm began, if any
+            return (endpoint.send_error if endpoint is not None else self.send_error_json)(500, message)
+        self.close_connection = True
+        if endpoint is None and self.stream:  # mlx-lm's stream: a data event, as OpenAI streams an error
+            try:
+                error = {"message": message, "type": "server_error", "param": None, "code": None}
+                self.wfile.write(f"data: {json.dumps({'error': error})}\n\n".encode())
+                self.wfile.flush()
+            except OSError:
+                pass
 
     def serve_openai(self, kind: str):
         """A chat or text completion: checked here, then served by mlx-lm's handler."""
@@ -616,6 +715,9 @@ class DFlashAPIHandler(APIHandler):
         return response
 
     def do_GET(self):
+        self.answered = False
+        if not self.authorized():
+            return self.refuse_unauthorized()
         if self.path != "/metrics":
             return super().do_GET()
         text = self.generator.metrics.render(self.generator.queued(), self.generator.busy).encode()
@@ -674,7 +776,12 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--decode-concurrency", type=cli.positive_int, default=DEFAULT_COMPLETION_BATCH_SIZE, help="most requests decoded together in one batch (mlx-lm's flag)")
     p.add_argument("--prompt-concurrency", type=cli.positive_int, default=DEFAULT_PREFILL_BATCH_SIZE, help="most prompts prefilled between two decode cycles (mlx-lm's flag)")
     p.add_argument("--prompt-cache-size", type=cli.positive_int, default=10, help="most prompt caches kept")
-    p.add_argument("--prompt-cache-bytes", type=cli.positive_int, default=1 << 63, help="most bytes of prompt caches kept")
+    p.add_argument("--prompt-cache-bytes", type=cli.positive_int, default=1 << 63, help="most bytes of prompt caches kept in memory")
+    p.add_argument("--prompt-cache-dir", default=None, help="keep prompt caches in this folder too, across restarts (see docs/server.md)")
+    p.add_argument("--prompt-cache-disk-bytes", type=cli.positive_int, default=DEFAULT_DISK_BYTES, help="most bytes of prompt cache files in --prompt-cache-dir (the least recently used go first)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE), help=f"serve only requests carrying this key (Authorization: Bearer or x-api-key; /health excepted); default: ${API_KEY_VARIABLE}")
+    p.add_argument("--max-request-bytes", type=cli.positive_int, default=DEFAULT_MAX_REQUEST_BYTES, help="largest request body accepted (a larger one gets a 413)")
+    p.add_argument("--max-prompt-tokens", type=cli.positive_int, default=None, help="longest prompt accepted, in tokens (default: the model's context)")
     cli.add_prefill_step_size_argument(p)
     cli.add_draft_window_arguments(p)
     p.add_argument("--chat-template", default=None, help="a chat template to use instead of the tokenizer's")
@@ -685,9 +792,23 @@ def setup_arg_parser() -> cli.ArgumentParser:
     return p
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may reach beyond this machine
+        return False
+
+
 def listen(args) -> ThreadingHTTPServer:
     """The HTTP server bound to ``--host``/``--port``, before any model is
-    loaded (a taken port fails at once); :func:`add_generator` completes it."""
+    loaded (a taken port fails at once); :func:`add_generator` completes it.
+    Bound beyond loopback without ``--api-key``, it warns: anyone who can
+    reach the port can use it."""
+    if not args.api_key and not is_loopback(args.host):
+        print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use the "
+              f"server; set --api-key or ${API_KEY_VARIABLE}", file=sys.stderr, flush=True)
     try:
         server = ThreadingHTTPServer(
             (args.host, args.port), lambda *a, **kw: DFlashAPIHandler(server.generator, *a, **kw)
@@ -708,6 +829,8 @@ def make_generator(args, model, tokenizer, draft, draft_id: str) -> DFlashRespon
     args.num_draft_tokens = (args.block_size or draft.block_size) - 1  # mlx-lm's default for requests
     if args.tree_budget and draft.target.no_trees:
         raise ArgumentError(draft.target.no_trees)
+    if args.pipeline and args.prompt_cache_dir:  # every rank must restore the same cache, and the writes are not agreed
+        raise ArgumentError("--prompt-cache-dir does not work with --pipeline yet: leave one of them out")
     return DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
 
 
@@ -749,6 +872,7 @@ def main(argv=None):
         raise
     server.generator.ready.wait()  # connections wait in the socket's backlog meanwhile
     host, port = server.server_address[:2]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # shut down as on Ctrl-C: pending cache files are written
     print(f"mlx-dflash server listening on http://{host}:{port}", file=sys.stderr, flush=True)
     try:
         server.serve_forever()

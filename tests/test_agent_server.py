@@ -13,6 +13,7 @@ import copy
 from contextlib import contextmanager
 import http.client
 import json
+import logging
 import threading
 import urllib.error
 import urllib.request
@@ -444,3 +445,113 @@ def test_metrics_show_requests_decoded_together(served, oai):
     after = metrics(served[0])
     assert after.get(key, 0) > before
     assert after[("dflash_queued_requests", ())] == 0 and after[("dflash_generating", ())] == 0
+
+
+KEY = "sk-test-7f3c9a"
+
+
+def raw_request(base, method, path, body=b"", headers=None):
+    """(status, answer: JSON, or text where it is none) of one request with exactly ``headers``."""
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    try:
+        conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        raw = resp.read()
+        return resp.status, json.loads(raw) if resp.getheader("Content-Type") == "application/json" else raw
+    finally:
+        conn.close()
+
+
+# Every route but /health, with a body it would serve, and the dialect of its errors.
+KEYED_ROUTES = [
+    ("POST", "/v1/chat/completions", {"messages": ASK, "max_tokens": 4}, "openai"),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4}, "openai"),
+    ("POST", "/v1/messages", {"messages": ASK, "max_tokens": 4}, "anthropic"),
+    ("POST", "/v1/messages/count_tokens", {"messages": ASK}, "anthropic"),
+    ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 4}, "openai"),
+    ("GET", "/v1/models", None, "openai"),
+    ("GET", "/metrics", None, "openai"),
+]
+
+
+def assert_error_shape(answer, dialect, kind):
+    if dialect == "anthropic":
+        assert answer["type"] == "error" and answer["error"]["type"] == kind and answer["error"]["message"], answer
+    else:
+        assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"], answer
+
+
+@pytest.fixture(scope="module")
+def keyed(chat_pair, tmp_path_factory):
+    """(base URL, server log) of a server with --api-key, a body limit and a prompt limit."""
+    log = tmp_path_factory.mktemp("keyed") / "server.log"
+    handler, root = logging.FileHandler(log), logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)  # everything the server logs, request bodies included
+    flags = ["--api-key", KEY, "--max-request-bytes", "4000", "--max-prompt-tokens", "200"]
+    try:
+        with live_server(chat_pair, *flags) as base:
+            yield base, log
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+@pytest.mark.parametrize("method, path, body, dialect", KEYED_ROUTES, ids=[r[1] for r in KEYED_ROUTES])
+def test_a_missing_or_wrong_key_gets_401_in_the_dialect(keyed, method, path, body, dialect):
+    raw = json.dumps(body).encode() if body is not None else None
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": KEY[:-1]}, {"Authorization": KEY}):
+        status, answer = raw_request(keyed[0], method, path, raw, headers)
+        assert status == 401, (headers, answer)
+        assert_error_shape(answer, dialect, "authentication_error")
+    for headers in ({"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}):
+        assert raw_request(keyed[0], method, path, raw, headers)[0] == 200
+    assert raw_request(keyed[0], "GET", "/health")[0] == 200  # no key needed
+
+
+def test_official_clients_work_with_the_key_which_stays_out_of_logs_and_metrics(keyed, served):
+    base, log = keyed
+    oai = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    claude = anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0, timeout=300)
+    _, model, tokenizer = served
+    want = reference_text(model, tokenizer, "def f(x):", 8)
+    assert oai.completions.create(model="m", prompt="def f(x):", max_tokens=8).choices[0].text == want
+    assert oai.chat.completions.create(model="m", messages=ASK, max_tokens=8).usage.completion_tokens > 0
+    assert claude.messages.create(model="m", max_tokens=8, messages=ASK).usage.output_tokens > 0
+    assert oai.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=8).usage.output_tokens > 0
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(model="m", max_tokens=4, messages=ASK)
+    metrics = urllib.request.urlopen(urllib.request.Request(base + "/metrics", headers={"x-api-key": KEY}), timeout=30).read()
+    assert KEY.encode() not in metrics and b"dflash_requests_total" in metrics
+    assert "Incoming Request Body" in log.read_text() and KEY not in log.read_text()
+
+
+@pytest.mark.parametrize("path, dialect", [("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic"),
+                                           ("/v1/responses", "openai")])
+def test_limits_get_413_and_400_in_the_dialect_and_the_server_goes_on(keyed, path, dialect):
+    auth = {"x-api-key": KEY}
+    long = {"messages": [{"role": "user", "content": "x" * 5000}], "input": "x" * 5000, "max_tokens": 4}
+    status, answer = raw_request(keyed[0], "POST", path, json.dumps(long).encode(), auth)
+    assert status == 413 and "--max-request-bytes" in json.dumps(answer)
+    assert_error_shape(answer, dialect, "request_too_large")
+    wordy = {"messages": [{"role": "user", "content": "def f(x): " * 150}], "input": "def f(x): " * 150, "max_tokens": 4}
+    status, answer = raw_request(keyed[0], "POST", path, json.dumps(wordy).encode(), auth)
+    assert status == 400 and "--max-prompt-tokens" in json.dumps(answer)
+    assert_error_shape(answer, dialect, "invalid_request_error")
+    short = {"messages": ASK, "input": "hi", "max_tokens": 4}
+    assert raw_request(keyed[0], "POST", path, json.dumps(short).encode(), auth)[0] == 200
+
+
+@pytest.mark.parametrize("host, key, warned", [("0.0.0.0", None, True), ("0.0.0.0", KEY, False), ("127.0.0.1", None, False)])
+def test_listening_beyond_loopback_without_a_key_warns(capsys, monkeypatch, host, key, warned):
+    from dflash_mlx.server import listen
+
+    monkeypatch.delenv("MLX_DFLASH_API_KEY", raising=False)
+    args = setup_arg_parser().parse_args(["--host", host, "--port", "0"] + (["--api-key", key] if key else []))
+    listen(args).server_close()
+    err = capsys.readouterr().err
+    assert (err.count("warning: listening on 0.0.0.0 without --api-key") == 1) == warned and KEY not in err

@@ -276,6 +276,8 @@ def test_bad_batch_requests_get_one_clear_error(qwen3_pair, tmp_path):
         gen.insert([[1, 2]], 0)
     with pytest.raises(ArgumentError, match="empty"):
         gen.insert([[]], 5)
+    with pytest.raises(ArgumentError, match="outside the target's vocabulary"):
+        gen.insert([[1, 2], [10**9]], 5)
     with pytest.raises(ArgumentError, match="3 values for 2 prompts"):
         gen.insert([[1], [2]], [4, 5, 6])
     with pytest.raises(ArgumentError, match="completion_batch_size"):

@@ -343,6 +343,45 @@ def test_target_config_values_get_package_errors(qwen3_pair, tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# Prompt cache files (save_prompt_cache; the server's --prompt-cache-dir)
+
+
+def test_prompt_cache_file_mutations_are_refused_or_read_exactly(qwen3_pair, drafter, tmp_path):
+    """A changed byte anywhere (header, JSON, data), a hostile length or a
+    cut: one ArgumentError, or (a change JSON does not see, such as its
+    padding) the very cache that was saved."""
+    from dflash_mlx.cache import load_prompt_cache, save_prompt_cache
+
+    draft = dflash_mlx.load_draft(drafter["path"], qwen3_pair.model)
+    cache = dflash_mlx.make_prompt_cache(qwen3_pair.model, draft)
+    list(dflash_mlx.stream_generate(qwen3_pair.model, draft, qwen3_pair.tokenizer, [5, 6, 7, 8] * 5, max_tokens=6, prompt_cache=cache))
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(str(path), cache)
+    data, want = path.read_bytes(), mx.load(str(path))
+    header_end = 8 + struct.unpack("<Q", data[:8])[0]
+    seen = {"refused": 0, "loaded": 0}
+
+    @fuzz(40)
+    @seed(SEED)
+    @given(gguf_mutation(header_end, len(data)))
+    def check(how):
+        path.write_bytes(mutate(data, how))
+        try:
+            loaded = load_prompt_cache(str(path), draft)
+        except DFlashError:
+            seen["refused"] += 1
+        else:
+            seen["loaded"] += 1
+            assert loaded.tokens == cache.tokens and loaded.pending == cache.pending
+            got = mx.load(str(path))
+            assert got.keys() == want.keys() and all(mx.array_equal(got[k], want[k]) for k in want)
+
+    check()
+    print(f"seed {SEED}: {seen}")
+    assert seen["refused"] > seen["loaded"]
+
+
+# ---------------------------------------------------------------------------
 # Request bodies, over HTTP. One row per endpoint: its path and a minimal
 # valid body, which the fuzzer edits; a new endpoint is one more row.
 
@@ -383,7 +422,10 @@ MESSAGE = st.fixed_dictionaries(
         "output": JSON,
     },
 )
+# Token-id prompts: ids inside the vocabulary, negative, past it and past any integer MLX takes.
+TOKEN_IDS = st.lists(st.integers(0, 60) | st.integers(-(2**70), 2**70) | st.sampled_from([-1, 10**9, 2**31, 2**63]), min_size=1, max_size=4)
 FIELD_VALUES = {
+    "prompt": TOKEN_IDS | JSON,
     "messages": st.lists(MESSAGE, max_size=3) | JSON,
     "input": st.lists(MESSAGE, max_size=3) | JSON,
     # Valid ones stay small: a request the server accepts is generated in full.
@@ -476,6 +518,45 @@ def test_request_bodies_get_answers_or_4xx(tiny_server, path, base, stream_end):
 
 # ---------------------------------------------------------------------------
 # What the fuzzers found, one regression test each (see docs/robustness.md)
+
+
+def raw_bodies(base: dict):
+    """Bodies that are not UTF-8 JSON or hold what a JSON parser chokes on:
+    invalid bytes anywhere in a valid body, integers of thousands of digits
+    in any field, deep nesting."""
+    valid = json.dumps(base).encode()
+    invalid = st.tuples(st.integers(0, len(valid)), st.binary(min_size=1, max_size=3).filter(lambda b: not is_utf8(b))).map(
+        lambda at: valid[: at[0]] + at[1] + valid[at[0] :]
+    )
+    def with_huge(k):  # the field last, its value an integer of 5,000 digits
+        last = {**{f: v for f, v in base.items() if f != k}, k: 0}
+        return json.dumps(last).encode()[: -len(b"0}")] + b"1" + b"0" * 5000 + b"}"
+
+    huge = st.sampled_from(FIELDS).map(with_huge)
+    deep = st.integers(1000, 100_000).map(lambda n: b"[" * n + b"]" * n)
+    return invalid | huge | deep
+
+
+def is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("path, base, stream_end", ENDPOINTS, ids=[p for p, _, _ in ENDPOINTS])
+def test_raw_bodies_get_400_in_the_dialect(tiny_server, path, base, stream_end):
+    @fuzz(20)
+    @seed(SEED)
+    @given(raw_bodies(base))
+    def check(raw):
+        status, answer = post_raw(tiny_server, path, raw)
+        assert status == 400, (status, answer[:300])
+        error_of(path, answer)
+
+    check()
+    assert post_raw(tiny_server, path, json.dumps(base).encode())[0] == 200
 
 
 def test_gguf_errors_are_package_errors():
@@ -573,6 +654,10 @@ def test_target_config_values_are_named(qwen3_pair, tmp_path, key, value, match)
         ("/v1/chat/completions", {"temperature": 2**63}, "temperature"),  # std::bad_cast in MLX's sampler
         ("/v1/chat/completions", {"temperature": float("nan")}, "temperature"),  # sampled from NaN probabilities
         ("/v1/completions", {"top_p": float("inf")}, "top_p"),
+        ("/v1/completions", {"prompt": [1000000000]}, "prompt"),  # a segfault in MLX's embedding gather
+        ("/v1/completions", {"prompt": [5, -3]}, "prompt"),  # answered from memory before the table
+        ("/v1/completions", {"prompt": [5], "max_tokens": 10**12}, "max_tokens"),  # dropped the connection
+        ("/v1/chat/completions", {"max_completion_tokens": 10**12}, "max_tokens"),
     ],
 )
 def test_requests_the_fuzzer_broke_the_server_with(tiny_server, path, fields, param):
@@ -601,6 +686,8 @@ USER = {"role": "user", "content": "hi"}
         ("/v1/responses", {"previous_response_id": 7}, "previous_response_id must be a string"),  # a 400 that named no type
         ("/v1/messages", {"temperature": 2**70}, "temperature must be at most"),  # a 500: std::bad_cast in MLX's sampler
         ("/v1/responses", {"temperature": 2**63}, "temperature must be at most"),
+        ("/v1/messages", {"max_tokens": 10**12}, "max_tokens is 1000000000000, but the model's context"),
+        ("/v1/responses", {"max_output_tokens": 10**12}, "max_tokens is 1000000000000, but the model's context"),
     ],
 )
 def test_agent_requests_the_fuzzer_broke_the_server_with(tiny_server, path, fields, message):
@@ -641,6 +728,52 @@ def test_a_bug_while_serving_answers_500_in_the_dialect(tiny_server, monkeypatch
     assert status == 500 and "injected fault" in error_of(path, raw)["message"], raw
     monkeypatch.undo()
     assert post_raw(tiny_server, path, json.dumps(base).encode())[0] == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", [p for p, _, end in ENDPOINTS if end is not None])
+def test_a_generation_error_answers_in_the_dialect(tiny_server, monkeypatch, path, stream):
+    """An exception on the generation thread (injected where it starts
+    decoding) ends the request with an error in its dialect, a 500 or, once
+    a stream is under way, an error event; never a dropped connection."""
+    import dflash_mlx.server
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected generation fault")
+
+    base = next(body for p, body, _ in ENDPOINTS if p == path)
+    monkeypatch.setattr(dflash_mlx.server, "generate_step", broken)
+    status, raw = post_raw(tiny_server, path, json.dumps({**base, "stream": stream}).encode())
+    if stream:
+        assert status == 200 and b"injected generation fault" in raw and b"error" in raw.rstrip().splitlines()[-1], raw
+    else:
+        assert status == 500 and "injected generation fault" in error_of(path, raw)["message"], raw
+    monkeypatch.undo()
+    assert post_raw(tiny_server, path, json.dumps(base).encode())[0] == 200
+
+
+def test_the_library_refuses_token_ids_outside_the_vocabulary(qwen3_pair, drafter, monkeypatch):
+    """One clear error before any forward (past the table, MLX's gather crashed the process)."""
+    from dflash_mlx.errors import ArgumentError
+
+    draft = dflash_mlx.load_draft(drafter["path"], qwen3_pair.model)
+    forwards = []
+    monkeypatch.setattr(type(draft.target), "forward", lambda self, tokens, *a, **kw: forwards.append(tokens))
+    vocab = qwen3_pair.vocab
+    for prompt in ([1, 10**9], [-3], [vocab]):
+        with pytest.raises(ArgumentError, match=f"outside the target's vocabulary \\(0..{vocab - 1}\\)"):
+            dflash_mlx.generate(qwen3_pair.model, draft, qwen3_pair.tokenizer, prompt, max_tokens=2)
+    assert forwards == []
+
+
+def test_the_library_takes_a_huge_max_tokens(qwen3_pair, drafter):
+    """max_tokens of 10^12 took a draft tree's slots past MLX's 32-bit slice indices (ValueError)."""
+    import itertools
+
+    draft = dflash_mlx.load_draft(drafter["path"], qwen3_pair.model)
+    steps = dflash_mlx.stream_generate(qwen3_pair.model, draft, qwen3_pair.tokenizer, [1, 2, 3, 4, 5], max_tokens=10**12)
+    assert sum(len(r.tokens) for r in itertools.islice(steps, 12)) >= 12
+    steps.close()
 
 
 def test_absurd_block_sizes_are_refused(qwen3_pair, drafter):

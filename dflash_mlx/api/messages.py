@@ -26,8 +26,12 @@ from .turn import (
     tool_choice_rule,
 )
 
+# Anthropic's error types for the statuses the server answers with (the others: invalid_request_error).
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}
+
+
 def error_body(status: int, message: str) -> dict:
-    kind = "invalid_request_error" if status < 500 else "api_error"
+    kind = ERROR_TYPES.get(status, "invalid_request_error") if status < 500 else "api_error"
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 

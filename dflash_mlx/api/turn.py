@@ -340,10 +340,19 @@ def read_json_body(handler) -> Tuple[dict, bytes]:
             raise ValueError(length)
     except ValueError:
         raise RequestError("a valid Content-Length header is required", status=411) from None
+    limit = handler.generator.cli_args.max_request_bytes
+    if length > limit:
+        handler.close_connection = True  # the body is left unread
+        raise RequestError(
+            f"the request body has {length} bytes, more than this server's limit of {limit} (--max-request-bytes)",
+            status=413,
+        )
     raw = handler.rfile.read(length)
     try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as e:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise RequestError("the request body is not UTF-8: send JSON encoded as UTF-8") from None
+    except (ValueError, RecursionError) as e:  # ValueError: JSON's, or an integer of thousands of digits
         raise RequestError(f"invalid JSON in the request body: {e}") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")

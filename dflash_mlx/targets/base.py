@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..errors import DFlashError
+from ..errors import ArgumentError, DFlashError
 from .attention import tree_positions
 
 
@@ -71,6 +71,18 @@ class TargetAdapter:
     @property
     def vocab_size(self) -> int:
         return int(self.backbone.embed_tokens.weight.shape[0])
+
+    def check_tokens(self, tokens: Sequence[int]) -> None:
+        """Refuse token ids outside the vocabulary before any forward: MLX's
+        embedding gather does not check its indices, and one past the table
+        reads memory that is not the model's (a crash, or text from garbage)."""
+        vocab = self.vocab_size
+        bad = next(((i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ArgumentError(
+                f"token id {bad[1]} at position {bad[0]} is outside the target's vocabulary (0..{vocab - 1}): "
+                "send ids the target's tokenizer made"
+            )
 
     def check_drafter(self, config) -> None:
         """Raise one clear error if this target cannot feed ``config``'s drafter."""
