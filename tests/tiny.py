@@ -262,19 +262,20 @@ def to_hf_layout(model_type: str, weights: dict, cfg: dict) -> dict:
     return out
 
 
-def make_hf_target(path: Path, base: dict, seed: int = 0) -> Path:
+def make_hf_target(path: Path, base: dict, seed: int = 0, **overrides) -> Path:
     """:func:`make_target`; for the families :func:`to_hf_layout` knows, its
-    weights then renamed as their Hugging Face checkpoints name them. Kimi-K2.5 is built as
-    its text model (mlx-lm's loader cannot build the wrapper without
-    weights), then wrapped."""
+    weights then renamed as their Hugging Face checkpoints name them.
+    Kimi-K2.5 is built as its text model (mlx-lm's loader cannot build the
+    wrapper without weights; ``overrides`` apply to it), then wrapped."""
     if base["model_type"] not in ("qwen3_next", "deepseek_v3", "kimi_k25"):
-        return make_target(path, base, seed=seed)
+        return make_target(path, base, seed=seed, **overrides)
     wrapped = base["model_type"] == "kimi_k25"
-    path = make_target(path, dict(base["text_config"], model_type="deepseek_v3") if wrapped else base, seed=seed)
+    text = dict(base["text_config"], model_type="deepseek_v3") if wrapped else base
+    path = make_target(path, text, seed=seed, **overrides)
     cfg = json.loads((path / "config.json").read_text())
     weights = mx.load(str(path / "model.safetensors"))
     if wrapped:
-        cfg = dict(base, text_config=dict(base["text_config"], vocab_size=cfg["vocab_size"]))
+        cfg = dict(base, text_config=dict(cfg, model_type=base["text_config"]["model_type"]))
         (path / "config.json").write_text(json.dumps(cfg, indent=2))
         weights = {"language_model." + k: v for k, v in weights.items()}
     weights = to_hf_layout(cfg["model_type"], weights, cfg)
@@ -847,3 +848,71 @@ def zlab_gemma4_draft_config(name: str, hidden: int, vocab: int) -> dict:
         tie_word_embeddings=True,
         hidden_act="silu",
     )
+
+
+# ---------------------------------------------------------------------------
+# z-lab's drafters for gpt-oss, Qwen3-Coder-Next and Kimi-K2.5, and targets of their shape
+
+# Per drafter: its target's layer count and vocabulary, then its config.json's
+# own fields as published (widths shrunk by :func:`zlab_draft_config`).
+ZLAB_DRAFTERS = {
+    # z-lab/gpt-oss-20b-DFlash's config.json.
+    "gpt-oss-20b": (24, 201088, dict(
+        architectures=["DFlashDraftModel"], attention_bias=True, attention_dropout=0.0, block_size=8,
+        bos_token_id=199998, dflash_config={"mask_token_id": 200000, "target_layer_ids": [1, 6, 11, 16, 21]},
+        dtype="bfloat16", eos_token_id=200002, hidden_act="silu", initial_context_length=4096,
+        initializer_range=0.02, max_position_embeddings=131072, model_type="gpt_oss", num_hidden_layers=8,
+        rms_norm_eps=1e-5, rope_theta=150000,
+    )),
+    # z-lab/Kimi-K2.5-DFlash's config.json: a Qwen3-style drafter under YaRN.
+    "Kimi-K2.5": (61, 163840, dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", num_target_layers=61, block_size=8,
+        num_hidden_layers=6, dflash_config={"mask_token_id": 163838, "target_layer_ids": [1, 12, 24, 35, 47, 58]},
+        attention_bias=False, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096},
+        max_position_embeddings=262144,
+    )),
+    # z-lab/Qwen3-Coder-Next-DFlash: its config.json was not found; these
+    # are the fields z-lab's Qwen drafters publish, its taps by z-lab's rule
+    # for a 5-layer drafter over 48 target layers.
+    "Qwen3-Coder-Next": (48, 151936, dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", num_target_layers=48, block_size=16,
+        num_hidden_layers=5, dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 12, 23, 34, 45]},
+        attention_bias=False, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=5000000.0,
+        tie_word_embeddings=False, max_position_embeddings=262144,
+    )),
+}
+
+
+def zlab_draft_config(name: str, hidden: int) -> dict:
+    """A drafter of :data:`ZLAB_DRAFTERS` with every field as published but
+    the widths: ``hidden`` (the shaped target's), two heads of 8."""
+    _, vocab, fields = ZLAB_DRAFTERS[name]
+    return dict(
+        fields, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, vocab_size=vocab,
+    )
+
+
+SHAPE_HIDDEN = 16
+
+
+def zlab_shaped_target(root: Path, name: str):
+    """A target with the layer count, layer pattern and vocabulary of the
+    drafter ``name``'s target (gpt-oss-20b, Qwen3-Coder-Next, Kimi-K2.5),
+    its widths shrunk; loaded through mlx-lm."""
+    n, vocab, _ = ZLAB_DRAFTERS[name]
+    small = dict(hidden_size=SHAPE_HIDDEN, intermediate_size=16, num_hidden_layers=n, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=vocab)
+    if name == "gpt-oss-20b":
+        base = dict(GPT_OSS, **small, head_dim=8, layer_types=[SLIDING, FULL] * (n // 2))
+    elif name == "Qwen3-Coder-Next":
+        base = dict(QWEN3_NEXT, **small, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=1,
+                    linear_key_head_dim=8, linear_value_head_dim=8, moe_intermediate_size=8,
+                    shared_expert_intermediate_size=8)
+    else:
+        mla = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+        text = {**DEEPSEEK_V3, **small, **mla, "num_key_value_heads": 2, "moe_intermediate_size": 8}
+        base = dict(KIMI_K25, text_config=dict(text, model_type="kimi_k2"))
+    return load(str(make_hf_target(root / name, base)))
