@@ -45,6 +45,7 @@ from mlx_lm.server import APIHandler, GenerationContext, Response, convert_chat,
 
 from . import cli
 from .api import ENDPOINTS, Metrics, ResponseStore, read_json_body
+from .api.harmony import text_format
 from .api.turn import openai_tool_choice, tool_choice_rule
 from .cache import make_prompt_cache
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BLOCK_SIZE
@@ -163,8 +164,9 @@ def chat_tokens(tokenizer, body: dict, template_args: dict):
     return prompt, boundaries
 
 
-def prepare(tokenizer, body: dict, kind: str, context: Optional[int], template_args: dict) -> Prepared:
-    """Check a request and tokenize it, before it is queued."""
+def prepare(tokenizer, body: dict, kind: str, context: Optional[int], template_args: dict, answers) -> Prepared:
+    """Check a request and tokenize it, before it is queued; ``answers``:
+    how the tokenizer's answers split (:func:`~dflash_mlx.api.harmony.text_format`)."""
     check_fields(body)
     if kind == "text":
         prompt = body.get("prompt")
@@ -187,7 +189,7 @@ def prepare(tokenizer, body: dict, kind: str, context: Optional[int], template_a
     if kind == "chat" and tokenizer.has_thinking and tokenizer.rfind_think_start(tokens) > tokenizer.rfind_think_end(tokens):
         state = "reasoning"
     if kind == "chat":
-        state = tokenizer.response_initial_state or state
+        state = answers.response_initial_state or state
     draft_tokens = body.get("num_draft_tokens")
     return Prepared(tokens, boundaries, state, None if draft_tokens is None else draft_tokens + 1)
 
@@ -210,6 +212,7 @@ class DFlashResponseGenerator:
 
     def __init__(self, model, tokenizer, draft, cli_args, model_id: str, draft_id: str):
         self.model, self.tokenizer, self.draft, self.cli_args = model, tokenizer, draft, cli_args
+        self.answers = text_format(tokenizer)  # how answers split into reasoning, text and tool calls
         self.key = (model_id, draft_id)  # cache entries never cross target/drafter pairs
         self.created = int(time.time())
         self.context_length = getattr(draft.target.args, "max_position_embeddings", None)
@@ -260,7 +263,7 @@ class DFlashResponseGenerator:
     def prepare(self, body: dict, kind: str) -> Prepared:
         """Check and tokenize a request (on the handler's thread)."""
         with self.tokenizer_lock:
-            return prepare(self.tokenizer, body, kind, self.context_length, self.cli_args.chat_template_args)
+            return prepare(self.tokenizer, body, kind, self.context_length, self.cli_args.chat_template_args, self.answers)
 
     def generate(self, request, args, progress_callback=None, prepared: Prepared = None):
         """Queue a request; returns its context and an iterator of responses."""
@@ -317,12 +320,13 @@ class DFlashResponseGenerator:
         """One request, start to end; its errors go back to its handler."""
         self.busy = True
         try:
-            tok = self.tokenizer
+            tok, answers = self.tokenizer, self.answers
             with self.tokenizer_lock:
                 stop_sequences = make_stop_sequences(tok, args.stop_words)
-                text_sm = make_text_state_machine(tok, args.stop_words)
+                text_sm = make_text_state_machine(answers, args.stop_words)
             ctx = RequestContext(
-                has_tool_calling=tok.has_tool_calling, has_thinking=tok.has_thinking, tool_parser=tok.tool_parser,
+                has_tool_calling=answers.has_tool_calling, has_thinking=answers.has_thinking,
+                tool_parser=answers.tool_parser,
                 text_sm=text_sm, initial_state=prepared.initial_state, prompt=prepared.tokens,
             )
             tokens = prepared.tokens
