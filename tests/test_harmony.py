@@ -12,13 +12,13 @@ import json
 
 import pytest
 from mlx_lm import load
-from test_agent_server import ANTHROPIC_TOOL, RESPONSES_TOOL, live_server, reference
+from test_agent_server import (
+    ANTHROPIC_TOOL, MAX_TOKENS, RESPONSES_TOOL, assert_reasoning_split, live_server, reference,
+)
 from tiny_chat import ASK, HARMONY_CHAT, THINK, WEATHER_TOOL, make_chat_draft, make_chat_target
 
 import dflash_mlx
 from dflash_mlx.api.harmony import HarmonyFormat, parse_tool_call, text_format
-
-MAX_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
@@ -79,27 +79,7 @@ def test_reasoning_and_answer_are_split_on_every_dialect(served, clients):
     raw, _ = reference(served, THINK)
     reasoning, answer = channels(raw)
     assert (reasoning, answer) == ("Add.", "5.")  # the trained answer
-
-    r = oai.chat.completions.create(model="m", messages=THINK, max_tokens=MAX_TOKENS)
-    message = r.choices[0].message
-    assert (message.model_extra["reasoning"], message.content) == (reasoning, answer)
-    chunks = list(oai.chat.completions.create(model="m", messages=THINK, max_tokens=MAX_TOKENS, stream=True))
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == reasoning
-    assert "".join(d.content or "" for d in deltas) == answer
-
-    m = claude.messages.create(model="m", max_tokens=MAX_TOKENS, messages=THINK,
-                               thinking={"type": "enabled", "budget_tokens": 1024})
-    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
-        ("thinking", reasoning), ("text", answer)]
-    assert m.stop_reason == "end_turn"
-
-    r = oai.responses.create(model="m", input=THINK[0]["content"], max_output_tokens=MAX_TOKENS)
-    assert [i.type for i in r.output] == ["reasoning", "message"]
-    assert r.output[0].content[0].text == reasoning and r.output_text == answer
-    events = list(oai.responses.create(model="m", input=THINK[0]["content"], max_output_tokens=MAX_TOKENS, stream=True))
-    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
+    assert_reasoning_split(oai, claude, reasoning, answer)
 
 
 def test_tool_calls_are_structured_on_every_dialect(served, clients):
