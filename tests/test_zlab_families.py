@@ -32,7 +32,10 @@ from dflash_mlx.targets import TargetError, adapter_for
 from dflash_mlx.targets.hybrid import HybridTarget
 from dflash_mlx.targets.mla import MLATarget
 
-NEW = ["gpt_oss", "qwen3_next", "deepseek_v3", "kimi_k25"]
+# Kimi-K2.5 runs DeepSeek-V3's text model: the loop is checked on the wrapper
+# (both families' forward, taps, rollback and a random drafter run with every
+# family's, in tests/test_targets.py and tests/test_lossless.py).
+NEW = ["gpt_oss", "qwen3_next", "kimi_k25"]
 
 
 def test_loaded_models_have_the_features_under_test(make_pair):
@@ -81,15 +84,6 @@ def test_greedy_is_mlx_lm_greedy(make_pair, name, block):
         assert {1, 2, 16} <= {r.block_size for r in cycles}
     else:
         assert {r.accepted for r in cycles} >= set(range(block))
-
-
-@pytest.mark.parametrize("name", NEW)
-def test_random_drafter_is_lossless(make_pair, tmp_path, name):
-    pair = make_pair(name)
-    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=16), pair.model)
-    prompt = prompt_of(29)
-    got, _ = pair.dflash(draft, prompt, eos_ids=[], max_tokens=80)
-    assert got == pair.reference(prompt, 80, eos_ids=[])
 
 
 @pytest.mark.parametrize("name", NEW)
