@@ -57,6 +57,7 @@ from mlx_lm.server import APIHandler, GenerationContext, Response, convert_chat,
 
 from . import cli
 from .api import ENDPOINTS, Metrics, ResponseStore, read_json_body
+from .api.harmony import text_format
 from .api.turn import openai_tool_choice, tool_choice_rule
 from .cache import make_prompt_cache
 from .disk_cache import DiskPromptCache, TieredPromptCache, pair_identity
@@ -181,10 +182,11 @@ def chat_tokens(tokenizer, body: dict, template_args: dict):
     return prompt, boundaries
 
 
-def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int], template_args: dict) -> Prepared:
+def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int], template_args: dict, answers) -> Prepared:
     """Check a request and tokenize it, before it is queued: its prompt
     within the target's vocabulary, the server's ``max_prompt`` tokens and,
-    with its ``max_tokens``, the target's context."""
+    with its ``max_tokens``, the target's context; ``answers``: how the
+    tokenizer's answers split (:func:`~dflash_mlx.api.harmony.text_format`)."""
     check_fields(body)
     param = "messages" if kind == "chat" else "prompt"
     if kind == "text":
@@ -222,7 +224,7 @@ def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int],
     if kind == "chat" and tokenizer.has_thinking and tokenizer.rfind_think_start(tokens) > tokenizer.rfind_think_end(tokens):
         state = "reasoning"
     if kind == "chat":
-        state = tokenizer.response_initial_state or state
+        state = answers.response_initial_state or state
     draft_tokens = body.get("num_draft_tokens")
     return Prepared(tokens, boundaries, state, None if draft_tokens is None else draft_tokens + 1)
 
@@ -293,6 +295,7 @@ class DFlashResponseGenerator:
 
     def __init__(self, model, tokenizer, draft, cli_args, model_id: str, draft_id: str):
         self.model, self.tokenizer, self.draft, self.cli_args = model, tokenizer, draft, cli_args
+        self.answers = text_format(tokenizer)  # how answers split into reasoning, text and tool calls
         self.key = (model_id, draft_id)  # cache entries never cross target/drafter pairs
         self.created = int(time.time())
         self.prompt_cache = LRUPromptCache(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
@@ -383,7 +386,10 @@ class DFlashResponseGenerator:
     def prepare(self, body: dict, kind: str) -> Prepared:
         """Check and tokenize a request (on the handler's thread)."""
         with self.tokenizer_lock:
-            return prepare(self.tokenizer, self.draft.target, body, kind, self.cli_args.max_prompt_tokens, self.cli_args.chat_template_args)
+            return prepare(
+                self.tokenizer, self.draft.target, body, kind, self.cli_args.max_prompt_tokens,
+                self.cli_args.chat_template_args, self.answers,
+            )
 
     def generate(self, request, args, progress_callback=None, prepared: Prepared = None):
         """Queue a request; returns its context and an iterator of responses."""
@@ -440,12 +446,13 @@ class DFlashResponseGenerator:
         """A request's context and its nearest cached state, snapshotted at
         its message boundaries where the cache cannot trim; its handler
         hears the context."""
-        tok = self.tokenizer
+        tok, answers = self.tokenizer, self.answers
         with self.tokenizer_lock:
             stop_sequences = make_stop_sequences(tok, args.stop_words)
-            text_sm = make_text_state_machine(tok, args.stop_words)
+            text_sm = make_text_state_machine(answers, args.stop_words)
         ctx = RequestContext(
-            has_tool_calling=tok.has_tool_calling, has_thinking=tok.has_thinking, tool_parser=tok.tool_parser,
+            has_tool_calling=answers.has_tool_calling, has_thinking=answers.has_thinking,
+            tool_parser=answers.tool_parser,
             text_sm=text_sm, initial_state=prepared.initial_state, prompt=prepared.tokens,
         )
         tokens = prepared.tokens

@@ -216,7 +216,11 @@ def test_previous_response_id_continues_a_stored_response(oai, served):
 def test_reasoning_is_split_on_every_dialect(served, oai, claude):
     raw, _ = reference(served, THINK)
     reasoning, answer = split_reasoning(raw)
+    assert_reasoning_split(oai, claude, reasoning, answer)
 
+
+def assert_reasoning_split(oai, claude, reasoning, answer):
+    """THINK's reasoning and answer come back apart in every dialect, whole and streamed."""
     r = oai.chat.completions.create(model="m", messages=THINK, max_tokens=MAX_TOKENS)
     message = r.choices[0].message
     assert (message.model_extra["reasoning"], message.content) == (reasoning, answer)

@@ -26,7 +26,7 @@ from dflash_mlx.errors import ArgumentError
 from dflash_mlx.generate import encode_prompt, feed
 from dflash_mlx.random_pair import LLAMA
 
-FAMILIES = ["qwen3", "qwen3_5", "llama", "gemma4_text"]
+FAMILIES = ["qwen3", "qwen3_5", "llama", "gemma4_text", "gpt_oss", "qwen3_next", "kimi_k25"]
 PROMPT = prompt_of(200)
 
 

@@ -24,7 +24,8 @@ def test_every_entry_resolves_by_its_id_name_and_quantized_exports(target, draft
 
 def test_the_families_and_both_drafter_kinds_are_there():
     drafters = set(KNOWN_DRAFTERS.values())
-    for family in ("Qwen3-", "Qwen3.5-", "Qwen3.6-", "Qwen3.8-", "gemma4-", "gemma-4-"):
+    for family in ("Qwen3-", "Qwen3.5-", "Qwen3.6-", "Qwen3.8-", "Qwen3-Coder-Next", "gemma4-", "gemma-4-",
+                   "gpt-oss-", "Kimi-K2.5"):
         assert any(d.startswith("z-lab/" + family) for d in drafters), family
     assert any(d.endswith("-DFlash2") for d in drafters) and any(d.endswith("-DFlash") for d in drafters)
     # no two targets share a base name (each export resolves one way)
@@ -45,6 +46,21 @@ def test_the_families_and_both_drafter_kinds_are_there():
 )
 def test_unknown_names_have_no_drafter(target):
     assert known_drafter(target) is None
+
+
+@pytest.mark.parametrize(
+    "export, drafter",
+    [
+        ("mlx-community/gpt-oss-20b-MXFP4-Q8", "z-lab/gpt-oss-20b-DFlash"),
+        ("lmstudio-community/gpt-oss-120b-MLX-8bit", "z-lab/gpt-oss-120b-DFlash"),
+        ("mlx-community/Qwen3-Coder-Next-4bit", "z-lab/Qwen3-Coder-Next-DFlash"),
+        ("mlx-community/Kimi-K2.5-MLX-3.6bit", "z-lab/Kimi-K2.5-DFlash"),
+    ],
+)
+def test_community_exports_of_the_new_families_resolve(export, drafter):
+    """The export names of the gpt-oss, Qwen3-Next and Kimi MLX exports:
+    MXFP4 with 8-bit rest ("-MXFP4-Q8"), fractional bit widths."""
+    assert known_drafter(export) == drafter
 
 
 def test_a_local_export_resolves_through_its_directory_name(tmp_path):

@@ -1,4 +1,5 @@
-"""Gemma-4 targets and sliding-window targets in general: the adapter against
+"""Gemma-4 targets and sliding-window targets in general (gpt-oss's, with
+attention sinks, among them): the adapter against
 mlx-lm's own forward, exact rollback of rotating caches after the window has
 wrapped, greedy output identical to mlx-lm's, sampling exact, and z-lab's
 Gemma drafter configs checked against targets of their shape."""
@@ -26,7 +27,7 @@ LLAMA_SWA = dict(tiny.LLAMA, layer_types=[tiny.SLIDING, tiny.FULL, tiny.SLIDING]
 # Sliding-window targets: the Gemma-4 families of tiny.FAMILIES and two built
 # here; their windows (base["sliding_window"]) are far shorter than the generations.
 BUILDS = {"gemma4_moe": tiny.GEMMA4_MOE, "llama_swa": LLAMA_SWA}
-NAMES = ["gemma4_text", "gemma4", "gemma4_moe", "gemma4_unified", "llama_swa"]
+NAMES = ["gemma4_text", "gemma4", "gemma4_moe", "gemma4_unified", "llama_swa", "gpt_oss"]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ SCHEDULE = [(16, 3), (1, 1), (9, 9), (16, 1), (1, 1), (1, 0), (1, 1), (8, 0), (1
             (5, 2), (1, 1), (12, 7), (1, 1), (1, 1), (16, 0), (1, 1), (4, 4), (16, 11), (1, 1)]
 
 
-@pytest.mark.parametrize("name", ["gemma4_text", "gemma4_moe", "llama_swa"])
+@pytest.mark.parametrize("name", ["gemma4_text", "gemma4_moe", "llama_swa", "gpt_oss"])
 def test_rollback_is_exact_after_the_window_wraps(targets, name):
     """After each rollback, a one-token step on the rolled-back cache gives
     what mlx-lm's own token-by-token decode of the kept tokens gives. mlx-lm's
@@ -151,6 +152,8 @@ GREEDY_CASES = [
     ("gemma4", 57, 2),
     ("gemma4_moe", 300, 16),
     ("llama_swa", 1, 8),
+    ("gpt_oss", 1, 16),
+    ("gpt_oss", 300, 4),
 ]
 
 

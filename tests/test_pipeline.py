@@ -83,11 +83,12 @@ def text_of(stdout: str, adaptive: bool = False) -> str:
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     dirs = {}
-    for name, base in [("qwen3_5", tiny.QWEN3_5), ("qwen2", QWEN2), ("qwen3", tiny.QWEN3)]:
-        target = tiny.make_target(root / name, base)
+    # Kimi-K2.5 (MLA): the family that needs several Macs at full size.
+    for name, base in [("qwen3_5", tiny.QWEN3_5), ("qwen2", QWEN2), ("qwen3", tiny.QWEN3), ("kimi_k25", tiny.KIMI_K25)]:
+        target = tiny.make_hf_target(root / name, base)
         vocab = load(str(target))[0].model.embed_tokens.weight.shape[0]
         # Taps 0 and 1 sit on rank 1's layers, 2 and 3 on rank 0's.
-        cfg = tiny.draft_config(base, vocab, block_size=16, taps=[0, 1, 3])
+        cfg = tiny.draft_config(base.get("text_config", base), vocab, block_size=16, taps=[0, 1, 3])
         dirs[name] = (str(target), str(tiny.make_draft(root / f"{name}_draft", cfg)))
         if name == "qwen3_5":  # another drafter for the same target
             dirs["qwen3_5_other"] = (str(target), str(tiny.make_draft(root / "other_draft", cfg, seed=2)))
@@ -153,8 +154,9 @@ def test_pipeline_without_ranks_is_one_clear_error(models, capsys):
 def test_pipeline_families_are_mlx_lms(models, tmp_path):
     """The families named as pipelined are exactly those whose mlx-lm
     backbone has ``pipeline`` (checked for every family tests can build)."""
-    dirs = {name: models[name][0] for name in ("qwen3_5", "qwen2", "qwen3")}
-    dirs["llama"] = str(tiny.make_target(tmp_path / "llama", tiny.LLAMA))
+    dirs = {name: models[name][0] for name in ("qwen3_5", "qwen2", "qwen3", "kimi_k25")}
+    for name in ("llama", "gpt_oss", "qwen3_next", "deepseek_v3"):
+        dirs[name] = str(tiny.make_hf_target(tmp_path / name, tiny.FAMILIES[name]))
     for name, path in dirs.items():
         model = load(path)[0]
         assert name in ADAPTERS
@@ -191,7 +193,8 @@ def ranks(models, tmp_path_factory):
     partial = shard_by_layers(Path(models["qwen3_5"][0]), out / "partial")
     (partial / "model-00001-of-00002.safetensors").unlink()  # rank 1's layers
     spec = {
-        "adapters": {"qwen3_5": models["qwen3_5"][0], "qwen2": models["qwen2"][0], "sharded": str(sharded)},
+        "adapters": {"qwen3_5": models["qwen3_5"][0], "qwen2": models["qwen2"][0], "sharded": str(sharded),
+                     "kimi_k25": models["kimi_k25"][0]},
         "partial": str(partial),
         "diverged_drafts": [models["qwen3_5"][1], models["qwen3_5_other"][1]],
         "runs": {
@@ -204,6 +207,8 @@ def ranks(models, tmp_path_factory):
                         "kwargs": {"max_tokens": 40, "block_size": 16}},
             "qwen2": {"target": models["qwen2"][0], "draft": models["qwen2"][1],
                       "kwargs": {"max_tokens": 40, "block_size": 4}},
+            "kimi_k25": {"target": models["kimi_k25"][0], "draft": models["kimi_k25"][1],
+                         "kwargs": {"max_tokens": 40, "block_size": 8}},
         },
     }
     (out / "spec.json").write_text(json.dumps(spec))
@@ -215,10 +220,11 @@ def ranks(models, tmp_path_factory):
 
 def test_each_rank_runs_its_slice_and_matches_the_whole_model(ranks):
     """Every forward after every rollback length gives the unsplit adapter's
-    logits and taps bit for bit, on both ranks, for both families, from a
-    single-file checkpoint and from an indexed one."""
+    logits and taps bit for bit, on both ranks, for every family (MLA's
+    compressed caches among them), from a single-file checkpoint and from an
+    indexed one."""
     for report, layers in zip(ranks, ([2, 4], [0, 2])):
-        for family in ("qwen3_5", "qwen2", "sharded"):
+        for family in ("qwen3_5", "qwen2", "sharded", "kimi_k25"):
             assert report["adapter"][family]["local_layers"] == layers
             assert report["adapter"][family]["identical"] == [True] * 6, family
 
@@ -254,7 +260,7 @@ def test_pipelined_adaptive_ranks_choose_alike_and_commit_the_single_process_tok
     assert len(set(first["blocks"][1:])) > 1  # lengths were chosen, not fixed
 
 
-@pytest.mark.parametrize("family,block", [("qwen3_5", 16), ("qwen2", 4)])
+@pytest.mark.parametrize("family,block", [("qwen3_5", 16), ("qwen2", 4), ("kimi_k25", 8)])
 def test_tiny_targets_pipelined_commit_the_single_process_tokens(ranks, models, family, block):
     expected = single_run(*models[family], max_tokens=40, block_size=block)
     assert [report[family] for report in ranks] == [expected, expected]

@@ -46,10 +46,10 @@ def random_turns(lengths, seed=0):
     return [rng.integers(0, 256, size=n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "llama", "gemma4_text"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "llama", "gemma4_text", "gpt_oss", "qwen3_next", "kimi_k25"])
 @pytest.mark.parametrize("lengths", [(11, 7, 5), (30, 1, 1)])
 def test_three_turns_equal_mlx_lm(make_pair, tmp_path, family, lengths):
-    """Gemma-4's sliding window (8) wraps within the first turn."""
+    """Gemma-4's and gpt-oss's sliding windows (8) wrap within the first turn."""
     pair = make_pair(family)
     draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=4, taps=[0, 2]), pair.model)
     turns = random_turns(lengths)

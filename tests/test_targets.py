@@ -15,7 +15,7 @@ from dflash_mlx.targets.hybrid import HybridTarget, has_fused_recurrence
 # Text models mlx-lm loads only inside their wrapper (no module of their
 # own): the adapter tests run each on its wrapper's text model.
 NESTED = {"gemma4_unified_text": "gemma4_unified"}
-HYBRID = [name for name in tiny.FAMILIES if name.startswith("qwen3_5")]
+HYBRID = [name for name in tiny.FAMILIES if name.startswith(("qwen3_5", "qwen3_next"))]
 # (family, recurrence): the recurrence choice exists for hybrid targets only
 ADAPTERS = [
     (name, r) for name in [*tiny.FAMILIES, *NESTED] for r in (("sequential", "chunked") if name in HYBRID else ("-",))

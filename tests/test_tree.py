@@ -83,12 +83,13 @@ def prefilled(target, prompt):
     return cache
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "qwen3_5", "gemma4_text"])
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "qwen3_5", "gemma4_text", "gpt_oss", "qwen3_next", "kimi_k25"])
 def test_tree_rows_and_every_rollback_match_fresh_decoding(make_pair, name, device):
     """Each tree row's logits and taps equal a fresh forward of its path;
     after rolling back to any row's path, the next token's logits equal a
     fresh decode of that path (sliding windows of 8 wrap inside the tree;
-    Gemma's KV-shared layers; a hybrid's GatedDeltaNet states), on each
+    Gemma's KV-shared layers; gpt-oss's sinks; a hybrid's GatedDeltaNet
+    states; MLA's array masks and compressed caches), on each
     device (``mx.fast.rope`` with one offset per row among them)."""
     pair = make_pair(name)
     target = adapter_for(pair.model)
@@ -154,6 +155,7 @@ CASES = [  # (family, budget, prompt length): every family, every budget, short 
     ("llama", 4, 300), ("qwen2", 16, 1), ("qwen3", 32, 120), ("qwen3_moe", 64, 7),
     ("qwen3_5", 16, 300), ("qwen3_5_moe", 64, 2),
     ("gemma4_text", 32, 50), ("gemma4", 4, 1), ("gemma4_unified", 16, 9),
+    ("gpt_oss", 16, 40), ("qwen3_next", 32, 9), ("deepseek_v3", 16, 120), ("kimi_k25", 4, 1),
 ]
 
 

@@ -124,6 +124,43 @@ GEMMA4_UNIFIED = dict(
     architectures=["Gemma4UnifiedForConditionalGeneration"],
 )
 
+# The families of z-lab's other published drafters, shrunk: gpt-oss (sliding
+# windows of 8 alternating with full attention, per-head sinks, MoE with the
+# clamped SwiGLU, YaRN rope), Qwen3-Next (GatedDeltaNet x3 + gated attention,
+# MoE with a shared expert) and DeepSeek-V3 / Kimi-K2.5 (multi-head latent
+# attention, YaRN rope, MoE with a shared expert after a dense first layer).
+
+GPT_OSS = family_config(
+    "gpt_oss", "GptOssForCausalLM", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+    experts_per_token=2, sliding_window=8, layer_types=[SLIDING, FULL] * 2, attention_bias=True,
+    rope_theta=150000, swiglu_limit=7.0, tie_word_embeddings=False, initial_context_length=4096,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                  "original_max_position_embeddings": 4096},
+)  # fmt: skip
+
+QWEN3_NEXT = family_config(
+    "qwen3_next", "Qwen3NextForCausalLM", head_dim=16, full_attention_interval=4,
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, norm_topk_prob=True, rope_theta=10000.0,
+    partial_rotary_factor=0.25, tie_word_embeddings=False,
+)  # fmt: skip
+
+DEEPSEEK_V3 = family_config(
+    "deepseek_v3", "DeepseekV3ForCausalLM", num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48,
+    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
+    num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+    routed_scaling_factor=2.5, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+    rope_theta=50000.0, tie_word_embeddings=False,
+    rope_scaling={"type": "yarn", "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1},
+)  # fmt: skip
+
+KIMI_K25 = {  # Kimi-K2.5: DeepSeek-V3's text model next to a vision tower
+    "model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+    "text_config": dict(DEEPSEEK_V3, model_type="kimi_k2"), "vision_config": {"model_type": "moonvit"},
+}  # fmt: skip
+
 FAMILIES = {  # every family the README lists, the multimodal wrappers too
     "llama": LLAMA,
     "qwen2": QWEN2,
@@ -136,6 +173,10 @@ FAMILIES = {  # every family the README lists, the multimodal wrappers too
     "gemma4_text": GEMMA4_TEXT,
     "gemma4": gemma4_multimodal(dict(GEMMA4_TEXT, sliding_window=16)),
     "gemma4_unified": GEMMA4_UNIFIED,
+    "gpt_oss": GPT_OSS,
+    "qwen3_next": QWEN3_NEXT,
+    "deepseek_v3": DEEPSEEK_V3,
+    "kimi_k25": KIMI_K25,
 }
 
 
@@ -168,7 +209,7 @@ class Pair:
 
     def __init__(self, root: Path, base: dict, seed: int = 0):
         self.base = base.get("text_config", base)  # what the drafter sees
-        build = make_gemma4_target if base["model_type"].startswith("gemma4") else make_target
+        build = make_gemma4_target if base["model_type"].startswith("gemma4") else make_hf_target
         self.path = build(root / base["model_type"], base, seed=seed)
         self.model, self.tokenizer = load(str(self.path))
         self.vocab = adapter_for(self.model).vocab_size
@@ -187,6 +228,60 @@ class Pair:
 
     def dflash(self, draft, prompt, eos_ids=None, **kw):
         return dflash_tokens(self.model, draft, self.tokenizer, prompt, eos_ids, **kw)
+
+
+def to_hf_layout(model_type: str, weights: dict, cfg: dict) -> dict:
+    """mlx-lm parameter names -> the Hugging Face checkpoint's, for the
+    families whose sanitize maps them back: experts one by one (mlx-lm
+    stacks them), DeepSeek-V3's ``kv_b_proj`` (mlx-lm splits it per head),
+    Qwen3-Next's norms stored as offsets from 1 and its conv kernels
+    channel-first; Kimi-K2.5's vision tower, which loading drops. gpt-oss
+    stays in mlx-lm's names, as its MLX exports are (its original MXFP4
+    blocks are a quantization of their own)."""
+    text = cfg.get("text_config", cfg)
+    out = {}
+    for name, value in weights.items():
+        if ".switch_mlp." in name:
+            for e in range(value.shape[0]):
+                out[name.replace(".switch_mlp.", f".experts.{e}.")] = value[e]
+        elif name.endswith("self_attn.embed_q.weight"):
+            unembed = weights[name.replace("embed_q", "unembed_out")]
+            kv_b = mx.concatenate([value.swapaxes(-1, -2), unembed], axis=1)
+            out[name.replace("embed_q", "kv_b_proj")] = kv_b.reshape(-1, text["kv_lora_rank"])
+        elif name.endswith("self_attn.unembed_out.weight"):
+            continue
+        elif model_type == "qwen3_next" and name.endswith("conv1d.weight"):
+            out[name] = value.swapaxes(1, 2)
+        elif model_type == "qwen3_next" and value.ndim == 1 and name.endswith(
+            ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight", "q_norm.weight", "k_norm.weight")
+        ):
+            out[name] = value - 1.0
+        else:
+            out[name] = value
+    if model_type == "kimi_k25":
+        out["vision_tower.patch_embed.proj.weight"] = mx.zeros((8, 8))
+    return out
+
+
+def make_hf_target(path: Path, base: dict, seed: int = 0, **overrides) -> Path:
+    """:func:`make_target`; for the families :func:`to_hf_layout` knows, its
+    weights then renamed as their Hugging Face checkpoints name them.
+    Kimi-K2.5 is built as its text model (mlx-lm's loader cannot build the
+    wrapper without weights; ``overrides`` apply to it), then wrapped."""
+    if base["model_type"] not in ("qwen3_next", "deepseek_v3", "kimi_k25"):
+        return make_target(path, base, seed=seed, **overrides)
+    wrapped = base["model_type"] == "kimi_k25"
+    text = dict(base["text_config"], model_type="deepseek_v3") if wrapped else base
+    path = make_target(path, text, seed=seed, **overrides)
+    cfg = json.loads((path / "config.json").read_text())
+    weights = mx.load(str(path / "model.safetensors"))
+    if wrapped:
+        cfg = dict(base, text_config=dict(cfg, model_type=base["text_config"]["model_type"]))
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+        weights = {"language_model." + k: v for k, v in weights.items()}
+    weights = to_hf_layout(cfg["model_type"], weights, cfg)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return path
 
 
 # ---------------------------------------------------------------------------
@@ -764,3 +859,71 @@ def zlab_gemma4_draft_config(name: str, hidden: int, vocab: int) -> dict:
         tie_word_embeddings=True,
         hidden_act="silu",
     )
+
+
+# ---------------------------------------------------------------------------
+# z-lab's drafters for gpt-oss, Qwen3-Coder-Next and Kimi-K2.5, and targets of their shape
+
+# Per drafter: its target's layer count and vocabulary, then its config.json's
+# own fields as published (widths shrunk by :func:`zlab_draft_config`).
+ZLAB_DRAFTERS = {
+    # z-lab/gpt-oss-20b-DFlash's config.json.
+    "gpt-oss-20b": (24, 201088, dict(
+        architectures=["DFlashDraftModel"], attention_bias=True, attention_dropout=0.0, block_size=8,
+        bos_token_id=199998, dflash_config={"mask_token_id": 200000, "target_layer_ids": [1, 6, 11, 16, 21]},
+        dtype="bfloat16", eos_token_id=200002, hidden_act="silu", initial_context_length=4096,
+        initializer_range=0.02, max_position_embeddings=131072, model_type="gpt_oss", num_hidden_layers=8,
+        rms_norm_eps=1e-5, rope_theta=150000,
+    )),
+    # z-lab/Kimi-K2.5-DFlash's config.json: a Qwen3-style drafter under YaRN.
+    "Kimi-K2.5": (61, 163840, dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", num_target_layers=61, block_size=8,
+        num_hidden_layers=6, dflash_config={"mask_token_id": 163838, "target_layer_ids": [1, 12, 24, 35, 47, 58]},
+        attention_bias=False, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096},
+        max_position_embeddings=262144,
+    )),
+    # z-lab/Qwen3-Coder-Next-DFlash: its config.json was not found; these
+    # are the fields z-lab's Qwen drafters publish, its taps by z-lab's rule
+    # for a 5-layer drafter over 48 target layers.
+    "Qwen3-Coder-Next": (48, 151936, dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", num_target_layers=48, block_size=16,
+        num_hidden_layers=5, dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 12, 23, 34, 45]},
+        attention_bias=False, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=5000000.0,
+        tie_word_embeddings=False, max_position_embeddings=262144,
+    )),
+}
+
+
+def zlab_draft_config(name: str, hidden: int) -> dict:
+    """A drafter of :data:`ZLAB_DRAFTERS` with every field as published but
+    the widths: ``hidden`` (the shaped target's), two heads of 8."""
+    _, vocab, fields = ZLAB_DRAFTERS[name]
+    return dict(
+        fields, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, vocab_size=vocab,
+    )
+
+
+SHAPE_HIDDEN = 16
+
+
+def zlab_shaped_target(root: Path, name: str):
+    """A target with the layer count, layer pattern and vocabulary of the
+    drafter ``name``'s target (gpt-oss-20b, Qwen3-Coder-Next, Kimi-K2.5),
+    its widths shrunk; loaded through mlx-lm."""
+    n, vocab, _ = ZLAB_DRAFTERS[name]
+    small = dict(hidden_size=SHAPE_HIDDEN, intermediate_size=16, num_hidden_layers=n, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=vocab)
+    if name == "gpt-oss-20b":
+        base = dict(GPT_OSS, **small, head_dim=8, layer_types=[SLIDING, FULL] * (n // 2))
+    elif name == "Qwen3-Coder-Next":
+        base = dict(QWEN3_NEXT, **small, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=1,
+                    linear_key_head_dim=8, linear_value_head_dim=8, moe_intermediate_size=8,
+                    shared_expert_intermediate_size=8)
+    else:
+        mla = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+        text = {**DEEPSEEK_V3, **small, **mla, "num_key_value_heads": 2, "moe_intermediate_size": 8}
+        base = dict(KIMI_K25, text_config=dict(text, model_type="kimi_k2"))
+    return load(str(make_hf_target(root / name, base)))

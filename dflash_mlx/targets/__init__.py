@@ -13,20 +13,26 @@ from typing import Dict, Type
 from .base import TargetAdapter, TargetError
 from .gemma4 import Gemma4Target
 from .hybrid import HybridTarget
+from .mla import MLATarget
 from .transformer import TransformerTarget
 
 ADAPTERS: Dict[str, Type[TargetAdapter]] = {
+    "deepseek_v3": MLATarget,
     "gemma4": Gemma4Target,
     "gemma4_text": Gemma4Target,
     # Current MLX exports; mlx-lm loads them as gemma4 and keeps the name.
     "gemma4_unified": Gemma4Target,
     "gemma4_unified_text": Gemma4Target,
+    "gpt_oss": TransformerTarget,
+    # Kimi-K2.5's text model is DeepSeek-V3's, under a multimodal wrapper.
+    "kimi_k25": MLATarget,
     "llama": TransformerTarget,
     "qwen2": TransformerTarget,
     "qwen3": TransformerTarget,
     "qwen3_moe": TransformerTarget,
     "qwen3_5": HybridTarget,
     "qwen3_5_moe": HybridTarget,
+    "qwen3_next": HybridTarget,
 }
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(ADAPTERS))

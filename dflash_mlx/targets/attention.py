@@ -30,13 +30,14 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 
-def layer_masks(h: mx.array, caches: Sequence, windows: Sequence[Optional[int]]) -> List:
+def layer_masks(h: mx.array, caches: Sequence, windows: Sequence[Optional[int]], return_array: bool = False) -> List:
     """One attention mask per layer, built from the first cache with that
-    layer's window (``None``: full attention), as mlx-lm's models build them."""
+    layer's window (``None``: full attention), as mlx-lm's models build them
+    (``return_array``: as arrays, never mlx-lm's "causal" shorthand)."""
     built = {}
     for c, window in zip(caches, windows):
         if window not in built:
-            built[window] = create_attention_mask(h, c, window_size=window)
+            built[window] = create_attention_mask(h, c, window_size=window, return_array=return_array)
     return [built[w] for w in windows]
 
 

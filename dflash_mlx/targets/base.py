@@ -65,6 +65,11 @@ class TargetAdapter:
         return len(self.backbone.layers)
 
     @property
+    def family(self) -> str:
+        """The model type the user loaded (a multimodal wrapper's, not its text model's)."""
+        return getattr(self.model, "model_type", None) or self.args.model_type
+
+    @property
     def hidden_size(self) -> int:
         return int(self.args.hidden_size)
 
@@ -89,27 +94,28 @@ class TargetAdapter:
         if config.vocab_size != self.vocab_size:
             raise TargetError(
                 f"drafter vocab_size {config.vocab_size} != target vocabulary "
-                f"{self.vocab_size} ({self.args.model_type} target): this drafter was "
+                f"{self.vocab_size} ({self.family} target): this drafter was "
                 f"trained for another target"
             )
         bad = [i for i in config.target_layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise TargetError(
                 f"drafter taps target layers {bad}, but the target has only "
-                f"{self.num_layers} layers (0..{self.num_layers - 1})"
+                f"{self.num_layers} layers (0..{self.num_layers - 1}; a {self.family} "
+                f"target): drafter and target do not match"
             )
         if config.num_target_layers is not None and int(config.num_target_layers) != self.num_layers:
             raise TargetError(
                 f"drafter was trained on a target of {config.num_target_layers} layers, "
-                f"this {self.args.model_type} target has {self.num_layers}: drafter and "
+                f"this {self.family} target has {self.num_layers}: drafter and "
                 f"target do not match"
             )
         want = len(config.target_layer_ids) * self.hidden_size
         if config.fc_input_size != want:
             raise TargetError(
-                f"drafter fc expects {config.fc_input_size} input features, but "
-                f"{len(config.target_layer_ids)} taps x target hidden {self.hidden_size} "
-                f"= {want}: drafter and target do not match"
+                f"drafter fc expects {config.fc_input_size} input features (drafter hidden "
+                f"{config.hidden_size}), but {len(config.target_layer_ids)} taps x target hidden "
+                f"{self.hidden_size} = {want} ({self.family} target): drafter and target do not match"
             )
         self.tap_ids = list(config.target_layer_ids)
 

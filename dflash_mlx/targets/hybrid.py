@@ -1,4 +1,6 @@
-"""Qwen3.5 / Qwen3.6 hybrid targets (GatedDeltaNet + full attention).
+"""Hybrid targets (GatedDeltaNet + full attention): Qwen3.5 / Qwen3.6 and
+Qwen3-Next (Qwen3-Coder-Next), whose GatedDeltaNet packs its projections
+differently (:func:`projections`) but runs the same conv and recurrence.
 
 A GatedDeltaNet layer's conv window and recurrent state cannot be trimmed.
 During a verify forward we keep, per layer, the state before the block (MLX
@@ -74,6 +76,21 @@ class DeltaRecord:
     b: Optional[mx.array] = None
 
 
+def projections(gdn, x):
+    """A GatedDeltaNet layer's input projections of ``x``: the conv input
+    (q, k, v side by side), the gate z ``[B, S, Hv, Dv]``, b and a ``[B, S,
+    Hv]``. Qwen3.5 has one projection each; Qwen3-Next packs q, k, v, z and
+    b, a into two, head-interleaved, unpacked by the module's own
+    ``fix_query_key_value_ordering``."""
+    B, S, _ = x.shape
+    if hasattr(gdn, "in_proj_qkvz"):
+        q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
+        qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        return qkv, z, b, a
+    z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
+    return gdn.in_proj_qkv(x), z, gdn.in_proj_b(x), gdn.in_proj_a(x)
+
+
 def gated_delta_forward(gdn, x, mask, cache, record: bool, chunked: bool = False):
     """mlx-lm's ``GatedDeltaNet.__call__`` for one instance, plus a record.
 
@@ -82,10 +99,7 @@ def gated_delta_forward(gdn, x, mask, cache, record: bool, chunked: bool = False
     whole target with the model's forward to catch any upstream change.
     """
     B, S, _ = x.shape
-    qkv = gdn.in_proj_qkv(x)
-    z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
-    b = gdn.in_proj_b(x)
-    a = gdn.in_proj_a(x)
+    qkv, z, b, a = projections(gdn, x)
     conv_state = cache[0]
     if conv_state is None:
         conv_state = mx.zeros((B, gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=x.dtype)
@@ -193,10 +207,8 @@ def gated_delta_tree(gdn, x, cache, tree) -> mx.array:
     Leaves the cache's slots as they were before (rollback installs the
     walked leaf's, see :class:`TreeDeltaRecord`); returns the output and the record."""
     B, S, _ = x.shape
-    qkv = gdn.in_proj_qkv(x)
-    z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
-    b = gdn.in_proj_b(x)[0]
-    a = gdn.in_proj_a(x)[0]
+    qkv, z, b, a = projections(gdn, x)
+    b, a = b[0], a[0]
     conv_state, state0 = cache[0], cache[1]
     if conv_state is None:
         conv_state = mx.zeros((B, gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=x.dtype)
@@ -277,7 +289,7 @@ def rewind_gated_delta(gdn, cache, rec: DeltaRecord, keep) -> None:
 
 
 class HybridTarget(TargetAdapter):
-    """qwen3_5 / qwen3_5_moe, text-only or the multimodal wrapper.
+    """qwen3_5 / qwen3_5_moe, text-only or the multimodal wrapper, and qwen3_next.
 
     ``recurrence`` picks how multi-token forwards run the GatedDeltaNet
     recurrence: "chunked" (WY form, a few matmuls), "sequential" (mlx-lm's

@@ -23,7 +23,7 @@ from .base import TargetAdapter, TargetError
 
 # Adapter families whose mlx-lm backbone has ``pipeline(group)`` (checked
 # against mlx-lm by the tests).
-PIPELINE_MODEL_TYPES = ("qwen2", "qwen3_5", "qwen3_5_moe", "qwen3_moe")
+PIPELINE_MODEL_TYPES = ("deepseek_v3", "kimi_k25", "qwen2", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next")
 
 
 class _StageInput:

@@ -1,5 +1,8 @@
-"""Plain decoder-only transformers (llama, qwen2, qwen3, qwen3_moe), with
-sliding-window layers where the model has them (llama's ``layer_types``).
+"""Plain decoder-only transformers (llama, qwen2, qwen3, qwen3_moe,
+gpt_oss), with sliding-window layers where the model has them (llama's
+``layer_types``; gpt-oss alternates a 128-token window with full attention).
+gpt-oss's per-head attention sinks live inside its attention modules, so a
+chain's or a tree's mask reaches them as any other family's does.
 
 Every layer is ``layer(h, mask, cache)`` over an attention cache, so a
 verify needs no record beyond its length: rollback cuts every cache back to
@@ -13,6 +16,9 @@ from .base import TargetAdapter
 
 
 class TransformerTarget(TargetAdapter):
+    # Whether the layers take masks as arrays only (see :mod:`.mla`).
+    array_masks = False
+
     def __init__(self, model):
         text = getattr(model, "language_model", model)
         super().__init__(model, text, text.model)
@@ -21,7 +27,7 @@ class TransformerTarget(TargetAdapter):
         taps = self.tap_ids if taps is None else taps
         h = self.backbone.embed_tokens(tokens)
         windows = [c.max_size if isinstance(c, RotatingKVCache) else None for c in cache]
-        masks = layer_masks(h, cache, windows) if tree is None else tree_masks(tree, cache, windows)
+        masks = layer_masks(h, cache, windows, self.array_masks) if tree is None else tree_masks(tree, cache, windows)
         captured = {}
         with self.tree_scope(tree, cache):
             for i, (layer, c, mask) in enumerate(zip(self.backbone.layers, cache, masks)):
