@@ -23,7 +23,7 @@ from dflash_mlx.errors import ArgumentError
 from dflash_mlx.targets import adapter_for
 from dflash_mlx.targets.rows import BatchCache, in_time_order
 
-FAMILIES = ["qwen3", "qwen3_5", "llama", "gemma4_text"]
+FAMILIES = ["qwen3", "qwen3_5", "llama", "gemma4_text", "gpt_oss", "qwen3_next", "kimi_k25"]
 
 
 class RowScriptedDrafter(FakeDrafter):
@@ -132,7 +132,7 @@ def test_greedy_rows_match_their_lone_runs_cycle_for_cycle(qwen3_5_pair):
         assert alone[i] == together[i] and lone_tokens[i] == tokens[i] == refs[i][:40]
 
 
-FAMILIES_REAL = ["qwen3", "qwen3_5", "qwen3_5_moe", "llama", "gemma4", "gemma4_text"]
+FAMILIES_REAL = ["qwen3", "qwen3_5", "qwen3_5_moe", "llama", "gemma4", "gemma4_text", "gpt_oss", "qwen3_next", "deepseek_v3", "kimi_k25"]
 
 
 @pytest.mark.parametrize("family", FAMILIES_REAL)

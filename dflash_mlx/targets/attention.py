@@ -30,6 +30,14 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 
+def sliding_window(cache) -> Optional[int]:
+    """The window of the layer ``cache`` belongs to (None: full attention):
+    a rotating cache's size, or a batch's ragged cache's (:mod:`.rows`)."""
+    if isinstance(cache, RotatingKVCache):
+        return cache.max_size
+    return getattr(cache, "window", None)
+
+
 def layer_masks(h: mx.array, caches: Sequence, windows: Sequence[Optional[int]], return_array: bool = False) -> List:
     """One attention mask per layer, built from the first cache with that
     layer's window (``None``: full attention), as mlx-lm's models build them

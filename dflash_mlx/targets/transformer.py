@@ -9,9 +9,7 @@ verify needs no record beyond its length: rollback cuts every cache back to
 the kept prefix (:mod:`.attention`).
 """
 
-from mlx_lm.models.cache import RotatingKVCache
-
-from .attention import layer_masks, rewind_caches, tree_masks
+from .attention import layer_masks, rewind_caches, sliding_window, tree_masks
 from .base import TargetAdapter
 
 
@@ -26,7 +24,7 @@ class TransformerTarget(TargetAdapter):
     def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True, tree=None):
         taps = self.tap_ids if taps is None else taps
         h = self.backbone.embed_tokens(tokens)
-        windows = [c.max_size if isinstance(c, RotatingKVCache) else None for c in cache]
+        windows = [sliding_window(c) for c in cache]
         masks = layer_masks(h, cache, windows, self.array_masks) if tree is None else tree_masks(tree, cache, windows)
         captured = {}
         with self.tree_scope(tree, cache):
