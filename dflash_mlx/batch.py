@@ -244,9 +244,9 @@ class BatchGenerator:
         """Prefill what fits of the queued prompts, then one decode cycle
         of the batch; what every request committed."""
         with one_thread_per_pair(self.draft), mx.stream(self.stream), wired_limit(self.model, [self.stream]):
-            for r in self.joining:
-                self.join(r)
-            self.joining = []
+            if self.joining:
+                self.join(self.joining)
+                self.joining = []
             out = self.prefill_queued()
             if self.active:
                 out += self.cycle()
@@ -289,22 +289,27 @@ class BatchGenerator:
         self.joining.append(r)  # at the next call: its first token goes out first
         return BatchResponse(r.uid, [token], [False], lp, None, 0, 0)
 
-    def join(self, r: Request) -> None:
+    def join(self, requests: List[Request]) -> None:
+        """Prefilled requests join the batch (the first one in a process
+        measures the cycles' costs on its own cache first)."""
         if self.sizer is None:
+            r = requests[0]
             calibration = calibrate(self.target, self.draft, r.cache.target, r.cache.target_hidden, self.max_block)
             self.settle = calibration.settle
             self.pair_acceptance = calibration.sizer.acceptance
             if calibration.batch_sizer is None:
                 calibration.batch_sizer = BatchSizer(self.max_block, BatchCosts.from_table(calibration.sizer.costs))
             self.sizer = BatchSizer(self.max_block, None, fixed=True) if self.fixed else calibration.batch_sizer
-        r.acceptance = copy.deepcopy(self.pair_acceptance)
         self.drop_ahead()
-        position = len(r.cache.tokens) - len(r.cache.pending)
-        parts = [r.cache.target] if self.cache is None else [self.cache, r.cache.target]
-        positions = ([] if self.cache is None else self.cache.rows.pos) + [position]
+        parts = [] if self.cache is None else [self.cache]
+        positions = [] if self.cache is None else list(self.cache.rows.pos)
+        for r in requests:
+            r.acceptance = copy.deepcopy(self.pair_acceptance)
+            parts.append(r.cache.target)
+            positions.append(len(r.cache.tokens) - len(r.cache.pending))
+            r.cache.target = None  # in the batch until it leaves
         self.cache = BatchCache.join(parts, positions)
-        r.cache.target = None  # in the batch until it leaves
-        self.active.append(r)
+        self.active.extend(requests)
 
     def drop_ahead(self) -> None:
         """Forget a plain step queued ahead (its rows keep none of it): the

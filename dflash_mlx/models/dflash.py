@@ -326,6 +326,18 @@ class ContextCache:
             self.drop(self.size - self.sink_size - self.window)
         return self.fetch()
 
+    def context_positions(self, n: int) -> mx.array:
+        """The absolute positions of the next ``n`` context rows :meth:`inject`
+        takes (past ``offset``, less ``skipped``)."""
+        start, end = self.skipped or (self.offset + n, self.offset + n)
+        rows = mx.arange(self.offset, self.offset + n, dtype=mx.int32)
+        return mx.where(rows >= start, rows + (end - start), rows)
+
+    def context_index(self, position: int) -> int:
+        """The row of the next context that holds ``position`` (see :meth:`context_positions`)."""
+        start, end = self.skipped or (position + 1, position + 1)
+        return position - self.offset - ((end - start) if position >= end else 0)
+
     def append(self, keys: mx.array, values: mx.array) -> None:
         n = keys.shape[2]
         if self.keys is None or self.size + n > self.keys.shape[2]:
@@ -462,12 +474,17 @@ class DraftAttention(nn.Module):
         self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
 
-    def project_kv(self, x: mx.array, rope, offset: int) -> Tuple[mx.array, mx.array]:
-        """K/V of ``x`` at absolute positions ``offset..``: [B, H_kv, S, D]."""
+    def project_kv(self, x: mx.array, rope, offset) -> Tuple[mx.array, mx.array]:
+        """K/V of ``x`` at absolute positions ``offset..``: [B, H_kv, S, D];
+        ``offset`` an array: one start per batch row, or (``B == 1``, ``S``
+        entries) each row's own position."""
         B, S, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, S, self.n_kv_heads, -1))
         v = self.v_proj(x).reshape(B, S, self.n_kv_heads, -1)
-        k = rope(k.transpose(0, 2, 1, 3), offset=offset)
+        if isinstance(offset, mx.array) and offset.size == S != B:  # a position per row: rows as rope's batch
+            k = rope(k.transpose(1, 2, 0, 3), offset=offset).transpose(2, 1, 0, 3)
+        else:
+            k = rope(k.transpose(0, 2, 1, 3), offset=offset)
         return k, v.transpose(0, 2, 1, 3)
 
     def cpu_attention(self, q, k, v):
@@ -508,39 +525,50 @@ class DraftAttention(nn.Module):
     def rows(self, x, contexts, rope, caches: List[ContextCache]) -> mx.array:
         """:meth:`__call__` for a batch of requests: row ``b`` of ``x``
         attends to its own context (``caches[b]``, after injecting
-        ``contexts[b]``, None: nothing new) and its own block. The contexts
-        differ in length: each is padded to the longest, and the padding
-        masked."""
+        ``contexts[b]``, None: nothing new) and its own block. Every row's
+        new context is projected in one call, at its own positions; the
+        contexts differ in length, so each is padded to the longest and the
+        padding masked."""
         B, L, _ = x.shape
-        held = []
-        for context, cache in zip(contexts, caches):
-            if context is not None and context.shape[1]:
-                held.append(cache.inject(context, lambda rows, at: self.project_kv(rows, rope, at)))
-            else:
-                held.append(cache.fetch())
+        held = [c.fetch() for c in caches]
+        new = [b for b, context in enumerate(contexts) if context is not None and context.shape[1]]
+        if new:
+            positions = mx.concatenate([caches[b].context_positions(contexts[b].shape[1]) for b in new])
+            keys, values = self.project_kv(mx.concatenate([contexts[b] for b in new], axis=1), rope, positions)
+            at = 0
+            for b in new:
+                n, cache = contexts[b].shape[1], caches[b]
+                k_b, v_b = keys[..., at : at + n, :], values[..., at : at + n, :]
+                index = cache.context_index  # the row of each position injected, as inject asks
+                held[b] = cache.inject(contexts[b], lambda rows, p: (k_b[..., index(p) : index(p) + rows.shape[1], :], v_b[..., index(p) : index(p) + rows.shape[1], :]))
+                at += n
         starts = mx.array([c.offset for c in caches], dtype=mx.int32)
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         q = rope(q.transpose(0, 2, 1, 3), offset=starts)
         k, v = self.project_kv(x, rope, starts)
         sizes = [0 if ck is None else ck.shape[2] for ck, _ in held]
         width = max(sizes)
-        masks = []
-        for b, ((ck, cv), cache) in enumerate(zip(held, caches)):
-            start = cache.offset
-            seen = draft_attention_mask(
-                cache.positions() if ck is not None else mx.zeros((0,), mx.int32), mx.arange(start, start + L),
-                is_causal=self.is_causal, sliding_window=self.sliding_window,
-            )
-            seen = mx.ones((L, sizes[b] + L), dtype=mx.bool_) if seen is None else mx.broadcast_to(seen, (L, sizes[b] + L))
-            pad = width - sizes[b]
-            masks.append(mx.concatenate([seen[:, : sizes[b]], mx.zeros((L, pad), mx.bool_), seen[:, sizes[b] :]], axis=1))
+        if self.sees_all:  # only the padding is hidden
+            slots = mx.arange(width + L)[None]
+            mask = ((slots < mx.array(sizes)[:, None]) | (slots >= width))[:, None, None, :]
+        else:
+            masks = []
+            for b, ((ck, _), cache) in enumerate(zip(held, caches)):
+                start = cache.offset
+                seen = draft_attention_mask(
+                    cache.positions() if ck is not None else mx.zeros((0,), mx.int32), mx.arange(start, start + L),
+                    is_causal=self.is_causal, sliding_window=self.sliding_window,
+                )
+                seen = mx.broadcast_to(seen, (L, sizes[b] + L))
+                pad = mx.zeros((L, width - sizes[b]), mx.bool_)
+                masks.append(mx.concatenate([seen[:, : sizes[b]], pad, seen[:, sizes[b] :]], axis=1))
+            mask = mx.stack(masks)[:, None]
         if width:
             pad = lambda a, n: a if n == 0 else mx.pad(a, [(0, 0), (0, 0), (0, n), (0, 0)])  # noqa: E731
             empty = mx.zeros((1, self.n_kv_heads, 0, self.head_dim), k.dtype)
             ctx_k = mx.concatenate([pad(empty if ck is None else ck, width - n) for (ck, _), n in zip(held, sizes)])
             ctx_v = mx.concatenate([pad(empty if cv is None else cv, width - n) for (_, cv), n in zip(held, sizes)])
             k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
-        mask = mx.stack(masks)[:, None]
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -715,7 +743,14 @@ class DFlashDraftModel(nn.Module):
         ``samplings[b]`` holds :func:`processed_probs`' settings, or None;
         ``keys[b]`` its random key, or None)."""
         h = self.embed_block(block_tokens)
-        contexts = [None if t is None else self.fuse(t.astype(h.dtype)) for t in target_hidden]
+        contexts = [None] * len(target_hidden)
+        new = [b for b, t in enumerate(target_hidden) if t is not None]
+        if new:  # every row's new context fused in one call
+            fused = self.fuse(mx.concatenate([target_hidden[b] for b in new], axis=1).astype(h.dtype))
+            at = 0
+            for b in new:
+                n = target_hidden[b].shape[1]
+                contexts[b], at = fused[:, at : at + n], at + n
         for i, layer in enumerate(self.layers):
             h = layer.rows(h, contexts, self.rope, [c[i] for c in caches])
         hidden = self.norm(h)[:, 1 : 1 + slots]
