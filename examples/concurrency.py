@@ -89,7 +89,7 @@ def wait_ready(url, proc, timeout=600):
 
 
 def chat(url, prompt, max_tokens):
-    body = json.dumps({"model": "default", "messages": [{"role": "user", "content": prompt}],
+    body = json.dumps({"model": "default_model", "messages": [{"role": "user", "content": prompt}],
                        "max_tokens": max_tokens, "temperature": 0.0}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
     tic = time.perf_counter()
@@ -103,7 +103,10 @@ def round_of(url, prompts, max_tokens):
     out = [None] * len(prompts)
 
     def one(i):
-        out[i] = chat(url, prompts[i], max_tokens)
+        try:
+            out[i] = chat(url, prompts[i], max_tokens)
+        except Exception as e:  # raised below, on the caller's thread
+            out[i] = e
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     tic = time.perf_counter()
@@ -112,6 +115,10 @@ def round_of(url, prompts, max_tokens):
     for t in threads:
         t.join()
     wall = time.perf_counter() - tic
+    failed = next((o for o in out if isinstance(o, Exception)), None)
+    if failed is not None:
+        detail = failed.read().decode() if hasattr(failed, "read") else ""
+        raise SystemExit(f"a request to {url} failed: {failed!r} {detail}")
     return [o[0] for o in out], sum(o[1] for o in out), wall, [o[2] for o in out]
 
 

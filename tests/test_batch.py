@@ -20,6 +20,8 @@ from tiny import PROMPT, TRUNCATED, FakeDrafter, committed_sequence, pit_check, 
 import dflash_mlx
 from dflash_mlx.batch import BatchGenerator, batch_generate
 from dflash_mlx.errors import ArgumentError
+from dflash_mlx.generate import prefill
+from dflash_mlx.models.dflash import masked_block
 from dflash_mlx.targets import adapter_for
 from dflash_mlx.targets.rows import BatchCache, in_time_order
 
@@ -283,3 +285,39 @@ def test_bad_batch_requests_get_one_clear_error(qwen3_pair, tmp_path):
     with pytest.raises(ArgumentError, match="completion_batch_size"):
         BatchGenerator(pair.model, draft, completion_batch_size=0)
     assert not gen.busy
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_one_drafter_forward_drafts_what_each_request_would_alone(qwen3_pair, tmp_path, window):
+    """``draft_rows`` over requests with contexts of different lengths (and,
+    with a draft window, sinks and dropped positions) proposes what each
+    request's own ``propose`` does, and leaves each drafter context as it."""
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    target = draft.target
+    kw = {} if window is None else dict(draft_window=window, draft_sink=2)
+
+    def prefilled():
+        caches = []
+        for n in (3, 29, 64):
+            cache = dflash_mlx.make_prompt_cache(pair.model, draft, **kw)
+            prefill(target, cache, prompt_of(n, seed=n), 16)
+            caches.append(cache)
+        return caches
+
+    together, alone = prefilled(), prefilled()
+    for round_, anchor in enumerate((5, 9)):
+        blocks = mx.concatenate([masked_block(draft, anchor + b, draft.block_size) for b in range(3)])
+        got, _ = draft.draft_rows(blocks, [c.target_hidden for c in together], [c.draft for c in together],
+                                  draft.block_size - 1, [None] * 3)
+        for b, cache in enumerate(alone):
+            want = draft.propose(blocks[b : b + 1], cache.target_hidden, cache.draft)
+            assert got[b].tolist() == want[0].tolist(), (round_, b)
+            for mine, theirs in zip(together[b].draft, cache.draft):
+                assert mine.offset == theirs.offset
+                assert mx.allclose(mine.fetch()[0], theirs.fetch()[0], atol=1e-5)
+        for c in together + alone:  # the next round's context: a few more positions
+            c.target_hidden = None
+            tokens = mx.array([prompt_of(4, seed=round_)])
+            _, taps = target.forward(tokens, c.target, record=False)
+            c.add_hidden(taps)
