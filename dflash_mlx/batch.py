@@ -43,7 +43,7 @@ from .calibration import calibrate
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
 from .generate import (
-    AcceptanceRule, accept_greedy, acceptance_rule, checked_prompt, encode_prompt, feed, max_block_size, one_thread_per_pair,
+    AcceptanceRule, accept_greedy, acceptance_rule, checked_prompt, commit_first, encode_prompt, feed, max_block_size, one_thread_per_pair,
     prefill,
 )
 from .models.dflash import masked_block
@@ -277,11 +277,9 @@ class BatchGenerator:
 
     def first_token(self, r: Request, logits: mx.array) -> BatchResponse:
         """The prefill's token; the request then joins the batch, unless it is done."""
-        token = r.choose(logits).item()
-        lp = [logits[0] - mx.logsumexp(logits[0])] if r.logprobs else None
+        token, lp, *_ = commit_first(r.cache, r.choose(logits).item(), logits, r.logprobs)
+        lp = None if lp is None else [lp]
         r.anchor, r.n = token, 1
-        r.cache.pending = [token]
-        r.cache.tokens.append(token)
         finish = "stop" if token in r.eos else ("length" if r.max_tokens == 1 else None)
         if finish is not None:
             r.cache.drop_unreadable()

@@ -138,6 +138,14 @@ def prefill(target, cache: PromptCache, tokens: List[int], step: int, progress=N
     return logits[:, -1]
 
 
+def commit_first(cache: PromptCache, token: int, logits, want_logprobs: bool) -> tuple:
+    """The prefill's ``token`` committed (pending: the next verify runs it),
+    as :func:`generate_step` yields it, with its logprobs if wanted."""
+    cache.pending = [token]
+    cache.tokens.append(token)
+    return token, logits[0] - mx.logsumexp(logits[0]) if want_logprobs else None, False, 0, 0
+
+
 @dataclass
 class AcceptanceRule:
     """How a verified block is accepted: greedy, rejection sampling or
@@ -286,10 +294,9 @@ def generate_step(
     vocabulary is refused before any forward). ``logprobs`` (the target's
     log-probabilities ``[V]`` at the token's position) is None unless asked
     for. Generation ends after ``max_tokens`` tokens or an eos (yielded, and
-    kept in the cache as mlx-lm keeps it). While a token is out, the next
-    cycle may already be queued on the cache; closing the generator rolls
-    it back, so the cache is consistent after any token. The draft window
-    (``draft_window``, ``draft_sink``): :func:`~dflash_mlx.cache.prompt_cache_for`.
+    kept in the cache as mlx-lm keeps it). Closing the generator at any
+    token rolls back a cycle queued meanwhile: the cache is consistent after
+    any token. Draft window: :func:`~dflash_mlx.cache.prompt_cache_for`.
 
     Greedy (``temperature == 0`` and no ``sampler``) output is token-identical
     to the target's own greedy decode. With ``temperature > 0`` every committed
@@ -327,21 +334,10 @@ def generate_step(
     with one_thread_per_pair(draft), mx.stream(stream):
         try:
             logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-            anchor = rule.choose(logits).item()
-            first = (anchor, logits[0] - mx.logsumexp(logits[0]) if logprobs else None, False, 0, 0)
-            cache.pending = [anchor]
-            cache.tokens.append(anchor)
-            eos = set(eos_token_ids)
-            if max_tokens == 1 or anchor in eos:
-                yield first
-                return
-            if not calibrated(target, draft, max_block, trees[1]):
-                # The first generation in a process measures the cycles'
-                # costs: its first token does not wait for that.
-                yield first
-                first = None
-            sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)
-            yield from decode(target, draft, cache, first, rule, sizer, settle, max_tokens, eos, logprobs)
+            first = commit_first(cache, rule.choose(logits).item(), logits, logprobs)
+            plans = lambda: plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)  # noqa: E731
+            ready = calibrated(target, draft, max_block, trees[1])  # else plans() measures the costs first
+            yield from first_then_cycles(target, draft, cache, first, rule, plans, ready, max_tokens, set(eos_token_ids), logprobs)
         finally:
             if cache.target.undo is not None:  # interrupted inside a cycle
                 target.rollback(cache.target, 0)
@@ -455,6 +451,20 @@ class Drafting:
         else:
             self.target.rollback(self.cache.target, rows)
             self.cache.add_hidden(cycle.target_hidden[:, mx.array(rows)])
+
+
+def first_then_cycles(target, draft, cache, first, rule, plans, ready, max_tokens, eos, want_logprobs):
+    """The prefill's token ``first``, then the cycles (``plans()``: their
+    sizer and evaluation, see :func:`~dflash_mlx.calibration.plan`). Unless
+    the pair is ``ready`` (calibrated), ``plans()`` measures the cycles'
+    costs first: the first token goes out before that, not after."""
+    if max_tokens == 1 or first[0] in eos:
+        yield first
+        return
+    if not ready:
+        yield first
+        first = None
+    yield from decode(target, draft, cache, first, rule, *plans(), max_tokens, eos, want_logprobs)
 
 
 def decode(target, draft, cache: PromptCache, first, rule, sizer, settle, max_tokens, eos, want_logprobs):

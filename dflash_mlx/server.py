@@ -312,19 +312,17 @@ class DFlashResponseGenerator:
         self.metrics = Metrics()
         self.stored_responses = ResponseStore()  # for /v1/responses' previous_response_id
         self.done = threading.Event()  # set when the generation thread has ended its work
-        self.ready = threading.Event()  # set once it has warmed up and takes requests
         # --pipeline: every rank generates what rank 0 receives (pipeline.share_request).
         self.group = mx.distributed.init() if cli_args.pipeline else None
         # Requests decode together in batched cycles, except on a pipelined
         # target or with forced draft trees: those serve one at a time.
-        self.batch = None
-        if not cli_args.pipeline and not cli_args.tree_budget:
-            self.batch = BatchGenerator(
-                model, draft, block_size=cli_args.block_size, completion_batch_size=cli_args.decode_concurrency,
-                prefill_batch_size=cli_args.prompt_concurrency, prefill_step_size=cli_args.prefill_step_size,
-                draft_window=cli_args.draft_window, draft_sink=cli_args.draft_sink, stream=generation_stream,
-            )
+        self.batch = None if cli_args.pipeline or cli_args.tree_budget else self.new_batch()
         self.serving: Dict[int, "Served"] = {}  # batched requests in flight, by uid
+        # Weights still lazy (a model trained in this process) belong to this
+        # thread's streams: evaluated here, the generation thread only reads them.
+        mx.eval(model.parameters(), draft.parameters())
+        if self.batch is not None:
+            self.warm_up()  # here, before the generation thread: whatever the pair left lazy is evaluated
         self.thread = threading.Thread(target=self.run, name="dflash-generation", daemon=True)
         self.thread.start()
 
@@ -343,6 +341,16 @@ class DFlashResponseGenerator:
         if self.disk is not None:  # what a restart will find
             self.disk.flush()
 
+    def new_batch(self) -> BatchGenerator:
+        """An empty batch over the pair (what a batch learns of the cycles'
+        costs stays with the pair)."""
+        args = self.cli_args
+        return BatchGenerator(
+            self.model, self.draft, block_size=args.block_size, completion_batch_size=args.decode_concurrency,
+            prefill_batch_size=args.prompt_concurrency, prefill_step_size=args.prefill_step_size,
+            draft_window=args.draft_window, draft_sink=args.draft_sink, stream=generation_stream,
+        )
+
     def warm_up(self) -> None:
         """One short generation before the first request: the first
         generation in a process measures the cycles' costs, and no client
@@ -356,17 +364,13 @@ class DFlashResponseGenerator:
     def run(self):
         try:
             if self.batch is not None:
-                self.warm_up()
-                self.ready.set()
                 self.run_batched()
-            self.ready.set()
             while self.batch is None and (item := self.next_request()) != STOP:
                 if item is not None:
                     self.serve(*item)
         except Exception:
             logging.exception("the generation thread died")
             self.failed = True
-        self.ready.set()
         # Ended, but not returning: MLX (0.32) aborts the process in the
         # teardown of a thread that generated, so this daemon thread stays.
         self.done.set()
@@ -511,12 +515,12 @@ class DFlashResponseGenerator:
             self.keep_alive()
             try:
                 out = self.batch.next()
-            except Exception as e:  # every request in flight hears it; the server goes on
+            except Exception as e:  # every request in flight hears it; the server goes on, on a fresh batch
                 logging.exception("a batched cycle failed")
                 for served in self.serving.values():
                     served.responses.put(e)
-                self.batch.remove(list(self.serving))
                 self.serving.clear()
+                self.batch = self.new_batch()
                 continue
             finally:
                 self.busy = False
@@ -877,7 +881,6 @@ def main(argv=None):
         if server is not None:
             server.server_close()
         raise
-    server.generator.ready.wait()  # connections wait in the socket's backlog meanwhile
     host, port = server.server_address[:2]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # shut down as on Ctrl-C: pending cache files are written
     print(f"mlx-dflash server listening on http://{host}:{port}", file=sys.stderr, flush=True)

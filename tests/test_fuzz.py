@@ -733,16 +733,17 @@ def test_a_bug_while_serving_answers_500_in_the_dialect(tiny_server, monkeypatch
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("path", [p for p, _, end in ENDPOINTS if end is not None])
 def test_a_generation_error_answers_in_the_dialect(tiny_server, monkeypatch, path, stream):
-    """An exception on the generation thread (injected where it starts
-    decoding) ends the request with an error in its dialect, a 500 or, once
-    a stream is under way, an error event; never a dropped connection."""
-    import dflash_mlx.server
+    """An exception on the generation thread (injected where the batched
+    loop decodes) ends the request with an error in its dialect, a 500 or,
+    once a stream is under way, an error event; never a dropped connection;
+    the next request is served by a fresh batch."""
+    from dflash_mlx.batch import BatchGenerator
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected generation fault")
 
     base = next(body for p, body, _ in ENDPOINTS if p == path)
-    monkeypatch.setattr(dflash_mlx.server, "generate_step", broken)
+    monkeypatch.setattr(BatchGenerator, "cycle", broken)
     status, raw = post_raw(tiny_server, path, json.dumps({**base, "stream": stream}).encode())
     if stream:
         assert status == 200 and b"injected generation fault" in raw and b"error" in raw.rstrip().splitlines()[-1], raw

@@ -252,3 +252,66 @@ def test_hybrid_snapshots_at_message_boundaries(qwen3_5_pair, tmp_path):
         server.shutdown()
         server.server_close()
         server.generator.stop_and_join()
+
+
+def disconnecting_client(base: str, prompt: str, after_chunks: int = 3) -> None:
+    """A streaming completion whose client goes away after a few chunks."""
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": prompt, "max_tokens": 3000, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=300) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )
+        seen = b""
+        while seen.count(b"data: ") < after_chunks:
+            seen += sock.recv(4096)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 4, 8])
+def test_concurrent_requests_are_each_exact(server, client, bundled, concurrency):
+    """``concurrency`` requests at once, decoded in one batch: prompts of
+    different lengths, two sharing a prefix, staggered arrivals, their own
+    max_tokens and stop strings, and (from 4 on) a client that disconnects
+    mid-stream. Every answer is mlx-lm's own greedy text for its prompt."""
+    model, tokenizer = bundled
+    base = default_prompts()
+    prompts = [base[i % len(base)][: 40 + 37 * i] for i in range(concurrency)]
+    if concurrency > 1:
+        prompts[1] = prompts[0] + "\n    # shared prefix, then more\n"
+    limits = [12 + 7 * i for i in range(concurrency)]
+    stops = [None] * concurrency
+    if concurrency > 2:  # a stop string from the reference's own text
+        tokens = [r.token for r in reference_responses(model, tokenizer, prompts[2], limits[2])]
+        stops[2] = tokenizer.decode(tokens[5:7])
+    got, before = {}, batched_cycles(server[0])
+
+    def ask(i):
+        time.sleep(0.05 * i)  # staggered: later requests join a running batch
+        kw = {} if stops[i] is None else {"stop": [stops[i]]}
+        got[i] = client.completions.create(model="default", prompt=prompts[i], max_tokens=limits[i], temperature=0, **kw)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(concurrency)]
+    if concurrency >= 4:
+        threads.append(threading.Thread(target=disconnecting_client, args=(server[0], base[0])))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(concurrency):
+        want = mlx_lm_text(bundled, prompts[i], limits[i])
+        if stops[i] is not None:
+            assert got[i].choices[0].finish_reason == "stop"
+            want = want[: want.find(stops[i])]
+        assert got[i].choices[0].text == want, i
+    if concurrency > 1:  # some cycles verified several requests together
+        assert batched_cycles(server[0]) > before
+    assert client.completions.create(model="default", prompt="x = ", max_tokens=2).usage.completion_tokens == 2
+
+
+def batched_cycles(base: str) -> float:
+    """Cycles that verified two requests or more, from /metrics."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    found = re.findall(r'^dflash_batch_cycles_total\{batch_size="(\d+)"\} (\S+)$', text, re.M)
+    return sum(float(n) for b, n in found if int(b) >= 2)
