@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream, wired_limit
+from mlx_lm.generate import generation_stream
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from .adaptive import BatchCosts, BatchSizer, SlotAcceptance
+from .adaptive import BatchCosts, BatchSizer, BlockSizer, SlotAcceptance
 from .cache import PromptCache, bound_target, prompt_cache_for
 from .calibration import calibrate
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
@@ -158,7 +159,21 @@ class BatchGenerator:
         self.ahead: Optional[Launched] = None  # a plain step queued before the last one was read
         self.clock = self.left = 0.0  # when the last cycle was read; when the caller got its tokens
         self.pair_acceptance: Optional[SlotAcceptance] = None
+        self.lone: Optional[BlockSizer] = None  # the pair's one-request sizer, for a batch of one
         self.uid = 0
+        # Held from here to close(), as mlx-lm's BatchGenerator holds it: a
+        # limit set and restored every cycle would wait for the queued work.
+        self.old_wired_limit = maybe_set_recommended_wired_limit()
+
+    def close(self) -> None:
+        """Give back the wired memory limit (Metal); the generator is done."""
+        if self.old_wired_limit is not None:
+            mx.synchronize(self.stream)
+            mx.set_wired_limit(self.old_wired_limit)
+            self.old_wired_limit = None
+
+    def __del__(self):
+        self.close()
 
     def insert(
         self,
@@ -243,7 +258,7 @@ class BatchGenerator:
     def next(self) -> List[BatchResponse]:
         """Prefill what fits of the queued prompts, then one decode cycle
         of the batch; what every request committed."""
-        with one_thread_per_pair(self.draft), mx.stream(self.stream), wired_limit(self.model, [self.stream]):
+        with one_thread_per_pair(self.draft), mx.stream(self.stream):
             if self.joining:
                 self.join(self.joining)
                 self.joining = []
@@ -257,7 +272,7 @@ class BatchGenerator:
     def prefill_queued(self) -> List[BatchResponse]:
         budget, out, started = self.prefill_step_size, [], 0
         while budget > 0 and started < self.prefill_batch_size and self.waiting:
-            if len(self.active) >= self.completion_batch_size:
+            if len(self.active) + len(self.joining) >= self.completion_batch_size:
                 break
             r = self.waiting[0]
             started += 1
@@ -298,6 +313,9 @@ class BatchGenerator:
             if calibration.batch_sizer is None:
                 calibration.batch_sizer = BatchSizer(self.max_block, BatchCosts.from_table(calibration.sizer.costs))
             self.sizer = BatchSizer(self.max_block, None, fixed=True) if self.fixed else calibration.batch_sizer
+            self.lone = None if self.fixed else calibration.sizer
+        if self.lone is not None:
+            self.lone.begin(trees=False)  # a batch verifies chains
         self.drop_ahead()
         parts = [] if self.cache is None else [self.cache]
         positions = [] if self.cache is None else list(self.cache.rows.pos)
@@ -340,6 +358,8 @@ class BatchGenerator:
         limits = [r.block_limit for r in rows if r.block_limit]
         if len(limits) == len(rows):  # every request fixed its block: the shortest, for all
             return max(1, min(min(limits), max(remaining)))
+        if len(rows) == 1 and self.lone is not None:  # one request: the pair's own sizer, as it decodes alone
+            return self.lone.choose(remaining[0])
         return min([self.sizer.choose([r.acceptance for r in rows], remaining)] + limits)
 
     def cycle(self) -> List[BatchResponse]:
@@ -438,8 +458,11 @@ class BatchGenerator:
         if not launched.committed:
             self.commit(launched, kept)
         read = time.perf_counter()
-        remaining = [r.max_tokens - r.n for r in rows]
-        self.sizer.observe([r.acceptance for r in rows], remaining, block, read - self.clock)
+        if len(rows) == 1 and self.lone is not None:
+            self.lone.observe(block, values[0][0] if block > 1 else 0, read - self.clock, context=len(rows[0].cache.tokens))
+        else:
+            remaining = [r.max_tokens - r.n for r in rows]
+            self.sizer.observe([r.acceptance for r in rows], remaining, block, read - self.clock)
         self.clock = read
         return out, done
 
@@ -545,6 +568,7 @@ def batch_generate(
                 if verbose:
                     print(f"[request {i} done: {len(tokens[i])} tokens, {r.finish_reason}]")
     elapsed = time.perf_counter() - tic
+    gen.close()
     eos = set(tokenizer.eos_token_ids)
     texts, bodies = [], []
     for i, t in enumerate(tokens):
