@@ -47,7 +47,7 @@ from .generate import (
     AcceptanceRule, accept_greedy, acceptance_rule, checked_prompt, commit_first, encode_prompt, feed, max_block_size, one_thread_per_pair,
     prefill,
 )
-from .models.dflash import masked_block
+from .models.dflash import masked_blocks
 from .sampling import processed_probs, sample, speculative_accept
 from .targets.rows import BatchCache
 
@@ -400,7 +400,7 @@ class BatchGenerator:
             anchors = mx.array([[r.anchor] for r in rows], dtype=mx.int32)
         drafted, qs = None, [None] * len(rows)
         if block > 1:
-            blocks = mx.concatenate([masked_block(self.draft, r.anchor, self.max_block) for r in rows])
+            blocks = masked_blocks(self.draft, [r.anchor for r in rows], self.max_block)
             drafted, qs = self.draft.draft_rows(
                 blocks, [r.cache.target_hidden for r in rows], [r.cache.draft for r in rows], block - 1,
                 [r.rule.sampling for r in rows], [r.next_key() for r in rows],
@@ -481,6 +481,8 @@ class BatchGenerator:
                 acc, tok = mx.zeros((len(greedy),), mx.int32), mx.argmax(sub(logits)[:, 0], axis=-1)
             else:
                 acc, tok = accept_greedy(sub(proposal), mx.argmax(sub(logits), axis=-1))
+            if len(greedy) == B:  # every row greedy: decided in one go
+                return mx.concatenate([mx.stack([acc, tok], axis=1).astype(mx.int32), proposal], axis=1)
             for i, b in enumerate(greedy):
                 accepted[b], token[b] = acc[i], tok[i]
         for b, r in enumerate(rows):

@@ -342,3 +342,22 @@ def test_smollm2_requests_batched_are_exact_and_accept_as_alone():
     per_row = [s["tokens_per_cycle"] for s in together.stats]
     lone = [a.stats[0]["tokens_per_cycle"] for a in alone]
     assert sum(per_row) >= 0.95 * sum(lone)
+
+
+def test_each_rows_recurrent_state_after_its_own_prefix():
+    """A hybrid target's per-row rollback: the state after each row's own
+    kept tokens, in one weighted sum, is each row's ``state_after``."""
+    from dflash_mlx.ops.gated_delta import DeltaChunk, state_after_rows
+
+    key = iter(mx.random.split(mx.random.key(3), 5))
+    B, H, T, Dv, Dk = 4, 2, 6, 8, 4
+    chunk = DeltaChunk(
+        mx.random.normal((B, H, T, Dv), key=next(key)),
+        mx.cumsum(-mx.abs(mx.random.normal((B, H, T), key=next(key))), axis=-1),
+        mx.random.normal((B, H, T, Dk), key=next(key)),
+        mx.random.normal((B, H, Dv, Dk), key=next(key)),
+    )
+    n = [1, 6, 3, 4]
+    got = state_after_rows(chunk, mx.array(n))
+    for b, k in enumerate(n):
+        assert mx.allclose(got[b], chunk.state_after(k)[b], atol=1e-5)

@@ -449,7 +449,12 @@ def draft_attention_mask(
 def masked_block(draft, anchor: int, size: int) -> mx.array:
     """A drafter's input ``[1, size]``: the anchor, then ``size - 1`` of
     its mask tokens."""
-    return mx.array([[anchor] + [draft.mask_token_id] * (size - 1)])
+    return masked_blocks(draft, [anchor], size)
+
+
+def masked_blocks(draft, anchors: List[int], size: int) -> mx.array:
+    """:func:`masked_block` for a batch of requests: ``[len(anchors), size]``."""
+    return mx.array([[anchor] + [draft.mask_token_id] * (size - 1) for anchor in anchors])
 
 
 class DraftAttention(nn.Module):

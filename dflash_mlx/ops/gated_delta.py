@@ -90,6 +90,18 @@ class DeltaChunk:
         return mx.exp(last)[..., None] * self.state + delta
 
 
+def state_after_rows(chunk: "DeltaChunk", n: mx.array) -> mx.array:
+    """:meth:`DeltaChunk.state_after` with a count per batch row (``n``:
+    ``[B]``, each at least 1): every row's state after its own first
+    ``n[b]`` tokens, in one weighted sum (the tokens past them weigh 0)."""
+    T = chunk.L.shape[-1]
+    last = mx.take_along_axis(chunk.L, mx.broadcast_to((n - 1)[:, None, None], (*chunk.L.shape[:2], 1)), axis=-1)
+    kept = (mx.arange(T)[None, :] < n[:, None])[:, None, :]  # [B, 1, T]
+    w = mx.where(kept, mx.exp(last - chunk.L), 0.0)[..., None]
+    delta = (chunk.u * w).swapaxes(-1, -2) @ chunk.k
+    return mx.exp(last)[..., None] * chunk.state + delta
+
+
 def solve_chunk(q, k, v, log_g, beta, state, compiled: bool = False):
     """(y, DeltaChunk) of one chunk; q, k: [B, H, T, Dk], v: [B, H, T, Dv],
     log_g, beta: [B, H, T], state: [B, H, Dv, Dk] (float32)."""

@@ -31,7 +31,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextRMSNormGated
 
 from ..errors import ArgumentError
 from ..ops import fast_math
-from ..ops.gated_delta import DeltaChunk, chunked_gated_delta, log_decay
+from ..ops.gated_delta import DeltaChunk, chunked_gated_delta, log_decay, state_after_rows
 from ..ops.threads import compiled
 from .attention import context_rows, kept_rows, rewind_caches, tree_mask
 from .base import TargetAdapter
@@ -281,6 +281,9 @@ def rewind_gated_delta(gdn, cache, rec: DeltaRecord, keep) -> None:
     kept = mx.array(list(keep), dtype=mx.int32)
     at = (kept[:, None] + mx.arange(n_keep, dtype=mx.int32))[..., None]  # [B, K-1, 1]
     cache[0] = mx.take_along_axis(rec.conv_input, at, axis=1)
+    if rec.chunk is not None and min(keep) > 0:  # every row's own prefix in one go
+        cache[1] = state_after_rows(rec.chunk, kept)
+        return
     state = None
     for n in sorted(set(keep)):  # each distinct length once, for the whole batch
         after = state_after(n)
