@@ -811,16 +811,20 @@ class BatchCosts:
     forward whose cost grows with the rows it runs (``a + b B`` for the
     anchors, ``s`` per verified draft row, priced by the total rows the
     batch verifies), plus the drafter's forward for ``B`` requests when
-    drafting. The five terms are fitted to the last ``window`` cycles by
-    least squares, drawn toward ``prior`` (from the pair's one-request cost
-    table, :meth:`from_table`) as if it were ``prior_weight`` cycles: a
-    batch shape the loop has not run yet is priced from the shapes it has.
+    drafting. The five terms are fitted by least squares to the last
+    ``window`` cycles and, for each shape the prior (the pair's one-request
+    table, :meth:`from_table`) was measured at and those cycles lack,
+    ``prior_weight`` cycles of the prior's cost, with a slight pull toward the prior's terms where the cycles cannot
+    tell them apart (how a cost splits between ``a`` and ``b B`` shows only
+    once several batch sizes have run): a batch shape the loop has not run
+    yet is priced from the shapes it has.
     """
 
-    def __init__(self, prior: List[float], window: int = 64, prior_weight: float = 2.0):
+    def __init__(self, prior: List[float], blocks=(1, 2), window: int = 64, prior_weight: float = 2.0):
         self.prior = np.asarray(prior, float)
         self.theta = self.prior.copy()
         self.recent = deque(maxlen=window)
+        self.anchors = [(self.features(1, b), float(np.dot(self.prior, self.features(1, b)))) for b in blocks]
         self.prior_weight = prior_weight
         self.warm = set()
 
@@ -832,7 +836,7 @@ class BatchCosts:
         what a verified row does, and half the draft is per request."""
         plain, draft, slope = table.upto(2)[0], table.draft, table.slope
         extra = max(0.0, draft - plain)
-        return cls([max(plain - slope, 0.0), slope, extra / 2, extra / 2, slope])
+        return cls([max(plain - slope, 0.0), slope, extra / 2, extra / 2, slope], blocks=(1, 2, table.max_block))
 
     @staticmethod
     def features(rows: int, block: int) -> List[float]:
@@ -849,11 +853,14 @@ class BatchCosts:
             self.warm.add((rows, block))
             return
         self.recent.append((self.features(rows, block), seconds))
-        x = np.array([f for f, _ in self.recent])
-        y = np.array([t for _, t in self.recent])
-        scale = np.maximum(np.abs(self.prior), 1e-6)  # the prior's pull per term, in its own units
-        reg = self.prior_weight * np.diag(1.0 / scale**2) * float(np.mean(y)) ** 2
-        theta = np.linalg.solve(x.T @ x + reg, x.T @ y + reg @ self.prior)
+        seen = {tuple(f) for f, _ in self.recent}
+        anchors = [(f, t) for f, t in self.anchors if tuple(f) not in seen]  # the prior stands in for shapes not run
+        cycles = list(self.recent) + anchors
+        weights = np.array([1.0] * len(self.recent) + [self.prior_weight] * len(anchors))
+        x = np.array([f for f, _ in cycles])
+        y = np.array([t for _, t in cycles])
+        pull = 1e-3 * weights.sum() * np.diag(np.mean(x * x, axis=0))
+        theta = np.linalg.solve(x.T @ (weights[:, None] * x) + pull, x.T @ (weights * y) + pull @ self.prior)
         self.theta = np.maximum(theta, 0.0)
 
 

@@ -11,7 +11,9 @@ import pytest
 from tiny import ScriptedDrafter, ScriptedSizer, prompt_of
 
 import dflash_mlx
-from dflash_mlx.adaptive import PROBE_BUDGET, PROBE_WAIT, RECHECK_BUDGET, REVISIT, BlockSizer, CycleCosts, SlotAcceptance
+from dflash_mlx.adaptive import (
+    PROBE_BUDGET, PROBE_WAIT, RECHECK_BUDGET, REVISIT, BatchCosts, BatchSizer, BlockSizer, CycleCosts, SlotAcceptance,
+)
 from dflash_mlx.calibration import calibrate, calibrated
 from dflash_mlx.errors import ArgumentError
 from dflash_mlx.generate import prefill
@@ -849,3 +851,63 @@ def test_plain_steps_that_end_a_generation_are_no_spell_of_the_next(paid):
     sizer.observe(1, 0, 1.0)
     sizer.begin()
     assert sizer.choose(10_000) > 1
+
+
+# ---------------------------------------------------------------------------
+# The batch sizer, on numbers alone
+
+
+def batch_costs(a=0.02, b=0.001, d=0.004, e=0.001, s=0.002):
+    """Seconds of a batched cycle of ``rows`` rows at ``block``, and its table."""
+    truth = lambda rows, block: a + b * rows + (block > 1) * (d + e * rows) + s * rows * (block - 1)  # noqa: E731
+    return truth, BatchCosts([a, b, d, e, s])
+
+
+def accepting(share: float, max_block: int = 16, cycles: int = 40) -> SlotAcceptance:
+    """A request whose drafts are accepted slot by slot with probability ``share``."""
+    acc = SlotAcceptance(max_block)
+    rng = np.random.default_rng(0)
+    for _ in range(cycles):
+        accepted = next((i for i in range(max_block - 1) if rng.random() > share), max_block - 1)
+        acc.observe(max_block - 1, accepted)
+    return acc
+
+
+def test_batch_costs_learn_the_cycles_shape_from_the_cycles():
+    truth, _ = batch_costs()
+    costs = BatchCosts([0.05, 0.0, 0.02, 0.0, 0.0])  # a wrong table
+    for rows, block in itertools.product([1, 2, 4, 8], [1, 2, 4, 8, 16]):
+        for _ in range(3):
+            costs.observe(rows, block, truth(rows, block))
+    for rows, block in [(3, 1), (6, 5), (8, 16)]:
+        assert costs.cost(rows, block) == pytest.approx(truth(rows, block), rel=0.1)
+
+
+def test_batch_sizer_drafts_when_rows_are_cheap_and_falls_back_when_dear():
+    truth, costs = batch_costs()
+    sizer = BatchSizer(16, costs)
+    good = [accepting(0.9) for _ in range(4)]
+    assert sizer.choose(good, [100] * 4) > 4  # cheap rows, drafts accepted: a long block
+    _, dear = batch_costs(s=0.05, e=0.02)
+    sizer = BatchSizer(16, dear)
+    poor = [accepting(0.2) for _ in range(8)]
+    assert sizer.choose(poor, [100] * 8) == 1  # dear rows, drafts rejected: plain batched steps
+
+
+def test_each_rows_acceptance_counts():
+    """The same batch and costs: rows the drafter suits pull the block up."""
+    _, costs = batch_costs(s=0.0005)
+    poor = [accepting(0.3) for _ in range(4)]
+    mixed = poor[:2] + [accepting(0.95) for _ in range(2)]
+    assert BatchSizer(16, costs).choose(mixed, [100] * 4) > BatchSizer(16, costs).choose(poor, [100] * 4)
+
+
+def test_batch_sizer_probes_a_plain_batch_and_backs_off():
+    _, costs = batch_costs(s=0.05, e=0.02)
+    sizer = BatchSizer(16, costs)
+    rows = [accepting(0.05) for _ in range(8)]
+    choices = [sizer.choose(rows, [1000] * 8) for _ in range(PROBE_WAIT)]
+    assert choices[:-1] == [1] * (PROBE_WAIT - 1) and choices[-1] > 1  # a probe after PROBE_WAIT plain cycles
+    sizer.observe(rows, [1000] * 8, choices[-1], costs.cost(8, choices[-1]))
+    assert sizer.patience > PROBE_WAIT  # it did not pay: the next probe waits longer
+    assert BatchSizer(16, costs, fixed=True).choose(rows, [5] * 8) == 5  # fixed: the whole block, never past the end
