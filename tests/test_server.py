@@ -279,15 +279,16 @@ def test_concurrent_requests_are_each_exact(server, client, bundled, concurrency
     prompts = [base[i % len(base)][: 40 + 37 * i] for i in range(concurrency)]
     if concurrency > 1:
         prompts[1] = prompts[0] + "\n    # shared prefix, then more\n"
-    limits = [12 + 7 * i for i in range(concurrency)]
+    limits = [48 + 7 * i for i in range(concurrency)]  # long enough that the requests overlap
     stops = [None] * concurrency
-    if concurrency > 2:  # a stop string from the reference's own text
+    if concurrency > 2:  # a stop string from the reference's own tokens, one the tokenizer reads back
         tokens = [r.token for r in reference_responses(model, tokenizer, prompts[2], limits[2])]
-        stops[2] = tokenizer.decode(tokens[5:7])
+        at = next(i for i in range(4, len(tokens) - 2) if tokenizer.encode(tokenizer.decode(tokens[i : i + 2])) == tokens[i : i + 2])
+        stops[2] = tokenizer.decode(tokens[at : at + 2])
     got, before = {}, batched_cycles(server[0])
 
     def ask(i):
-        time.sleep(0.05 * i)  # staggered: later requests join a running batch
+        time.sleep(0.01 * i)  # staggered: later requests join a running batch
         kw = {} if stops[i] is None else {"stop": [stops[i]]}
         got[i] = client.completions.create(model="default", prompt=prompts[i], max_tokens=limits[i], temperature=0, **kw)
 
