@@ -48,8 +48,10 @@ from .api import ENDPOINTS, Metrics, ResponseStore, read_json_body
 from .api.turn import openai_tool_choice, tool_choice_rule
 from .cache import make_prompt_cache
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BLOCK_SIZE
+from .adapt import add_learn_arguments, learning
 from .errors import ArgumentError, RequestError
 from .generate import feed, generate_step
+from .traffic import record_safely
 from .pipeline import STOP, agree_flag, share_request
 
 ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
@@ -208,9 +210,10 @@ class DFlashResponseGenerator:
     mlx-lm's ``ResponseGenerator``: ``generate``, ``cli_args``,
     ``is_healthy``), serving every request on one thread with DFlash."""
 
-    def __init__(self, model, tokenizer, draft, cli_args, model_id: str, draft_id: str):
+    def __init__(self, model, tokenizer, draft, cli_args, model_id: str, draft_id: str, learn=(None, None)):
         self.model, self.tokenizer, self.draft, self.cli_args = model, tokenizer, draft, cli_args
         self.key = (model_id, draft_id)  # cache entries never cross target/drafter pairs
+        self.recorder, self.adaptation = learn  # --learn, --adapt
         self.created = int(time.time())
         self.context_length = getattr(draft.target.args, "max_position_embeddings", None)
         self.prompt_cache = LRUPromptCache(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
@@ -313,9 +316,20 @@ class DFlashResponseGenerator:
             start = end
         return start
 
+    def between_requests(self):
+        """--adapt: swap in an adapted drafter if one is ready (each request
+        runs with one drafter; cached entries of the old one are never hit)."""
+        draft = self.adaptation.swap(self.model, self.draft)
+        if draft is not self.draft:
+            self.draft, self.key = draft, (self.key[0], str(self.adaptation.path))
+            self.metrics.drafter_in_use(self.adaptation.version, self.adaptation.scores)
+
     def serve(self, responses, prepared: Prepared, args):
         """One request, start to end; its errors go back to its handler."""
         self.busy = True
+        if self.adaptation is not None:
+            self.between_requests()
+            self.adaptation.request_started()
         try:
             tok = self.tokenizer
             with self.tokenizer_lock:
@@ -337,8 +351,10 @@ class DFlashResponseGenerator:
             start = self.snapshot(cache, tokens, ctx.prompt_cache_count, prepared.boundaries, progress)
             block_size = prepared.block_size or self.cli_args.block_size  # None: adaptive
             tree_budget = 0 if prepared.block_size else self.cli_args.tree_budget  # num_draft_tokens: a chain
-            generated = self.decode(cache, tokens[start:], block_size, tree_budget, args, ctx, stop_sequences.matcher(), responses, progress)
-            self.metrics.served(len(tokens), ctx.prompt_cache_count, generated, ctx.dflash)
+            answer = self.decode(cache, tokens[start:], block_size, tree_budget, args, ctx, stop_sequences.matcher(), responses, progress)
+            self.metrics.served(len(tokens), ctx.prompt_cache_count, len(answer), ctx.dflash)
+            if not ctx.stopped:
+                record_safely(self.recorder, tokens, answer)  # --learn: the finished conversation
             responses.put(None)
             self.prompt_cache.insert_cache(self.key, list(cache.tokens), [cache])
         except Exception as e:
@@ -346,10 +362,12 @@ class DFlashResponseGenerator:
             responses.put(e)
         finally:
             self.busy = False
+            if self.adaptation is not None:
+                self.adaptation.request_finished()
 
-    def decode(self, cache, tokens, block_size, tree_budget, args, ctx, matcher, responses, progress) -> int:
+    def decode(self, cache, tokens, block_size, tree_budget, args, ctx, matcher, responses, progress) -> List[int]:
         """Token by token, as mlx-lm's server streams: text, logprobs, finish;
-        returns how many tokens it yielded."""
+        returns the tokens it yielded."""
         tok, eos = self.tokenizer, set(self.tokenizer.eos_token_ids)
         want = args.logprobs or args.top_logprobs > 0
         steps = generate_step(
@@ -361,12 +379,13 @@ class DFlashResponseGenerator:
         )
         detok = tok.detokenizer
         detok.reset()
-        n = yielded = accepted = 0
+        n = accepted = 0
+        answer = []
         sizes, cycle_starts = Counter(), False  # verified block lengths; the prefill's token is no cycle
         trees = Counter()  # nodes of the draft trees verified
         with wired_limit(self.model, [generation_stream]), closing(steps):
             for token, logprobs, from_draft, block, tree in steps:
-                yielded += 1
+                answer.append(token)
                 accepted += from_draft
                 sizes[block] += cycle_starts and not tree
                 trees[tree] += cycle_starts and tree > 0
@@ -390,9 +409,9 @@ class DFlashResponseGenerator:
             cycles=cycles, accepted_draft_tokens=accepted,
             block_sizes={b: k for b, k in sorted(sizes.items()) if k},
             tree_sizes={n: k for n, k in sorted(trees.items()) if k},
-            tokens_per_cycle=round((yielded - 1) / max(1, cycles), 3),
+            tokens_per_cycle=round((len(answer) - 1) / max(1, cycles), 3),
         )
-        return yielded
+        return answer
 
     def client_gone(self, ctx, from_draft: bool) -> bool:
         """Whether to stop for a client that went away: with ``--pipeline``
@@ -547,6 +566,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--chat-template-args", type=json.loads, default={}, help="JSON arguments for the chat template")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started; rank 0 serves HTTP (see docs/pipeline.md)")
+    add_learn_arguments(p, adapt=True)
     return p
 
 
@@ -564,7 +584,7 @@ def listen(args) -> ThreadingHTTPServer:
     return server
 
 
-def make_generator(args, model, tokenizer, draft, draft_id: str) -> DFlashResponseGenerator:
+def make_generator(args, model, tokenizer, draft, draft_id: str, learn=(None, None)) -> DFlashResponseGenerator:
     """The generation thread, started (with --pipeline, on every rank)."""
     if args.chat_template:
         tokenizer.chat_template = args.chat_template
@@ -573,23 +593,24 @@ def make_generator(args, model, tokenizer, draft, draft_id: str) -> DFlashRespon
     args.num_draft_tokens = (args.block_size or draft.block_size) - 1  # mlx-lm's default for requests
     if args.tree_budget and draft.target.no_trees:
         raise ArgumentError(draft.target.no_trees)
-    return DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
+    return DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id), learn)
 
 
-def add_generator(server: ThreadingHTTPServer, args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
+def add_generator(server: ThreadingHTTPServer, args, model, tokenizer, draft, draft_id: str, learn=(None, None)) -> ThreadingHTTPServer:
     """Give a bound server its generation thread over the loaded pair."""
-    server.generator = make_generator(args, model, tokenizer, draft, draft_id)
+    server.generator = make_generator(args, model, tokenizer, draft, draft_id, learn)
     return server
 
 
-def make_server(args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
-    """The HTTP server and its generation thread, bound but not serving yet."""
-    return add_generator(listen(args), args, model, tokenizer, draft, draft_id)
+def make_server(args, model, tokenizer, draft, draft_id: str, learn=(None, None)) -> ThreadingHTTPServer:
+    """The HTTP server and its generation thread, bound but not serving yet
+    (``learn``: :func:`dflash_mlx.adapt.learning`'s pair)."""
+    return add_generator(listen(args), args, model, tokenizer, draft, draft_id, learn)
 
 
 def main(argv=None):
     from .blas import warn_if_reference
-    from .pair import load_pair
+    from .pair import load_pair, resolve_pair
 
     args = setup_arg_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
@@ -605,8 +626,12 @@ def main(argv=None):
             if rank != 0:  # generates what rank 0 receives, until rank 0 stops
                 return follow_rank0(make_generator(args, model, tokenizer, draft, draft_id))
         else:
-            model, tokenizer, draft, draft_id = load_pair(args.model, args.draft_model)
-        add_generator(server, args, model, tokenizer, draft, draft_id)
+            learn = learning(args, *resolve_pair(args.model, args.draft_model))  # --learn, --adapt
+            # --adapt continues from the last drafter it accepted
+            model, tokenizer, draft, draft_id = load_pair(args.model, learn[1].path if learn[1] else args.draft_model)
+        add_generator(server, args, model, tokenizer, draft, draft_id, learn)
+        if learn[1] is not None:
+            learn[1].start()
         warn_if_reference()  # loaded: about to serve
     except BaseException:
         if server is not None:
@@ -620,6 +645,8 @@ def main(argv=None):
         pass
     finally:
         server.server_close()
+        if server.generator.adaptation is not None:
+            server.generator.adaptation.stop()
         server.generator.stop_and_join()
     return 0
 

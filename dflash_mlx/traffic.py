@@ -39,6 +39,8 @@ RECORDS = "records"
 DEFAULT_MAX_BYTES = 1 << 30
 # Conversations whose later turns may still extend their record.
 OPEN_CONVERSATIONS = 16
+ADAPTING = ".adapting"  # `train --from-traffic` trains here, beside its --draft-model
+ADAPT_RESULT = "adapt.json"  # an adapted drafter's held-out scores, beside its weights
 
 
 class TrafficError(DFlashError, ValueError):
@@ -122,6 +124,7 @@ class Recorder:
         self.max_bytes = max_bytes
         self.lock = threading.Lock()
         self.count = 0
+        self.recorded = 0  # conversations recorded (turns of one counted once each)
         self.open: List[Record] = []  # the latest conversations, newest last
         self.sizes: Dict[str, int] = {}
         for f in sorted(self.dir.glob("*.npz")):
@@ -155,6 +158,7 @@ class Recorder:
             except OSError as e:
                 raise self.write_error(e) from None
             self.sizes[name] = len(data)
+            self.recorded += 1
             self.open = self.open[-(OPEN_CONVERSATIONS - 1):] + [Record(tokens, marks, name)]
             return name
 

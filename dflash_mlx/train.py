@@ -47,6 +47,7 @@ from . import cli
 from .defaults import DEFAULT_BLOCK_SIZE, DTYPES
 from .errors import DFlashError
 from .ops import fast_math
+from .traffic import ADAPT_RESULT, ADAPTING, check_traffic_dir, pack, read_traffic, split_held_out
 from .models.dflash import (
     DFlashConfig,
     DFlashDraftModel,
@@ -930,8 +931,6 @@ def check_args(args: TrainConfig) -> None:
 
 def check_traffic_args(args: TrainConfig) -> None:
     """--from-traffic's own rules; the drafter's shape is --init-from's."""
-    from .traffic import check_traffic_dir
-
     check_traffic_dir(args.from_traffic)
     if args.init_from is None or not (Path(args.init_from) / "config.json").is_file():
         raise TrainError("--from-traffic fine-tunes a drafter: pass its checkpoint directory as --init-from")
@@ -964,8 +963,6 @@ def traffic_data(args: TrainConfig, tokenizer, vocab: int):
     """--from-traffic: (training rows, their answer marks, held-out records).
     Rows of exactly --seq-len: the traffic but its most recent tenth, packed,
     and --data's rows (repacked to --seq-len) at --replay-share of the whole."""
-    from .traffic import pack, read_traffic, split_held_out
-
     train_records, held = split_held_out(read_traffic(args.from_traffic, vocab))
     rows, marks = pack(train_records, args.seq_len)
     if not len(rows):
@@ -1179,10 +1176,6 @@ def train(args: TrainConfig) -> dict:
 def out_of_time(args: TrainConfig, seconds: float) -> bool:
     """Whether ``--max-minutes`` of training are spent."""
     return args.max_minutes is not None and seconds >= 60 * args.max_minutes
-
-
-ADAPTING = ".adapting"  # --from-traffic trains here, beside --draft-model
-ADAPT_RESULT = "adapt.json"  # an adapted drafter's held-out scores, beside its weights
 
 
 def adapt(args: TrainConfig) -> dict:

@@ -146,17 +146,17 @@ def test_adapting_writes_only_a_better_drafter(qwen3_pair, recorded, tmp_path, c
     good = tmp_path / "good"
     assert cli.run(T.main, adapt_argv(pair, recorded, init, good, "--steps", "60", "--learning-rate", "3e-3")) == 0
     out = capsys.readouterr().out
-    result = json.loads((good / T.ADAPT_RESULT).read_text())
+    result = json.loads((good / traffic.ADAPT_RESULT).read_text())
     assert result["written"] and result["after"] > result["before"] and "held-out tokens per cycle" in out
     assert sorted(p.name for p in good.iterdir()) == ["adapt.json", "config.json", "model.safetensors"]
-    assert not (tmp_path / ("good" + T.ADAPTING)).exists()
+    assert not (tmp_path / ("good" + traffic.ADAPTING)).exists()
     adapted = dflash_mlx.load_draft(good, pair.model)
     got, _ = pair.dflash(adapted, "def f(x):", eos_ids=[], max_tokens=24)
     assert got == pair.reference("def f(x):", 24, eos_ids=[])
     bad = tmp_path / "bad"
     assert cli.run(T.main, adapt_argv(pair, recorded, good, bad, "--steps", "6", "--learning-rate", "5")) == 0
     assert "does not beat" in capsys.readouterr().out
-    assert not bad.exists() and not (tmp_path / ("bad" + T.ADAPTING)).exists()
+    assert not bad.exists() and not (tmp_path / ("bad" + traffic.ADAPTING)).exists()
 
 
 def test_replay_rows_join_at_their_share(qwen3_pair, recorded, tmp_path):

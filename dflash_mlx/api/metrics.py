@@ -18,6 +18,13 @@ class Metrics:
         self.blocks: Counter = Counter()  # verify cycles by block size
         self.trees: Counter = Counter()  # tree cycles by their node count
         self.last_tokens_per_cycle = 0.0
+        self.drafter = {"version": 0, "before": 0.0, "after": 0.0}  # --adapt's drafter in use
+
+    def drafter_in_use(self, version: int, scores: Dict):
+        """An adapted drafter was swapped in: its version and held-out tokens
+        per cycle, the drafter it replaced (before) and its own (after)."""
+        with self.lock:
+            self.drafter = {"version": version, "before": scores.get("before", 0.0), "after": scores.get("after", 0.0)}
 
     def request(self, endpoint: str):
         with self.lock:
@@ -70,6 +77,11 @@ class Metrics:
                    [({"tree_size": str(k)}, n) for k, n in sorted(self.trees.items())])
             metric("dflash_last_tokens_per_cycle", "gauge", "Tokens committed per cycle in the latest generation.",
                    [({}, self.last_tokens_per_cycle)])
+            metric("dflash_drafter_version", "gauge", "Adapted drafters swapped in (0: the one the server started with).",
+                   [({}, self.drafter["version"])])
+            metric("dflash_drafter_heldout_tokens_per_cycle", "gauge",
+                   "Held-out tokens per cycle of the drafter an adaptation replaced (before) and of its own (after).",
+                   [({"drafter": k}, self.drafter[k]) for k in ("before", "after")])
         metric("dflash_queued_requests", "gauge", "Requests waiting for the generation thread.", [({}, queued)])
         metric("dflash_generating", "gauge", "1 while the generation thread serves a request.", [({}, int(busy))])
         return "\n".join(lines) + "\n"
