@@ -1139,6 +1139,7 @@ def train(args: TrainConfig) -> dict:
         if held_out is not None:
             step, per_cycle, cycles = record = held_out(draft, state["step"])
             state.setdefault("eval", []).append(record)
+            state.setdefault("eval_seconds", []).append(round(state["train_seconds"] + time.perf_counter() - tic, 1))
             line = f"step {step}: {per_cycle:.3f} tokens per cycle on the held-out rows ({cycles} cycles)"
             if seen is not None:  # the same on rows it trains on: the gap says whether data or steps are short
                 state.setdefault("eval_train", []).append(seen(draft, step))
@@ -1149,9 +1150,9 @@ def train(args: TrainConfig) -> dict:
         state["rng"] = rng.bit_generator.state
         write_checkpoint(out, config, draft, optimizer, state, DTYPES[args.dtype])
 
+    tic = time.perf_counter()
     if not state.get("eval"):
         evaluate()  # where the curve starts
-    tic = time.perf_counter()
     for step in bar:
         optimizer.learning_rate = lr_at(step, args.steps, args.learning_rate, args.warmup)
         starts, windows, anchors = sample_batch(rng, data, args, answers)
@@ -1192,6 +1193,7 @@ def adapt(args: TrainConfig) -> dict:
     result = {
         "init_from": str(Path(args.init_from).resolve()), "before": before, "after": after, "steps": step,
         "held_out_cycles": cycles, "train_seconds": round(state["train_seconds"], 1), "written": after > before,
+        "curve": [[s, tpc, sec] for (s, tpc, _), sec in zip(state["eval"], state["eval_seconds"])],
     }
     print(f"held-out tokens per cycle: {before:.3f} with {args.init_from}, {after:.3f} adapted ({step} steps)")
     if result["written"]:

@@ -42,7 +42,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 WORK = Path("~/.cache/dflash_mlx/traffic_bench").expanduser()
 BLOCK = 16  # the drafter's trained block: tokens per cycle at a fixed width
-STAGES = ("requests", "serve", "held-out", "replay", "adapt", "after", "curve", "speed", "report")
+STAGES = ("requests", "serve", "held-out", "replay", "adapt", "score", "after", "curve", "speed", "report")
 
 SCHEMAS = {
     "shop": {"customers": ["id", "name", "city", "signup_date"], "orders": ["id", "customer_id", "total", "status", "created_at"],
@@ -194,30 +194,44 @@ def stage_replay(args):
     print(f"[replay] {len(rows)} rows of {args.seq_len}")
 
 
-def adapted_dir() -> Path:
-    return WORK / "adapted"
+def adapted_dir(name="adapted") -> Path:
+    return WORK / name
 
 
-def train_command(args, out, traffic, steps, eval_every):
+def adapt_argv(args, out, traffic, minutes):
+    """``mlx-dflash train --from-traffic`` as the bench runs it: the recipe's
+    CPU levers (approximate target and softmax), the drafter's original rows
+    replayed at --replay-share, the target's outputs cached in memory."""
     from dflash_mlx.pair import named_pair_paths
 
     target, draft = named_pair_paths("smollm2")
     return [
-        sys.executable, "-m", "dflash_mlx.train", "--from-traffic", str(traffic), "--init-from", str(draft),
-        "--model", str(target), "--draft-model", str(out), "--steps", str(steps), "--seq-len", str(args.seq_len),
+        "--from-traffic", str(traffic), "--init-from", str(draft), "--model", str(target), "--draft-model", str(out),
+        "--steps", str(args.steps), "--warmup", "10", "--max-minutes", str(minutes), "--seq-len", str(args.seq_len),
         "--batch-size", "4", "--anchors-per-seq", "16", "--learning-rate", str(args.learning_rate),
         "--data", str(WORK / "replay.npy"), "--answer-mask", str(WORK / "replay-answers.npy"),
         "--replay-share", str(args.replay_share), "--target-dtype", "float32", "--approximate-target",
-        "--approximate-softmax", "--eval-every", str(eval_every), "--save-every", str(eval_every),
-        "--cache-target", "--max-minutes", str(args.minutes), "--keep-checkpoints",
-    ]
+        "--approximate-softmax", "--cache-target", "--eval-every", str(args.eval_every), "--save-every", str(args.eval_every),
+    ]  # fmt: skip
+
+
+def run_adapt(argv, result_name):
+    """One adaptation run in this process; its scores and curve kept as JSON."""
+    from dflash_mlx import train as T
+
+    if read_json(result_name):
+        return read_json(result_name)
+    print("[adapt] mlx-dflash train " + " ".join(argv), flush=True)
+    options = vars(T.setup_arg_parser().parse_args(argv))
+    options["taps"] = T.parse_taps(options["taps"])
+    tic = time.time()
+    result = dict(T.adapt(T.TrainConfig(**options)), argv=argv, wall_seconds=round(time.time() - tic, 1))
+    write_json(result_name, result)
+    return result
 
 
 def stage_adapt(args):
-    cmd = train_command(args, adapted_dir(), WORK / "traffic", args.steps, args.eval_every)
-    print("[adapt] " + " ".join(cmd), flush=True)
-    write_json("adapt-command.json", cmd)
-    subprocess.run(cmd, check=True)
+    run_adapt(adapt_argv(args, adapted_dir(), WORK / "traffic", args.minutes), "adapt-result.json")
 
 
 def stage_after(args):
@@ -228,6 +242,85 @@ def stage_after(args):
     stage_held_out(args, out, tag="after")
 
 
+def scored(draft_path, records):
+    """Tokens per greedy cycle at the fixed block 16 on ``records`` (the
+    target's own answers), predicted by the training forward as the
+    trainer's held-out evaluation predicts them (exact target here)."""
+    import mlx.core as mx
+
+    from dflash_mlx import train as T
+    from dflash_mlx.targets import adapter_for
+
+    model, tokenizer, draft, _ = load_smollm2(draft_path)
+    adapter = adapter_for(model)
+    taps = [T.target_pass(adapter, mx.array(r.tokens[None]), draft.config.target_layer_ids)[0] for r in records]
+    lengths = T.held_out_cycles(draft, adapter, [r.tokens for r in records], [r.answer for r in records], taps)
+    return round(float(np.mean(lengths)), 3), len(lengths)
+
+
+def stage_score(args):
+    """Both drafters on the held-out records (the answers the held-out stage recorded)."""
+    from dflash_mlx.pair import named_pair_paths
+    from dflash_mlx.traffic import read_traffic
+
+    scores = read_json("scores.json", {})
+    drafters = {"shipped": named_pair_paths("smollm2")[1], "adapted": adapted_dir()}
+    for kind in ("sql", "general"):
+        records = read_traffic(WORK / f"held-out-{kind}")
+        for name, path in drafters.items():
+            if (path / "config.json").is_file() and f"{name}-{kind}" not in scores:
+                scores[f"{name}-{kind}"] = scored(path, records)
+                write_json("scores.json", scores)
+                print(f"[score] {name} on held-out {kind}: {scores[f'{name}-{kind}']}", flush=True)
+
+
+def stage_curve(args):
+    """Tokens per cycle against recorded tokens: the same run on the first
+    quarter and half of the traffic (``--curve-minutes`` each), scored on the
+    held-out SQL records; the full traffic's point is the main run's."""
+    from dflash_mlx.traffic import RECORDS, check_traffic_dir, read_traffic
+
+    records = sorted((WORK / "traffic" / RECORDS).glob("*.npz"))
+    scores = read_json("curve.json", {})
+    for share in (4, 2):
+        name = f"first-{len(records) // share}"
+        if name in scores:
+            continue
+        sub = WORK / f"traffic-{name}"
+        if not sub.exists():
+            check_traffic_dir(sub, create=True)
+            for f in records[: len(records) // share]:
+                (sub / RECORDS / f.name).write_bytes(f.read_bytes())
+        out = adapted_dir(f"adapted-{name}")
+        result = run_adapt(adapt_argv(args, out, sub, args.curve_minutes), f"adapt-{name}.json")
+        tokens = sum(len(r.tokens) for r in read_traffic(sub))
+        point = scored(out, read_traffic(WORK / "held-out-sql")) if result["written"] else None
+        scores[name] = {"recorded_tokens": tokens, "conversations": len(records) // share, "result": result, "held_out_sql": point}
+        write_json("curve.json", scores)
+
+
+def stage_speed(args):
+    """DFlash (adaptive block) against mlx-lm on the held-out SQL requests,
+    each drafter, through ``mlx-dflash bench`` (timings: see the report's note)."""
+    from transformers import AutoTokenizer
+
+    from dflash_mlx.pair import named_pair_paths
+
+    tokenizer = AutoTokenizer.from_pretrained(str(named_pair_paths("smollm2")[0]))
+    prompts = WORK / "held-out-sql-prompts.json"
+    prompts.write_text(json.dumps([
+        tokenizer.apply_chat_template([{"role": "user", "content": r}], add_generation_prompt=True, tokenize=False)
+        for r in read_json("requests.json")["held_out"]
+    ]))  # fmt: skip
+    for name, path in (("shipped", None), ("adapted", adapted_dir())):
+        out = WORK / f"speed-{name}.json"
+        if out.is_file() or (path is not None and not (path / "config.json").is_file()):
+            continue
+        cmd = [sys.executable, "-m", "dflash_mlx.benchmark", "--model", "smollm2", "--prompts", str(prompts),
+               "--max-tokens", "160", "--repeats", "1", "--json", str(out)]  # fmt: skip
+        subprocess.run(cmd + (["--draft-model", str(path)] if path else []), check=True)
+
+
 def summary():
     rows = {}
     for name in ("sql", "general"):
@@ -235,19 +328,28 @@ def summary():
             runs = read_json(f"{tag}-{name}.json")
             if runs:
                 lengths = [n for r in runs for n in r["cycles"]]
-                rows.setdefault(name, {})[tag] = round(float(np.mean(lengths)), 3)
+                rows.setdefault(name, {})[f"decoded_{tag}"] = round(float(np.mean(lengths)), 3)
         before, after = read_json(f"before-{name}.json"), read_json(f"after-{name}.json")
         if before and after:
             n = min(len(before), len(after))
-            rows[name]["identical"] = all(before[i]["tokens"] == after[i]["tokens"] for i in range(n))
-            if rows[name].get("before"):
-                rows[name]["ratio"] = round(rows[name]["after"] / rows[name]["before"], 3)
+            rows[name]["identical_text"] = all(before[i]["tokens"] == after[i]["tokens"] for i in range(n))
+    for key, (tpc, cycles) in read_json("scores.json", {}).items():
+        name, kind = key.split("-")
+        rows.setdefault(kind, {})[f"predicted_{name}"] = tpc
+    for kind, row in rows.items():
+        for how in ("decoded", "predicted"):
+            a, b = row.get(f"{how}_{'before' if how == 'decoded' else 'shipped'}"), row.get(f"{how}_{'after' if how == 'decoded' else 'adapted'}")
+            if a and b:
+                row[f"{how}_ratio"] = round(b / a, 3)
     return rows
 
 
 def stage_report(args):
-    report = {"tokens_per_cycle": summary(), "adapt": read_json("adapt-result.json"),
-              "served": len(read_json("served.json", []))}
+    report = {
+        "tokens_per_cycle": summary(), "adapt": read_json("adapt-result.json"), "curve": read_json("curve.json"),
+        "served": len(read_json("served.json", [])),
+        "speed": {n: read_json(f"speed-{n}.json") for n in ("shipped", "adapted") if read_json(f"speed-{n}.json")},
+    }
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
@@ -259,10 +361,11 @@ def main(argv=None):
     p.add_argument("--served", type=int, default=200, help="SQL requests served with recording")
     p.add_argument("--held-out", type=int, default=12, help="held-out SQL requests per held-out group (two groups)")
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--steps", type=int, default=2000, help="at most these steps (--minutes ends the run first)")
-    p.add_argument("--minutes", type=float, default=60.0)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--learning-rate", type=float, default=3e-4)
+    p.add_argument("--steps", type=int, default=300, help="the schedule's steps (--minutes may end the run first)")
+    p.add_argument("--minutes", type=float, default=60.0, help="the adaptation's training minutes at most")
+    p.add_argument("--curve-minutes", type=float, default=10.0, help="each of the curve's shorter runs")
+    p.add_argument("--eval-every", type=int, default=30)
+    p.add_argument("--learning-rate", type=float, default=5e-4)
     p.add_argument("--replay-share", type=float, default=0.25)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

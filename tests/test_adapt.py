@@ -13,7 +13,7 @@ import urllib.request
 import openai
 import pytest
 from mlx_lm import load
-from tiny import damage, prompt_of, reference_text
+from tiny import damage, recorded_traffic, reference_text
 
 import dflash_mlx
 from dflash_mlx.adapt import CURRENT, DRAFTERS, Adaptation
@@ -109,13 +109,7 @@ def test_swaps_change_no_output_and_only_better_drafters_that_load_get_in(qwen3_
 
 @pytest.fixture(scope="module")
 def traffic(qwen3_pair, tmp_path_factory):
-    pair = qwen3_pair
-    root = tmp_path_factory.mktemp("adapt")
-    draft = dflash_mlx.load_draft(pair.make_draft(root / "d0", block_size=8), pair.model)
-    rec = Recorder(root / "t")
-    for i in range(24):
-        list(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, prompt_of(12, seed=i), max_tokens=40, record=rec))
-    return rec
+    return recorded_traffic(qwen3_pair, tmp_path_factory.mktemp("adapt"))
 
 
 def process_state(pid) -> str:

@@ -121,13 +121,7 @@ def test_recording_changes_no_output_and_needs_asking(qwen3_pair, tmp_path):
 @pytest.fixture(scope="module")
 def recorded(qwen3_pair, tmp_path_factory):
     """A traffic directory of 24 greedy conversations of the tiny target."""
-    pair = qwen3_pair
-    root = tmp_path_factory.mktemp("traffic")
-    draft = dflash_mlx.load_draft(pair.make_draft(root / "d0", block_size=8), pair.model)
-    rec = Recorder(root / "t")
-    for i in range(24):
-        list(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, tiny.prompt_of(12, seed=i), max_tokens=40, record=rec))
-    return root / "t"
+    return tiny.recorded_traffic(qwen3_pair, tmp_path_factory.mktemp("traffic")).root
 
 
 def adapt_argv(pair, traffic_dir, init, out, *extra):
