@@ -1112,7 +1112,6 @@ def train(args: TrainConfig) -> dict:
     weights = slot_weights(args.block_size, args.gamma)[:n_slots]
     value_and_grad = nn.value_and_grad(draft, drafter_loss)
     mask_id = args.mask_token_id
-
     target_outputs = TargetOutputs(adapter, args, n_rows=len(docs), width=len(args.taps) * adapter.hidden_size)
 
     def step_fn(starts, windows, anchors):
