@@ -201,9 +201,10 @@ def add_learn_arguments(parser, adapt: bool = False) -> None:
     parser.add_argument("--adapt-args", default="", help="more `mlx-dflash train` flags for each round, e.g. \"--steps 200 --seq-len 256\"")
 
 
-def learning(args, target, drafter):
-    """``(Recorder or None, Adaptation or None)`` as the ``--learn`` flags ask;
-    the adaptation not started yet."""
+def learning(args):
+    """``(Recorder or None, Adaptation or None)`` as the ``--learn`` flags ask
+    (the adaptation not started yet), for the pair ``--model`` and
+    ``--draft-model`` name."""
     if getattr(args, "adapt", False) and args.learn is None:
         raise ArgumentError("--adapt trains on the traffic --learn DIR records: pass --learn too")
     if args.learn is None:
@@ -214,5 +215,7 @@ def learning(args, target, drafter):
     if not getattr(args, "adapt", False):
         return recorder, None
     from .loading import resolve_path
+    from .pair import resolve_pair
 
+    target, drafter = resolve_pair(args.model, args.draft_model)
     return recorder, Adaptation(recorder, target, resolve_path(drafter), args.adapt_every, args.adapt_args)

@@ -52,7 +52,7 @@ def main(argv=None, input_fn=input):
     from .pair import load_pair
 
     args = setup_arg_parser().parse_args(argv)
-    recorder = learning(args, args.model, args.draft_model)[0]  # --learn
+    recorder = learning(args)[0]  # --learn
     if args.pipeline:
         from .pipeline import load_for_command, rank0_repl
 

@@ -214,13 +214,15 @@ class DFlashResponseGenerator:
         self.model, self.tokenizer, self.draft, self.cli_args = model, tokenizer, draft, cli_args
         self.key = (model_id, draft_id)  # cache entries never cross target/drafter pairs
         self.recorder, self.adaptation = learn  # --learn, --adapt
+        self.metrics = Metrics()
+        if self.adaptation is not None:  # a restart continues from the last accepted drafter
+            self.metrics.drafter_in_use(self.adaptation.version, self.adaptation.scores)
         self.created = int(time.time())
         self.context_length = getattr(draft.target.args, "max_position_embeddings", None)
         self.prompt_cache = LRUPromptCache(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
         self.requests: "queue.Queue" = queue.Queue()
         self.tokenizer_lock = threading.Lock()  # handler threads tokenize too
         self.failed = self.stopping = self.busy = False
-        self.metrics = Metrics()
         self.stored_responses = ResponseStore()  # for /v1/responses' previous_response_id
         self.done = threading.Event()  # set when the generation thread has ended its work
         # --pipeline: every rank generates what rank 0 receives (pipeline.share_request).
@@ -610,7 +612,7 @@ def make_server(args, model, tokenizer, draft, draft_id: str, learn=(None, None)
 
 def main(argv=None):
     from .blas import warn_if_reference
-    from .pair import load_pair, resolve_pair
+    from .pair import load_pair
 
     args = setup_arg_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
@@ -626,7 +628,7 @@ def main(argv=None):
             if rank != 0:  # generates what rank 0 receives, until rank 0 stops
                 return follow_rank0(make_generator(args, model, tokenizer, draft, draft_id))
         else:
-            learn = learning(args, *resolve_pair(args.model, args.draft_model))  # --learn, --adapt
+            learn = learning(args)  # --learn, --adapt
             # --adapt continues from the last drafter it accepted
             model, tokenizer, draft, draft_id = load_pair(args.model, learn[1].path if learn[1] else args.draft_model)
         add_generator(server, args, model, tokenizer, draft, draft_id, learn)
