@@ -161,3 +161,14 @@ def test_chat_records_only_with_learn(qwen3_pair, tmp_path):
     (tmp_path / "other" / "x").write_text("x")
     done = subprocess.run(base + ["--learn", str(tmp_path / "other")], input="q\n", capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [done.stderr.strip()] and "not a traffic directory" in done.stderr
+
+
+@pytest.mark.parametrize("flags, message", [(["--adapt"], "pass --learn too"), (["--learn", "NOTDIR"], "not a traffic directory")])
+def test_server_learn_flags_fail_before_loading(qwen3_pair, tmp_path, flags, message):
+    (tmp_path / "NOTDIR").mkdir()
+    (tmp_path / "NOTDIR" / "x").write_text("x")
+    flags = [str(tmp_path / f) if f == "NOTDIR" else f for f in flags]
+    done = subprocess.run([sys.executable, "-m", "dflash_mlx", "server", "--model", str(qwen3_pair.path), "--port", "0", *flags],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and done.stderr.startswith("error: ") and message in done.stderr
+    assert done.stderr.count("\n") == 1
