@@ -105,7 +105,10 @@ class Adaptation:
         self.scores = {"before": scores["before"], "after": scores["after"]}
         self.path = path
         state = {"version": self.version, "path": str(path.resolve()), "scores": self.scores}
-        write_atomically(self.root / CURRENT, json.dumps(state).encode())
+        try:
+            write_atomically(self.root / CURRENT, json.dumps(state).encode())
+        except OSError as e:  # serving goes on; a restart would start from the first drafter
+            logging.error("adaptation: cannot save %s (%s)", self.root / CURRENT, e.strerror or e)
         logging.info(
             "adaptation: drafter v%d in use (%s): held-out tokens per cycle %.3f -> %.3f",
             self.version, path, scores["before"], scores["after"],
@@ -129,7 +132,10 @@ class Adaptation:
     def signal(self, sig) -> None:
         """Send ``sig`` to the round in progress, if any (under ``lock``)."""
         if self.child is not None and self.child.poll() is None:
-            os.kill(self.child.pid, sig)
+            try:
+                os.kill(self.child.pid, sig)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
 
     def loop(self) -> None:
         while not self.stopping:

@@ -44,15 +44,15 @@ from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import APIHandler, GenerationContext, Response, convert_chat, process_message_content
 
 from . import cli
+from .adapt import add_learn_arguments, learning
 from .api import ENDPOINTS, Metrics, ResponseStore, read_json_body
 from .api.turn import openai_tool_choice, tool_choice_rule
 from .cache import make_prompt_cache
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BLOCK_SIZE
-from .adapt import add_learn_arguments, learning
 from .errors import ArgumentError, RequestError
 from .generate import feed, generate_step
-from .traffic import record_safely
 from .pipeline import STOP, agree_flag, share_request
+from .traffic import record_safely
 
 ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
 
