@@ -55,14 +55,22 @@ class Adaptation:
         self.last_round = 0  # recorder.recorded when the last round started
         self.stopping = False
         self.version, self.path, self.scores = 0, Path(drafter), {}
-        saved = self.root / CURRENT
-        if saved.is_file():
-            state = json.loads(saved.read_text())
-            if (Path(state["path"]) / "model.safetensors").is_file():
-                self.version, self.path, self.scores = state["version"], Path(state["path"]), state["scores"]
-            else:
-                logging.warning("adaptation: the last accepted drafter %s is gone; starting from %s", state["path"], drafter)
+        self.resume(drafter)
         self.thread = threading.Thread(target=self.loop, name="dflash-adaptation", daemon=True)
+
+    def resume(self, drafter) -> None:
+        """Continue from the last accepted drafter (``current.json``), if it is there."""
+        saved = self.root / CURRENT
+        if not saved.is_file():
+            return
+        try:
+            state = json.loads(saved.read_text())
+            path = Path(state["path"])
+            if not (path / "model.safetensors").is_file():
+                raise ValueError(f"{path} is gone")
+            self.version, self.path, self.scores = int(state["version"]), path, dict(state["scores"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logging.warning("adaptation: cannot continue from %s (%s); starting from %s", saved, e, drafter)
 
     def start(self) -> "Adaptation":
         self.thread.start()
