@@ -276,13 +276,14 @@ def stage_score(args):
 
 def stage_curve(args):
     """Tokens per cycle against recorded tokens: the same run on the first
-    quarter and half of the traffic (``--curve-minutes`` each), scored on the
-    held-out SQL records; the full traffic's point is the main run's."""
+    1/N of the traffic (``--curve-shares``: a quarter and a half;
+    ``--curve-minutes`` each), scored on the held-out SQL records; the full
+    traffic's point is the main run's."""
     from dflash_mlx.traffic import RECORDS, check_traffic_dir, read_traffic
 
     records = sorted((WORK / "traffic" / RECORDS).glob("*.npz"))
     scores = read_json("curve.json", {})
-    for share in (4, 2):
+    for share in args.curve_shares:
         name = f"first-{len(records) // share}"
         if name in scores:
             continue
@@ -364,6 +365,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=300, help="the schedule's steps (--minutes may end the run first)")
     p.add_argument("--minutes", type=float, default=60.0, help="the adaptation's training minutes at most")
     p.add_argument("--curve-minutes", type=float, default=10.0, help="each of the curve's shorter runs")
+    p.add_argument("--curve-shares", type=int, nargs="+", default=[4, 2], help="the curve's runs: the first 1/N of the traffic each")
     p.add_argument("--eval-every", type=int, default=30)
     p.add_argument("--learning-rate", type=float, default=5e-4)
     p.add_argument("--replay-share", type=float, default=0.25)
