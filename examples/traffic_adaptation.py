@@ -231,15 +231,15 @@ def run_adapt(argv, result_name):
 
 
 def stage_adapt(args):
-    run_adapt(adapt_argv(args, adapted_dir(), WORK / "traffic", args.minutes), "adapt-result.json")
+    run_adapt(adapt_argv(args, adapted_dir(args.name), WORK / "traffic", args.minutes), f"{args.name}-result.json")
 
 
 def stage_after(args):
-    out = adapted_dir()
+    out = adapted_dir(args.name)
     if not (out / "config.json").is_file():
         print("[after] no adapted drafter (it did not beat the shipped one): nothing to measure")
         return
-    stage_held_out(args, out, tag="after")
+    stage_held_out(args, out, tag=f"{args.name}-after")
 
 
 def scored(draft_path, records):
@@ -264,7 +264,7 @@ def stage_score(args):
     from dflash_mlx.traffic import read_traffic
 
     scores = read_json("scores.json", {})
-    drafters = {"shipped": named_pair_paths("smollm2")[1], "adapted": adapted_dir()}
+    drafters = {"shipped": named_pair_paths("smollm2")[1], args.name: adapted_dir(args.name)}
     for kind in ("sql", "general"):
         records = read_traffic(WORK / f"held-out-{kind}")
         for name, path in drafters.items():
@@ -293,7 +293,7 @@ def stage_curve(args):
             for f in records[: len(records) // share]:
                 (sub / RECORDS / f.name).write_bytes(f.read_bytes())
         out = adapted_dir(f"adapted-{name}")
-        result = run_adapt(adapt_argv(args, out, sub, args.curve_minutes), f"adapt-{name}.json")
+        result = run_adapt(adapt_argv(args, out, sub, args.curve_minutes), f"{name}-result.json")
         tokens = sum(len(r.tokens) for r in read_traffic(sub))
         point = scored(out, read_traffic(WORK / "held-out-sql")) if result["written"] else None
         scores[name] = {"recorded_tokens": tokens, "conversations": len(records) // share, "result": result, "held_out_sql": point}
@@ -322,21 +322,23 @@ def stage_speed(args):
         subprocess.run(cmd + (["--draft-model", str(path)] if path else []), check=True)
 
 
-def summary():
+def summary(adapted="adapted"):
+    """Tokens per cycle of the shipped drafter and the run ``adapted`` (--name)."""
     rows = {}
     for name in ("sql", "general"):
-        for tag in ("before", "after"):
-            runs = read_json(f"{tag}-{name}.json")
+        for tag, file in (("before", f"before-{name}.json"), ("after", f"{adapted}-after-{name}.json")):
+            runs = read_json(file)
             if runs:
                 lengths = [n for r in runs for n in r["cycles"]]
                 rows.setdefault(name, {})[f"decoded_{tag}"] = round(float(np.mean(lengths)), 3)
-        before, after = read_json(f"before-{name}.json"), read_json(f"after-{name}.json")
+        before, after = read_json(f"before-{name}.json"), read_json(f"{adapted}-after-{name}.json")
         if before and after:
             n = min(len(before), len(after))
             rows[name]["identical_text"] = all(before[i]["tokens"] == after[i]["tokens"] for i in range(n))
     for key, (tpc, cycles) in read_json("scores.json", {}).items():
-        name, kind = key.split("-")
-        rows.setdefault(kind, {})[f"predicted_{name}"] = tpc
+        name, kind = key.rsplit("-", 1)
+        if name in ("shipped", adapted):
+            rows.setdefault(kind, {})[f"predicted_{'shipped' if name == 'shipped' else 'adapted'}"] = tpc
     for kind, row in rows.items():
         for how in ("decoded", "predicted"):
             a, b = row.get(f"{how}_{'before' if how == 'decoded' else 'shipped'}"), row.get(f"{how}_{'after' if how == 'decoded' else 'adapted'}")
@@ -347,7 +349,8 @@ def summary():
 
 def stage_report(args):
     report = {
-        "tokens_per_cycle": summary(), "adapt": read_json("adapt-result.json"), "curve": read_json("curve.json"),
+        "run": args.name, "tokens_per_cycle": summary(args.name), "adapt": read_json(f"{args.name}-result.json"),
+        "curve": read_json("curve.json"),
         "served": len(read_json("served.json", [])),
         "speed": {n: read_json(f"speed-{n}.json") for n in ("shipped", "adapted") if read_json(f"speed-{n}.json")},
     }
@@ -369,6 +372,7 @@ def main(argv=None):
     p.add_argument("--eval-every", type=int, default=30)
     p.add_argument("--learning-rate", type=float, default=5e-4)
     p.add_argument("--replay-share", type=float, default=0.25)
+    p.add_argument("--name", default="adapted", help="the adaptation run's name: its drafter, scores and decodes")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     work()
