@@ -13,6 +13,7 @@ import sys
 import mlx.core as mx
 
 from . import cli
+from .adapt import add_learn_arguments
 from .cache import make_prompt_cache
 from .defaults import DEFAULT_MAX_TOKENS
 from .generate import cycle_lengths, mean_tokens_per_cycle, stream_generate
@@ -30,6 +31,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     cli.add_prefill_step_size_argument(p)
     cli.add_draft_window_arguments(p)
     p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started (see docs/pipeline.md)")
+    add_learn_arguments(p)
     return p
 
 
@@ -45,10 +47,12 @@ def turn_prompt(tokenizer, query: str, system_prompt=None):
 
 
 def main(argv=None, input_fn=input):
+    from .adapt import learning
     from .blas import warn_if_reference
     from .pair import load_pair
 
     args = setup_arg_parser().parse_args(argv)
+    recorder = learning(args)[0]  # --learn
     if args.pipeline:
         from .pipeline import load_for_command, rank0_repl
 
@@ -77,7 +81,7 @@ def main(argv=None, input_fn=input):
             model, draft, tokenizer, turn_prompt(tokenizer, query, args.system_prompt),
             prompt_cache=cache, block_size=args.block_size, tree_budget=args.tree_budget, max_tokens=args.max_tokens,
             temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-            prefill_step_size=args.prefill_step_size,
+            prefill_step_size=args.prefill_step_size, record=recorder,
         ):
             print(r.text, end="", flush=True)
             responses.append(r)

@@ -546,6 +546,7 @@ def stream_generate(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     prompt_cache: Optional[PromptCache] = None,
     stream=generation_stream,
+    record=None,
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from ``model`` with ``draft`` proposing blocks; yields per cycle.
@@ -554,11 +555,14 @@ def stream_generate(
     options in ``kwargs``): it detokenizes, stops at the tokenizer's eos
     ids, ends at ``max_tokens`` and keeps the statistics. With
     ``prompt_cache`` (:func:`dflash_mlx.make_prompt_cache`) ``prompt`` is
-    only the new part of the conversation, as in mlx-lm.
+    only the new part of the conversation, as in mlx-lm. ``record``
+    (a :class:`dflash_mlx.traffic.Recorder`) stores the conversation when
+    the generation finishes, as training data for the drafter.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt = encode_prompt(tokenizer, prompt)
+    context = (list(prompt_cache.tokens) if prompt_cache is not None else []) + prompt.tolist()
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer
     detok.reset()
@@ -568,12 +572,13 @@ def stream_generate(
     )
     with wired_limit(model, [stream]), closing(steps):
         tic = time.perf_counter()
-        n_out, prompt_tps, cycle, accepted = 0, None, [], 0
+        n_out, prompt_tps, cycle, accepted, answer = 0, None, [], 0, []
         for token, _, from_draft, block, tree in steps:
             if prompt_tps is None:
                 prompt_tps = prompt.size / (time.perf_counter() - tic)
                 tic = time.perf_counter()
             cycle.append(token)
+            answer.append(token)
             accepted += from_draft
             finish = "stop" if token in eos else None
             if finish is None:
@@ -584,6 +589,8 @@ def stream_generate(
                 continue
             if finish:
                 detok.finalize()
+                if record is not None:  # before the last yield: a caller may stop at it
+                    record.record(context, answer)
             yield GenerationResponse(
                 text=detok.last_segment,
                 tokens=[t for t in cycle if t not in eos],

@@ -56,6 +56,7 @@ from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import APIHandler, GenerationContext, Response, convert_chat, process_message_content
 
 from . import cli
+from .adapt import add_learn_arguments, learning
 from .api import ENDPOINTS, Metrics, ResponseStore, read_json_body
 from .api.harmony import text_format
 from .api.turn import openai_tool_choice, tool_choice_rule
@@ -66,6 +67,7 @@ from .errors import ArgumentError, RequestError
 from .batch import DEFAULT_COMPLETION_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, BatchGenerator
 from .generate import feed, generate_step
 from .pipeline import STOP, agree_flag, share_request
+from .traffic import record_safely
 
 ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
 
@@ -252,13 +254,14 @@ class Served:
         self.eos = set(self.tokenizer.eos_token_ids)
         self.want = args.logprobs or args.top_logprobs > 0
         self.detok = self.tokenizer.detokenizer
-        self.n = self.yielded = self.accepted = 0
+        self.n = self.accepted = 0
+        self.answer: List[int] = []  # every token out, eos included (what --learn records)
         self.sizes, self.trees, self.cycle_starts = Counter(), Counter(), False
         self.alive = time.monotonic()
 
     def add(self, token: int, logprobs, from_draft: bool, block: int, tree: int) -> bool:
         """One committed token out to the client; True when the request is done."""
-        self.yielded += 1
+        self.answer.append(token)
         self.accepted += from_draft
         self.sizes[block] += self.cycle_starts and not tree
         self.trees[tree] += self.cycle_starts and tree > 0
@@ -284,7 +287,7 @@ class Served:
             cycles=cycles, accepted_draft_tokens=self.accepted,
             block_sizes={b: k for b, k in sorted(self.sizes.items()) if k},
             tree_sizes={n: k for n, k in sorted(self.trees.items()) if k},
-            tokens_per_cycle=round((self.yielded - 1) / max(1, cycles), 3),
+            tokens_per_cycle=round((len(self.answer) - 1) / max(1, cycles), 3),
         )
 
 
@@ -293,10 +296,14 @@ class DFlashResponseGenerator:
     mlx-lm's ``ResponseGenerator``: ``generate``, ``cli_args``,
     ``is_healthy``), serving every request on one thread with DFlash."""
 
-    def __init__(self, model, tokenizer, draft, cli_args, model_id: str, draft_id: str):
+    def __init__(self, model, tokenizer, draft, cli_args, model_id: str, draft_id: str, learn=(None, None)):
         self.model, self.tokenizer, self.draft, self.cli_args = model, tokenizer, draft, cli_args
         self.answers = text_format(tokenizer)  # how answers split into reasoning, text and tool calls
         self.key = (model_id, draft_id)  # cache entries never cross target/drafter pairs
+        self.recorder, self.adaptation = learn  # --learn, --adapt
+        self.metrics = Metrics()
+        if self.adaptation is not None:  # a restart continues from the last accepted drafter
+            self.metrics.drafter_in_use(self.adaptation.version, self.adaptation.scores)
         self.created = int(time.time())
         self.prompt_cache = LRUPromptCache(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
         self.disk = None  # --prompt-cache-dir: the disk tier under the memory one
@@ -309,7 +316,6 @@ class DFlashResponseGenerator:
         self.requests: "queue.Queue" = queue.Queue()
         self.tokenizer_lock = threading.Lock()  # handler threads tokenize too
         self.failed = self.stopping = self.busy = False
-        self.metrics = Metrics()
         self.stored_responses = ResponseStore()  # for /v1/responses' previous_response_id
         self.done = threading.Event()  # set when the generation thread has ended its work
         # --pipeline: every rank generates what rank 0 receives (pipeline.share_request).
@@ -469,9 +475,22 @@ class DFlashResponseGenerator:
         start = self.snapshot(cache, tokens, ctx.prompt_cache_count, prepared.boundaries, progress)
         return Served(self, responses, prepared, args, ctx, stop_sequences.matcher(), cache, tokens[start:], progress)
 
+    def between_requests(self):
+        """--adapt: swap in an adapted drafter if one is ready (each request
+        runs with one drafter; cached entries of the old one are never hit)."""
+        draft = self.adaptation.swap(self.model, self.draft)
+        if draft is not self.draft:
+            self.draft, self.key = draft, (self.key[0], str(self.adaptation.path))
+            self.metrics.drafter_in_use(self.adaptation.version, self.adaptation.scores)
+            if self.batch is not None:  # an idle batch: the next one drafts with the new drafter
+                self.batch = self.new_batch()
+
     def serve(self, responses, prepared: Prepared, args):
         """One request, start to end, alone; its errors go back to its handler."""
         self.busy = True
+        if self.adaptation is not None:
+            self.between_requests()
+            self.adaptation.request_started()
         try:
             served = self.start(responses, prepared, args)
             if args.seed is not None:
@@ -495,19 +514,27 @@ class DFlashResponseGenerator:
             responses.put(e)
         finally:
             self.busy = False
+            if self.adaptation is not None:
+                self.adaptation.request_finished()
 
     def finish(self, served: "Served") -> None:
         """A request ended (finished or stopped): its statistics, its end of
         stream, and its cache kept for the next request."""
         served.close()
-        self.metrics.served(len(served.prepared.tokens), served.ctx.prompt_cache_count, served.yielded, served.ctx.dflash)
+        self.metrics.served(len(served.prepared.tokens), served.ctx.prompt_cache_count, len(served.answer), served.ctx.dflash)
+        if not served.ctx.stopped:
+            record_safely(self.recorder, served.prepared.tokens, served.answer)  # --learn: the finished conversation
         served.responses.put(None)
         self.prompt_cache.insert_cache(self.key, list(served.cache.tokens), [served.cache])
+        if self.adaptation is not None and self.batch is not None:
+            self.adaptation.request_finished()
 
     def run_batched(self):
         """Continuous batching: new requests join between cycles, finished
         and disconnected ones leave at once (see :class:`~dflash_mlx.batch.BatchGenerator`)."""
         while not self.stopping:
+            if self.adaptation is not None and not self.batch.busy:  # a swap waits for an idle batch
+                self.between_requests()
             self.admit(block=not self.batch.busy)
             if not self.batch.busy:
                 continue
@@ -519,6 +546,8 @@ class DFlashResponseGenerator:
                 logging.exception("a batched cycle failed")
                 for served in self.serving.values():
                     served.responses.put(e)
+                    if self.adaptation is not None:
+                        self.adaptation.request_finished()
                 self.serving.clear()
                 self.batch = self.new_batch()
                 continue
@@ -567,6 +596,8 @@ class DFlashResponseGenerator:
                     logprobs=served.want, block_size=prepared.block_size, progress=served.progress,
                 )
                 self.serving[uid] = served
+                if self.adaptation is not None:  # adapting waits while any request runs
+                    self.adaptation.request_started()
             except Exception as e:
                 logging.exception("request failed")
                 responses.put(e)
@@ -800,6 +831,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--chat-template-args", type=json.loads, default={}, help="JSON arguments for the chat template")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started; rank 0 serves HTTP (see docs/pipeline.md)")
+    add_learn_arguments(p, adapt=True)
     return p
 
 
@@ -831,7 +863,7 @@ def listen(args) -> ThreadingHTTPServer:
     return server
 
 
-def make_generator(args, model, tokenizer, draft, draft_id: str) -> DFlashResponseGenerator:
+def make_generator(args, model, tokenizer, draft, draft_id: str, learn=(None, None)) -> DFlashResponseGenerator:
     """The generation thread, started (with --pipeline, on every rank)."""
     if args.chat_template:
         tokenizer.chat_template = args.chat_template
@@ -845,15 +877,16 @@ def make_generator(args, model, tokenizer, draft, draft_id: str) -> DFlashRespon
     return DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
 
 
-def add_generator(server: ThreadingHTTPServer, args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
+def add_generator(server: ThreadingHTTPServer, args, model, tokenizer, draft, draft_id: str, learn=(None, None)) -> ThreadingHTTPServer:
     """Give a bound server its generation thread over the loaded pair."""
-    server.generator = make_generator(args, model, tokenizer, draft, draft_id)
+    server.generator = make_generator(args, model, tokenizer, draft, draft_id, learn)
     return server
 
 
-def make_server(args, model, tokenizer, draft, draft_id: str) -> ThreadingHTTPServer:
-    """The HTTP server and its generation thread, bound but not serving yet."""
-    return add_generator(listen(args), args, model, tokenizer, draft, draft_id)
+def make_server(args, model, tokenizer, draft, draft_id: str, learn=(None, None)) -> ThreadingHTTPServer:
+    """The HTTP server and its generation thread, bound but not serving yet
+    (``learn``: :func:`dflash_mlx.adapt.learning`'s pair)."""
+    return add_generator(listen(args), args, model, tokenizer, draft, draft_id, learn)
 
 
 def main(argv=None):
@@ -874,8 +907,12 @@ def main(argv=None):
             if rank != 0:  # generates what rank 0 receives, until rank 0 stops
                 return follow_rank0(make_generator(args, model, tokenizer, draft, draft_id))
         else:
-            model, tokenizer, draft, draft_id = load_pair(args.model, args.draft_model)
-        add_generator(server, args, model, tokenizer, draft, draft_id)
+            learn = learning(args)  # --learn, --adapt
+            # --adapt continues from the last drafter it accepted
+            model, tokenizer, draft, draft_id = load_pair(args.model, learn[1].path if learn[1] else args.draft_model)
+        add_generator(server, args, model, tokenizer, draft, draft_id, learn)
+        if learn[1] is not None:
+            learn[1].start()
         warn_if_reference()  # loaded: about to serve
     except BaseException:
         if server is not None:
@@ -890,6 +927,8 @@ def main(argv=None):
         pass
     finally:
         server.server_close()
+        if server.generator.adaptation is not None:
+            server.generator.adaptation.stop()
         server.generator.stop_and_join()
     return 0
 

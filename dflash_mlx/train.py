@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import re
+import shutil
 import sys
 import time
 import typing
@@ -46,6 +47,7 @@ from . import cli
 from .defaults import DEFAULT_BLOCK_SIZE, DTYPES
 from .errors import DFlashError
 from .ops import fast_math
+from .traffic import ADAPT_RESULT, ADAPTING, check_traffic_dir, pack, read_traffic, split_held_out
 from .models.dflash import (
     DFlashConfig,
     DFlashDraftModel,
@@ -61,6 +63,7 @@ RUN_KEYS = (
     "batch_size", "seq_len", "gamma", "anchors_per_seq", "seed", "targets", "warmup",
     "mask_token_id", "intermediate_size", "weight_decay", "grad_clip", "target_dtype",
     "init_from", "cache_dir", "approximate_target", "approximate_softmax", "draft_vocab", "loss_slots", "answer_mask", "init_from_target",
+    "from_traffic", "replay_share",
 )
 MASK_NAME = re.compile(r"^<\|?\s*mask\s*\|?>$", re.IGNORECASE)
 
@@ -174,6 +177,15 @@ class TrainConfig:
         "initialisation; a fresh schedule and optimizer",
     )
     dtype: str = option("float32", "dtype of the saved model.safetensors (training is float32)", choices=tuple(DTYPES))
+    # Adapting to recorded traffic (docs/adapting.md).
+    from_traffic: Optional[str] = option(
+        None,
+        "fine-tune the --init-from drafter on the conversations recorded in this traffic directory (--learn DIR): "
+        "the most recent tenth held out; --draft-model is written only if its held-out tokens per cycle beat "
+        "--init-from's; --data (with --answer-mask), if given, is the drafter's original data, replayed",
+    )
+    replay_share: float = option(0.25, "with --from-traffic and --data: the share of training windows from --data")
+    max_minutes: Optional[float] = option(None, "end the run after this many minutes of training (a checkpoint then)")
     # The learning curve.
     eval_data: Optional[str] = option(
         None,
@@ -861,7 +873,9 @@ def check_args(args: TrainConfig) -> None:
     """Everything that can be checked before loading the target."""
     if not args.model or not args.draft_model:
         raise TrainError("training needs a target (--model) and an output directory (--draft-model)")
-    if not args.data:
+    if args.from_traffic is not None:
+        check_traffic_args(args)
+    elif not args.data:
         raise TrainError("no --data files given")
     missing = [p for p in args.data if not Path(p).is_file()]
     if missing:
@@ -915,6 +929,64 @@ def check_args(args: TrainConfig) -> None:
         raise TrainError(f"{out} exists and is not empty: pass --resume to continue it, or choose a new --draft-model")
 
 
+def check_traffic_args(args: TrainConfig) -> None:
+    """--from-traffic's own rules; the drafter's shape is --init-from's."""
+    check_traffic_dir(args.from_traffic)
+    if args.init_from is None or not (Path(args.init_from) / "config.json").is_file():
+        raise TrainError("--from-traffic fine-tunes a drafter: pass its checkpoint directory as --init-from")
+    if args.eval_data is not None:
+        raise TrainError("--from-traffic holds out the most recent tenth of the traffic: drop --eval-data")
+    if args.cache_dir is not None:
+        raise TrainError("--cache-dir keeps the target outputs of fixed data, and recorded traffic grows: use --cache-target alone")
+    if not 0 <= args.replay_share < 1:
+        raise TrainError("--replay-share must be at least 0 and below 1")
+    cfg = inherited_config(args)
+    dcfg = cfg["dflash_config"]
+    args.num_layers, args.block_size = cfg["num_hidden_layers"], cfg["block_size"]
+    args.taps, args.mask_token_id = list(dcfg["target_layer_ids"]), dcfg["mask_token_id"]
+    args.intermediate_size = cfg.get("intermediate_size")
+    args.draft_vocab = len(dcfg["draft_vocab"]) if dcfg.get("draft_vocab") else None
+
+
+def inherited_config(args: TrainConfig) -> dict:
+    """--from-traffic: the --init-from drafter's config, whose shape, taps,
+    mask token, block size and draft vocabulary the run keeps."""
+    try:
+        cfg = json.loads((Path(args.init_from) / "config.json").read_text())
+        cfg["dflash_config"]["target_layer_ids"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise TrainError(f"--init-from {args.init_from} holds no readable DFlash drafter config") from None
+    return cfg
+
+
+def traffic_data(args: TrainConfig, tokenizer, vocab: int):
+    """--from-traffic: (training rows, their answer marks, held-out records).
+    Rows of exactly --seq-len: the traffic but its most recent tenth, packed,
+    and --data's rows (repacked to --seq-len) at --replay-share of the whole."""
+    train_records, held = split_held_out(read_traffic(args.from_traffic, vocab))
+    rows, marks = pack(train_records, args.seq_len)
+    if not len(rows):
+        n = sum(len(r.tokens) for r in train_records)
+        raise TrainError(f"the recorded traffic holds {n} tokens to train on, less than one --seq-len {args.seq_len} row: record more or lower --seq-len")
+    if args.data:
+        old = read_data(args.data, tokenizer, vocab)
+        old_marks = read_answer_mask(args, old)
+        stream, flags = np.concatenate(old), np.ones(sum(len(d) for d in old), bool) if old_marks is None else old_marks
+        n = len(stream) // args.seq_len
+        want = int(round(len(rows) * args.replay_share / (1 - args.replay_share)))
+        pick = np.sort(np.random.default_rng([args.seed, 2]).choice(n, min(want, n), replace=False))
+        rows = np.concatenate([rows, stream[: n * args.seq_len].reshape(n, -1)[pick]])
+        marks = np.concatenate([marks, flags[: n * args.seq_len].reshape(n, -1)[pick]])
+    fit = [r for r in held if len(r.tokens) >= args.block_size + 2]
+    if not fit:
+        raise TrainError(f"no held-out conversation is longer than a block ({args.block_size + 2} tokens): record more")
+    print(
+        f"traffic: {len(train_records)} conversations in {len(rows)} rows of {args.seq_len} "
+        f"(with replay), {len(fit)} most recent held out", file=sys.stderr,
+    )
+    return list(rows.astype(np.int32)), marks.reshape(-1), ([r.tokens for r in fit], [r.answer for r in fit])
+
+
 def prepare(args: TrainConfig):
     """The target (with its adapter) and the training windows; fills in the
     defaults that depend on them (taps, mask token, gamma, warmup)."""
@@ -945,9 +1017,13 @@ def prepare(args: TrainConfig):
     args.gamma = args.gamma if args.gamma is not None else args.block_size / 2
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
 
-    docs = read_data(args.data, tokenizer, vocab)
+    if args.from_traffic is not None:
+        docs, answers, held_out = traffic_data(args, tokenizer, vocab)
+    else:
+        docs = read_data(args.data, tokenizer, vocab)
+        answers = read_answer_mask(args, docs)
+        held_out = read_eval(args) if args.eval_data else None
     data = window_starts(docs, args.seq_len)
-    answers = read_answer_mask(args, docs)
     if args.draft_vocab is not None and args.draft_vocab > vocab:
         raise TrainError(f"--draft-vocab {args.draft_vocab} exceeds the target vocabulary ({vocab})")
     if not len(data[1]):
@@ -962,7 +1038,7 @@ def prepare(args: TrainConfig):
             f"--cache-target needs data that is only 2-D .npy rows of exactly --seq-len "
             f"{args.seq_len} tokens (each window a whole row)"
         )
-    return model, adapter, docs, data, answers
+    return model, adapter, docs, data, answers, held_out
 
 
 def read_answer_mask(args: TrainConfig, docs: List[np.ndarray]) -> Optional[np.ndarray]:
@@ -1001,7 +1077,9 @@ def new_drafter(args: TrainConfig, model, adapter, docs, answers):
         mask_token_id=args.mask_token_id,
         intermediate_size=args.intermediate_size,
     )
-    if args.draft_vocab is not None:
+    if args.from_traffic is not None and args.draft_vocab is not None:
+        config["dflash_config"]["draft_vocab"] = inherited_config(args)["dflash_config"]["draft_vocab"]
+    elif args.draft_vocab is not None:
         config["dflash_config"]["draft_vocab"] = frequent_tokens(docs, args.draft_vocab, adapter.vocab_size, answers_by_doc(docs, answers))
     mx.random.seed(args.seed)  # drafter initialisation
     draft = DFlashDraftModel(DFlashConfig.from_hf(config))
@@ -1017,7 +1095,7 @@ def train(args: TrainConfig) -> dict:
     """Run (or, with ``resume``, continue) the training run ``args`` describes;
     returns its state (step, loss history, training seconds)."""
     check_args(args)
-    model, adapter, docs, data, answers = prepare(args)
+    model, adapter, docs, data, answers, held_out_rows = prepare(args)
     config, draft = new_drafter(args, model, adapter, docs, answers)
     vocab_ids = config["dflash_config"].get("draft_vocab")
     optimizer = optim.AdamW(learning_rate=lr_at(0, args.steps, args.learning_rate, args.warmup), weight_decay=args.weight_decay)
@@ -1034,7 +1112,6 @@ def train(args: TrainConfig) -> dict:
     weights = slot_weights(args.block_size, args.gamma)[:n_slots]
     value_and_grad = nn.value_and_grad(draft, drafter_loss)
     mask_id = args.mask_token_id
-
     target_outputs = TargetOutputs(adapter, args, n_rows=len(docs), width=len(args.taps) * adapter.hidden_size)
 
     def step_fn(starts, windows, anchors):
@@ -1054,13 +1131,14 @@ def train(args: TrainConfig) -> dict:
     from tqdm import tqdm
 
     bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="drafter")
-    held_out = HeldOut(*read_eval(args), adapter, args) if args.eval_data else None
+    held_out = HeldOut(*held_out_rows, adapter, args) if held_out_rows else None
     seen = HeldOut(*training_sample(args, docs, answers), adapter, args) if held_out and args.eval_train_rows else None
 
     def evaluate():
         if held_out is not None:
             step, per_cycle, cycles = record = held_out(draft, state["step"])
             state.setdefault("eval", []).append(record)
+            state.setdefault("eval_seconds", []).append(round(state["train_seconds"] + time.perf_counter() - tic, 1))
             line = f"step {step}: {per_cycle:.3f} tokens per cycle on the held-out rows ({cycles} cycles)"
             if seen is not None:  # the same on rows it trains on: the gap says whether data or steps are short
                 state.setdefault("eval_train", []).append(seen(draft, step))
@@ -1071,9 +1149,9 @@ def train(args: TrainConfig) -> dict:
         state["rng"] = rng.bit_generator.state
         write_checkpoint(out, config, draft, optimizer, state, DTYPES[args.dtype])
 
+    tic = time.perf_counter()
     if not state.get("eval"):
         evaluate()  # where the curve starts
-    tic = time.perf_counter()
     for step in bar:
         optimizer.learning_rate = lr_at(step, args.steps, args.learning_rate, args.warmup)
         starts, windows, anchors = sample_batch(rng, data, args, answers)
@@ -1083,13 +1161,63 @@ def train(args: TrainConfig) -> dict:
         state["history"].append(record)
         state["step"] = step + 1
         bar.set_postfix(loss=f"{record[0]:.3f}", acc1=f"{record[1]:.3f}", acc=f"{record[2]:.3f}", tau=f"{record[3]:.2f}")
-        if state["step"] % args.eval_every == 0 or state["step"] == args.steps:
+        last = state["step"] == args.steps or out_of_time(args, state["train_seconds"] + time.perf_counter() - tic)
+        if state["step"] % args.eval_every == 0 or last:
             evaluate()
-        if state["step"] % args.save_every == 0 or state["step"] == args.steps:
+        if state["step"] % args.save_every == 0 or last:
             state["train_seconds"] += time.perf_counter() - tic
             tic = time.perf_counter()
             save()
+        if last:
+            break
     return state
+
+
+def out_of_time(args: TrainConfig, seconds: float) -> bool:
+    """Whether ``--max-minutes`` of training are spent."""
+    return args.max_minutes is not None and seconds >= 60 * args.max_minutes
+
+
+def adapt(args: TrainConfig) -> dict:
+    """``--from-traffic``: train beside ``--draft-model``, then write it only
+    if its held-out tokens per cycle beat ``--init-from``'s (a drafter
+    changes the speed, never the text, so only a better one is worth a swap).
+    Returns the scores before and after and whether it was written."""
+    out = Path(args.draft_model)
+    if out.exists() and any(out.iterdir()):
+        raise TrainError(f"{out} exists and is not empty: choose a new --draft-model")
+    run = dataclasses.replace(args, draft_model=str(out.with_name(out.name + ADAPTING)))
+    state = train(run)
+    (_, before, cycles), (step, after, _) = state["eval"][0], state["eval"][-1]
+    result = {
+        "init_from": str(Path(args.init_from).resolve()), "before": before, "after": after, "steps": step,
+        "held_out_cycles": cycles, "train_seconds": round(state["train_seconds"], 1), "written": after > before,
+        "curve": [[s, tpc, sec] for (s, tpc, _), sec in zip(state["eval"], state["eval_seconds"])],
+    }
+    print(f"held-out tokens per cycle: {before:.3f} with {args.init_from}, {after:.3f} adapted ({step} steps)")
+    if result["written"]:
+        publish(Path(run.draft_model), out, result)
+        print(f"adapted drafter: {out}")
+    else:
+        print(f"the adapted drafter does not beat {args.init_from}: {out} not written; keep using {args.init_from}")
+    shutil.rmtree(run.draft_model, ignore_errors=True)
+    return result
+
+
+def publish(run_dir: Path, out: Path, result: dict) -> None:
+    """The run's drafter (weights and config, no training state) and its
+    scores into ``out``, all at once."""
+    from .convert import Staging
+
+    staging = Staging(out, force=True)
+    try:
+        staging.path.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copyfile(run_dir / name, staging.path / name)
+        (staging.path / ADAPT_RESULT).write_text(json.dumps(result, indent=1) + "\n")
+        staging.commit()
+    finally:
+        staging.discard()
 
 
 def parse_taps(text: Optional[str]) -> Optional[List[int]]:
@@ -1107,6 +1235,9 @@ def main(argv=None) -> int:
     args["taps"] = parse_taps(args["taps"])
     config = TrainConfig(**args)
     try:
+        if config.from_traffic is not None:
+            adapt(config)
+            return 0
         state = train(config)
     except KeyboardInterrupt:
         print(f"\ninterrupted; the last checkpoint in {config.draft_model} resumes with --resume", file=sys.stderr)

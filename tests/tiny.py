@@ -372,6 +372,18 @@ def tokens_per_cycle(*runs) -> float:
     return sum(r.committed for r in cycles) / max(len(cycles), 1)
 
 
+def recorded_traffic(pair, root: Path, conversations: int = 24):
+    """A Recorder over ``root / "t"`` holding greedy conversations of the
+    tiny target (random prompts, 40 answer tokens each)."""
+    from dflash_mlx.traffic import Recorder
+
+    draft = dflash_mlx.load_draft(pair.make_draft(root / "d0", block_size=8), pair.model)
+    rec = Recorder(root / "t")
+    for i in range(conversations):
+        list(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, prompt_of(12, seed=i), max_tokens=40, record=rec))
+    return rec
+
+
 def prompt_of(n, seed=0):
     rng = np.random.default_rng(seed + n)
     return rng.integers(0, 256, size=n).tolist()

@@ -26,6 +26,13 @@ class Metrics:
         with self.lock:
             self.batches[batch] += 1
             self.last_batch = batch
+        self.drafter = {"version": 0, "before": 0.0, "after": 0.0}  # --adapt's drafter in use
+
+    def drafter_in_use(self, version: int, scores: Dict):
+        """An adapted drafter was swapped in: its version and held-out tokens
+        per cycle, the drafter it replaced (before) and its own (after)."""
+        with self.lock:
+            self.drafter = {"version": version, "before": scores.get("before", 0.0), "after": scores.get("after", 0.0)}
 
     def request(self, endpoint: str):
         with self.lock:
@@ -81,6 +88,11 @@ class Metrics:
             metric("dflash_batch_size", "gauge", "Requests the latest batched cycle verified together.", [({}, self.last_batch)])
             metric("dflash_last_tokens_per_cycle", "gauge", "Tokens committed per cycle in the latest generation.",
                    [({}, self.last_tokens_per_cycle)])
+            metric("dflash_drafter_version", "gauge", "Adapted drafters swapped in (0: the one the server started with).",
+                   [({}, self.drafter["version"])])
+            metric("dflash_drafter_heldout_tokens_per_cycle", "gauge",
+                   "Held-out tokens per cycle of the drafter an adaptation replaced (before) and of its own (after).",
+                   [({"drafter": k}, self.drafter[k]) for k in ("before", "after")])
         metric("dflash_queued_requests", "gauge", "Requests waiting for the generation thread.", [({}, queued)])
         metric("dflash_generating", "gauge", "1 while the generation thread serves a request.", [({}, int(busy))])
         return "\n".join(lines) + "\n"

@@ -1,0 +1,386 @@
+"""Domain shift: the smollm2 pair's drafter adapts to SQL requests it never saw.
+
+The shipped SmolLM2 drafter was distilled on chat requests about Python's
+standard library, programming tasks and general subjects. Here it serves
+requests of a kind it was not trained on: "write a SQL query" over seeded
+table schemas (:func:`sql_requests`; the held-out ones use schemas and tasks
+of their own seeds, and half of each ask for the bare query). The stages,
+each resumable (state in ~/.cache/dflash_mlx/traffic_bench/):
+
+  requests  the SQL requests: ``--served`` to record, ``--held-out`` to measure
+  serve     the served requests through ``stream_generate(record=...)``
+            (what ``mlx-dflash server --learn DIR`` records), greedy
+  held-out  the held-out SQL requests and the pair's own held-out chat
+            requests (``prompts.json``), decoded at the fixed block 16 with
+            the shipped drafter: their tokens per cycle before, and their
+            answers (recorded in traffic directories of their own)
+  replay    the drafter's original data, packed into rows (replay share)
+  adapt     ``mlx-dflash train --from-traffic`` on the recorded traffic,
+            ``--init-from`` the shipped drafter, at most ``--minutes`` of CPU
+  after     the held-out requests decoded again with the adapted drafter:
+            tokens per cycle after, the text checked identical
+  curve     tokens per cycle of the held-out SQL records against training
+            minutes (the run's checkpoints) and against recorded tokens
+            (short runs on the first quarter and half of the traffic)
+  speed     DFlash against mlx-lm's greedy decode on the held-out SQL requests
+  report    the table (JSON: --json)
+
+    export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+    nohup nice -n 10 python examples/traffic_adaptation.py --stage all > bench.log 2>&1 &
+"""
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+WORK = Path("~/.cache/dflash_mlx/traffic_bench").expanduser()
+BLOCK = 16  # the drafter's trained block: tokens per cycle at a fixed width
+STAGES = ("requests", "serve", "held-out", "replay", "adapt", "score", "after", "curve", "speed", "report")
+
+SCHEMAS = {
+    "shop": {"customers": ["id", "name", "city", "signup_date"], "orders": ["id", "customer_id", "total", "status", "created_at"],
+             "products": ["id", "name", "category", "price"], "order_items": ["order_id", "product_id", "quantity"]},
+    "school": {"students": ["id", "name", "grade", "birth_date"], "courses": ["id", "title", "teacher_id", "credits"],
+               "teachers": ["id", "name", "department"], "enrollments": ["student_id", "course_id", "score"]},
+    "hospital": {"patients": ["id", "name", "age", "ward_id"], "doctors": ["id", "name", "specialty"],
+                 "visits": ["id", "patient_id", "doctor_id", "visit_date", "cost"], "wards": ["id", "name", "floor"]},
+    "library": {"books": ["id", "title", "author_id", "year", "genre"], "authors": ["id", "name", "country"],
+                "loans": ["id", "book_id", "member_id", "loan_date", "returned"], "members": ["id", "name", "joined"]},
+    "airline": {"flights": ["id", "origin", "destination", "departure", "aircraft_id"], "aircraft": ["id", "model", "seats"],
+                "bookings": ["id", "flight_id", "passenger_id", "price"], "passengers": ["id", "name", "nationality"]},
+    "company": {"employees": ["id", "name", "department_id", "salary", "hired"], "departments": ["id", "name", "budget"],
+                "projects": ["id", "name", "department_id", "deadline"], "assignments": ["employee_id", "project_id", "hours"]},
+    "music": {"artists": ["id", "name", "genre"], "albums": ["id", "artist_id", "title", "released"],
+              "tracks": ["id", "album_id", "title", "seconds"], "plays": ["track_id", "user_id", "played_at"]},
+    "fleet": {"vehicles": ["id", "plate", "model", "depot_id"], "depots": ["id", "city", "capacity"],
+              "trips": ["id", "vehicle_id", "driver_id", "km", "started"], "drivers": ["id", "name", "licence_year"]},
+}
+TASKS = [
+    "returns every row of {t0} where {c0} is above the average {c0}",
+    "counts the rows of {t0} for each value of {c1}, largest count first",
+    "joins {t0} and {t1} and lists {c0} with the matching {d0}",
+    "finds the {n} rows of {t0} with the highest {c0}",
+    "computes the total and the average {c0} of {t0} per {c1}, keeping groups with more than {n} rows",
+    "creates the table {t0} with suitable column types and a primary key",
+    "inserts three example rows into {t0}",
+    "updates {t0}, setting {c0} to NULL where {c1} is missing",
+    "deletes the rows of {t0} that have no matching row in {t1}",
+    "ranks the rows of {t0} by {c0} within each {c1} using a window function",
+    "lists the values of {c1} in {t0} that appear more than {n} times, using a subquery",
+    "returns {c0} and {c1} of {t0} ordered by {c1}, skipping the first {n} rows",
+    "uses a common table expression to find the {t0} rows whose {c0} exceeds the {c0} of every row in {t1}",
+    "adds an index on {t0}.{c1} and explains when it helps",
+]
+STYLES = [
+    "Write a SQL query that {task}.",
+    "Write a SQL query that {task}. Reply with the query only.",
+    "Using the schema above, give me SQL that {task}.",
+    "I need a PostgreSQL statement that {task}. Explain it briefly.",
+]
+
+
+def sql_requests(seed: int, n: int, schemas, tasks):
+    """``n`` seeded SQL requests over the given schema names and task templates."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        schema = SCHEMAS[rng.choice(schemas)]
+        t0, t1 = rng.sample(sorted(schema), 2)
+        cols = [c for c in schema[t0] if c != "id"] or schema[t0]
+        c0, c1 = (rng.sample(cols, 2) if len(cols) > 1 else cols * 2)
+        d0 = rng.choice(schema[t1])
+        task = rng.choice(tasks).format(t0=t0, t1=t1, c0=c0, c1=c1, d0=d0, n=rng.randint(2, 10))
+        ddl = "\n".join(f"{t}({', '.join(c)})" for t, c in schema.items())
+        out.append(f"Tables:\n{ddl}\n\n" + rng.choice(STYLES).format(task=task))
+    return out
+
+
+def work() -> Path:
+    WORK.mkdir(parents=True, exist_ok=True)
+    return WORK
+
+
+def read_json(name, default=None):
+    p = WORK / name
+    return json.loads(p.read_text()) if p.is_file() else default
+
+
+def write_json(name, obj):
+    p = WORK / name
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(p)
+
+
+def stage_requests(args):
+    names = sorted(SCHEMAS)
+    # Held out: two schemas and three task kinds no served request uses.
+    held_schemas, held_tasks = names[-2:], TASKS[-3:]
+    write_json("requests.json", {
+        "served": sql_requests(0, args.served, names[:-2], TASKS[:-3]),
+        "held_out": sql_requests(1, args.held_out, held_schemas, held_tasks)
+        + sql_requests(2, args.held_out, names[:-2], TASKS[:-3]),
+        "held_out_kinds": {"schemas": held_schemas, "tasks": held_tasks},
+    })
+
+
+def load_smollm2(draft_path=None):
+    from dflash_mlx.pair import load_pair
+
+    return load_pair("smollm2", draft_path)
+
+
+def chat_prompt(tokenizer, request):
+    return tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True)
+
+
+def serve(requests, recorder, progress_name, model, tokenizer, draft, block_size=None, max_tokens=160):
+    """Greedy generations of ``requests`` recorded by ``recorder``, resumable;
+    returns per request its tokens per cycle and its answer tokens."""
+    from dflash_mlx.generate import cycle_lengths, stream_generate
+
+    done = read_json(progress_name, [])
+    for i in range(len(done), len(requests)):
+        rs = list(stream_generate(model, draft, tokenizer, chat_prompt(tokenizer, requests[i]), max_tokens=max_tokens,
+                                  block_size=block_size, record=recorder))
+        lengths = cycle_lengths(rs)
+        done.append({"cycles": lengths, "tokens": [t for r in rs for t in r.tokens], "seconds": time.time()})
+        write_json(progress_name, done)
+        print(f"[{progress_name}] {i + 1}/{len(requests)}: {np.mean(lengths) if lengths else 0:.2f} tokens/cycle", flush=True)
+    return done
+
+
+def stage_serve(args):
+    from dflash_mlx.traffic import Recorder
+
+    model, tokenizer, draft, _ = load_smollm2()
+    serve(read_json("requests.json")["served"], Recorder(WORK / "traffic"), "served.json", model, tokenizer, draft)
+
+
+def held_out_sets(tokenizer):
+    from dflash_mlx.pair import named_prompts
+
+    return {"sql": read_json("requests.json")["held_out"], "general": named_prompts("smollm2")[: WORK_GENERAL]}
+
+
+WORK_GENERAL = 12  # of the pair's 64 held-out chat requests: enough cycles, an affordable decode
+
+
+def stage_held_out(args, draft_path=None, tag="before"):
+    from dflash_mlx.traffic import Recorder
+
+    model, tokenizer, draft, _ = load_smollm2(draft_path)
+    for name, requests in held_out_sets(tokenizer).items():
+        rec = Recorder(WORK / f"held-out-{name}") if tag == "before" else None
+        serve(requests, rec, f"{tag}-{name}.json", model, tokenizer, draft, block_size=BLOCK)
+
+
+def stage_replay(args):
+    """The drafter's original data (recipes/smollm2_shards), packed into rows."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    from smollm2_distill import ordered_shards
+    from smollm2_rows import pack
+
+    rows, answers, _, _ = pack(ordered_shards(REPO / "recipes" / "smollm2_shards"), args.seq_len)
+    np.save(WORK / "replay.npy", rows)
+    np.save(WORK / "replay-answers.npy", answers)
+    print(f"[replay] {len(rows)} rows of {args.seq_len}")
+
+
+def adapted_dir(name="adapted") -> Path:
+    return WORK / name
+
+
+def adapt_argv(args, out, traffic, minutes):
+    """``mlx-dflash train --from-traffic`` as the bench runs it: the recipe's
+    CPU levers (approximate target and softmax), the drafter's original rows
+    replayed at --replay-share, the target's outputs cached in memory."""
+    from dflash_mlx.pair import named_pair_paths
+
+    target, draft = named_pair_paths("smollm2")
+    return [
+        "--from-traffic", str(traffic), "--init-from", str(draft), "--model", str(target), "--draft-model", str(out),
+        "--steps", str(args.steps), "--warmup", "10", "--max-minutes", str(minutes), "--seq-len", str(args.seq_len),
+        "--batch-size", "4", "--anchors-per-seq", "16", "--learning-rate", str(args.learning_rate),
+        "--data", str(WORK / "replay.npy"), "--answer-mask", str(WORK / "replay-answers.npy"),
+        "--replay-share", str(args.replay_share), "--target-dtype", "float32", "--approximate-target",
+        "--approximate-softmax", "--cache-target", "--eval-every", str(args.eval_every), "--save-every", str(args.eval_every),
+    ]  # fmt: skip
+
+
+def run_adapt(argv, result_name):
+    """One adaptation run in this process; its scores and curve kept as JSON."""
+    from dflash_mlx import train as T
+
+    if read_json(result_name):
+        return read_json(result_name)
+    print("[adapt] mlx-dflash train " + " ".join(argv), flush=True)
+    options = vars(T.setup_arg_parser().parse_args(argv))
+    options["taps"] = T.parse_taps(options["taps"])
+    tic = time.time()
+    result = dict(T.adapt(T.TrainConfig(**options)), argv=argv, wall_seconds=round(time.time() - tic, 1))
+    write_json(result_name, result)
+    return result
+
+
+def stage_adapt(args):
+    run_adapt(adapt_argv(args, adapted_dir(args.name), WORK / "traffic", args.minutes), f"{args.name}-result.json")
+
+
+def stage_after(args):
+    out = adapted_dir(args.name)
+    if not (out / "config.json").is_file():
+        print("[after] no adapted drafter (it did not beat the shipped one): nothing to measure")
+        return
+    stage_held_out(args, out, tag=f"{args.name}-after")
+
+
+def scored(draft_path, records):
+    """Tokens per greedy cycle at the fixed block 16 on ``records`` (the
+    target's own answers), predicted by the training forward as the
+    trainer's held-out evaluation predicts them (exact target here)."""
+    import mlx.core as mx
+
+    from dflash_mlx import train as T
+    from dflash_mlx.targets import adapter_for
+
+    model, tokenizer, draft, _ = load_smollm2(draft_path)
+    adapter = adapter_for(model)
+    taps = [T.target_pass(adapter, mx.array(r.tokens[None]), draft.config.target_layer_ids)[0] for r in records]
+    lengths = T.held_out_cycles(draft, adapter, [r.tokens for r in records], [r.answer for r in records], taps)
+    return round(float(np.mean(lengths)), 3), len(lengths)
+
+
+def stage_score(args):
+    """Both drafters on the held-out records (the answers the held-out stage recorded)."""
+    from dflash_mlx.pair import named_pair_paths
+    from dflash_mlx.traffic import read_traffic
+
+    scores = read_json("scores.json", {})
+    drafters = {"shipped": named_pair_paths("smollm2")[1], args.name: adapted_dir(args.name)}
+    for kind in ("sql", "general"):
+        records = read_traffic(WORK / f"held-out-{kind}")
+        for name, path in drafters.items():
+            if (path / "config.json").is_file() and f"{name}-{kind}" not in scores:
+                scores[f"{name}-{kind}"] = scored(path, records)
+                write_json("scores.json", scores)
+                print(f"[score] {name} on held-out {kind}: {scores[f'{name}-{kind}']}", flush=True)
+
+
+def stage_curve(args):
+    """Tokens per cycle against recorded tokens: the same run on the first
+    1/N of the traffic (``--curve-shares``: a quarter and a half;
+    ``--curve-minutes`` each), scored on the held-out SQL records; the full
+    traffic's point is the main run's."""
+    from dflash_mlx.traffic import RECORDS, check_traffic_dir, read_traffic
+
+    records = sorted((WORK / "traffic" / RECORDS).glob("*.npz"))
+    scores = read_json("curve.json", {})
+    for share in args.curve_shares:
+        name = f"first-{len(records) // share}"
+        if name in scores:
+            continue
+        sub = WORK / f"traffic-{name}"
+        if not sub.exists():
+            check_traffic_dir(sub, create=True)
+            for f in records[: len(records) // share]:
+                (sub / RECORDS / f.name).write_bytes(f.read_bytes())
+        out = adapted_dir(f"adapted-{name}")
+        result = run_adapt(adapt_argv(args, out, sub, args.curve_minutes), f"{name}-result.json")
+        tokens = sum(len(r.tokens) for r in read_traffic(sub))
+        point = scored(out, read_traffic(WORK / "held-out-sql")) if result["written"] else None
+        scores[name] = {"recorded_tokens": tokens, "conversations": len(records) // share, "result": result, "held_out_sql": point}
+        write_json("curve.json", scores)
+
+
+def stage_speed(args):
+    """DFlash (adaptive block) against mlx-lm on the held-out SQL requests,
+    each drafter, through ``mlx-dflash bench`` (timings: see the report's note)."""
+    from transformers import AutoTokenizer
+
+    from dflash_mlx.pair import named_pair_paths
+
+    tokenizer = AutoTokenizer.from_pretrained(str(named_pair_paths("smollm2")[0]))
+    prompts = WORK / "held-out-sql-prompts.json"
+    prompts.write_text(json.dumps([
+        tokenizer.apply_chat_template([{"role": "user", "content": r}], add_generation_prompt=True, tokenize=False)
+        for r in read_json("requests.json")["held_out"]
+    ]))  # fmt: skip
+    for name, path in (("shipped", None), ("adapted", adapted_dir())):
+        out = WORK / f"speed-{name}.json"
+        if out.is_file() or (path is not None and not (path / "config.json").is_file()):
+            continue
+        cmd = [sys.executable, "-m", "dflash_mlx.benchmark", "--model", "smollm2", "--prompts", str(prompts),
+               "--max-tokens", "160", "--repeats", "1", "--json", str(out)]  # fmt: skip
+        subprocess.run(cmd + (["--draft-model", str(path)] if path else []), check=True)
+
+
+def summary(adapted="adapted"):
+    """Tokens per cycle of the shipped drafter and the run ``adapted`` (--name)."""
+    rows = {}
+    for name in ("sql", "general"):
+        for tag, file in (("before", f"before-{name}.json"), ("after", f"{adapted}-after-{name}.json")):
+            runs = read_json(file)
+            if runs:
+                lengths = [n for r in runs for n in r["cycles"]]
+                rows.setdefault(name, {})[f"decoded_{tag}"] = round(float(np.mean(lengths)), 3)
+        before, after = read_json(f"before-{name}.json"), read_json(f"{adapted}-after-{name}.json")
+        if before and after:
+            n = min(len(before), len(after))
+            rows[name]["identical_text"] = all(before[i]["tokens"] == after[i]["tokens"] for i in range(n))
+    for key, (tpc, cycles) in read_json("scores.json", {}).items():
+        name, kind = key.rsplit("-", 1)
+        if name in ("shipped", adapted):
+            rows.setdefault(kind, {})[f"predicted_{'shipped' if name == 'shipped' else 'adapted'}"] = tpc
+    for kind, row in rows.items():
+        for how in ("decoded", "predicted"):
+            a, b = row.get(f"{how}_{'before' if how == 'decoded' else 'shipped'}"), row.get(f"{how}_{'after' if how == 'decoded' else 'adapted'}")
+            if a and b:
+                row[f"{how}_ratio"] = round(b / a, 3)
+    return rows
+
+
+def stage_report(args):
+    report = {
+        "run": args.name, "tokens_per_cycle": summary(args.name), "adapt": read_json(f"{args.name}-result.json"),
+        "curve": read_json("curve.json"),
+        "served": len(read_json("served.json", [])),
+        "speed": {n: read_json(f"speed-{n}.json") for n in ("shipped", "adapted") if read_json(f"speed-{n}.json")},
+    }
+    print(json.dumps(report, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stage", choices=STAGES + ("all",), default="all")
+    p.add_argument("--served", type=int, default=200, help="SQL requests served with recording")
+    p.add_argument("--held-out", type=int, default=12, help="held-out SQL requests per held-out group (two groups)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=300, help="the schedule's steps (--minutes may end the run first)")
+    p.add_argument("--minutes", type=float, default=60.0, help="the adaptation's training minutes at most")
+    p.add_argument("--curve-minutes", type=float, default=10.0, help="each of the curve's shorter runs")
+    p.add_argument("--curve-shares", type=int, nargs="+", default=[4, 2], help="the curve's runs: the first 1/N of the traffic each")
+    p.add_argument("--eval-every", type=int, default=30)
+    p.add_argument("--learning-rate", type=float, default=5e-4)
+    p.add_argument("--replay-share", type=float, default=0.25)
+    p.add_argument("--name", default="adapted", help="the adaptation run's name: its drafter, scores and decodes")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    work()
+    todo = STAGES if args.stage == "all" else (args.stage,)
+    for stage in todo:
+        print(f"== {stage}", flush=True)
+        globals()["stage_" + stage.replace("-", "_")](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Recorded traffic (dflash_mlx.traffic) and ``mlx-dflash train --from-traffic``:
+what is stored, within what bound, what is refused, and that an adapted
+drafter is written only when it beats the one it started from."""
+
+import errno
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+
+import dflash_mlx
+from dflash_mlx import cli
+from dflash_mlx import train as T
+from dflash_mlx import traffic
+from dflash_mlx.cache import make_prompt_cache
+from dflash_mlx.traffic import Recorder, TrafficError, read_traffic
+
+import tiny
+
+
+def records_in(path):
+    return sorted((path / traffic.RECORDS).glob("*.npz"))
+
+
+def test_a_record_is_the_conversation_and_its_answer_marks(tmp_path):
+    rec = Recorder(tmp_path / "t")
+    rec.record([1, 2, 3], [4, 5])
+    (r,) = read_traffic(tmp_path / "t")
+    assert r.tokens.tolist() == [1, 2, 3, 4, 5] and r.answer.tolist() == [False] * 3 + [True] * 2
+    f = records_in(tmp_path / "t")[0]
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600 and stat.S_IMODE((tmp_path / "t").stat().st_mode) == 0o700
+    # A later turn replaces its conversation's record and keeps the first answer's marks.
+    rec.record([1, 2, 3, 4, 5, 6], [7])
+    (r,) = read_traffic(tmp_path / "t")
+    assert r.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert r.answer.tolist() == [False] * 3 + [True] * 2 + [False, True]
+    rec.record([9, 9], [8])  # another conversation: a record of its own, after the first
+    assert [x.tokens.tolist()[0] for x in read_traffic(tmp_path / "t")] == [1, 9]
+    assert not [p for p in (tmp_path / "t" / traffic.RECORDS).iterdir() if p.suffix != ".npz"]  # no temporaries
+
+
+def test_the_byte_bound_holds_oldest_out_first(tmp_path):
+    one = len(traffic.encode_record(np.arange(100), np.ones(100, bool)))
+    rec = Recorder(tmp_path / "t", max_bytes=3 * one + 10)
+    for i in range(7):
+        rec.record([1000 + i], np.arange(99))
+        assert sum(f.stat().st_size for f in records_in(tmp_path / "t")) <= 3 * one + 10
+    assert [r.tokens[0] for r in read_traffic(tmp_path / "t")] == [1004, 1005, 1006]
+    again = Recorder(tmp_path / "t", max_bytes=one + 10)  # a new session counts what is there
+    again.record([2000], np.arange(99))
+    assert [r.tokens[0] for r in read_traffic(tmp_path / "t")] == [2000]
+
+
+def test_bad_directories_and_files(tmp_path, caplog):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(TrafficError, match="not a traffic directory"):
+        Recorder(other)
+    with pytest.raises(TrafficError, match="not a traffic directory"):
+        read_traffic(other)
+    with pytest.raises(TrafficError, match="holds no recorded traffic"):
+        read_traffic(tmp_path / "missing")
+    rec = Recorder(tmp_path / "t")
+    rec.record([1, 2], [3])
+    rec.record([4, 5], [6])
+    bad = records_in(tmp_path / "t")[0]
+    bad.write_bytes(bad.read_bytes()[:40])  # a truncated record: skipped, with a warning
+    assert [r.tokens.tolist() for r in read_traffic(tmp_path / "t")] == [[4, 5, 6]]
+    assert "corrupt traffic record" in caplog.text
+    for f in records_in(tmp_path / "t"):
+        f.write_bytes(b"junk")
+    with pytest.raises(TrafficError, match="no readable recorded conversation"):
+        read_traffic(tmp_path / "t")
+
+
+def test_a_full_disk_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypatch, caplog):
+    rec = Recorder(tmp_path / "t")
+    rec.record([1], [2])
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(TrafficError, match="disk is full"):
+        rec.record([5], [6])
+    traffic.record_safely(rec, [5], [6])  # a serving loop logs it and goes on
+    assert "disk is full" in caplog.text
+    monkeypatch.undo()
+    assert [r.tokens.tolist() for r in read_traffic(tmp_path / "t")] == [[1, 2]]
+    assert len(list((tmp_path / "t" / traffic.RECORDS).iterdir())) == 1
+
+
+def test_recording_changes_no_output_and_needs_asking(qwen3_pair, tmp_path):
+    """stream_generate(record=...) yields what it yields without, which is
+    mlx-lm's greedy text; each turn of a conversation on one prompt cache
+    extends one record. Without ``record`` nothing is written anywhere."""
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=4), pair.model)
+    before = set(tmp_path.rglob("*"))
+    plain, _ = pair.dflash(draft, "def f(x):", max_tokens=12)
+    assert set(tmp_path.rglob("*")) == before
+    rec = Recorder(tmp_path / "t")
+    recorded, _ = pair.dflash(draft, "def f(x):", max_tokens=12, record=rec)
+    assert recorded == plain == pair.reference("def f(x):", 12)
+    (r,) = read_traffic(tmp_path / "t")
+    prompt = pair.tokenizer.encode("def f(x):")
+    assert r.tokens.tolist()[: len(prompt)] == prompt and r.answer.sum() == len(r.tokens) - len(prompt)
+    cache = make_prompt_cache(pair.model, draft)
+    for turn in ("import os\n", "x = 1\n"):
+        list(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, turn, max_tokens=6, prompt_cache=cache, record=rec))
+    conv = read_traffic(tmp_path / "t")[-1]
+    assert len(read_traffic(tmp_path / "t")) == 2 and conv.answer.sum() >= 10  # both answers, one record
+
+
+# --------------------------------------------------------------- --from-traffic
+
+
+@pytest.fixture(scope="module")
+def recorded(qwen3_pair, tmp_path_factory):
+    """A traffic directory of 24 greedy conversations of the tiny target."""
+    return tiny.recorded_traffic(qwen3_pair, tmp_path_factory.mktemp("traffic")).root
+
+
+def adapt_argv(pair, traffic_dir, init, out, *extra):
+    return [
+        "--model", str(pair.path), "--from-traffic", str(traffic_dir), "--init-from", str(init), "--draft-model", str(out),
+        "--seq-len", "48", "--batch-size", "4", "--anchors-per-seq", "8", "--warmup", "2", "--eval-every", "100", *extra,
+    ]  # fmt: skip
+
+
+def test_adapting_writes_only_a_better_drafter(qwen3_pair, recorded, tmp_path, capsys):
+    """A random drafter fine-tuned on the traffic beats itself on the held-out
+    tenth: written, with its scores, and it decodes losslessly. A run that
+    wrecks it (a huge learning rate) scores worse: refused, nothing written."""
+    pair = qwen3_pair
+    init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    good = tmp_path / "good"
+    assert cli.run(T.main, adapt_argv(pair, recorded, init, good, "--steps", "60", "--learning-rate", "3e-3")) == 0
+    out = capsys.readouterr().out
+    result = json.loads((good / traffic.ADAPT_RESULT).read_text())
+    assert result["written"] and result["after"] > result["before"] and "held-out tokens per cycle" in out
+    assert sorted(p.name for p in good.iterdir()) == ["adapt.json", "config.json", "model.safetensors"]
+    assert not (tmp_path / ("good" + traffic.ADAPTING)).exists()
+    adapted = dflash_mlx.load_draft(good, pair.model)
+    got, _ = pair.dflash(adapted, "def f(x):", eos_ids=[], max_tokens=24)
+    assert got == pair.reference("def f(x):", 24, eos_ids=[])
+    bad = tmp_path / "bad"
+    assert cli.run(T.main, adapt_argv(pair, recorded, good, bad, "--steps", "6", "--learning-rate", "5")) == 0
+    assert "does not beat" in capsys.readouterr().out
+    assert not bad.exists() and not (tmp_path / ("bad" + traffic.ADAPTING)).exists()
+
+
+def test_replay_rows_join_at_their_share(qwen3_pair, recorded, tmp_path):
+    pair = qwen3_pair
+    init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    rows = np.arange(40 * 48, dtype=np.int32).reshape(40, 48) % 200
+    np.save(tmp_path / "old.npy", rows)
+    args = T.TrainConfig(**{**vars(T.setup_arg_parser().parse_args(
+        adapt_argv(pair, recorded, init, tmp_path / "o", "--data", str(tmp_path / "old.npy"), "--replay-share", "0.5"))),
+        "taps": None})  # fmt: skip
+    T.check_args(args)
+    docs, answers, (held, written) = T.traffic_data(args, pair.tokenizer, pair.vocab)
+    old = [d for d in docs if d.max() < 200 and (np.diff(d) == 1).sum() > 40]
+    assert len(old) == len(docs) - len(old) and all(len(d) == 48 for d in docs)
+    assert len(held) == 2 and answers.shape == (48 * len(docs),)
+
+
+@pytest.mark.parametrize("case", ["not-traffic", "no-init", "eval-data"])
+def test_bad_adapt_input_is_one_line(case, qwen3_pair, recorded, tmp_path, capsys):
+    pair = qwen3_pair
+    init = pair.make_draft(tmp_path / "init", block_size=8)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x").write_text("x")
+    argv = adapt_argv(pair, other if case == "not-traffic" else recorded, init, tmp_path / "o")
+    if case == "no-init":
+        argv[argv.index("--init-from") + 1] = str(tmp_path / "nothing")
+    if case == "eval-data":
+        argv += ["--eval-data", str(other / "x")]
+    assert cli.run(T.main, argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert {"not-traffic": "not a traffic directory", "no-init": "--init-from", "eval-data": "--eval-data"}[case] in err
