@@ -533,8 +533,6 @@ class DFlashResponseGenerator:
         """Continuous batching: new requests join between cycles, finished
         and disconnected ones leave at once (see :class:`~dflash_mlx.batch.BatchGenerator`)."""
         while not self.stopping:
-            if self.adaptation is not None and not self.batch.busy:  # a swap waits for an idle batch
-                self.between_requests()
             self.admit(block=not self.batch.busy)
             if not self.batch.busy:
                 continue
@@ -587,6 +585,8 @@ class DFlashResponseGenerator:
                 return
             block = False
             responses, prepared, args = item
+            if self.adaptation is not None and not self.batch.busy:  # a swap waits for an idle batch
+                self.between_requests()
             try:
                 served = self.start(responses, prepared, args)
                 s = args.sampling
@@ -874,7 +874,7 @@ def make_generator(args, model, tokenizer, draft, draft_id: str, learn=(None, No
         raise ArgumentError(draft.target.no_trees)
     if args.pipeline and args.prompt_cache_dir:  # every rank must restore the same cache, and the writes are not agreed
         raise ArgumentError("--prompt-cache-dir does not work with --pipeline yet: leave one of them out")
-    return DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id))
+    return DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id), learn)
 
 
 def add_generator(server: ThreadingHTTPServer, args, model, tokenizer, draft, draft_id: str, learn=(None, None)) -> ThreadingHTTPServer:

@@ -20,13 +20,13 @@ class Metrics:
         self.last_tokens_per_cycle = 0.0
         self.batches: Counter = Counter()  # batched cycles by the requests they verified
         self.last_batch = 0
+        self.drafter = {"version": 0, "before": 0.0, "after": 0.0}  # --adapt's drafter in use
 
     def cycle(self, batch: int):
         """A batched cycle verified ``batch`` requests together."""
         with self.lock:
             self.batches[batch] += 1
             self.last_batch = batch
-        self.drafter = {"version": 0, "before": 0.0, "after": 0.0}  # --adapt's drafter in use
 
     def drafter_in_use(self, version: int, scores: Dict):
         """An adapted drafter was swapped in: its version and held-out tokens
