@@ -534,6 +534,7 @@ def batch_generate(
     max_tokens=DEFAULT_MAX_TOKENS,
     prompt_caches: Optional[Sequence[Optional[PromptCache]]] = None,
     verbose: bool = False,
+    record=None,
     **kwargs,
 ) -> BatchResult:
     """Generate for every prompt at once (mlx-lm's ``batch_generate``, with
@@ -543,13 +544,16 @@ def batch_generate(
     :func:`~dflash_mlx.generate.generate` gives for its prompt alone:
     token-identical when greedy, identically distributed when sampled.
     ``stats[i]``: its prompt and generated tokens, cycles, accepted draft
-    tokens and tokens per cycle."""
+    tokens and tokens per cycle. ``record`` (a :class:`dflash_mlx.traffic.Recorder`)
+    stores each finished conversation as drafter training data, as
+    :func:`~dflash_mlx.generate.stream_generate`'s does."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     insert_keys = ("temperature", "top_p", "top_k", "min_p", "seed", "acceptance", "logprobs")
     insert = {k: kwargs.pop(k) for k in insert_keys if k in kwargs}
     gen = BatchGenerator(model, draft, **kwargs)
     encoded = [encode_prompt(tokenizer, p).tolist() for p in prompts]
+    contexts = [(list(c.tokens) if c is not None else []) + e for c, e in zip(prompt_caches or [None] * len(encoded), encoded)]
     uids = gen.insert(
         encoded, max_tokens, prompt_caches=prompt_caches, eos_token_ids=tokenizer.eos_token_ids, **insert
     )
@@ -567,6 +571,8 @@ def batch_generate(
             stats[i]["accepted"] += sum(r.from_draft)
             if r.finish_reason is not None:
                 finish[i], caches[i] = r.finish_reason, r.prompt_cache
+                if record is not None:
+                    record.record(contexts[i], tokens[i])
                 if verbose:
                     print(f"[request {i} done: {len(tokens[i])} tokens, {r.finish_reason}]")
     elapsed = time.perf_counter() - tic

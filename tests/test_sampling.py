@@ -30,7 +30,6 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import load
 from mlx_lm.sample_utils import make_sampler
 from tiny import (
     PROMPT, TRUNCATED, V, DoubleDrafter, EchoDFlash2, generated_tokens, pit_check, small_pair,

@@ -14,6 +14,7 @@ import dflash_mlx
 from dflash_mlx import cli
 from dflash_mlx import train as T
 from dflash_mlx import traffic
+from dflash_mlx.batch import batch_generate
 from dflash_mlx.cache import make_prompt_cache
 from dflash_mlx.traffic import Recorder, TrafficError, read_traffic
 
@@ -113,6 +114,23 @@ def test_recording_changes_no_output_and_needs_asking(qwen3_pair, tmp_path):
         list(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, turn, max_tokens=6, prompt_cache=cache, record=rec))
     conv = read_traffic(tmp_path / "t")[-1]
     assert len(read_traffic(tmp_path / "t")) == 2 and conv.answer.sum() >= 10  # both answers, one record
+
+
+def test_batch_generate_records_each_request(qwen3_pair, tmp_path):
+    """batch_generate(record=...): one record per request, its prompt and
+    its answer (mlx-lm's greedy tokens), the output unchanged."""
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=4), pair.model)
+    prompts = ["def f(x):", "import os\n"]
+    rec = Recorder(tmp_path / "t")
+    result = batch_generate(pair.model, draft, pair.tokenizer, prompts, max_tokens=10, record=rec)
+    assert result.tokens == [pair.reference(p, 10) for p in prompts]
+    records = read_traffic(tmp_path / "t")
+    assert len(records) == 2
+    for p, answer in zip(prompts, result.tokens):
+        prompt = pair.tokenizer.encode(p)
+        (r,) = [r for r in records if r.tokens.tolist()[: len(prompt)] == prompt]
+        assert r.tokens.tolist()[len(prompt) :][: len(answer)] == answer and r.answer.sum() == len(r.tokens) - len(prompt)
 
 
 # --------------------------------------------------------------- --from-traffic
