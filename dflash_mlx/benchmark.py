@@ -353,7 +353,8 @@ def time_forwards(model, draft, prompt_ids, block_size, new_context=1, repeats=2
     return {
         "target_1": median_ms(baseline_step, repeats),
         f"target_{block_size}": time_verify(target, cache, block_size, repeats),
-        "drafter": time_drafter(model, draft, target_hidden, block_size, new_context, repeats),
+        # a block of 1 is a plain step: nothing to draft
+        "drafter": time_drafter(model, draft, target_hidden, block_size, new_context, repeats) if block_size > 1 else 0.0,
     }
 
 

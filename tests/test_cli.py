@@ -69,6 +69,15 @@ def test_chat_turns(tiny_dirs, capsys):
     assert out.count("tokens/cycle]") == 2
 
 
+def test_bench_of_the_plain_step(tiny_dirs, tmp_path):
+    """--block-size 1 benches plain decoding (its forwards time no drafter)."""
+    model, draft = tiny_dirs
+    rc = benchmark.main(["--model", model, "--draft-model", draft, "--num-prompts", "1", "--max-tokens", "8",
+                         "--repeats", "1", "--block-size", "1", "--tree-budgets", "--json", str(tmp_path / "r.json")])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 0 and report["outputs_identical"] is True and report["mean_tokens_per_cycle"] == 1.0
+
+
 def test_bench_json_and_plot(tiny_dirs, tmp_path, capsys):
     model, draft = tiny_dirs
     prompts = tmp_path / "p.json"
