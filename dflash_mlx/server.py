@@ -902,6 +902,9 @@ def main(argv=None):
             from .pair import default_draft_for
             from .pipeline import follow_rank0, load_for_command
 
+            if args.learn is not None:
+                raise ArgumentError("--learn and --adapt serve from one process: they do not combine with --pipeline")
+            learn = (None, None)
             model, tokenizer, draft = load_for_command(args.model, args.draft_model)
             draft_id = args.draft_model or default_draft_for(args.model)
             if rank != 0:  # generates what rank 0 receives, until rank 0 stops

@@ -164,12 +164,14 @@ def test_a_quantized_target_batches_exactly(make_pair, tmp_path):
     assert batch_generate(model, draft, tokenizer, prompts, max_tokens=40, block_size=4).tokens == refs
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_moe"])
 @pytest.mark.parametrize("block_size", [1, 4])
-def test_rows_stop_at_their_own_eos(qwen3_pair, tmp_path, block_size):
+def test_rows_stop_at_their_own_eos(make_pair, tmp_path, block_size, family):
     """An eos ends its row (kept, as the lone run keeps it) and no other;
     plain batched steps (block 1) run ahead of their reads, and a row that
-    ends is rolled back out of the step queued after it."""
-    pair = qwen3_pair
+    ends is rolled back out of the step queued after it (a hybrid's
+    recurrent state too)."""
+    pair = make_pair(family)
     draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
     prompts = [prompt_of(n, seed=11) for n in (6, 19, 44)]
     refs = [pair.reference(p, 40) for p in prompts]

@@ -262,10 +262,13 @@ def rewind_gated_delta(gdn, cache, rec: DeltaRecord, keep) -> None:
     """Set ``cache`` to the state after the first ``keep`` tokens of ``rec``;
     ``keep`` a list: row ``b`` of a batch keeps its first ``keep[b]``."""
     n_keep = gdn.conv_kernel_size - 1
+    length, whole = rec.conv_input.shape[1] - n_keep, cache[1]  # the forward's tokens, the state after all of them
 
     def state_after(n: int) -> mx.array:
         if n == 0:
             return rec.state
+        if n == length:  # (a one-token forward keeps no per-token inputs)
+            return whole
         if rec.chunk is not None:
             return rec.chunk.state_after(n)
         _, state = gated_delta_update(
