@@ -326,8 +326,9 @@ def summary(adapted="adapted"):
     """Tokens per cycle of the shipped drafter and the run ``adapted`` (--name)."""
     rows = {}
     for name in ("sql", "general"):
+        n = len(read_json(f"{adapted}-after-{name}.json") or []) or None  # a decode still under way: its requests only
         for tag, file in (("before", f"before-{name}.json"), ("after", f"{adapted}-after-{name}.json")):
-            runs = read_json(file)
+            runs = (read_json(file) or [])[:n]
             if runs:
                 lengths = [n for r in runs for n in r["cycles"]]
                 rows.setdefault(name, {})[f"decoded_{tag}"] = round(float(np.mean(lengths)), 3)
