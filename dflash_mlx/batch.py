@@ -140,6 +140,7 @@ class BatchGenerator:
         draft_sink: Optional[int] = None,
         stream=generation_stream,
     ):
+        self.old_wired_limit = None  # (close() may run on a generator refused below)
         for name, value in (("completion_batch_size", completion_batch_size), ("prefill_batch_size", prefill_batch_size), ("prefill_step_size", prefill_step_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ArgumentError(f"{name} must be a whole number of at least 1, not {value!r}")
