@@ -554,8 +554,10 @@ class DFlashResponseGenerator:
             cycles = {r.batch for r in out if r.block}
             for batch in cycles:
                 self.metrics.cycle(batch)
-            gone = []
-            for r in out:
+            gone = {}  # uid -> whether the batch itself let it go
+            for r in out:  # (a request may have two cycles' responses: a plain step run ahead)
+                if r.uid in gone:
+                    continue
                 served = self.serving[r.uid]
                 ended = False
                 for i, token in enumerate(r.tokens):
@@ -564,16 +566,12 @@ class DFlashResponseGenerator:
                         ended = True
                         break
                 if ended or r.finish_reason is not None or served.ctx.stopped:
-                    gone.append(r.uid)
-            if gone:
-                self.batch.remove([u for u in gone if u in self.serving and not self.ended(u, out)])
+                    gone[r.uid] = r.finish_reason is not None
+            leaving = [uid for uid, left in gone.items() if not left]
+            if leaving:
+                self.batch.remove(leaving)
             for uid in gone:
                 self.finish(self.serving.pop(uid))
-
-    @staticmethod
-    def ended(uid: int, out) -> bool:
-        """Whether the cycle's ``out`` finished request ``uid`` itself (it left the batch)."""
-        return any(r.uid == uid and r.finish_reason is not None for r in out)
 
     def admit(self, block: bool) -> None:
         """Take every queued request into the batch (waiting a little for
