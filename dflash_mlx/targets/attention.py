@@ -59,12 +59,17 @@ def rewind_rotating(cache: RotatingKVCache, length: int, keep: int) -> None:
         return
     keys, values, offset, sink, max_size, idx = cache.state
     rows = idx - drop  # the concat path leaves rows in time order, idx == rows
-    keys, values = keys[..., :rows, :], values[..., :rows, :]
-    offset -= drop
+    hold_in_time_order(cache, keys[..., :rows, :], values[..., :rows, :], offset - drop, sink, max_size)
+
+
+def hold_in_time_order(cache: RotatingKVCache, keys, values, offset: int, sink: int, max_size: int) -> None:
+    """Set ``cache`` to hold ``keys``/``values`` (oldest first, the newest
+    at position ``offset - 1``), as both of mlx-lm's update paths read them."""
+    rows = keys.shape[2]
     if rows < max_size <= offset:
-        # keep == 0 after a wrap leaves window - 1 rows, all a next query
-        # needs; mlx-lm's one-token path expects a full ring, so put back one
-        # placeholder row in front, which either update path evicts first.
+        # window - 1 rows after a wrap are all a next query needs; mlx-lm's
+        # one-token path expects a full ring, so put back one placeholder row
+        # in front, which either update path evicts first.
         keys = mx.concatenate([keys[..., :1, :], keys], axis=2)
         values = mx.concatenate([values[..., :1, :], values], axis=2)
         rows += 1

@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from ..errors import ArgumentError
+from .attention import hold_in_time_order
 from .base import TargetCache
 
 STEP = 256  # slots a buffer grows by, and leading slots dropped at a time
@@ -136,14 +137,8 @@ class RaggedKVCache:
         held = min(end, self.window)
         keys = mx.contiguous(self.keys[b : b + 1, :, end - held : end])
         values = mx.contiguous(self.values[b : b + 1, :, end - held : end])
-        if held < self.window <= pos:
-            # As attention.rewind_rotating leaves a wrapped cache: a
-            # placeholder row in front, which either update path evicts first.
-            keys = mx.concatenate([keys[..., :1, :], keys], axis=2)
-            values = mx.concatenate([values[..., :1, :], values], axis=2)
-            held += 1
         cache = RotatingKVCache(max_size=self.window, keep=0)
-        cache.state = (keys, values, pos, 0, self.window, held)
+        hold_in_time_order(cache, keys, values, pos, 0, self.window)
         return cache
 
     @property
