@@ -385,12 +385,11 @@ class BatchGenerator:
             ahead, self.ahead = self.ahead, None
             more, later = self.accept(ahead, ahead.outcome.tolist(), void=set(done))
             out, done = out + more, done + later
-        ending = sorted(set(done))
-        for b in ending:
-            for response in out:
-                if response.uid == rows[b].uid and response.finish_reason is not None:
-                    response.prompt_cache = rows[b].cache
-        self.leave(ending)
+        caches = {r.uid: r.cache for r in rows}
+        for response in out:
+            if response.finish_reason is not None:  # its request leaves below, its cache whole again
+                response.prompt_cache = caches[response.uid]
+        self.leave(done)
         self.left = time.perf_counter()
         return out
 
