@@ -273,8 +273,16 @@ class BatchGenerator:
     def prefill_queued(self) -> List[BatchResponse]:
         budget, out, started = self.prefill_step_size, [], 0
         while budget > 0 and started < self.prefill_batch_size and self.waiting:
-            if len(self.active) + len(self.joining) >= self.completion_batch_size:
+            free = self.completion_batch_size - len(self.active) - len(self.joining)
+            if free <= 0:
                 break
+            group = self.whole_prompts(min(free, self.prefill_batch_size - started), budget)
+            if len(group) > 1:
+                del self.waiting[: len(group)]
+                started += len(group)
+                budget -= len(group) * max(len(r.cache.pending) + len(r.todo) for r in group)
+                out += self.prefill_together(group)
+                continue
             r = self.waiting[0]
             started += 1
             chunk, r.todo = r.todo[:budget], r.todo[budget:]
@@ -289,6 +297,53 @@ class BatchGenerator:
             if r.progress is not None:
                 r.progress(r.total, r.total)
             out.append(self.first_token(r, logits))
+        return out
+
+    def whole_prompts(self, most: int, budget: int) -> List[Request]:
+        """The leading queued requests (at most ``most``) whose whole
+        remaining prompts fit ``budget`` tokens together, each padded to
+        the longest."""
+        group, longest = [], 0
+        for r in self.waiting[:most]:
+            need = len(r.cache.pending) + len(r.todo)
+            if (len(group) + 1) * max(longest, need) > budget:
+                break
+            group.append(r)
+            longest = max(longest, need)
+        return group
+
+    def prefill_together(self, group: List[Request]) -> List[BatchResponse]:
+        """Prefill several whole prompts together, as a cycle runs: every
+        row's tokens but its last, right-padded to the longest (in pieces of
+        the target's ``longest_ragged``), each row then keeping only its own
+        (:meth:`~dflash_mlx.targets.base.TargetAdapter.rollback_rows`; no
+        real token sees the padding); then every row's last token, whose
+        logits give its first token (mlx-lm's order). The requests leave
+        with their own caches, to join at the next call."""
+        runs = [r.cache.pending + r.todo for r in group]
+        caches = BatchCache.join([r.cache.target for r in group], [len(r.cache.tokens) - len(r.cache.pending) for r in group])
+        body = [run[:-1] for run in runs]
+        longest = max(map(len, body))
+        piece = self.target.longest_ragged or longest
+        for start in range(0, longest, piece):
+            part = [b[start : start + piece] for b in body]
+            width = max(map(len, part))
+            _, taps = self.target.forward(mx.array([p + [0] * (width - len(p)) for p in part], dtype=mx.int32), caches, last_logits_only=True)
+            self.target.rollback_rows(caches, [len(p) for p in part])
+            for r, (b, p) in zip(group, enumerate(part)):
+                if p:
+                    r.cache.add_hidden(taps[b : b + 1, : len(p)])
+        logits, taps = self.target.forward(mx.array([run[-1:] for run in runs], dtype=mx.int32), caches, last_logits_only=True)
+        self.target.rollback_rows(caches, [1] * len(group))
+        out = []
+        for b, r in enumerate(group):
+            r.cache.add_hidden(taps[b : b + 1])
+            r.cache.tokens.extend(r.todo)
+            r.cache.pending, r.todo = [], []
+            r.cache.target = caches.row(b)
+            if r.progress is not None:
+                r.progress(r.total, r.total)
+            out.append(self.first_token(r, logits[b : b + 1, -1]))
         return out
 
     def first_token(self, r: Request, logits: mx.array) -> BatchResponse:

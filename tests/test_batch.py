@@ -216,6 +216,30 @@ def test_a_removed_request_leaves_a_cache_to_continue(qwen3_5_pair, tmp_path, bl
     assert second == pair.reference(prompts[0] + refs[0] + turn, 20)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_short_prompts_prefill_together(make_pair, tmp_path, family):
+    """Prompts that fit one prefill step together run as one batch of
+    rows (a hybrid's in pieces of its ``longest_ragged``), each row keeping
+    its own length: first a second turn on a finished request's cache
+    beside fresh prompts, every answer mlx-lm's."""
+    pair = make_pair(family)
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    first = prompt_of(11, seed=4)
+    done = batch_generate(pair.model, draft, pair.tokenizer, [first], max_tokens=12)
+    turn, fresh = prompt_of(6, seed=8), [prompt_of(n, seed=n) for n in (1, 30, 130)]
+    refs = [pair.reference(first + done.tokens[0] + turn, 24, eos_ids=[])] + [pair.reference(p, 24, eos_ids=[]) for p in fresh]
+    gen = BatchGenerator(pair.model, draft, block_size=4)
+    shapes, forward = [], gen.target.forward
+    gen.target.forward = lambda tokens, cache, **kw: shapes.append(tokens.shape) or forward(tokens, cache, **kw)
+    uids = gen.insert([turn] + fresh, 24, prompt_caches=[done.prompt_caches[0], None, None, None])
+    firsts = gen.next()
+    assert [r.uid for r in firsts] == uids and all(rows == 4 for rows, _ in shapes)
+    piece = gen.target.longest_ragged or 130
+    assert len(shapes) == -(-129 // piece) + 1
+    seen = run_all(gen)
+    assert [[t for r in firsts if r.uid == u for t in r.tokens] + seen.tokens[u] for u in uids] == refs
+
+
 def test_sampled_and_greedy_rows_share_a_batch(tmp_path):
     """Mixed rows: greedy ones identical to their lone run, sampled ones
     (each its own seed and settings) distributed as the target samples:

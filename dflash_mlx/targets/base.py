@@ -42,6 +42,9 @@ class TargetAdapter:
     local_timings = True
     # Why this adapter verifies chains only (None: it verifies trees too).
     no_trees: Optional[str] = None
+    # The longest forward of a batch whose rows then keep prefixes of their
+    # own (``rollback_rows``) that it runs well (None: any).
+    longest_ragged: Optional[int] = None
 
     def __init__(self, model: nn.Module, text_model: nn.Module, backbone: nn.Module):
         self.model = model

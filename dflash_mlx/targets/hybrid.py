@@ -37,6 +37,11 @@ from .attention import context_rows, kept_rows, rewind_caches, tree_mask
 from .base import TargetAdapter
 
 
+# The WY form's chunk length for a prompt: its decays stay well within
+# float32 range over a chunk this long, and its matrices small.
+PROMPT_CHUNK = 64
+
+
 def has_fused_recurrence() -> bool:
     """Whether mlx-lm will run the recurrence as its Metal kernel."""
     return mx.default_device() == mx.gpu and mx.metal.is_available()
@@ -121,10 +126,10 @@ def gated_delta_forward(gdn, x, mask, cache, record: bool, chunked: bool = False
     chunk = None
     if chunked and S > 1 and mask is None:
         # One chunk for a verify block (rollback reads any prefix state from
-        # it); 64-token chunks for a prompt.
+        # it); PROMPT_CHUNK-token chunks for a prompt.
         out, state, chunk = chunked_gated_delta(
             q, k, v, log_decay(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b), state0,
-            chunk_size=S if record else 64, compiled=record,
+            chunk_size=S if record else PROMPT_CHUNK, compiled=record,
         )
         out = out.astype(q.dtype)
     else:
@@ -265,8 +270,8 @@ def rewind_gated_delta(gdn, cache, rec: DeltaRecord, keep) -> None:
     length, whole = rec.conv_input.shape[1] - n_keep, cache[1]  # the forward's tokens, the state after all of them
 
     def state_after(n: int) -> mx.array:
-        if n == 0:
-            return rec.state
+        if n == 0:  # (a fresh cache's state is None: zeros)
+            return mx.zeros_like(whole) if rec.state is None else rec.state
         if n == length:  # (a one-token forward keeps no per-token inputs)
             return whole
         if rec.chunk is not None:
@@ -303,6 +308,8 @@ class HybridTarget(TargetAdapter):
     mlx-lm has its fused kernel here). ``compile_layers`` runs each dense
     GatedDeltaNet layer of a chunked verify block as one compiled function.
     """
+
+    longest_ragged = PROMPT_CHUNK  # a recorded forward is one WY chunk (rollback reads its prefixes)
 
     def __init__(self, model, recurrence: str = "auto", compile_layers: bool = True):
         text = getattr(model, "language_model", model)

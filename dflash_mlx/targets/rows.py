@@ -73,7 +73,7 @@ class RaggedKVCache:
 
     def __init__(self, rows: Rows, keys, values, shift: Sequence[int], window: Optional[int] = None):
         self.rows = rows
-        self.keys, self.values = keys, values  # [B, H, slots, D]
+        self.keys, self.values = keys, values  # [B, H, slots, D] (None: no row holds any yet)
         self.shift = [int(s) for s in shift]
         self.window = window  # a rotating layer's size (None: full attention)
 
@@ -89,7 +89,11 @@ class RaggedKVCache:
         B, H, S, _ = keys.shape
         ends = self.ends()
         need = max(ends) + S
-        if need > self.keys.shape[2]:
+        if self.keys is None:
+            slots = -(-need // STEP) * STEP
+            self.keys = mx.zeros((B, H, slots, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((B, H, slots, values.shape[3]), values.dtype)
+        elif need > self.keys.shape[2]:
             grow = -(-(need - self.keys.shape[2]) // STEP) * STEP
             pad = [(0, 0), (0, 0), (0, grow), (0, 0)]
             self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
@@ -121,8 +125,9 @@ class RaggedKVCache:
             self.shift = [s + dead for s in self.shift]
 
     def take(self, keep: Sequence[int]) -> None:
-        idx = mx.array(list(keep), dtype=mx.int32)
-        self.keys, self.values = self.keys[idx], self.values[idx]
+        if self.keys is not None:
+            idx = mx.array(list(keep), dtype=mx.int32)
+            self.keys, self.values = self.keys[idx], self.values[idx]
         self.shift = [self.shift[i] for i in keep]
 
     def row(self, b: int):
@@ -143,7 +148,7 @@ class RaggedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
 def in_time_order(cache: RotatingKVCache):
@@ -167,7 +172,7 @@ def held_rows(cache, position: int):
     and the positions before them it no longer holds."""
     if isinstance(cache, RaggedKVCache):
         return [
-            ((cache.keys[b : b + 1, :, :end], cache.values[b : b + 1, :, :end]), shift)
+            ((None, None) if cache.keys is None else (cache.keys[b : b + 1, :, :end], cache.values[b : b + 1, :, :end]), shift)
             for b, (end, shift) in enumerate(zip(cache.ends(), cache.shift))
         ]
     if isinstance(cache, RotatingKVCache):
@@ -197,7 +202,9 @@ def join_arrays(caches: Sequence[ArraysCache]) -> ArraysCache:
     """Recurrent states (mlx-lm's ``ArraysCache``, one or more rows each) stacked."""
     out = ArraysCache(len(caches[0].cache))
     for e in range(len(out.cache)):
-        like = next(c[e] for c in caches if c[e] is not None)
+        like = next((c[e] for c in caches if c[e] is not None), None)
+        if like is None:  # (requests before their first forward)
+            continue
         out[e] = mx.concatenate(
             [c[e] if c[e] is not None else mx.zeros((c.batch_size, *like.shape[1:]), like.dtype) for c in caches]
         )
@@ -206,7 +213,9 @@ def join_arrays(caches: Sequence[ArraysCache]) -> ArraysCache:
 
 def stack_rows(rows: Rows, held, shift, window):
     """A ragged cache from per-row ``(keys, values)`` of ``[1, H, n, D]`` (None: empty)."""
-    like = next((k, v) for k, v in held if k is not None)
+    like = next(((k, v) for k, v in held if k is not None), None)
+    if like is None:  # (requests before their first forward)
+        return RaggedKVCache(rows, None, None, shift, window)
     slots = -(-(max(0 if k is None else k.shape[2] for k, _ in held) + 1) // STEP) * STEP
     keys = mx.zeros((len(held), like[0].shape[1], slots, like[0].shape[3]), like[0].dtype)
     values = mx.zeros((len(held), like[1].shape[1], slots, like[1].shape[3]), like[1].dtype)
