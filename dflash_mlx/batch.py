@@ -162,6 +162,7 @@ class BatchGenerator:
         self.pair_acceptance: Optional[SlotAcceptance] = None
         self.lone: Optional[BlockSizer] = None  # the pair's one-request sizer, for a batch of one
         self.uid = 0
+        self.cycles_read: List[int] = []  # the rows of each cycle the last next() read
         # Held from here to close(), as mlx-lm's BatchGenerator holds it: a
         # limit set and restored every cycle would wait for the queued work.
         self.old_wired_limit = maybe_set_recommended_wired_limit()
@@ -259,6 +260,7 @@ class BatchGenerator:
     def next(self) -> List[BatchResponse]:
         """Prefill what fits of the queued prompts, then one decode cycle
         of the batch; what every request committed."""
+        self.cycles_read = []
         with one_thread_per_pair(self.draft), mx.stream(self.stream):
             if self.joining:
                 self.join(self.joining)
@@ -512,6 +514,7 @@ class BatchGenerator:
                 done.append(b)
         if not launched.committed:
             self.commit(launched, kept)
+        self.cycles_read.append(len(rows))
         read = time.perf_counter()
         if len(rows) == 1 and self.lone is not None:
             self.lone.observe(block, values[0][0] if block > 1 else 0, read - self.clock, context=len(rows[0].cache.tokens))

@@ -551,8 +551,7 @@ class DFlashResponseGenerator:
                 continue
             finally:
                 self.busy = False
-            cycles = {r.batch for r in out if r.block}
-            for batch in cycles:
+            for batch in self.batch.cycles_read:
                 self.metrics.cycle(batch)
             gone = {}  # uid -> whether the batch itself let it go
             for r in out:  # (a request may have two cycles' responses: a plain step run ahead)

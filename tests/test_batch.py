@@ -240,6 +240,32 @@ def test_short_prompts_prefill_together(make_pair, tmp_path, family):
     assert [[t for r in firsts if r.uid == u for t in r.tokens] + seen.tokens[u] for u in uids] == refs
 
 
+def test_the_generator_reports_every_cycle_it_read(qwen3_pair, tmp_path):
+    """``cycles_read`` (what /metrics counts): the rows of every cycle a
+    next() read, two cycles where a row's eos ended it before the plain
+    step already run ahead of it."""
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    prompts = [prompt_of(n, seed=11) for n in (6, 19, 44)]
+    eos = pair.reference(prompts[1], 40)[12]
+    batch_generate(pair.model, draft, pair.tokenizer, prompts[:1], max_tokens=2, block_size=1)  # the costs measured first
+    gen = BatchGenerator(pair.model, draft, block_size=1)
+    cycles, forward = [], gen.target.forward
+
+    def counted(tokens, cache, **kw):
+        if not kw:  # a cycle's forward (a prefill's wants its last logits only)
+            cycles.append(tokens.shape[0])
+        return forward(tokens, cache, **kw)
+
+    gen.target.forward = counted
+    gen.insert(prompts, 40, eos_token_ids=[eos])
+    read = []
+    while gen.busy:
+        gen.next()
+        read.append(gen.cycles_read)
+    assert [n for c in read for n in c] == cycles and 2 in [len(c) for c in read]
+
+
 def test_sampled_and_greedy_rows_share_a_batch(tmp_path):
     """Mixed rows: greedy ones identical to their lone run, sampled ones
     (each its own seed and settings) distributed as the target samples:
