@@ -44,8 +44,8 @@ from .calibration import calibrate
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
 from .generate import (
-    AcceptanceRule, accept_greedy, acceptance_rule, checked_prompt, commit_first, encode_prompt, feed, max_block_size, one_thread_per_pair,
-    prefill,
+    AcceptanceRule, accept_greedy, acceptance_rule, checked_prompt, commit_first, cycle_tokens, encode_prompt, feed, max_block_size,
+    one_thread_per_pair, prefill,
 )
 from .models.dflash import masked_blocks
 from .sampling import processed_probs, sample, speculative_accept
@@ -491,12 +491,8 @@ class BatchGenerator:
             if b in void:
                 kept.append(0)
                 continue
-            accepted, bonus, proposed = row[0], row[1], row[2:]
-            new = proposed[:accepted] + [bonus]
-            stop = next((i for i, t in enumerate(new) if t in r.eos), None)
-            if stop is not None:
-                new = new[: stop + 1]
-            new = new[: r.max_tokens - r.n]
+            accepted = row[0]
+            new, stopped = cycle_tokens(row[2:], accepted, row[1], r.eos, r.max_tokens - r.n)
             if block > 1:
                 r.acceptance.observe(block - 1, accepted)
             r.n += len(new)
@@ -504,7 +500,7 @@ class BatchGenerator:
             r.cache.tokens.extend(new)
             r.anchor = new[-1]
             r.cache.pending = [r.anchor]
-            finish = "stop" if stop is not None and stop < len(new) else ("length" if r.n >= r.max_tokens else None)
+            finish = "stop" if stopped else ("length" if r.n >= r.max_tokens else None)
             lp = None
             if r.logprobs:
                 lps = launched.logits[b] - mx.logsumexp(launched.logits[b], axis=-1, keepdims=True)

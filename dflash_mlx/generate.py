@@ -172,6 +172,17 @@ class AcceptanceRule:
         return mx.concatenate([accepted[None], token[None], proposal]).astype(mx.int32)
 
 
+def cycle_tokens(proposed: List[int], accepted: int, bonus: int, eos, room: int) -> Tuple[List[int], bool]:
+    """What a verified cycle commits: the ``accepted`` drafted tokens and
+    the target's own after them, cut after an eos (kept, as mlx-lm keeps
+    it) and to the ``room`` left; and whether an eos ended them."""
+    new = proposed[:accepted] + [bonus]
+    stop = next((i for i, t in enumerate(new) if t in eos), None)
+    if stop is not None:
+        new = new[: stop + 1]
+    return new[:room], stop is not None and stop < room
+
+
 def read_outcome(outcome: mx.array) -> Tuple[int, int, List[int]]:
     """``(accepted count, token after them, proposal)`` from :meth:`AcceptanceRule.outcome`."""
     values = outcome.tolist()
@@ -508,15 +519,12 @@ def decode(target, draft, cache: PromptCache, first, rule, sizer, settle, max_to
         now = time.perf_counter()
         sizer.observe(cycle.choice, accepted, now - tic, walk, context=cache.offset)  # before the next choice
         tic = now
-        new_tokens = proposed[:accepted] + [bonus]
-        stop = next((i for i, t in enumerate(new_tokens) if t in eos), None)
-        if stop is not None:
-            new_tokens = new_tokens[: stop + 1]
+        new_tokens, stopped = cycle_tokens(proposed, accepted, bonus, eos, max_tokens - n)
         rows = rows[: len(new_tokens)]
         if n // 256 != (n + len(new_tokens)) // 256:
             mx.clear_cache()  # as mlx-lm's generate_step does every 256 tokens
         n += len(new_tokens)
-        ends = n >= max_tokens or stop is not None
+        ends = n >= max_tokens or stopped
         anchor = new_tokens[-1]
         if ahead is None:
             drafting.commit(cycle, rows)
