@@ -82,7 +82,7 @@ def plain_lockstep(model, draft, tokenizer, prompt, max_tokens: int, chunk: int,
     :func:`~dflash_mlx.benchmark.lockstep` turns of ``chunk`` tokens,
     ``repeats`` generations each, after untimed ones for ``warm_s`` seconds
     at least (the first row a process times reads low without them:
-    BENCHMARKS.md, "Every family in lockstep")."""
+    BENCHMARKS.md, "The plain step against mlx-lm's decode")."""
     compile_block_lengths(draft, encode_prompt(tokenizer, prompt), 1)
     streams = {
         "mlx_lm": lambda: mlx_lm_tokens(model, tokenizer, prompt, max_tokens),
