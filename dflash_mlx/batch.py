@@ -399,6 +399,7 @@ class BatchGenerator:
         for b in rows:
             r = self.active[b]
             r.cache.target = self.cache.row(b)
+            r.cache.unlink_draft()
             r.cache.drop_unreadable()
         stay = [b for b in range(len(self.active)) if b not in set(rows)]
         self.active = [self.active[b] for b in stay]

@@ -148,6 +148,13 @@ class PromptCache:
                 break
             chunks[-run:] = [mx.concatenate(chunks[-run:], axis=1)]
 
+    def unlink_draft(self) -> None:
+        """Its drafter context back from the buffers a batch drafted it in
+        (:class:`~dflash_mlx.models.dflash.ContextRows`)."""
+        for c in self.draft:
+            if isinstance(c, ContextCache):
+                c.unlink()
+
     def drop_unreadable(self) -> None:
         """Drop the pending tap states outside every drafter layer's sink and window (see :meth:`add_hidden`)."""
         sink, window = self.context_bound()

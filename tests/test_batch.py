@@ -344,7 +344,11 @@ def test_bad_batch_requests_get_one_clear_error(qwen3_pair, tmp_path):
 def test_one_drafter_forward_drafts_what_each_request_would_alone(qwen3_pair, tmp_path, window):
     """``draft_rows`` over requests with contexts of different lengths (and,
     with a draft window, sinks and dropped positions) proposes what each
-    request's own ``propose`` does, and leaves each drafter context as it."""
+    request's own ``propose`` does, cycle after cycle, and leaves each
+    drafter context as it: while the batch's buffer holds them, when a
+    request leaves (the buffer is rebuilt for the rest), after the window
+    has evicted more rows than the buffer first had slots for, and once
+    each takes its rows back."""
     pair = qwen3_pair
     draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
     target = draft.target
@@ -358,22 +362,35 @@ def test_one_drafter_forward_drafts_what_each_request_would_alone(qwen3_pair, tm
             caches.append(cache)
         return caches
 
+    def same_contexts(mine, theirs):
+        for a, b in zip(mine.draft, theirs.draft):
+            assert a.offset == b.offset and a.size == b.size
+            assert mx.allclose(a.fetch()[0], b.fetch()[0], atol=1e-5) and mx.allclose(a.fetch()[1], b.fetch()[1], atol=1e-5)
+
     together, alone = prefilled(), prefilled()
-    for round_, anchor in enumerate((5, 9)):
-        blocks = mx.concatenate([masked_block(draft, anchor + b, draft.block_size) for b in range(3)])
+    rounds = 3 if window is None else 70  # 64 + 4 positions a round: past the buffer's first 256 slots
+    for round_ in range(rounds):
+        if round_ == 2:  # the middle request leaves
+            together[1].unlink_draft()
+            same_contexts(together[1], alone[1])
+            together, alone = [together[0], together[2]], [alone[0], alone[2]]
+        anchors = [(5 + 4 * round_ + b) % pair.vocab for b in range(len(together))]
+        blocks = mx.concatenate([masked_block(draft, a, draft.block_size) for a in anchors])
         got, _ = draft.draft_rows(blocks, [c.target_hidden for c in together], [c.draft for c in together],
-                                  draft.block_size - 1, [None] * 3)
+                                  draft.block_size - 1, [None] * len(together))
         for b, cache in enumerate(alone):
             want = draft.propose(blocks[b : b + 1], cache.target_hidden, cache.draft)
             assert got[b].tolist() == want[0].tolist(), (round_, b)
-            for mine, theirs in zip(together[b].draft, cache.draft):
-                assert mine.offset == theirs.offset
-                assert mx.allclose(mine.fetch()[0], theirs.fetch()[0], atol=1e-5)
+            same_contexts(together[b], cache)
         for c in together + alone:  # the next round's context: a few more positions
             c.target_hidden = None
             tokens = mx.array([prompt_of(4, seed=round_)])
             _, taps = target.forward(tokens, c.target, record=False)
             c.add_hidden(taps)
+    for mine, theirs in zip(together, alone):
+        mine.unlink_draft()
+        assert all(c.rows is None for c in mine.draft)
+        same_contexts(mine, theirs)
 
 
 @pytest.mark.skipif(os.environ.get("DFLASH_MLX_SMOLLM2") != "1", reason="downloads SmolLM2 (set DFLASH_MLX_SMOLLM2=1)")

@@ -291,17 +291,18 @@ class ContextCache:
         self.size = 0  # rows held: sink rows first, then the tail
         self.sink_size = 0  # rows at positions 0..sink_size-1
         self.skipped: Optional[Tuple[int, int]] = None
+        self.rows: Optional["ContextRows"] = None  # where its rows live while a batch drafts it
+        self.row = 0  # its row there
 
     def positions(self) -> mx.array:
         """Absolute positions of the rows held, in their order."""
         tail = self.size - self.sink_size
         return mx.concatenate([mx.arange(self.sink_size), mx.arange(self.offset - tail, self.offset)])
 
-    def inject(self, context: mx.array, project) -> Tuple[mx.array, mx.array]:
+    def inject(self, context: mx.array, project) -> None:
         """Take the next context rows ``[B, n, D]`` (all positions past
         ``offset``, less ``skipped``): ``project(rows, position)`` gives the
-        K/V of the rows this cache keeps, at their absolute positions.
-        Returns every row held."""
+        K/V of the rows this cache keeps, at their absolute positions."""
         n = context.shape[1]
         start, end = self.skipped or (self.offset + n, self.offset + n)
         gap = end - start
@@ -324,7 +325,6 @@ class ContextCache:
         self.offset, self.skipped = last, None
         if self.window is not None and self.size - self.sink_size > self.window:
             self.drop(self.size - self.sink_size - self.window)
-        return self.fetch()
 
     def context_positions(self, n: int) -> mx.array:
         """The absolute positions of the next ``n`` context rows :meth:`inject`
@@ -340,6 +340,10 @@ class ContextCache:
 
     def append(self, keys: mx.array, values: mx.array) -> None:
         n = keys.shape[2]
+        if self.rows is not None:
+            self.rows.write(self.row, keys, values)
+            self.size += n
+            return
         if self.keys is None or self.size + n > self.keys.shape[2]:
             grow = ((self.size + n + self.step - 1) // self.step) * self.step
             shape = (*keys.shape[:2], grow, keys.shape[3])
@@ -357,6 +361,10 @@ class ContextCache:
         """Evict the ``n`` oldest tail rows."""
         if n <= 0:
             return
+        if self.rows is not None:
+            self.rows.evict(self.row, n)
+            self.size -= n
+            return
         s = self.sink_size
         if s:
             self.keys = mx.concatenate([self.keys[..., :s, :], self.keys[..., s + n :, :]], axis=2)
@@ -366,9 +374,16 @@ class ContextCache:
         self.size -= n
 
     def fetch(self) -> Tuple[Optional[mx.array], Optional[mx.array]]:
+        if self.rows is not None:
+            return self.rows.held_by(self.row)
         if self.keys is None:
             return None, None
         return self.keys[..., : self.size, :], self.values[..., : self.size, :]
+
+    def unlink(self) -> None:
+        """Take its rows back from the batch buffer they live in (if any)."""
+        if self.rows is not None:
+            self.rows.release(self.row)
 
     @property
     def state(self):
@@ -376,6 +391,7 @@ class ContextCache:
 
     @state.setter
     def state(self, v):
+        self.unlink()
         self.keys, self.values = v
         self.size = 0 if self.keys is None else self.keys.shape[2]
 
@@ -400,6 +416,7 @@ class ContextCache:
     def trim(self, n: int) -> int:
         """Forget the last ``n`` injected positions (a prompt cache rewound);
         rows evicted before stay gone."""
+        self.unlink()
         n = max(0, min(self.offset, n))
         self.offset -= n
         self.skipped = None
@@ -409,6 +426,120 @@ class ContextCache:
         if self.size == 0:
             self.keys = self.values = None
         return n
+
+
+class ContextRows:
+    """One drafter layer's context for a batch of requests, in one buffer
+    ``[B, H, slots, D]``. Each request's :class:`ContextCache` still decides
+    what it holds (its sink, its window, the positions it skips), but while
+    linked here its rows live at its own slots of this buffer: its sink
+    rows, then rows its window evicted (dead slots, reclaimed when the
+    buffer grows), then its tail. A batched drafter forward reads every
+    request's context where it stands, masked (:meth:`view`), rather than
+    gathering and padding each one every cycle. A request takes its rows
+    back when it is unlinked (:meth:`ContextCache.unlink`)."""
+
+    step = ContextCache.step
+
+    def __init__(self, caches: List[ContextCache]):
+        self.caches: List[Optional[ContextCache]] = list(caches)
+        self.dead = [0] * len(caches)
+        self.keys = self.values = None
+        held = [c.fetch() for c in caches]
+        for b, c in enumerate(caches):
+            c.keys = c.values = None
+            c.rows, c.row = self, b
+        self.rebuild(held)
+
+    @classmethod
+    def of(cls, caches: List[ContextCache]) -> "ContextRows":
+        """The buffer one layer's ``caches`` (every request's, in batch
+        order) live in: the one they are linked to, or a new one if the
+        batch has changed since."""
+        rows = caches[0].rows
+        if rows is not None and len(rows.caches) == len(caches) and all(a is b for a, b in zip(rows.caches, caches)):
+            return rows
+        for c in caches:
+            c.unlink()
+        return cls(caches)
+
+    def used(self, b: int) -> int:
+        return self.caches[b].size + self.dead[b]
+
+    def rebuild(self, held) -> None:
+        """A buffer holding each row's ``held`` (keys, values), no dead slots."""
+        like = next(((k, v) for k, v in held if k is not None), None)
+        if like is None:
+            return
+        k0, v0 = like
+        sizes = [0 if k is None else k.shape[2] for k, _ in held]
+        slots = -(-(max(sizes) + 1) // self.step) * self.step
+        self.keys = mx.zeros((len(held), k0.shape[1], slots, k0.shape[3]), k0.dtype)
+        self.values = mx.zeros((len(held), v0.shape[1], slots, v0.shape[3]), v0.dtype)
+        for b, ((k, v), n) in enumerate(zip(held, sizes)):
+            if n:
+                self.keys[b : b + 1, :, :n] = k
+                self.values[b : b + 1, :, :n] = v
+        self.dead = [0] * len(held)
+
+    def write(self, b: int, keys: mx.array, values: mx.array) -> None:
+        """Row ``b`` appends ``keys``/``values`` ``[1, H, n, D]`` after its tail."""
+        n = keys.shape[2]
+        if self.keys is None:
+            slots = -(-n // self.step) * self.step
+            self.keys = mx.zeros((len(self.caches), keys.shape[1], slots, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((len(self.caches), values.shape[1], slots, values.shape[3]), values.dtype)
+        elif self.used(b) + n > self.keys.shape[2]:
+            self.rebuild([self.held_by(i) if c is not None else (None, None) for i, c in enumerate(self.caches)])
+            if self.used(b) + n > self.keys.shape[2]:
+                grow = -(-(self.used(b) + n - self.keys.shape[2]) // self.step) * self.step
+                pad = [(0, 0), (0, 0), (0, grow), (0, 0)]
+                self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+        at = self.used(b)
+        self.keys[b : b + 1, :, at : at + n] = keys
+        self.values[b : b + 1, :, at : at + n] = values
+
+    def evict(self, b: int, n: int) -> None:
+        """Row ``b``'s ``n`` oldest tail rows are dead."""
+        self.dead[b] += n
+
+    def held_by(self, b: int) -> Tuple[Optional[mx.array], Optional[mx.array]]:
+        """Row ``b``'s rows, as its own cache holds them: sink, then tail."""
+        c = self.caches[b]
+        if self.keys is None or c.size == 0:
+            return None, None
+        tail = slice(c.sink_size + self.dead[b], self.used(b))
+        if not c.sink_size:
+            return self.keys[b : b + 1, :, tail], self.values[b : b + 1, :, tail]
+        return (
+            mx.concatenate([self.keys[b : b + 1, :, : c.sink_size], self.keys[b : b + 1, :, tail]], axis=2),
+            mx.concatenate([self.values[b : b + 1, :, : c.sink_size], self.values[b : b + 1, :, tail]], axis=2),
+        )
+
+    def release(self, b: int) -> None:
+        """Row ``b``'s cache takes its rows back; this buffer no longer serves it."""
+        c = self.caches[b]
+        k, v = self.held_by(b)
+        c.rows = None
+        c.keys, c.values = (None, None) if k is None else (mx.contiguous(k), mx.contiguous(v))
+        self.caches[b] = None
+
+    def view(self):
+        """``(keys, values, seen, positions)``: every row's slots so far
+        ``[B, H, W, D]``, which of them it holds ``[B, W]`` and their
+        absolute positions ``[B, W]`` (garbage where not held); all None
+        when no row holds any."""
+        width = max(self.used(b) for b in range(len(self.caches)))
+        if self.keys is None or width == 0:
+            return None, None, None, None
+        sink = mx.array([c.sink_size for c in self.caches], dtype=mx.int32)[:, None]
+        tail = mx.array([c.sink_size + d for c, d in zip(self.caches, self.dead)], dtype=mx.int32)[:, None]
+        end = mx.array([self.used(b) for b in range(len(self.caches))], dtype=mx.int32)[:, None]
+        first = mx.array([c.offset - (c.size - c.sink_size) for c in self.caches], dtype=mx.int32)[:, None]
+        slot = mx.arange(width, dtype=mx.int32)[None]
+        seen = (slot < sink) | ((slot >= tail) & (slot < end))
+        positions = mx.where(slot < sink, slot, first + slot - tail)
+        return self.keys[..., :width, :], self.values[..., :width, :], seen, positions
 
 
 def visible_positions(
@@ -492,21 +623,28 @@ class DraftAttention(nn.Module):
             k = rope(k.transpose(0, 2, 1, 3), offset=offset)
         return k, v.transpose(0, 2, 1, 3)
 
-    def cpu_attention(self, q, k, v):
-        """Unmasked grouped-query attention with a fused approximate softmax:
-        MLX's CPU softmax spends most of a drafter layer's attention in exp."""
+    def cpu_attention(self, q, k, v, seen: Optional[mx.array] = None):
+        """Grouped-query attention with a fused approximate softmax: MLX's
+        CPU softmax spends most of a drafter layer's attention in exp.
+        ``seen`` ``[B, 1, 1, S]``: the keys each batch row may see (None: all)."""
         B, H, L, D = q.shape
         groups = (q * self.scale).reshape(B, self.n_kv_heads, H // self.n_kv_heads, L, D)
         scores = groups @ k[:, :, None].swapaxes(-1, -2)
-        return (fast_math.softmax_approx(scores) @ v[:, :, None]).reshape(B, H, L, D)
+        if seen is None:
+            probs = fast_math.softmax_approx(scores)
+        else:
+            seen = seen[:, None]
+            top = mx.max(mx.where(seen, scores, -mx.inf), axis=-1, keepdims=True)
+            e = fast_math.exp_below_where(scores, top, seen)
+            probs = e / mx.sum(e, axis=-1, keepdims=True)
+        return (probs @ v[:, :, None]).reshape(B, H, L, D)
 
     def __call__(self, x, context, rope, cache: ContextCache) -> mx.array:
         B, L, _ = x.shape
         # Inject the new context first: the block starts right after it.
         if context.shape[1]:
-            ctx_k, ctx_v = cache.inject(context, lambda rows, at: self.project_kv(rows, rope, at))
-        else:
-            ctx_k, ctx_v = cache.fetch()
+            cache.inject(context, lambda rows, at: self.project_kv(rows, rope, at))
+        ctx_k, ctx_v = cache.fetch()
         block_start = cache.offset
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         q = rope(q.transpose(0, 2, 1, 3), offset=block_start)
@@ -531,11 +669,11 @@ class DraftAttention(nn.Module):
         """:meth:`__call__` for a batch of requests: row ``b`` of ``x``
         attends to its own context (``caches[b]``, after injecting
         ``contexts[b]``, None: nothing new) and its own block. Every row's
-        new context is projected in one call, at its own positions; the
-        contexts differ in length, so each is padded to the longest and the
-        padding masked."""
+        new context is projected in one call, at its own positions, into
+        the batch's one buffer (:class:`ContextRows`); what a row does not
+        hold there is masked."""
         B, L, _ = x.shape
-        held = [c.fetch() for c in caches]
+        shared = ContextRows.of(caches)
         new = [b for b, context in enumerate(contexts) if context is not None and context.shape[1]]
         if new:
             positions = mx.concatenate([caches[b].context_positions(contexts[b].shape[1]) for b in new])
@@ -545,36 +683,30 @@ class DraftAttention(nn.Module):
                 n, cache = contexts[b].shape[1], caches[b]
                 k_b, v_b = keys[..., at : at + n, :], values[..., at : at + n, :]
                 index = cache.context_index  # the row of each position injected, as inject asks
-                held[b] = cache.inject(contexts[b], lambda rows, p: (k_b[..., index(p) : index(p) + rows.shape[1], :], v_b[..., index(p) : index(p) + rows.shape[1], :]))
+                cache.inject(contexts[b], lambda rows, p: (k_b[..., index(p) : index(p) + rows.shape[1], :], v_b[..., index(p) : index(p) + rows.shape[1], :]))
                 at += n
         starts = mx.array([c.offset for c in caches], dtype=mx.int32)
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         q = rope(q.transpose(0, 2, 1, 3), offset=starts)
         k, v = self.project_kv(x, rope, starts)
-        sizes = [0 if ck is None else ck.shape[2] for ck, _ in held]
-        width = max(sizes)
-        if self.sees_all:  # only the padding is hidden
-            slots = mx.arange(width + L)[None]
-            mask = ((slots < mx.array(sizes)[:, None]) | (slots >= width))[:, None, None, :]
-        else:
-            masks = []
-            for b, ((ck, _), cache) in enumerate(zip(held, caches)):
-                start = cache.offset
-                seen = draft_attention_mask(
-                    cache.positions() if ck is not None else mx.zeros((0,), mx.int32), mx.arange(start, start + L),
-                    is_causal=self.is_causal, sliding_window=self.sliding_window,
-                )
-                seen = mx.broadcast_to(seen, (L, sizes[b] + L))
-                pad = mx.zeros((L, width - sizes[b]), mx.bool_)
-                masks.append(mx.concatenate([seen[:, : sizes[b]], pad, seen[:, sizes[b] :]], axis=1))
-            mask = mx.stack(masks)[:, None]
-        if width:
-            pad = lambda a, n: a if n == 0 else mx.pad(a, [(0, 0), (0, 0), (0, n), (0, 0)])  # noqa: E731
-            empty = mx.zeros((1, self.n_kv_heads, 0, self.head_dim), k.dtype)
-            ctx_k = mx.concatenate([pad(empty if ck is None else ck, width - n) for (ck, _), n in zip(held, sizes)])
-            ctx_v = mx.concatenate([pad(empty if cv is None else cv, width - n) for (_, cv), n in zip(held, sizes)])
+        ctx_k, ctx_v, seen, ctx_positions = shared.view()
+        block = starts[:, None] + mx.arange(L, dtype=mx.int32)[None]  # [B, L] positions
+        if ctx_k is not None:
             k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            seen = mx.concatenate([seen, mx.ones((B, L), mx.bool_)], axis=1)
+            key_positions = mx.concatenate([ctx_positions, block], axis=1)
+        else:
+            seen, key_positions = None, block
+        mask = None if seen is None else seen[:, None, :]  # [B, 1, W + L]
+        visible = visible_positions(block[:, :, None], key_positions[:, None, :], is_causal=self.is_causal, sliding_window=self.sliding_window)
+        if visible is not None:
+            mask = visible if mask is None else visible & mask
+        if mask is not None:
+            mask = mask[:, None]
+        if self.sees_all and not self.training and fast_math.approx_for(q):  # as __call__ attends
+            out = self.cpu_attention(q, k, v, mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
