@@ -9,7 +9,9 @@ drafted tokens), and then each row accepts its own prefix and rolls back its
 own rejected tail: the target's attention caches keep a length per row
 (:mod:`dflash_mlx.targets.rows`), a hybrid target's recurrent state is
 rewound per row to its accepted tokens, and each request keeps its own
-drafter context (its :class:`~dflash_mlx.cache.PromptCache`). No row waits
+drafter context (its :class:`~dflash_mlx.cache.PromptCache`; while batched,
+its rows live in one buffer per drafter layer,
+:class:`~dflash_mlx.models.dflash.ContextRows`). No row waits
 for another's rejection, so acceptance per request does not fall with the
 batch, and every row is exact as its lone run: greedy rows token for token,
 sampled rows in distribution (speculative sampling per row, each with its
