@@ -2,6 +2,7 @@
 
     python examples/concurrency.py                       # library: batch_generate, bundled pair
     python examples/concurrency.py --server --model smollm2   # both servers on loopback
+    python examples/concurrency.py --shapes                   # a batched cycle's cost by its shape, here
 
 Library mode runs mlx-lm's ``batch_generate`` and dflash_mlx's on the same
 held-out prompts at each concurrency, taking turns (``--repeats`` rounds
@@ -72,6 +73,41 @@ def library(args):
                          ratio=round(df_tps / lm_tps, 2), tokens_per_cycle=round(statistics.mean(per_cycle), 2),
                          identical=same))
         print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def shapes(args):
+    """What a batched cycle costs by its shape on this machine: for each
+    concurrency and fixed block, a cycle's milliseconds once every request
+    decodes (median of ``--cycles``), the tokens each request commits per
+    cycle, and the batch's milliseconds per committed token (block 1: plain
+    batched steps). Speculation pays at a shape whose last figure is below
+    block 1's."""
+    from dflash_mlx.batch import BatchGenerator
+    from dflash_mlx.pair import load_pair
+
+    model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
+    rows = []
+    for c in args.concurrency:
+        encoded = [tokenizer.encode(p) for p in prompts_for(args.model, c)]
+        for block in (1, 2, 4, 8, 16):
+            gen = BatchGenerator(model, draft, block_size=block)
+            uids = gen.insert(encoded, 8 + args.cycles * block)  # no eos: every request decodes every timed cycle
+            for _ in range(3):  # warm: a cycle of every request at this shape
+                while not (len(out := gen.next()) == c and all(r.block == block for r in out)):
+                    pass
+            seconds, tokens = [], 0
+            for _ in range(args.cycles):
+                tic = time.perf_counter()
+                out = gen.next()
+                seconds.append(time.perf_counter() - tic)
+                tokens += sum(len(r.tokens) for r in out)
+            gen.remove(uids)
+            per_cycle = statistics.median(seconds)
+            rows.append(dict(concurrency=c, block=block, ms_per_cycle=round(1e3 * per_cycle, 2),
+                             tokens_per_cycle=round(tokens / args.cycles / c, 2),
+                             ms_per_token=round(1e3 * per_cycle * args.cycles / max(tokens, 1), 3)))
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -178,10 +214,12 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--block-size", type=int, default=None, help="library mode: fix DFlash's block (default adaptive)")
     p.add_argument("--server", action="store_true", help="compare the two servers over HTTP")
+    p.add_argument("--shapes", action="store_true", help="what a batched cycle costs by its rows and block, here")
+    p.add_argument("--cycles", type=int, default=24, help="--shapes: cycles timed per shape")
     p.add_argument("--port", type=int, default=8391)
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
-    rows = servers(args) if args.server else library(args)
+    rows = servers(args) if args.server else shapes(args) if args.shapes else library(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), rows=rows, device=str(mx.default_device())), f, indent=1)
