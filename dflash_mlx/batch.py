@@ -51,7 +51,7 @@ from .generate import (
 )
 from .models.dflash import masked_blocks
 from .sampling import processed_probs, sample, speculative_accept
-from .targets.rows import BatchCache
+from .targets.rows import BatchCache, check_joinable
 
 DEFAULT_COMPLETION_BATCH_SIZE = 32  # mlx-lm's --decode-concurrency default
 DEFAULT_PREFILL_BATCH_SIZE = 8  # mlx-lm's --prompt-concurrency default
@@ -227,6 +227,7 @@ class BatchGenerator:
             tokens = checked_prompt(self.target, cache, prompt)
             if cache.target.undo is not None:
                 raise ArgumentError("a prompt cache is in the middle of a generation: close that generation first")
+            check_joinable(cache.target)
             key = None if s is None else mx.random.key(int(s))
             if cap is not None:
                 max_block_size(self.draft, cap, None)

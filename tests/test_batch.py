@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache
 import tiny
 from tiny import PROMPT, TRUNCATED, FakeDrafter, committed_sequence, pit_check, prompt_of, reference_tokens, small_pair
 
@@ -337,6 +337,10 @@ def test_bad_batch_requests_get_one_clear_error(qwen3_pair, tmp_path):
         gen.insert([[1], [2]], [4, 5, 6])
     with pytest.raises(ArgumentError, match="completion_batch_size"):
         BatchGenerator(pair.model, draft, completion_batch_size=0)
+    quantized = dflash_mlx.make_prompt_cache(pair.model, draft)
+    quantized.target[0] = QuantizedKVCache(group_size=32, bits=8)  # (mlx-lm's kv_bits caches)
+    with pytest.raises(ArgumentError, match="QuantizedKVCache cannot join a batch"):
+        gen.insert([[1, 2]], 5, prompt_caches=[quantized])
     assert not gen.busy
 
 

@@ -151,11 +151,22 @@ class RaggedKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+def check_joinable(caches) -> None:
+    """Refuse, before any work, a request whose target caches (one per
+    layer) cannot join a batch."""
+    for c in caches:
+        if isinstance(c, RotatingKVCache) and c.keep:
+            raise ArgumentError("a rotating cache that keeps its first tokens cannot join a batch")
+        if not isinstance(c, (KVCache, RotatingKVCache, ArraysCache, RaggedKVCache)):
+            raise ArgumentError(
+                f"a {type(c).__name__} cannot join a batch (quantized KV caches are not batched): "
+                "decode this prompt cache alone (stream_generate), or batch a cache made by make_prompt_cache"
+            )
+
+
 def in_time_order(cache: RotatingKVCache):
     """A rotating cache's held keys and values, oldest first."""
     keys, values, offset, keep, max_size, idx = cache.state
-    if keep:
-        raise ArgumentError("a rotating cache that keeps its first tokens cannot join a batch")
     if keys is None:
         return None, None
     if idx == keys.shape[2]:
@@ -175,12 +186,11 @@ def held_rows(cache, position: int):
             ((None, None) if cache.keys is None else (cache.keys[b : b + 1, :, :end], cache.values[b : b + 1, :, :end]), shift)
             for b, (end, shift) in enumerate(zip(cache.ends(), cache.shift))
         ]
+    check_joinable([cache])
     if isinstance(cache, RotatingKVCache):
         k, v = in_time_order(cache)
-    elif isinstance(cache, KVCache):
-        k, v = (None, None) if cache.keys is None else (cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :])
     else:
-        raise ArgumentError(f"a {type(cache).__name__} cannot join a batch (quantized KV caches are not batched)")
+        k, v = (None, None) if cache.keys is None else (cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :])
     return [((k, v), position - (0 if k is None else k.shape[2]))]
 
 
