@@ -25,13 +25,15 @@ large batch falls back to plain batched steps when verified rows get dear.
 :class:`BatchGenerator` is the object a server drives (mlx-lm's
 ``BatchGenerator`` shape): requests are inserted and removed between
 cycles, a long prompt is prefilled a chunk at a time between decode cycles,
-and a finished request leaves with its prompt cache. Draft trees verify
-one request at a time (:func:`~dflash_mlx.generate.generate_step`); a
-batch verifies chains.
+and a finished request leaves with its prompt cache. A batch of one is a
+request alone: its cycles are :func:`~dflash_mlx.generate.generate_step`'s
+own (the pair's sizer, draft trees included); two requests or more verify
+chains together.
 """
 
 import copy
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -40,14 +42,14 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from .adaptive import BatchCosts, BatchSizer, BlockSizer, SlotAcceptance
+from .adaptive import BatchCosts, BatchSizer, SlotAcceptance
 from .cache import PromptCache, bound_target, prompt_cache_for
 from .calibration import calibrate
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
 from .generate import (
     AcceptanceRule, accept_greedy, acceptance_rule, checked_prompt, commit_first, cycle_tokens, encode_prompt, feed, max_block_size,
-    one_thread_per_pair, prefill,
+    continue_generation, one_thread_per_pair, prefill,
 )
 from .models.dflash import masked_blocks
 from .sampling import processed_probs, sample, speculative_accept
@@ -83,6 +85,16 @@ class BatchResponse:
     prompt_cache: Optional[PromptCache] = None
 
 
+@contextmanager
+def own_random_key(r: "Request"):
+    """A seeded request decoding alone draws from ``mx.random``'s state
+    (:func:`~dflash_mlx.generate.continue_generation` takes no key): seeded
+    from its own key first, so its run repeats whatever else used the state."""
+    if r.key is not None:
+        mx.random.seed(int(mx.random.randint(0, 2**31 - 1, key=r.next_key()).item()))
+    yield
+
+
 @dataclass
 class Request:
     """One row: its prompt cache (whose target part lives in the batch's
@@ -95,6 +107,7 @@ class Request:
     max_tokens: int
     eos: set
     logprobs: bool
+    sampling: dict = field(default_factory=dict)  # generate_step's sampling arguments
     key: Optional[mx.array] = None  # its own random key (a seeded sampled request)
     block_limit: Optional[int] = None  # the longest block it lets the batch verify
     progress: Optional[Callable[[int, int], None]] = None  # hears its prefill's progress
@@ -142,7 +155,7 @@ class BatchGenerator:
         draft_sink: Optional[int] = None,
         stream=generation_stream,
     ):
-        self.old_wired_limit = None  # (close() may run on a generator refused below)
+        self.old_wired_limit = self.alone = None  # (close() may run on a generator refused below)
         for name, value in (("completion_batch_size", completion_batch_size), ("prefill_batch_size", prefill_batch_size), ("prefill_step_size", prefill_step_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ArgumentError(f"{name} must be a whole number of at least 1, not {value!r}")
@@ -162,7 +175,7 @@ class BatchGenerator:
         self.ahead: Optional[Launched] = None  # a plain step queued before the last one was read
         self.clock = self.left = 0.0  # when the last cycle was read; when the caller got its tokens
         self.pair_acceptance: Optional[SlotAcceptance] = None
-        self.lone: Optional[BlockSizer] = None  # the pair's one-request sizer, for a batch of one
+        self.alone = None  # a batch of one: its request's cycles, decoding alone
         self.uid = 0
         self.cycles_read: List[int] = []  # the rows of each cycle the last next() read
         # Held from here to close(), as mlx-lm's BatchGenerator holds it: a
@@ -171,6 +184,9 @@ class BatchGenerator:
 
     def close(self) -> None:
         """Give back the wired memory limit (Metal); the generator is done."""
+        if self.alone is not None:
+            with self.on_pair():
+                self.stop_alone()
         if self.old_wired_limit is not None:
             mx.synchronize(self.stream)
             mx.set_wired_limit(self.old_wired_limit)
@@ -178,6 +194,12 @@ class BatchGenerator:
 
     def __del__(self):
         self.close()
+
+    @contextmanager
+    def on_pair(self):
+        """What every step runs in: this thread owns the pair, on the generation stream."""
+        with one_thread_per_pair(self.draft), mx.stream(self.stream):
+            yield
 
     def insert(
         self,
@@ -231,7 +253,8 @@ class BatchGenerator:
             key = None if s is None else mx.random.key(int(s))
             if cap is not None:
                 max_block_size(self.draft, cap, None)
-            request = Request(self.uid + len(requests), cache, tokens, rule, limit, eos, logprobs, key, cap, hear)
+            settings = dict(temperature=temp, top_p=tp, top_k=tk, min_p=mp, acceptance=acceptance)
+            request = Request(self.uid + len(requests), cache, tokens, rule, limit, eos, logprobs, settings, key, cap, hear)
             request.total = len(tokens)
             requests.append(request)
         self.uid += len(requests)
@@ -242,6 +265,9 @@ class BatchGenerator:
         """Drop requests between cycles; returns their prompt caches, each
         consistent with the tokens it holds (``cache.tokens``)."""
         uids = set(uids)
+        if self.alone is not None and self.active[0].uid in uids:
+            with self.on_pair():
+                self.stop_alone()
         out = {r.uid: r.cache for r in self.waiting + self.joining if r.uid in uids}
         self.waiting = [r for r in self.waiting if r.uid not in uids]
         self.joining = [r for r in self.joining if r.uid not in uids]
@@ -264,12 +290,14 @@ class BatchGenerator:
         """Prefill what fits of the queued prompts, then one decode cycle
         of the batch; what every request committed."""
         self.cycles_read = []
-        with one_thread_per_pair(self.draft), mx.stream(self.stream):
+        with self.on_pair():
             if self.joining:
                 self.join(self.joining)
                 self.joining = []
             out = self.prefill_queued()
-            if self.active:
+            if len(self.active) == 1:
+                out += self.alone_cycle()
+            elif self.active:
                 out += self.cycle()
             return out
 
@@ -365,7 +393,9 @@ class BatchGenerator:
 
     def join(self, requests: List[Request]) -> None:
         """Prefilled requests join the batch (the first one in a process
-        measures the cycles' costs on its own cache first)."""
+        measures the cycles' costs on its own cache first). Two requests or
+        more decode in batched cycles, over one :class:`~dflash_mlx.targets.rows.BatchCache`;
+        one decodes alone (:meth:`alone_cycle`) on its own cache."""
         if self.sizer is None:
             r = requests[0]
             calibration = calibrate(self.target, self.draft, r.cache.target, r.cache.target_hidden, self.max_block)
@@ -374,19 +404,21 @@ class BatchGenerator:
             if calibration.batch_sizer is None:
                 calibration.batch_sizer = BatchSizer(self.max_block, BatchCosts.from_table(calibration.sizer.costs))
             self.sizer = BatchSizer(self.max_block, None, fixed=True) if self.fixed else calibration.batch_sizer
-            self.lone = None if self.fixed else calibration.sizer
-        if self.lone is not None:
-            self.lone.begin(trees=False)  # a batch verifies chains
-        self.drop_ahead()
-        parts = [] if self.cache is None else [self.cache]
-        positions = [] if self.cache is None else list(self.cache.rows.pos)
         for r in requests:
             r.acceptance = copy.deepcopy(self.pair_acceptance)
-            parts.append(r.cache.target)
-            positions.append(len(r.cache.tokens) - len(r.cache.pending))
-            r.cache.target = None  # in the batch until it leaves
-        self.cache = BatchCache.join(parts, positions)
-        self.active.extend(requests)
+        self.stop_alone()
+        self.drop_ahead()
+        rows = self.active + requests
+        if len(rows) > 1:
+            batched = [] if self.cache is None else self.active
+            parts = [] if self.cache is None else [self.cache]
+            positions = [] if self.cache is None else list(self.cache.rows.pos)
+            for r in rows[len(batched):]:
+                parts.append(r.cache.target)
+                positions.append(len(r.cache.tokens) - len(r.cache.pending))
+                r.cache.target = None  # in the batch until it leaves
+            self.cache = BatchCache.join(parts, positions)
+        self.active = rows
 
     def drop_ahead(self) -> None:
         """Forget a plain step queued ahead (its rows keep none of it): the
@@ -396,17 +428,24 @@ class BatchGenerator:
             self.ahead = None
 
     def leave(self, rows: Sequence[int]) -> None:
-        """Rows ``rows`` leave the batch, each with its own target cache back."""
+        """Rows ``rows`` leave the batch, each with its own target cache back
+        (and a row left alone with its own, to decode alone)."""
         if not rows:
             return
-        for b in rows:
+        if self.cache is None:  # the request decoding alone
+            self.active[0].cache.drop_unreadable()
+            self.active = []
+            return
+        stay = [b for b in range(len(self.active)) if b not in set(rows)]
+        going = list(rows) + (stay if len(stay) == 1 else [])
+        for b in going:
             r = self.active[b]
             r.cache.target = self.cache.row(b)
             r.cache.unlink_draft()
-            r.cache.drop_unreadable()
-        stay = [b for b in range(len(self.active)) if b not in set(rows)]
+            if b in rows:
+                r.cache.drop_unreadable()
         self.active = [self.active[b] for b in stay]
-        if stay:
+        if len(stay) > 1:
             self.cache.take(stay)
         else:
             self.cache = None
@@ -420,9 +459,47 @@ class BatchGenerator:
         limits = [r.block_limit for r in rows if r.block_limit]
         if len(limits) == len(rows):  # every request fixed its block: the shortest, for all
             return max(1, min(min(limits), max(remaining)))
-        if len(rows) == 1 and self.lone is not None:  # one request: the pair's own sizer, as it decodes alone
-            return self.lone.choose(remaining[0])
         return min([self.sizer.choose([r.acceptance for r in rows], remaining)] + limits)
+
+    def alone_cycle(self) -> List[BatchResponse]:
+        """A batch of one decodes as a request alone does: its cycles are
+        :func:`~dflash_mlx.generate.generate_step`'s own on its prompt cache
+        (:func:`~dflash_mlx.generate.continue_generation`: the pair's sizer,
+        draft trees and all), one cycle per call: the accepted drafted
+        tokens and the target's one after them."""
+        r = self.active[0]
+        if self.alone is None:
+            block = self.max_block if self.fixed else r.block_limit
+            self.alone = continue_generation(
+                self.model, self.draft, r.cache, max_tokens=r.max_tokens - r.n, block_size=block,
+                eos_token_ids=r.eos, logprobs=r.logprobs, stream=self.stream, **r.sampling,
+            )
+        tokens, drafted, logprobs, block = [], [], [], 1
+        with own_random_key(r):
+            for token, lp, from_draft, rows, _ in self.alone:
+                tokens.append(token)
+                drafted.append(from_draft)
+                logprobs.append(lp)
+                block = max(block, rows)
+                if not from_draft:  # the target's own token ends a cycle
+                    break
+        r.n += len(tokens)
+        r.anchor = tokens[-1]
+        finish = "stop" if tokens[-1] in r.eos else ("length" if r.n >= r.max_tokens else None)
+        self.cycles_read.append(1)
+        response = BatchResponse(r.uid, tokens, drafted, logprobs if r.logprobs else None, finish, block)
+        if finish is not None:
+            self.stop_alone()
+            response.prompt_cache = r.cache
+            self.leave([0])
+        return [response]
+
+    def stop_alone(self) -> None:
+        """End the lone request's generate_step between its cycles (it rolls
+        back a cycle it queued ahead): its cache then holds what it committed."""
+        if self.alone is not None:
+            self.alone.close()
+            self.alone = None
 
     def cycle(self) -> List[BatchResponse]:
         """Draft, verify, accept, roll back, commit: every row at once, one
@@ -516,11 +593,7 @@ class BatchGenerator:
             self.commit(launched, kept)
         self.cycles_read.append(len(rows))
         read = time.perf_counter()
-        if len(rows) == 1 and self.lone is not None:
-            self.lone.observe(block, values[0][0] if block > 1 else 0, read - self.clock, context=len(rows[0].cache.tokens))
-        else:
-            remaining = [r.max_tokens - r.n for r in rows]
-            self.sizer.observe([r.acceptance for r in rows], remaining, block, read - self.clock)
+        self.sizer.observe([r.acceptance for r in rows], [r.max_tokens - r.n for r in rows], block, read - self.clock)
         self.clock = read
         return out, done
 

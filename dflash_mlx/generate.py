@@ -342,18 +342,47 @@ def generate_step(
     trees = tree_plan(target, draft, tree_budget, sizer)
     cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink)
     prompt = checked_prompt(target, cache, prompt)
+    with generation(target, draft, cache, stream):
+        logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
+        first = commit_first(cache, rule.choose(logits).item(), logits, logprobs)
+        plans = lambda: plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)  # noqa: E731
+        ready = calibrated(target, draft, max_block, trees[1])  # else plans() measures the costs first
+        yield from first_then_cycles(target, draft, cache, first, rule, plans, ready, max_tokens, set(eos_token_ids), logprobs)
+
+
+@contextmanager
+def generation(target, draft, cache: PromptCache, stream):
+    """What a generation runs in: the pair owned by this thread, its
+    stream; however it ends (closed at any token, an error), a cycle it
+    queued ahead is rolled back and the cache left at rest."""
     with one_thread_per_pair(draft), mx.stream(stream):
         try:
-            logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-            first = commit_first(cache, rule.choose(logits).item(), logits, logprobs)
-            plans = lambda: plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)  # noqa: E731
-            ready = calibrated(target, draft, max_block, trees[1])  # else plans() measures the costs first
-            yield from first_then_cycles(target, draft, cache, first, rule, plans, ready, max_tokens, set(eos_token_ids), logprobs)
+            yield
         finally:
             if cache.target.undo is not None:  # interrupted inside a cycle
                 target.rollback(cache.target, 0)
             cache.drop_unreadable()  # at rest, the cache holds only what a drafter may read
             mx.clear_cache()
+
+
+def continue_generation(
+    model, draft, prompt_cache: PromptCache, *, max_tokens: int, block_size: Optional[int] = None,
+    temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, min_p: float = 0.0, acceptance: str = "speculative",
+    eos_token_ids: Iterable[int] = (), logprobs: bool = False, stream=generation_stream,
+):
+    """The cycles of a generation another loop began, from its prompt
+    cache's pending token on (a batch's request left decoding alone), as
+    :func:`generate_step` yields them after its first token: at most
+    ``max_tokens`` more. The pair must be calibrated (the loop that began
+    it was)."""
+    rule = acceptance_rule(temperature, top_p, top_k, min_p, None, acceptance)
+    max_block = max_block_size(draft, block_size, None)
+    target = bound_target(model, draft)
+    trees = tree_plan(target, draft, None, None)
+    cache = prompt_cache
+    with generation(target, draft, cache, stream):
+        sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, None, *trees)
+        yield from decode(target, draft, cache, None, rule, sizer, settle, max_tokens + 1, set(eos_token_ids), logprobs)
 
 
 @dataclass

@@ -57,6 +57,11 @@ class RowScriptedDrafter(FakeDrafter):
             out.append(proposal[:slots])
         return mx.array(out, dtype=mx.int32), [None] * len(caches)
 
+    def propose(self, block, context, cache, slots=None):  # a batch of one decodes as a request alone
+        if "prompt" not in cache:  # the calibration's scratch cache
+            return super().propose(block, context, cache, slots)
+        return self.draft_rows(block, [context], [cache], block.shape[1] - 1 if slots is None else slots, [None])[0]
+
 
 class Collected:
     """Every response of a :class:`BatchGenerator`, by request uid."""

@@ -623,6 +623,11 @@ def committed_sequence(prompt, block, context, cache, reference=None) -> list:
         assert new[:1] == cache["last"][:1] and reference[start + n : start + n + 1] == [anchor], (
             f"the drafter was fed {n} context positions, but the anchor is not the token after them"
         )
+    elif reference is not None and cache["last"] is None and n > len(prompt):  # plain steps before the first draft
+        new = list(prompt) + list(reference[: n - len(prompt)])
+        assert reference[n - len(prompt) : n - len(prompt) + 1] == [anchor], (
+            f"the drafter was first fed {n} context positions, but the anchor is not the token after them"
+        )
     else:
         new = list(prompt) if cache["last"] is None else cache["last"][:n]
     assert n == len(new), f"the drafter was fed {n} context positions, {len(new)} were committed"
