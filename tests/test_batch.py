@@ -271,6 +271,36 @@ def test_the_generator_reports_every_cycle_it_read(qwen3_pair, tmp_path):
     assert [n for c in read for n in c] == cycles and 2 in [len(c) for c in read]
 
 
+def test_a_request_alone_decodes_as_generate_step_and_joins_exactly(qwen3_5_pair, tmp_path):
+    """A batch of one runs the one-request loop on its own cache; a second
+    request stops it between cycles and both decode together; alone again
+    once the second ends. Every token mlx-lm's; a seeded sampled request
+    alone repeats itself (at a fixed block: the sizer's choices, learnt
+    across generations, shape what is drawn)."""
+    pair = qwen3_5_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    first, second = prompt_of(20, seed=21), prompt_of(9, seed=22)
+    refs = [pair.reference(first, 50, eos_ids=[]), pair.reference(second, 20, eos_ids=[])]
+    gen, seen = BatchGenerator(pair.model, draft, block_size=4), Collected()
+    ua = gen.insert([first], 50)[0]
+    for _ in range(5):
+        assert all(r.uid == ua and r.batch <= 1 for r in seen.add(gen.next()))  # (0: the prefill's token)
+    assert gen.active[0].cache.target is not None  # its own cache, not a batch's
+    ub = gen.insert([second], 20)[0]
+    batches = []
+    while gen.busy:
+        batches += [r.batch for r in seen.add(gen.next()) if r.block]
+    assert seen.tokens[ua] == refs[0] and seen.tokens[ub] == refs[1]
+    assert 2 in batches and batches[-1] == 1  # together, then the first alone again
+
+    def sampled():
+        gen = BatchGenerator(pair.model, draft, block_size=4)
+        gen.insert([first], 30, temperature=1.0, seed=7)
+        return Collected().drain(gen).tokens[0]
+
+    assert sampled() == sampled()
+
+
 def test_sampled_and_greedy_rows_share_a_batch(tmp_path):
     """Mixed rows: greedy ones identical to their lone run, sampled ones
     (each its own seed and settings) distributed as the target samples:
