@@ -357,7 +357,7 @@ class BatchGenerator:
         caches = BatchCache.join([r.cache.target for r in group], [len(r.cache.tokens) - len(r.cache.pending) for r in group])
         body = [run[:-1] for run in runs]
         longest = max(map(len, body))
-        piece = self.target.longest_ragged or longest
+        piece = self.target.longest_ragged or max(1, longest)
         for start in range(0, longest, piece):
             part = [b[start : start + piece] for b in body]
             width = max(map(len, part))

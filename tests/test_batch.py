@@ -243,6 +243,8 @@ def test_short_prompts_prefill_together(make_pair, tmp_path, family):
     assert len(shapes) == -(-129 // piece) + 1
     seen = run_all(gen)
     assert [[t for r in firsts if r.uid == u for t in r.tokens] + seen.tokens[u] for u in uids] == refs
+    ones = [[5], [7]]  # nothing to run before each prompt's last token
+    assert batch_generate(pair.model, draft, pair.tokenizer, ones, max_tokens=6).tokens == [pair.reference(p, 6) for p in ones]
 
 
 def test_the_generator_reports_every_cycle_it_read(qwen3_pair, tmp_path):

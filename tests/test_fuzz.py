@@ -744,6 +744,7 @@ def test_a_generation_error_answers_in_the_dialect(tiny_server, monkeypatch, pat
 
     base = next(body for p, body, _ in ENDPOINTS if p == path)
     monkeypatch.setattr(BatchGenerator, "cycle", broken)
+    monkeypatch.setattr(BatchGenerator, "alone_cycle", broken)  # (a request alone)
     status, raw = post_raw(tiny_server, path, json.dumps({**base, "stream": stream}).encode())
     if stream:
         assert status == 200 and b"injected generation fault" in raw and b"error" in raw.rstrip().splitlines()[-1], raw
