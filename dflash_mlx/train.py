@@ -67,13 +67,16 @@ RUN_KEYS = (
 )
 # The schedule's peak: a drafter's training from scratch or on its own data.
 PEAK_LR = 6e-4
-# --from-traffic fine-tunes a trained drafter on data of another kind, with a
-# fresh AdamW whose first steps move every weight by about the learning rate
+# --from-traffic fine-tunes a trained drafter on data of another kind with a
+# fresh AdamW, whose steps move every weight by about the learning rate
 # whatever its gradient's size (Kingma & Ba 2015, arXiv 1412.6980, section
-# 2.1): at the peak that wrecks the drafter before it learns the new kind,
-# and what it relearns then is mostly the new kind (forgetting). Continual
-# pre-training keeps forgetting down with a lower re-warmed peak and replay
-# (Gupta et al. 2023, arXiv 2308.04014; Ibrahim et al. 2024, arXiv 2403.08763).
+# 2.1). MLX's AdamW leaves out the bias correction by default, and its first
+# few hundred steps are then up to 6.5x the rate (at step 10; 3.2x at 100):
+# with the peak rate besides, the fine-tune wrecks the drafter before it
+# learns the new kind, and what it relearns is mostly the new kind
+# (forgetting). So a fine-tune corrects the bias and re-warms to a lower peak,
+# as continual pre-training does against forgetting (Gupta et al. 2023,
+# arXiv 2308.04014; Ibrahim et al. 2024, arXiv 2403.08763).
 FINE_TUNE_LR = 1e-4
 FINE_TUNE_WARMUP = 0.1  # of the steps: a gentle start
 # Rows of --data held out by --from-traffic: the forgetting check's rows.
@@ -587,9 +590,11 @@ def sample_batch(rng: np.random.Generator, data, args, answers: Optional[np.ndar
     """Window starts, random windows [batch, seq_len] and sorted anchors
     [batch, n] with ``1 <= a`` and ``a + B - 1 < seq_len`` (no two alike).
     With ``answers`` (booleans over the flat data), anchors whose next token
-    is an answer token come first; others only fill up a short answer."""
-    flat, valid = data
-    starts = valid[rng.integers(0, len(valid), size=args.batch_size)]
+    is an answer token come first; others only fill up a short answer.
+    ``data``: the flat data, the window starts and their chances of being
+    drawn (None: alike)."""
+    flat, valid, weights = data
+    starts = valid[rng.integers(0, len(valid), size=args.batch_size) if weights is None else rng.choice(len(valid), args.batch_size, p=weights)]
     windows = np.stack([flat[s : s + args.seq_len] for s in starts])
     n_valid, n = args.seq_len - args.block_size, args.anchors_per_seq
     picked = []
@@ -988,12 +993,13 @@ def inherited_config(args: TrainConfig) -> dict:
 def traffic_data(args: TrainConfig, tokenizer, vocab: int):
     """--from-traffic: (training rows, their answer marks, held-out rows by
     learning curve: ``eval`` the traffic's, ``eval_replay`` --data's, the
-    ids the target wrote in the training traffic). Rows of exactly
-    --seq-len: the traffic but its most recent tenth, packed, and --data's
-    rows (repacked to --seq-len; :data:`REPLAY_HELD_OUT` of them held out)
-    at --replay-share of the whole."""
+    ids the target wrote in the training traffic, each row's chance of
+    being drawn or None). Rows of exactly --seq-len: the traffic but its
+    most recent tenth, packed, and --data's rows (repacked to --seq-len;
+    :data:`REPLAY_HELD_OUT` of them held out), drawn --replay-share of the time."""
     train_records, held = split_held_out(read_traffic(args.from_traffic, vocab))
     rows, marks = pack(train_records, args.seq_len)
+    n_new, weights = len(rows), None
     if not len(rows):
         n = sum(len(r.tokens) for r in train_records)
         raise TrainError(f"the recorded traffic holds {n} tokens to train on, less than one --seq-len {args.seq_len} row: record more or lower --seq-len")
@@ -1007,8 +1013,12 @@ def traffic_data(args: TrainConfig, tokenizer, vocab: int):
         old_rows, old_marks = stream[: n * args.seq_len].reshape(n, -1), flags[: n * args.seq_len].reshape(n, -1)
         order = np.random.default_rng([args.seed, 2]).permutation(n)
         held_old, pool = np.sort(order[: min(REPLAY_HELD_OUT, n // 2)]), order[min(REPLAY_HELD_OUT, n // 2) :]
-        want = int(round(len(rows) * args.replay_share / (1 - args.replay_share)))
-        pick = np.sort(pool[:want])
+        # As many rows as the run draws windows of them: a few rows replayed
+        # over and over are memorised, not the drafter's skill kept.
+        pick = np.sort(pool[: math.ceil(args.steps * args.batch_size * args.replay_share)])
+        if len(pick):
+            share = [(1 - args.replay_share) / len(rows)] * len(rows) + [args.replay_share / len(pick)] * len(pick)
+            weights = np.array(share) / np.sum(share)
         rows, marks = np.concatenate([rows, old_rows[pick]]), np.concatenate([marks, old_marks[pick]])
     fit = [r for r in held if len(r.tokens) >= args.block_size + 2]
     if not fit:
@@ -1016,12 +1026,10 @@ def traffic_data(args: TrainConfig, tokenizer, vocab: int):
     held_out = {"eval": ([r.tokens for r in fit], [r.answer for r in fit])}
     if args.data:
         held_out["eval_replay"] = (list(old_rows[held_old].astype(np.int32)), list(old_marks[held_old]))
-    print(
-        f"traffic: {len(train_records)} conversations in {len(rows)} rows of {args.seq_len} (with replay), "
-        f"{len(fit)} most recent held out" + (f", and {len(held_old)} replay rows" if args.data else ""), file=sys.stderr,
-    )
+    replay = f"; {len(rows) - n_new} rows of --data replayed at {args.replay_share}, {len(held_old)} held out" if args.data else ""
+    print(f"traffic: {len(train_records)} conversations in {n_new} rows of {args.seq_len}, {len(fit)} most recent held out{replay}", file=sys.stderr)
     written = np.unique(np.concatenate([r.tokens[r.answer] for r in train_records]))
-    return list(rows.astype(np.int32)), marks.reshape(-1), held_out, written
+    return list(rows.astype(np.int32)), marks.reshape(-1), held_out, written, weights
 
 
 def prepare(args: TrainConfig):
@@ -1061,9 +1069,9 @@ def prepare(args: TrainConfig):
 
     if args.draft_vocab is not None and args.draft_vocab > vocab:
         raise TrainError(f"--draft-vocab {args.draft_vocab} exceeds the target vocabulary ({vocab})")
-    draft_ids = None
+    draft_ids, weights = None, None
     if args.from_traffic is not None:
-        docs, answers, held_out, written = traffic_data(args, tokenizer, vocab)
+        docs, answers, held_out, written, weights = traffic_data(args, tokenizer, vocab)
         if args.draft_vocab is not None:  # FR-Spec's vocabulary follows the data: the traffic's ids join it
             draft_ids = sorted(set(inherited_config(args)["dflash_config"]["draft_vocab"]) | set(written.tolist()))
             args.draft_vocab = len(draft_ids)
@@ -1073,7 +1081,7 @@ def prepare(args: TrainConfig):
         held_out = {"eval": read_eval(args)} if args.eval_data else {}
         if args.draft_vocab is not None:
             draft_ids = frequent_tokens(docs, args.draft_vocab, vocab, answers_by_doc(docs, answers))
-    data = window_starts(docs, args.seq_len)
+    data = (*window_starts(docs, args.seq_len), weights)  # --from-traffic's rows are its windows, one each
     if not len(data[1]):
         longest = max((len(d) for d in docs), default=0)
         raise TrainError(
@@ -1144,7 +1152,10 @@ def train(args: TrainConfig) -> dict:
     model, adapter, docs, data, answers, held_out, draft_ids = prepare(args)
     config, draft = new_drafter(args, model, adapter, draft_ids)
     vocab_ids = config["dflash_config"].get("draft_vocab")
-    optimizer = optim.AdamW(learning_rate=lr_at(0, args.steps, args.learning_rate, args.warmup), weight_decay=args.weight_decay)
+    optimizer = optim.AdamW(
+        learning_rate=lr_at(0, args.steps, args.learning_rate, args.warmup), weight_decay=args.weight_decay,
+        bias_correction=args.from_traffic is not None,  # a fine-tune: see FINE_TUNE_LR
+    )
     optimizer.init(draft.trainable_parameters())
     rng = np.random.default_rng(args.seed)
     out = Path(args.draft_model)

@@ -24,7 +24,7 @@ TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-TINY_ROUND = "--steps 60 --learning-rate 3e-3 --seq-len 48 --batch-size 4 --anchors-per-seq 8 --warmup 2 --eval-every 100"
+TINY_ROUND = "--steps 60 --learning-rate 2e-2 --seq-len 48 --batch-size 4 --anchors-per-seq 8 --warmup 2 --eval-every 100"
 
 
 def candidate(pair, path, init_from, seed, before=1.0, after=2.0, **scores):

@@ -158,7 +158,7 @@ def test_adapting_writes_only_a_better_drafter(qwen3_pair, recorded, tmp_path, c
     pair = qwen3_pair
     init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
     good = tmp_path / "good"
-    assert cli.run(T.main, adapt_argv(pair, recorded, init, good, "--steps", "60", "--learning-rate", "3e-3")) == 0
+    assert cli.run(T.main, adapt_argv(pair, recorded, init, good, "--steps", "60", "--learning-rate", "2e-2")) == 0
     out = capsys.readouterr().out
     result = json.loads((good / traffic.ADAPT_RESULT).read_text())
     assert result["written"] and result["after"] > result["before"] and "held-out tokens per cycle" in out
@@ -180,16 +180,18 @@ def old_rows(tmp_path):
     return str(tmp_path / "old.npy")
 
 
-def test_replay_rows_join_at_their_share_and_some_are_held_out(qwen3_pair, recorded, tmp_path):
+def test_replay_rows_are_drawn_at_their_share_and_some_are_held_out(qwen3_pair, recorded, tmp_path):
     pair = qwen3_pair
     init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
     args = T.TrainConfig(**{**vars(T.setup_arg_parser().parse_args(
         adapt_argv(pair, recorded, init, tmp_path / "o", "--data", old_rows(tmp_path), "--replay-share", "0.5"))),
         "taps": None})  # fmt: skip
     T.check_args(args)
-    docs, answers, held_out, written = T.traffic_data(args, pair.tokenizer, pair.vocab)
+    docs, answers, held_out, written, weights = T.traffic_data(args, pair.tokenizer, pair.vocab)
     old = [d for d in docs if d.max() < 200 and (np.diff(d) == 1).sum() > 40]
-    assert len(old) == len(docs) - len(old) and all(len(d) == 48 for d in docs)
+    assert len(old) == 40 - T.REPLAY_HELD_OUT and all(len(d) == 48 for d in docs)  # every row the run may draw
+    new = len(docs) - len(old)
+    assert weights[:new].sum() == pytest.approx(0.5) and weights[new:].sum() == pytest.approx(0.5)
     assert len(held_out["eval"][0]) == 2 and answers.shape == (48 * len(docs),)
     replay, marks = held_out["eval_replay"]
     assert len(replay) == T.REPLAY_HELD_OUT and all(m.all() for m in marks)  # no --answer-mask: every token
@@ -231,7 +233,7 @@ def test_the_draft_vocabulary_takes_in_the_traffic_and_the_start_is_the_drafter_
     cfg["dflash_config"]["draft_vocab"] = list(range(0, pair.vocab, 7))
     (init / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "o"
-    assert cli.run(T.main, adapt_argv(pair, recorded, init, out, "--steps", "40", "--learning-rate", "3e-3")) == 0
+    assert cli.run(T.main, adapt_argv(pair, recorded, init, out, "--steps", "60", "--learning-rate", "2e-2")) == 0
     result = json.loads((out / traffic.ADAPT_RESULT).read_text())
     held, adapter = read_traffic(recorded)[-2:], adapter_for(pair.model)
     draft = dflash_mlx.load_draft(init, pair.model, dtype=mx.float32)
