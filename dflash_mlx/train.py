@@ -1145,6 +1145,15 @@ def new_drafter(args: TrainConfig, model, adapter, draft_ids: Optional[List[int]
     return config, draft
 
 
+def new_optimizer(args: TrainConfig) -> optim.AdamW:
+    """AdamW at the schedule's first rate; for a fine-tune (--from-traffic)
+    with the bias correction MLX leaves out by default (see :data:`FINE_TUNE_LR`)."""
+    return optim.AdamW(
+        learning_rate=lr_at(0, args.steps, args.learning_rate, args.warmup), weight_decay=args.weight_decay,
+        bias_correction=args.from_traffic is not None,
+    )
+
+
 def train(args: TrainConfig) -> dict:
     """Run (or, with ``resume``, continue) the training run ``args`` describes;
     returns its state (step, loss history, training seconds)."""
@@ -1152,10 +1161,7 @@ def train(args: TrainConfig) -> dict:
     model, adapter, docs, data, answers, held_out, draft_ids = prepare(args)
     config, draft = new_drafter(args, model, adapter, draft_ids)
     vocab_ids = config["dflash_config"].get("draft_vocab")
-    optimizer = optim.AdamW(
-        learning_rate=lr_at(0, args.steps, args.learning_rate, args.warmup), weight_decay=args.weight_decay,
-        bias_correction=args.from_traffic is not None,  # a fine-tune: see FINE_TUNE_LR
-    )
+    optimizer = new_optimizer(args)
     optimizer.init(draft.trainable_parameters())
     rng = np.random.default_rng(args.seed)
     out = Path(args.draft_model)
