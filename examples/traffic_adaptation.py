@@ -28,7 +28,7 @@ each resumable (state in ~/.cache/dflash_mlx/traffic_bench/):
             and all of the traffic (against minutes: the adapt run's own curve)
   speed     DFlash (adaptive block) and mlx-lm's greedy decode on the held-out
             SQL and general requests, with each drafter: tok/s and their ratio
-  report    the table (JSON: --json)
+  report    the table (--json FILE: the run's entry under "runs" in FILE)
 
 ``--stage evaluate`` runs after, score, speed and report from the saved
 state: the measurements, timings included, without training.
@@ -394,8 +394,11 @@ def stage_report(args):
         "speed": speeds(args.name),
     }
     print(json.dumps(report, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.json:  # the run's entry in a results file that may hold others
+        path = Path(args.json)
+        results = json.loads(path.read_text()) if path.is_file() else {}
+        results.setdefault("runs", {})[args.name] = report
+        path.write_text(json.dumps(results, indent=1) + "\n")
 
 
 def main(argv=None):
