@@ -143,7 +143,7 @@ class TrainConfig:
     # The optimisation.
     steps: int = option(1000, "optimizer steps", type=cli.positive_int)
     learning_rate: Optional[float] = option(
-        None, f"peak learning rate (default: {PEAK_LR}; with --from-traffic, a fine-tune, {FINE_TUNE_LR})"
+        None, f"peak learning rate (default: {PEAK_LR}; with --from-traffic, a fine-tune: {FINE_TUNE_LR}, AdamW bias-corrected)"
     )
     warmup: Optional[int] = option(
         None,
@@ -207,7 +207,9 @@ class TrainConfig:
         f"cycle beat --init-from's on the traffic and keep {KEEP_SHARE * 100:.0f}%% of them on those rows",
     )
     replay_share: float = option(
-        0.5, "with --from-traffic and --data: the share of training windows from --data (half: as much of the old kind as of the new)"
+        0.5,
+        "with --from-traffic and --data: the share of training windows drawn from --data (half: as much of the old "
+        "kind as of the new), from as many of its rows as the run draws",
     )
     max_minutes: Optional[float] = option(None, "end the run after this many minutes of training (a checkpoint then)")
     # The learning curve.
