@@ -9,7 +9,9 @@ continued when none does. The child writes its candidate only when it beats
 the current drafter on the most recent traffic it held out; the generation
 thread swaps it in between requests (:meth:`Adaptation.swap`), after loading
 it. A candidate that fails to load, or whose scores do not show it beating
-the drafter in use, is refused. The loop's output is the target's whatever
+the drafter in use (and, where the round replays the drafter's original data,
+keeping what it knew there: :func:`~dflash_mlx.traffic.refusal`), is
+refused. The loop's output is the target's whatever
 the drafter, so a swap changes the speed, never the text.
 
 State, beside the traffic: ``DIR/drafters/v<N>/`` (each accepted drafter,
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import ArgumentError
-from .traffic import ADAPT_RESULT, ADAPTING, DEFAULT_MAX_BYTES, Recorder, write_atomically
+from .traffic import ADAPT_RESULT, ADAPTING, DEFAULT_MAX_BYTES, Recorder, refusal, write_atomically
 
 DRAFTERS = "drafters"
 CURRENT = "current.json"
@@ -102,8 +104,11 @@ class Adaptation:
             return draft
         try:
             scores = json.loads((path / ADAPT_RESULT).read_text())
-            if not scores["after"] > scores["before"] or Path(scores["init_from"]) != self.path.resolve():
-                raise ValueError(f"its scores ({scores['before']} -> {scores['after']} from {scores['init_from']}) do not beat the drafter in use")
+            if Path(scores["init_from"]) != self.path.resolve():
+                raise ValueError(f"it was adapted from {scores['init_from']}, not from the drafter in use")
+            why = refusal(scores)
+            if why is not None:
+                raise ValueError(why)
             new = load_draft(path, model, dtype=float_dtype(model))
         except Exception as e:  # a broken or worse candidate never replaces the drafter in use
             logging.warning("adaptation: refused the candidate drafter %s: %s", path, e)

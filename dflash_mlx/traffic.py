@@ -41,6 +41,9 @@ DEFAULT_MAX_BYTES = 1 << 30
 OPEN_CONVERSATIONS = 16
 ADAPTING = ".adapting"  # `train --from-traffic` trains here, beside its --draft-model
 ADAPT_RESULT = "adapt.json"  # an adapted drafter's held-out scores, beside its weights
+# The share of its predecessor's tokens per cycle an adapted drafter must keep
+# on held-out rows of the predecessor's own training data: what it may forget.
+KEEP_SHARE = 0.97
 
 
 class TrafficError(DFlashError, ValueError):
@@ -230,6 +233,22 @@ def read_traffic(path, vocab_size: Optional[int] = None) -> List[Record]:
     if not records:
         raise TrafficError(f"{root} holds no readable recorded conversation: serve some requests with --learn {root} first")
     return records
+
+
+def refusal(result: dict) -> Optional[str]:
+    """Why an adapted drafter's scores (``adapt.json``) do not earn it a
+    place, or None: it must beat the drafter it started from on the held-out
+    traffic and, where the replayed data was held out too (``replay``), keep
+    :data:`KEEP_SHARE` of that drafter's tokens per cycle there."""
+    if not result["after"] > result["before"]:
+        return f"it does not beat the drafter it started from on the held-out traffic ({result['before']:.3f} -> {result['after']:.3f} tokens per cycle)"
+    replay = result.get("replay")
+    if replay and not replay["after"] >= KEEP_SHARE * replay["before"]:
+        return (
+            f"it forgets: {replay['before']:.3f} -> {replay['after']:.3f} tokens per cycle on the held-out replay rows, "
+            f"below {KEEP_SHARE} of the drafter it started from"
+        )
+    return None
 
 
 def split_held_out(records: List[Record], share: float = 0.1):

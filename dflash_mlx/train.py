@@ -47,7 +47,7 @@ from . import cli
 from .defaults import DEFAULT_BLOCK_SIZE, DTYPES
 from .errors import DFlashError
 from .ops import fast_math
-from .traffic import ADAPT_RESULT, ADAPTING, check_traffic_dir, pack, read_traffic, split_held_out
+from .traffic import ADAPT_RESULT, ADAPTING, KEEP_SHARE, check_traffic_dir, pack, read_traffic, refusal, split_held_out
 from .models.dflash import (
     DFlashConfig,
     DFlashDraftModel,
@@ -65,6 +65,22 @@ RUN_KEYS = (
     "init_from", "cache_dir", "approximate_target", "approximate_softmax", "draft_vocab", "loss_slots", "answer_mask", "init_from_target",
     "from_traffic", "replay_share",
 )
+# The schedule's peak: a drafter's training from scratch or on its own data.
+PEAK_LR = 6e-4
+# --from-traffic fine-tunes a trained drafter on data of another kind with a
+# fresh AdamW, whose steps move every weight by about the learning rate
+# whatever its gradient's size (Kingma & Ba 2015, arXiv 1412.6980, section
+# 2.1). MLX's AdamW leaves out the bias correction by default, and its first
+# few hundred steps are then up to 6.5x the rate (at step 10; 3.2x at 100):
+# with the peak rate besides, the fine-tune wrecks the drafter before it
+# learns the new kind, and what it relearns is mostly the new kind
+# (forgetting). So a fine-tune corrects the bias and re-warms to a lower peak,
+# as continual pre-training does against forgetting (Gupta et al. 2023,
+# arXiv 2308.04014; Ibrahim et al. 2024, arXiv 2403.08763).
+FINE_TUNE_LR = 1e-4
+FINE_TUNE_WARMUP = 0.1  # of the steps: a gentle start
+# Rows of --data held out by --from-traffic: the forgetting check's rows.
+REPLAY_HELD_OUT = 8
 MASK_NAME = re.compile(r"^<\|?\s*mask\s*\|?>$", re.IGNORECASE)
 
 
@@ -126,8 +142,13 @@ class TrainConfig:
     )
     # The optimisation.
     steps: int = option(1000, "optimizer steps", type=cli.positive_int)
-    learning_rate: float = option(6e-4, "peak learning rate")
-    warmup: Optional[int] = option(None, "linear warmup steps (default: 5%% of --steps), then cosine to 10%%")
+    learning_rate: Optional[float] = option(
+        None, f"peak learning rate (default: {PEAK_LR}; with --from-traffic, a fine-tune: {FINE_TUNE_LR}, AdamW bias-corrected)"
+    )
+    warmup: Optional[int] = option(
+        None,
+        f"linear warmup steps (default: 5%% of --steps; with --from-traffic {FINE_TUNE_WARMUP * 100:.0f}%%), then cosine to 10%%",
+    )
     weight_decay: float = option(0.0, "AdamW weight decay")
     grad_clip: float = option(1.0, "global gradient-norm clip")
     seed: int = option(0, "seed of the drafter's initialisation and of the batches")
@@ -181,10 +202,15 @@ class TrainConfig:
     from_traffic: Optional[str] = option(
         None,
         "fine-tune the --init-from drafter on the conversations recorded in this traffic directory (--learn DIR): "
-        "the most recent tenth held out; --draft-model is written only if its held-out tokens per cycle beat "
-        "--init-from's; --data (with --answer-mask), if given, is the drafter's original data, replayed",
+        "the most recent tenth held out; --data (with --answer-mask), if given, is the drafter's original data, "
+        f"replayed, {REPLAY_HELD_OUT} of its rows held out; --draft-model is written only if its held-out tokens per "
+        f"cycle beat --init-from's on the traffic and keep {KEEP_SHARE * 100:.0f}%% of them on those rows",
     )
-    replay_share: float = option(0.25, "with --from-traffic and --data: the share of training windows from --data")
+    replay_share: float = option(
+        0.5,
+        "with --from-traffic and --data: the share of training windows drawn from --data (half: as much of the old "
+        "kind as of the new), from as many of its rows as the run draws",
+    )
     max_minutes: Optional[float] = option(None, "end the run after this many minutes of training (a checkpoint then)")
     # The learning curve.
     eval_data: Optional[str] = option(
@@ -566,9 +592,11 @@ def sample_batch(rng: np.random.Generator, data, args, answers: Optional[np.ndar
     """Window starts, random windows [batch, seq_len] and sorted anchors
     [batch, n] with ``1 <= a`` and ``a + B - 1 < seq_len`` (no two alike).
     With ``answers`` (booleans over the flat data), anchors whose next token
-    is an answer token come first; others only fill up a short answer."""
-    flat, valid = data
-    starts = valid[rng.integers(0, len(valid), size=args.batch_size)]
+    is an answer token come first; others only fill up a short answer.
+    ``data``: the flat data, the window starts and their chances of being
+    drawn (None: alike)."""
+    flat, valid, weights = data
+    starts = valid[rng.integers(0, len(valid), size=args.batch_size) if weights is None else rng.choice(len(valid), args.batch_size, p=weights)]
     windows = np.stack([flat[s : s + args.seq_len] for s in starts])
     n_valid, n = args.seq_len - args.block_size, args.anchors_per_seq
     picked = []
@@ -619,6 +647,11 @@ def training_sample(args: "TrainConfig", docs: List[np.ndarray], answers: Option
         rows.append(np.asarray(docs[i][:n]))
         written.append(np.arange(n) >= 1 if marks is None else marks[i][:n])
     return rows, written
+
+
+# The learning curves besides the held-out rows' (``eval``): the state's key
+# and what its rows are.
+CURVES = {"eval_replay": "held-out replay rows", "eval_train": "training rows"}
 
 
 class HeldOut:
@@ -960,11 +993,15 @@ def inherited_config(args: TrainConfig) -> dict:
 
 
 def traffic_data(args: TrainConfig, tokenizer, vocab: int):
-    """--from-traffic: (training rows, their answer marks, held-out records).
-    Rows of exactly --seq-len: the traffic but its most recent tenth, packed,
-    and --data's rows (repacked to --seq-len) at --replay-share of the whole."""
+    """--from-traffic: (training rows, their answer marks, held-out rows by
+    learning curve: ``eval`` the traffic's, ``eval_replay`` --data's, the
+    ids the target wrote in the training traffic, each row's chance of
+    being drawn or None). Rows of exactly --seq-len: the traffic but its
+    most recent tenth, packed, and --data's rows (repacked to --seq-len;
+    :data:`REPLAY_HELD_OUT` of them held out), drawn --replay-share of the time."""
     train_records, held = split_held_out(read_traffic(args.from_traffic, vocab))
     rows, marks = pack(train_records, args.seq_len)
+    n_new, weights = len(rows), None
     if not len(rows):
         n = sum(len(r.tokens) for r in train_records)
         raise TrainError(f"the recorded traffic holds {n} tokens to train on, less than one --seq-len {args.seq_len} row: record more or lower --seq-len")
@@ -973,23 +1010,34 @@ def traffic_data(args: TrainConfig, tokenizer, vocab: int):
         old_marks = read_answer_mask(args, old)
         stream, flags = np.concatenate(old), np.ones(sum(len(d) for d in old), bool) if old_marks is None else old_marks
         n = len(stream) // args.seq_len
-        want = int(round(len(rows) * args.replay_share / (1 - args.replay_share)))
-        pick = np.sort(np.random.default_rng([args.seed, 2]).choice(n, min(want, n), replace=False))
-        rows = np.concatenate([rows, stream[: n * args.seq_len].reshape(n, -1)[pick]])
-        marks = np.concatenate([marks, flags[: n * args.seq_len].reshape(n, -1)[pick]])
+        if n < 2:
+            raise TrainError(f"--data holds {n} --seq-len {args.seq_len} row: replay needs at least 2 (one held out)")
+        old_rows, old_marks = stream[: n * args.seq_len].reshape(n, -1), flags[: n * args.seq_len].reshape(n, -1)
+        order = np.random.default_rng([args.seed, 2]).permutation(n)
+        held_old, pool = np.sort(order[: min(REPLAY_HELD_OUT, n // 2)]), order[min(REPLAY_HELD_OUT, n // 2) :]
+        # As many rows as the run draws windows of them: a few rows replayed
+        # over and over are memorised, not the drafter's skill kept.
+        pick = np.sort(pool[: math.ceil(args.steps * args.batch_size * args.replay_share)])
+        if len(pick):
+            share = [(1 - args.replay_share) / len(rows)] * len(rows) + [args.replay_share / len(pick)] * len(pick)
+            weights = np.array(share) / np.sum(share)
+        rows, marks = np.concatenate([rows, old_rows[pick]]), np.concatenate([marks, old_marks[pick]])
     fit = [r for r in held if len(r.tokens) >= args.block_size + 2]
     if not fit:
         raise TrainError(f"no held-out conversation is longer than a block ({args.block_size + 2} tokens): record more")
-    print(
-        f"traffic: {len(train_records)} conversations in {len(rows)} rows of {args.seq_len} "
-        f"(with replay), {len(fit)} most recent held out", file=sys.stderr,
-    )
-    return list(rows.astype(np.int32)), marks.reshape(-1), ([r.tokens for r in fit], [r.answer for r in fit])
+    held_out = {"eval": ([r.tokens for r in fit], [r.answer for r in fit])}
+    if args.data:
+        held_out["eval_replay"] = (list(old_rows[held_old].astype(np.int32)), list(old_marks[held_old]))
+    replay = f"; {len(rows) - n_new} rows of --data replayed at {args.replay_share}, {len(held_old)} held out" if args.data else ""
+    print(f"traffic: {len(train_records)} conversations in {n_new} rows of {args.seq_len}, {len(fit)} most recent held out{replay}", file=sys.stderr)
+    written = np.unique(np.concatenate([r.tokens[r.answer] for r in train_records]))
+    return list(rows.astype(np.int32)), marks.reshape(-1), held_out, written, weights
 
 
 def prepare(args: TrainConfig):
-    """The target (with its adapter) and the training windows; fills in the
-    defaults that depend on them (taps, mask token, gamma, warmup)."""
+    """The target (with its adapter), the training windows and the held-out
+    rows of each learning curve (see :data:`CURVES`); fills in the defaults
+    that depend on them (taps, mask token, gamma, learning rate, warmup)."""
     from .loading import load
     from .targets import adapter_for
     from .targets.approximate import approximate
@@ -1015,17 +1063,27 @@ def prepare(args: TrainConfig):
     if not 0 <= args.mask_token_id < vocab:
         raise TrainError(f"--mask-token-id {args.mask_token_id} is outside the target vocabulary (0..{vocab - 1})")
     args.gamma = args.gamma if args.gamma is not None else args.block_size / 2
-    args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    fine_tune = args.from_traffic is not None
+    if args.learning_rate is None:
+        args.learning_rate = FINE_TUNE_LR if fine_tune else PEAK_LR
+    if args.warmup is None:
+        args.warmup = max(1, int(args.steps * FINE_TUNE_WARMUP) if fine_tune else args.steps // 20)
 
+    if args.draft_vocab is not None and args.draft_vocab > vocab:
+        raise TrainError(f"--draft-vocab {args.draft_vocab} exceeds the target vocabulary ({vocab})")
+    draft_ids, weights = None, None
     if args.from_traffic is not None:
-        docs, answers, held_out = traffic_data(args, tokenizer, vocab)
+        docs, answers, held_out, written, weights = traffic_data(args, tokenizer, vocab)
+        if args.draft_vocab is not None:  # FR-Spec's vocabulary follows the data: the traffic's ids join it
+            draft_ids = sorted(set(inherited_config(args)["dflash_config"]["draft_vocab"]) | set(written.tolist()))
+            args.draft_vocab = len(draft_ids)
     else:
         docs = read_data(args.data, tokenizer, vocab)
         answers = read_answer_mask(args, docs)
-        held_out = read_eval(args) if args.eval_data else None
-    data = window_starts(docs, args.seq_len)
-    if args.draft_vocab is not None and args.draft_vocab > vocab:
-        raise TrainError(f"--draft-vocab {args.draft_vocab} exceeds the target vocabulary ({vocab})")
+        held_out = {"eval": read_eval(args)} if args.eval_data else {}
+        if args.draft_vocab is not None:
+            draft_ids = frequent_tokens(docs, args.draft_vocab, vocab, answers_by_doc(docs, answers))
+    data = (*window_starts(docs, args.seq_len), weights)  # --from-traffic's rows are its windows, one each
     if not len(data[1]):
         longest = max((len(d) for d in docs), default=0)
         raise TrainError(
@@ -1038,7 +1096,7 @@ def prepare(args: TrainConfig):
             f"--cache-target needs data that is only 2-D .npy rows of exactly --seq-len "
             f"{args.seq_len} tokens (each window a whole row)"
         )
-    return model, adapter, docs, data, answers, held_out
+    return model, adapter, docs, data, answers, held_out, draft_ids
 
 
 def read_answer_mask(args: TrainConfig, docs: List[np.ndarray]) -> Optional[np.ndarray]:
@@ -1065,9 +1123,9 @@ def restore(out: Path, run: dict, draft, optimizer, rng) -> dict:
     return saved
 
 
-def new_drafter(args: TrainConfig, model, adapter, docs, answers):
+def new_drafter(args: TrainConfig, model, adapter, draft_ids: Optional[List[int]]):
     """``(config, drafter)`` the run starts from: the config for the target
-    (with its draft vocabulary, the ids most frequent in the answers), the
+    (with its draft vocabulary ``draft_ids``, see :func:`prepare`), the
     weights seeded, the target's last layers, or a checkpoint's."""
     config = draft_config_for_target(
         adapter.args,
@@ -1077,10 +1135,8 @@ def new_drafter(args: TrainConfig, model, adapter, docs, answers):
         mask_token_id=args.mask_token_id,
         intermediate_size=args.intermediate_size,
     )
-    if args.from_traffic is not None and args.draft_vocab is not None:
-        config["dflash_config"]["draft_vocab"] = inherited_config(args)["dflash_config"]["draft_vocab"]
-    elif args.draft_vocab is not None:
-        config["dflash_config"]["draft_vocab"] = frequent_tokens(docs, args.draft_vocab, adapter.vocab_size, answers_by_doc(docs, answers))
+    if draft_ids is not None:
+        config["dflash_config"]["draft_vocab"] = draft_ids
     mx.random.seed(args.seed)  # drafter initialisation
     draft = DFlashDraftModel(DFlashConfig.from_hf(config))
     draft.bind(model)
@@ -1091,14 +1147,23 @@ def new_drafter(args: TrainConfig, model, adapter, docs, answers):
     return config, draft
 
 
+def new_optimizer(args: TrainConfig) -> optim.AdamW:
+    """AdamW at the schedule's first rate; for a fine-tune (--from-traffic)
+    with the bias correction MLX leaves out by default (see :data:`FINE_TUNE_LR`)."""
+    return optim.AdamW(
+        learning_rate=lr_at(0, args.steps, args.learning_rate, args.warmup), weight_decay=args.weight_decay,
+        bias_correction=args.from_traffic is not None,
+    )
+
+
 def train(args: TrainConfig) -> dict:
     """Run (or, with ``resume``, continue) the training run ``args`` describes;
     returns its state (step, loss history, training seconds)."""
     check_args(args)
-    model, adapter, docs, data, answers, held_out_rows = prepare(args)
-    config, draft = new_drafter(args, model, adapter, docs, answers)
+    model, adapter, docs, data, answers, held_out, draft_ids = prepare(args)
+    config, draft = new_drafter(args, model, adapter, draft_ids)
     vocab_ids = config["dflash_config"].get("draft_vocab")
-    optimizer = optim.AdamW(learning_rate=lr_at(0, args.steps, args.learning_rate, args.warmup), weight_decay=args.weight_decay)
+    optimizer = new_optimizer(args)
     optimizer.init(draft.trainable_parameters())
     rng = np.random.default_rng(args.seed)
     out = Path(args.draft_model)
@@ -1130,28 +1195,26 @@ def train(args: TrainConfig) -> dict:
 
     from tqdm import tqdm
 
-    bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="drafter")
-    held_out = HeldOut(*held_out_rows, adapter, args) if held_out_rows else None
-    seen = HeldOut(*training_sample(args, docs, answers), adapter, args) if held_out and args.eval_train_rows else None
+    from .loading import load_draft
 
-    def evaluate():
-        if held_out is not None:
-            step, per_cycle, cycles = record = held_out(draft, state["step"])
-            state.setdefault("eval", []).append(record)
-            state.setdefault("eval_seconds", []).append(round(state["train_seconds"] + time.perf_counter() - tic, 1))
-            line = f"step {step}: {per_cycle:.3f} tokens per cycle on the held-out rows ({cycles} cycles)"
-            if seen is not None:  # the same on rows it trains on: the gap says whether data or steps are short
-                state.setdefault("eval_train", []).append(seen(draft, step))
-                line += f", {state['eval_train'][-1][1]:.3f} on {len(seen.rows)} training rows"
-            bar.write(line)
+    bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="drafter")
+    curves = learning_curves(args, held_out, docs, answers, adapter)
+
+    def evaluate(drafter=draft):
+        if not curves:
+            return
+        for key, curve in curves.items():
+            state.setdefault(key, []).append(curve(drafter, state["step"]))
+        state.setdefault("eval_seconds", []).append(round(state["train_seconds"] + time.perf_counter() - tic, 1))
+        bar.write(curve_line(state, curves))
 
     def save():
         state["rng"] = rng.bit_generator.state
         write_checkpoint(out, config, draft, optimizer, state, DTYPES[args.dtype])
 
     tic = time.perf_counter()
-    if not state.get("eval"):
-        evaluate()  # where the curve starts
+    if not state.get("eval"):  # where the curve starts: with --from-traffic, --init-from as it is (its vocabulary)
+        evaluate(draft if args.from_traffic is None else load_draft(args.init_from, model, dtype=mx.float32))
     for step in bar:
         optimizer.learning_rate = lr_at(step, args.steps, args.learning_rate, args.warmup)
         starts, windows, anchors = sample_batch(rng, data, args, answers)
@@ -1173,6 +1236,25 @@ def train(args: TrainConfig) -> dict:
     return state
 
 
+def learning_curves(args: TrainConfig, held_out: dict, docs, answers, adapter) -> dict:
+    """The run's learning curves by state key: each of ``held_out``'s
+    (:func:`prepare`) and, with --eval-train-rows, a sample of the training
+    rows', where the gap to the held-out rows says whether data or steps are short."""
+    curves = {key: HeldOut(*rows, adapter, args) for key, rows in held_out.items()}
+    if curves and args.eval_train_rows:
+        curves["eval_train"] = HeldOut(*training_sample(args, docs, answers), adapter, args)
+    return curves
+
+
+def curve_line(state: dict, curves: dict) -> str:
+    """The learning curves' latest point, as the progress bar prints it."""
+    step, per_cycle, cycles = state["eval"][-1]
+    line = f"step {step}: {per_cycle:.3f} tokens per cycle on the held-out rows ({cycles} cycles)"
+    for key in [k for k in curves if k != "eval"]:
+        line += f", {state[key][-1][1]:.3f} on {len(curves[key].rows)} {CURVES[key]}"
+    return line
+
+
 def out_of_time(args: TrainConfig, seconds: float) -> bool:
     """Whether ``--max-minutes`` of training are spent."""
     return args.max_minutes is not None and seconds >= 60 * args.max_minutes
@@ -1181,8 +1263,10 @@ def out_of_time(args: TrainConfig, seconds: float) -> bool:
 def adapt(args: TrainConfig) -> dict:
     """``--from-traffic``: train beside ``--draft-model``, then write it only
     if its held-out tokens per cycle beat ``--init-from``'s (a drafter
-    changes the speed, never the text, so only a better one is worth a swap).
-    Returns the scores before and after and whether it was written."""
+    changes the speed, never the text, so only a better one is worth a swap)
+    and, with replay, it keeps their share on the held-out replay rows
+    (:func:`~dflash_mlx.traffic.refusal`). Returns the scores before and
+    after and whether it was written."""
     out = Path(args.draft_model)
     if out.exists() and any(out.iterdir()):
         raise TrainError(f"{out} exists and is not empty: choose a new --draft-model")
@@ -1191,15 +1275,22 @@ def adapt(args: TrainConfig) -> dict:
     (_, before, cycles), (step, after, _) = state["eval"][0], state["eval"][-1]
     result = {
         "init_from": str(Path(args.init_from).resolve()), "before": before, "after": after, "steps": step,
-        "held_out_cycles": cycles, "train_seconds": round(state["train_seconds"], 1), "written": after > before,
+        "held_out_cycles": cycles, "train_seconds": round(state["train_seconds"], 1),
         "curve": [[s, tpc, sec] for (s, tpc, _), sec in zip(state["eval"], state["eval_seconds"])],
+        "learning_rate": run.learning_rate, "warmup": run.warmup,
     }
     print(f"held-out tokens per cycle: {before:.3f} with {args.init_from}, {after:.3f} adapted ({step} steps)")
-    if result["written"]:
+    if state.get("eval_replay"):
+        (_, old, old_cycles), (_, kept, _) = state["eval_replay"][0], state["eval_replay"][-1]
+        result["replay"] = {"before": old, "after": kept, "cycles": old_cycles, "curve": [r[:2] for r in state["eval_replay"]]}
+        print(f"held-out replay rows (what it may forget): {old:.3f} with {args.init_from}, {kept:.3f} adapted ({kept / old:.3f}x)")
+    why = refusal(result)
+    result["written"] = why is None
+    if why is None:
         publish(Path(run.draft_model), out, result)
         print(f"adapted drafter: {out}")
     else:
-        print(f"the adapted drafter does not beat {args.init_from}: {out} not written; keep using {args.init_from}")
+        print(f"the adapted drafter is refused: {why}; {out} not written, keep using {args.init_from}")
     shutil.rmtree(run.draft_model, ignore_errors=True)
     return result
 

@@ -16,14 +16,22 @@ each resumable (state in ~/.cache/dflash_mlx/traffic_bench/):
             answers (recorded in traffic directories of their own)
   replay    the drafter's original data, packed into rows (replay share)
   adapt     ``mlx-dflash train --from-traffic`` on the recorded traffic,
-            ``--init-from`` the shipped drafter, at most ``--minutes`` of CPU
+            ``--init-from`` the shipped drafter, at most ``--minutes`` of CPU,
+            the trainer's defaults for a fine-tune (learning rate, warmup,
+            replay share, draft vocabulary)
+  score     tokens per cycle of both drafters on the held-out records, as
+            the trainer predicts them (the exact target)
   after     the held-out requests decoded again with the adapted drafter:
             tokens per cycle after, the text checked identical
-  curve     tokens per cycle of the held-out SQL records against training
-            minutes (the run's checkpoints) and against recorded tokens
-            (short runs on the first quarter and half of the traffic)
-  speed     DFlash against mlx-lm's greedy decode on the held-out SQL requests
-  report    the table (JSON: --json)
+  curve     tokens per cycle of the held-out records against recorded tokens:
+            the same run, ``--curve-steps`` long, on the first quarter, half
+            and all of the traffic (against minutes: the adapt run's own curve)
+  speed     DFlash (adaptive block) and mlx-lm's greedy decode on the held-out
+            SQL and general requests, with each drafter: tok/s and their ratio
+  report    the table (--json FILE: the run's entry under "runs" in FILE)
+
+``--stage evaluate`` runs after, score, speed and report from the saved
+state: the measurements, timings included, without training.
 
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
     nohup nice -n 10 python examples/traffic_adaptation.py --stage all > bench.log 2>&1 &
@@ -43,6 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 WORK = Path("~/.cache/dflash_mlx/traffic_bench").expanduser()
 BLOCK = 16  # the drafter's trained block: tokens per cycle at a fixed width
 STAGES = ("requests", "serve", "held-out", "replay", "adapt", "score", "after", "curve", "speed", "report")
+EVALUATE = ("after", "score", "speed", "report")  # --stage evaluate: from saved state, no training
 
 SCHEMAS = {
     "shop": {"customers": ["id", "name", "city", "signup_date"], "orders": ["id", "customer_id", "total", "status", "created_at"],
@@ -170,6 +179,7 @@ def held_out_sets(tokenizer):
     return {"sql": read_json("requests.json")["held_out"], "general": named_prompts("smollm2")[: WORK_GENERAL]}
 
 
+STEPS, CURVE_STEPS = 400, 120
 WORK_GENERAL = 12  # of the pair's 64 held-out chat requests: enough cycles, an affordable decode
 
 
@@ -198,19 +208,21 @@ def adapted_dir(name="adapted") -> Path:
     return WORK / name
 
 
-def adapt_argv(args, out, traffic, minutes):
+def adapt_argv(args, out, traffic, minutes, steps):
     """``mlx-dflash train --from-traffic`` as the bench runs it: the recipe's
     CPU levers (approximate target and softmax), the drafter's original rows
-    replayed at --replay-share, the target's outputs cached in memory."""
+    replayed, the target's outputs cached in memory; the learning rate,
+    warmup and replay share the trainer's defaults unless given."""
     from dflash_mlx.pair import named_pair_paths
 
     target, draft = named_pair_paths("smollm2")
+    given = [(flag, value) for flag, value in (("--learning-rate", args.learning_rate), ("--replay-share", args.replay_share)) if value is not None]
     return [
         "--from-traffic", str(traffic), "--init-from", str(draft), "--model", str(target), "--draft-model", str(out),
-        "--steps", str(args.steps), "--warmup", "10", "--max-minutes", str(minutes), "--seq-len", str(args.seq_len),
-        "--batch-size", "4", "--anchors-per-seq", "16", "--learning-rate", str(args.learning_rate),
+        "--steps", str(steps), "--max-minutes", str(minutes), "--seq-len", str(args.seq_len),
+        "--batch-size", "4", "--anchors-per-seq", "16", *[str(x) for pair in given for x in pair],
         "--data", str(WORK / "replay.npy"), "--answer-mask", str(WORK / "replay-answers.npy"),
-        "--replay-share", str(args.replay_share), "--target-dtype", "float32", "--approximate-target",
+        "--target-dtype", "float32", "--approximate-target",
         "--approximate-softmax", "--cache-target", "--eval-every", str(args.eval_every), "--save-every", str(args.eval_every),
     ]  # fmt: skip
 
@@ -231,7 +243,7 @@ def run_adapt(argv, result_name):
 
 
 def stage_adapt(args):
-    run_adapt(adapt_argv(args, adapted_dir(args.name), WORK / "traffic", args.minutes), f"{args.name}-result.json")
+    run_adapt(adapt_argv(args, adapted_dir(args.name), WORK / "traffic", args.minutes, args.steps), f"{args.name}-result.json")
 
 
 def stage_after(args):
@@ -275,16 +287,17 @@ def stage_score(args):
 
 
 def stage_curve(args):
-    """Tokens per cycle against recorded tokens: the same run on the first
-    1/N of the traffic (``--curve-shares``: a quarter and a half;
-    ``--curve-minutes`` each), scored on the held-out SQL records; the full
-    traffic's point is the main run's."""
+    """Tokens per cycle against recorded tokens: the same run, ``--curve-steps``
+    long (its whole schedule), on the first 1/N of the traffic
+    (``--curve-shares``), each drafter scored on the held-out SQL and general
+    records as the score stage scores them. A run the trainer refuses
+    (no better on its held-out tenth, or forgetting) leaves its trainer scores."""
     from dflash_mlx.traffic import RECORDS, check_traffic_dir, read_traffic
 
     records = sorted((WORK / "traffic" / RECORDS).glob("*.npz"))
     scores = read_json("curve.json", {})
     for share in args.curve_shares:
-        name = f"first-{len(records) // share}"
+        name = f"{args.name}-first-{len(records) // share}"
         if name in scores:
             continue
         sub = WORK / f"traffic-{name}"
@@ -292,34 +305,59 @@ def stage_curve(args):
             check_traffic_dir(sub, create=True)
             for f in records[: len(records) // share]:
                 (sub / RECORDS / f.name).write_bytes(f.read_bytes())
-        out = adapted_dir(f"adapted-{name}")
-        result = run_adapt(adapt_argv(args, out, sub, args.curve_minutes), f"{name}-result.json")
-        tokens = sum(len(r.tokens) for r in read_traffic(sub))
-        point = scored(out, read_traffic(WORK / "held-out-sql")) if result["written"] else None
-        scores[name] = {"recorded_tokens": tokens, "conversations": len(records) // share, "result": result, "held_out_sql": point}
+        out = adapted_dir(name)
+        result = run_adapt(adapt_argv(args, out, sub, args.minutes, args.curve_steps), f"{name}-result.json")
+        point = {"recorded_tokens": sum(len(r.tokens) for r in read_traffic(sub)), "conversations": len(records) // share, "result": result}
+        if result["written"]:
+            point.update({kind: scored(out, read_traffic(WORK / f"held-out-{kind}")) for kind in ("sql", "general")})
+        scores[name] = point
         write_json("curve.json", scores)
+        print(f"[curve] {name}: {point.get('sql')} on held-out SQL, {point.get('general')} on general", flush=True)
+
+
+def speed_prompts(tokenizer):
+    """The held-out SQL and general requests in the chat template, as JSON files for ``mlx-dflash bench``."""
+    files = {}
+    for kind, requests in held_out_sets(tokenizer).items():
+        files[kind] = WORK / f"held-out-{kind}-prompts.json"
+        files[kind].write_text(json.dumps([
+            tokenizer.apply_chat_template([{"role": "user", "content": r}], add_generation_prompt=True, tokenize=False)
+            for r in requests
+        ]))  # fmt: skip
+    return files
 
 
 def stage_speed(args):
-    """DFlash (adaptive block) against mlx-lm on the held-out SQL requests,
-    each drafter, through ``mlx-dflash bench`` (timings: see the report's note)."""
+    """DFlash (adaptive block) against mlx-lm's greedy decode on the held-out
+    SQL and general requests, with the shipped and the adapted drafter, each
+    through ``mlx-dflash bench`` (tok/s of both decoders and their ratio;
+    timings: run it on a quiet machine)."""
     from transformers import AutoTokenizer
 
     from dflash_mlx.pair import named_pair_paths
 
-    tokenizer = AutoTokenizer.from_pretrained(str(named_pair_paths("smollm2")[0]))
-    prompts = WORK / "held-out-sql-prompts.json"
-    prompts.write_text(json.dumps([
-        tokenizer.apply_chat_template([{"role": "user", "content": r}], add_generation_prompt=True, tokenize=False)
-        for r in read_json("requests.json")["held_out"]
-    ]))  # fmt: skip
-    for name, path in (("shipped", None), ("adapted", adapted_dir())):
-        out = WORK / f"speed-{name}.json"
-        if out.is_file() or (path is not None and not (path / "config.json").is_file()):
-            continue
-        cmd = [sys.executable, "-m", "dflash_mlx.benchmark", "--model", "smollm2", "--prompts", str(prompts),
-               "--max-tokens", "160", "--repeats", "1", "--json", str(out)]  # fmt: skip
-        subprocess.run(cmd + (["--draft-model", str(path)] if path else []), check=True)
+    prompts = speed_prompts(AutoTokenizer.from_pretrained(str(named_pair_paths("smollm2")[0])))
+    for kind, file in prompts.items():
+        for name, path in (("shipped", None), (args.name, adapted_dir(args.name))):
+            out = WORK / f"speed-{name}-{kind}.json"
+            if out.is_file() or (path is not None and not (path / "config.json").is_file()):
+                continue
+            cmd = [sys.executable, "-m", "dflash_mlx.benchmark", "--model", "smollm2", "--prompts", str(file),
+                   "--max-tokens", "160", "--repeats", "1", "--json", str(out)]  # fmt: skip
+            print(f"[speed] {name} drafter, held-out {kind}", flush=True)
+            subprocess.run(cmd + (["--draft-model", str(path)] if path else []), check=True)
+
+
+def speeds(adapted):
+    """Per held-out kind and drafter: tok/s of both decoders and DFlash/AR."""
+    out = {}
+    for kind in ("sql", "general"):
+        for name in ("shipped", adapted):
+            report = read_json(f"speed-{name}-{kind}.json")
+            if report:
+                keep = ("autoregressive_tps", "dflash_tps", "speedup", "mean_tokens_per_cycle", "outputs_identical")
+                out.setdefault(kind, {})[name] = {k: report[k] for k in keep if k in report}
+    return out
 
 
 def summary(adapted="adapted"):
@@ -353,31 +391,34 @@ def stage_report(args):
         "run": args.name, "tokens_per_cycle": summary(args.name), "adapt": read_json(f"{args.name}-result.json"),
         "curve": read_json("curve.json"),
         "served": len(read_json("served.json", [])),
-        "speed": {n: read_json(f"speed-{n}.json") for n in ("shipped", "adapted") if read_json(f"speed-{n}.json")},
+        "speed": speeds(args.name),
     }
     print(json.dumps(report, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.json:  # the run's entry in a results file that may hold others
+        path = Path(args.json)
+        results = json.loads(path.read_text()) if path.is_file() else {}
+        results.setdefault("runs", {})[args.name] = report
+        path.write_text(json.dumps(results, indent=1) + "\n")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--stage", choices=STAGES + ("all",), default="all")
+    p.add_argument("--stage", choices=STAGES + ("all", "evaluate"), default="all")
     p.add_argument("--served", type=int, default=200, help="SQL requests served with recording")
     p.add_argument("--held-out", type=int, default=12, help="held-out SQL requests per held-out group (two groups)")
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--steps", type=int, default=300, help="the schedule's steps (--minutes may end the run first)")
+    p.add_argument("--steps", type=int, default=STEPS, help="the schedule's steps (--minutes may end the run first)")
     p.add_argument("--minutes", type=float, default=60.0, help="the adaptation's training minutes at most")
-    p.add_argument("--curve-minutes", type=float, default=10.0, help="each of the curve's shorter runs")
-    p.add_argument("--curve-shares", type=int, nargs="+", default=[4, 2], help="the curve's runs: the first 1/N of the traffic each")
+    p.add_argument("--curve-steps", type=int, default=CURVE_STEPS, help="each of the curve's runs")
+    p.add_argument("--curve-shares", type=int, nargs="+", default=[4, 2, 1], help="the curve's runs: the first 1/N of the traffic each")
     p.add_argument("--eval-every", type=int, default=30)
-    p.add_argument("--learning-rate", type=float, default=5e-4)
-    p.add_argument("--replay-share", type=float, default=0.25)
+    p.add_argument("--learning-rate", type=float, default=None, help="default: the trainer's for --from-traffic")
+    p.add_argument("--replay-share", type=float, default=None, help="default: the trainer's")
     p.add_argument("--name", default="adapted", help="the adaptation run's name: its drafter, scores and decodes")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     work()
-    todo = STAGES if args.stage == "all" else (args.stage,)
+    todo = {"all": STAGES, "evaluate": EVALUATE}.get(args.stage, (args.stage,))
     for stage in todo:
         print(f"== {stage}", flush=True)
         globals()["stage_" + stage.replace("-", "_")](args)

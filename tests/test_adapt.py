@@ -24,13 +24,13 @@ TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-TINY_ROUND = "--steps 60 --learning-rate 3e-3 --seq-len 48 --batch-size 4 --anchors-per-seq 8 --warmup 2 --eval-every 100"
+TINY_ROUND = "--steps 60 --learning-rate 2e-2 --seq-len 48 --batch-size 4 --anchors-per-seq 8 --warmup 2 --eval-every 100"
 
 
-def candidate(pair, path, init_from, seed, before=1.0, after=2.0):
+def candidate(pair, path, init_from, seed, before=1.0, after=2.0, **scores):
     """A drafter checkpoint as a round writes it: weights and its scores."""
     pair.make_draft(path, seed=seed, block_size=4)
-    (path / ADAPT_RESULT).write_text(json.dumps({"init_from": str(init_from.resolve()), "before": before, "after": after}))
+    (path / ADAPT_RESULT).write_text(json.dumps({"init_from": str(init_from.resolve()), "before": before, "after": after, **scores}))
     return path
 
 
@@ -93,16 +93,17 @@ def test_swaps_change_no_output_and_only_better_drafters_that_load_get_in(qwen3_
     for bad in (
         damage(candidate(qwen3_pair, tmp_path / "broken", third, seed=4), "truncated"),  # fails to load
         candidate(qwen3_pair, tmp_path / "worse", third, seed=5, before=2.0, after=1.5),  # scores worse
+        candidate(qwen3_pair, tmp_path / "forgets", third, seed=7, replay={"before": 2.0, "after": 1.5}),  # forgets the replay rows
         candidate(qwen3_pair, tmp_path / "stale", second, seed=6),  # beat another drafter, not this one
     ):
         adaptation.offer(bad)
         streamed("x = 1\n")
         assert adaptation.path == third and metrics(url)["dflash_drafter_version"] == 2
-    # Every request recorded: 7, or 6 where the chat's second turn begins with the
+    # Every request recorded: 8, or 7 where the chat's second turn begins with the
     # first one's tokens (it need not: the random target writes invalid UTF-8,
     # which the re-templated history does not round-trip).
     records = read_traffic(tmp_path / "t")
-    assert len(records) in (6, 7) and all(r.answer.any() for r in records)
+    assert len(records) in (7, 8) and all(r.answer.any() for r in records)
     again = Adaptation(Recorder(tmp_path / "t"), qwen3_pair.path, first)  # a restart
     assert (again.version, again.path) == (2, third.resolve())
 

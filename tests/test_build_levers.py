@@ -206,12 +206,12 @@ def test_answer_anchors_and_slot_losses():
     flat = np.arange(400)
     answers = np.zeros(400, bool)
     answers[20:30] = True
-    _, windows, anchors = T.sample_batch(np.random.default_rng(0), (flat, np.array([0])), args, answers)
+    _, windows, anchors = T.sample_batch(np.random.default_rng(0), (flat, np.array([0]), None), args, answers)
     nxt = anchors + 1  # the slot-1 token of each anchor
     assert answers[nxt].all(axis=1).all() and (np.diff(anchors, axis=1) > 0).all()
     few = np.zeros(400, bool)
     few[10:12] = True  # two answer anchors, three fillers
-    _, _, anchors = T.sample_batch(np.random.default_rng(0), (flat, np.array([0])), args, few)
+    _, _, anchors = T.sample_batch(np.random.default_rng(0), (flat, np.array([0]), None), args, few)
     assert (few[anchors + 1].sum(axis=1) == 2).all() and len(np.unique(anchors[0])) == 5
     # labels outside the draft vocabulary carry no loss and are never correct
     labels = T.draft_labels(mx.array([[3, 7, 9]]), [3, 9], 12)

@@ -7,6 +7,7 @@ import json
 import os
 import stat
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -16,6 +17,7 @@ from dflash_mlx import train as T
 from dflash_mlx import traffic
 from dflash_mlx.batch import batch_generate
 from dflash_mlx.cache import make_prompt_cache
+from dflash_mlx.targets import adapter_for
 from dflash_mlx.traffic import Recorder, TrafficError, read_traffic
 
 import tiny
@@ -156,7 +158,7 @@ def test_adapting_writes_only_a_better_drafter(qwen3_pair, recorded, tmp_path, c
     pair = qwen3_pair
     init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
     good = tmp_path / "good"
-    assert cli.run(T.main, adapt_argv(pair, recorded, init, good, "--steps", "60", "--learning-rate", "3e-3")) == 0
+    assert cli.run(T.main, adapt_argv(pair, recorded, init, good, "--steps", "60", "--learning-rate", "2e-2")) == 0
     out = capsys.readouterr().out
     result = json.loads((good / traffic.ADAPT_RESULT).read_text())
     assert result["written"] and result["after"] > result["before"] and "held-out tokens per cycle" in out
@@ -171,19 +173,78 @@ def test_adapting_writes_only_a_better_drafter(qwen3_pair, recorded, tmp_path, c
     assert not bad.exists() and not (tmp_path / ("bad" + traffic.ADAPTING)).exists()
 
 
-def test_replay_rows_join_at_their_share(qwen3_pair, recorded, tmp_path):
+def old_rows(tmp_path):
+    """Replay data: 40 rows of 48 counting tokens, unlike any recorded
+    conversation, each starting at a token of its own."""
+    np.save(tmp_path / "old.npy", (5 * np.arange(40, dtype=np.int32)[:, None] + np.arange(48)) % 200)
+    return str(tmp_path / "old.npy")
+
+
+def test_replay_rows_are_drawn_at_their_share_and_some_are_held_out(qwen3_pair, recorded, tmp_path):
     pair = qwen3_pair
     init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
-    rows = np.arange(40 * 48, dtype=np.int32).reshape(40, 48) % 200
-    np.save(tmp_path / "old.npy", rows)
     args = T.TrainConfig(**{**vars(T.setup_arg_parser().parse_args(
-        adapt_argv(pair, recorded, init, tmp_path / "o", "--data", str(tmp_path / "old.npy"), "--replay-share", "0.5"))),
+        adapt_argv(pair, recorded, init, tmp_path / "o", "--data", old_rows(tmp_path), "--replay-share", "0.5"))),
         "taps": None})  # fmt: skip
     T.check_args(args)
-    docs, answers, (held, written) = T.traffic_data(args, pair.tokenizer, pair.vocab)
+    docs, answers, held_out, written, weights = T.traffic_data(args, pair.tokenizer, pair.vocab)
     old = [d for d in docs if d.max() < 200 and (np.diff(d) == 1).sum() > 40]
-    assert len(old) == len(docs) - len(old) and all(len(d) == 48 for d in docs)
-    assert len(held) == 2 and answers.shape == (48 * len(docs),)
+    assert len(old) == 40 - T.REPLAY_HELD_OUT and all(len(d) == 48 for d in docs)  # every row the run may draw
+    new = len(docs) - len(old)
+    assert weights[:new].sum() == pytest.approx(0.5) and weights[new:].sum() == pytest.approx(0.5)
+    assert len(held_out["eval"][0]) == 2 and answers.shape == (48 * len(docs),)
+    replay, marks = held_out["eval_replay"]
+    assert len(replay) == T.REPLAY_HELD_OUT and all(m.all() for m in marks)  # no --answer-mask: every token
+    assert not {r[0] for r in replay} & {d[0] for d in old}  # held out: never trained on
+    records = read_traffic(recorded)[:-2]
+    assert written.tolist() == sorted({int(t) for r in records for t in r.tokens[r.answer]})
+
+
+def test_a_candidate_must_beat_on_the_traffic_and_keep_the_replayed_data():
+    better = {"before": 1.5, "after": 1.8}
+    assert traffic.refusal(better) is None
+    assert "does not beat" in traffic.refusal({"before": 1.5, "after": 1.5})
+    assert traffic.refusal({**better, "replay": {"before": 2.0, "after": 2.0 * traffic.KEEP_SHARE}}) is None
+    assert "forgets" in traffic.refusal({**better, "replay": {"before": 2.0, "after": 2.0 * traffic.KEEP_SHARE - 0.01}})
+
+
+def test_a_candidate_that_forgets_the_replayed_data_is_refused(qwen3_pair, recorded, tmp_path, capsys, monkeypatch):
+    """With --data the run scores the held-out replay rows before and after
+    and prints both; a candidate below the kept share of them is refused
+    (here every candidate: the share is set out of reach), nothing written."""
+    pair = qwen3_pair
+    init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    monkeypatch.setattr(traffic, "KEEP_SHARE", 100.0)
+    out = tmp_path / "o"
+    argv = adapt_argv(pair, recorded, init, out, "--steps", "4", "--learning-rate", "3e-3", "--data", old_rows(tmp_path))
+    assert cli.run(T.main, argv) == 0
+    printed = capsys.readouterr().out
+    assert "held-out replay rows" in printed and "forgets" in printed and "not written" in printed
+    assert not out.exists() and not (tmp_path / ("o" + traffic.ADAPTING)).exists()
+
+
+def test_the_draft_vocabulary_takes_in_the_traffic_and_the_start_is_the_drafter_as_it_is(qwen3_pair, recorded, tmp_path, capsys):
+    """A drafter scoring a draft vocabulary learns the ids the target wrote
+    in the traffic (it could never propose the others); the score it is
+    compared with is its own, with the vocabulary it had."""
+    pair = qwen3_pair
+    init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    cfg = json.loads((init / "config.json").read_text())
+    cfg["dflash_config"]["draft_vocab"] = list(range(0, pair.vocab, 7))
+    (init / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "o"
+    assert cli.run(T.main, adapt_argv(pair, recorded, init, out, "--steps", "60", "--learning-rate", "2e-2")) == 0
+    result = json.loads((out / traffic.ADAPT_RESULT).read_text())
+    held, adapter = read_traffic(recorded)[-2:], adapter_for(pair.model)
+    draft = dflash_mlx.load_draft(init, pair.model, dtype=mx.float32)
+    taps = [T.target_pass(adapter, mx.array(r.tokens[None]), draft.config.target_layer_ids)[0] for r in held]
+    own = T.held_out_cycles(draft, adapter, [r.tokens for r in held], [r.answer for r in held], taps)
+    assert result["before"] == round(float(np.mean(own)), 4)
+    ids = json.loads((out / "config.json").read_text())["dflash_config"]["draft_vocab"]
+    written = {int(t) for r in read_traffic(recorded)[:-2] for t in r.tokens[r.answer]}
+    assert ids == sorted(set(cfg["dflash_config"]["draft_vocab"]) | written) and len(ids) > len(cfg["dflash_config"]["draft_vocab"])
+    got, _ = pair.dflash(dflash_mlx.load_draft(out, pair.model), "def f(x):", eos_ids=[], max_tokens=24)
+    assert got == pair.reference("def f(x):", 24, eos_ids=[])
 
 
 @pytest.mark.parametrize("case", ["not-traffic", "no-init", "eval-data"])
