@@ -354,7 +354,7 @@ class BatchGenerator:
         logits give its first token (mlx-lm's order). The requests leave
         with their own caches, to join at the next call."""
         runs = [r.cache.pending + r.todo for r in group]
-        caches = BatchCache.join([r.cache.target for r in group], [len(r.cache.tokens) - len(r.cache.pending) for r in group])
+        caches = BatchCache.join([r.cache.target for r in group], [r.cache.ran for r in group])
         body = [run[:-1] for run in runs]
         longest = max(map(len, body))
         piece = self.target.longest_ragged or max(1, longest)
@@ -415,7 +415,7 @@ class BatchGenerator:
             positions = [] if self.cache is None else list(self.cache.rows.pos)
             for r in rows[len(batched):]:
                 parts.append(r.cache.target)
-                positions.append(len(r.cache.tokens) - len(r.cache.pending))
+                positions.append(r.cache.ran)
                 r.cache.target = None  # in the batch until it leaves
             self.cache = BatchCache.join(parts, positions)
         self.active = rows

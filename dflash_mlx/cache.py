@@ -89,6 +89,11 @@ class PromptCache:
         """Tokens in the sequence (mlx-lm's ``offset``): prompt and output so far."""
         return len(self.tokens)
 
+    @property
+    def ran(self) -> int:
+        """Positions the target has run: the sequence less its pending tokens."""
+        return len(self.tokens) - len(self.pending)
+
     def context_bound(self) -> Tuple[int, Optional[int]]:
         """(first, last): a drafter layer may still read the first ``first``
         context positions and the last ``last``; ``last`` None: any."""
@@ -224,7 +229,7 @@ class PromptCache:
         """
         n = max(0, min(n, len(self.tokens)))
         keep = len(self.tokens) - n
-        seen = len(self.tokens) - len(self.pending)  # positions the target ran
+        seen = self.ran
         if keep >= seen:
             self.pending = self.pending[: keep - seen]
         else:

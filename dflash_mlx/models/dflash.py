@@ -18,6 +18,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..defaults import DEFAULT_BLOCK_SIZE
 from ..errors import CheckpointError
 from ..ops import fast_math
+from ..ops.padded import stack_padded
 from ..sampling import processed_probs, sample
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -468,19 +469,10 @@ class ContextRows:
 
     def rebuild(self, held) -> None:
         """A buffer holding each row's ``held`` (keys, values), no dead slots."""
-        like = next(((k, v) for k, v in held if k is not None), None)
-        if like is None:
-            return
-        k0, v0 = like
-        sizes = [0 if k is None else k.shape[2] for k, _ in held]
-        slots = -(-(max(sizes) + 1) // self.step) * self.step
-        self.keys = mx.zeros((len(held), k0.shape[1], slots, k0.shape[3]), k0.dtype)
-        self.values = mx.zeros((len(held), v0.shape[1], slots, v0.shape[3]), v0.dtype)
-        for b, ((k, v), n) in enumerate(zip(held, sizes)):
-            if n:
-                self.keys[b : b + 1, :, :n] = k
-                self.values[b : b + 1, :, :n] = v
-        self.dead = [0] * len(held)
+        keys, values = stack_padded(held, self.step)
+        if keys is not None:
+            self.keys, self.values = keys, values
+            self.dead = [0] * len(held)
 
     def write(self, b: int, keys: mx.array, values: mx.array) -> None:
         """Row ``b`` appends ``keys``/``values`` ``[1, H, n, D]`` after its tail."""

@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from ..errors import ArgumentError
+from ..ops.padded import stack_padded
 from .attention import hold_in_time_order
 from .base import TargetCache
 
@@ -223,17 +224,7 @@ def join_arrays(caches: Sequence[ArraysCache]) -> ArraysCache:
 
 def stack_rows(rows: Rows, held, shift, window):
     """A ragged cache from per-row ``(keys, values)`` of ``[1, H, n, D]`` (None: empty)."""
-    like = next(((k, v) for k, v in held if k is not None), None)
-    if like is None:  # (requests before their first forward)
-        return RaggedKVCache(rows, None, None, shift, window)
-    slots = -(-(max(0 if k is None else k.shape[2] for k, _ in held) + 1) // STEP) * STEP
-    keys = mx.zeros((len(held), like[0].shape[1], slots, like[0].shape[3]), like[0].dtype)
-    values = mx.zeros((len(held), like[1].shape[1], slots, like[1].shape[3]), like[1].dtype)
-    for b, (k, v) in enumerate(held):
-        if k is not None:
-            keys[b : b + 1, :, : k.shape[2]] = k
-            values[b : b + 1, :, : v.shape[2]] = v
-    return RaggedKVCache(rows, keys, values, shift, window)
+    return RaggedKVCache(rows, *stack_padded(held, STEP), shift, window)
 
 
 class BatchCache(TargetCache):
