@@ -632,30 +632,37 @@ class DraftAttention(nn.Module):
         return (probs @ v[:, :, None]).reshape(B, H, L, D)
 
     def __call__(self, x, context, rope, cache: ContextCache) -> mx.array:
-        B, L, _ = x.shape
+        L = x.shape[1]
         # Inject the new context first: the block starts right after it.
         if context.shape[1]:
             cache.inject(context, lambda rows, at: self.project_kv(rows, rope, at))
-        ctx_k, ctx_v = cache.fetch()
         block_start = cache.offset
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
-        q = rope(q.transpose(0, 2, 1, 3), offset=block_start)
-        k, v = self.project_kv(x, rope, block_start)
-        if ctx_k is not None:
-            k = mx.concatenate([ctx_k, k], axis=2)
-            v = mx.concatenate([ctx_v, v], axis=2)
-        if self.sees_all and not self.training and fast_math.approx_for(q):
-            out = self.cpu_attention(q, k, v)
-            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-        mask = draft_attention_mask(
-            cache.positions(),
-            mx.arange(block_start, block_start + L),
-            is_causal=self.is_causal,
-            sliding_window=self.sliding_window,
-        )
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        mask = None
+        if not self.sees_all:
+            mask = draft_attention_mask(
+                cache.positions(),
+                mx.arange(block_start, block_start + L),
+                is_causal=self.is_causal,
+                sliding_window=self.sliding_window,
+            )
+        return self.attend(x, block_start, rope, cache.fetch(), mask)
 
+    def attend(self, x, starts, rope, context_kv, mask) -> mx.array:
+        """The block ``x`` (its rows starting at ``starts``) attending to
+        ``context_kv`` (keys and values, or Nones) and to itself, under
+        ``mask`` (None: everything is visible)."""
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
+        q = rope(q.transpose(0, 2, 1, 3), offset=starts)
+        k, v = self.project_kv(x, rope, starts)
+        ctx_k, ctx_v = context_kv
+        if ctx_k is not None:
+            k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
+        if self.sees_all and not self.training and fast_math.approx_for(q):
+            out = self.cpu_attention(q, k, v, mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def rows(self, x, contexts, rope, caches: List[ContextCache]) -> mx.array:
         """:meth:`__call__` for a batch of requests: row ``b`` of ``x``
@@ -678,13 +685,9 @@ class DraftAttention(nn.Module):
                 cache.inject(contexts[b], lambda rows, p: (k_b[..., index(p) : index(p) + rows.shape[1], :], v_b[..., index(p) : index(p) + rows.shape[1], :]))
                 at += n
         starts = mx.array([c.offset for c in caches], dtype=mx.int32)
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
-        q = rope(q.transpose(0, 2, 1, 3), offset=starts)
-        k, v = self.project_kv(x, rope, starts)
         ctx_k, ctx_v, seen, ctx_positions = shared.view()
         block = starts[:, None] + mx.arange(L, dtype=mx.int32)[None]  # [B, L] positions
         if ctx_k is not None:
-            k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
             seen = mx.concatenate([seen, mx.ones((B, L), mx.bool_)], axis=1)
             key_positions = mx.concatenate([ctx_positions, block], axis=1)
         else:
@@ -693,13 +696,7 @@ class DraftAttention(nn.Module):
         visible = visible_positions(block[:, :, None], key_positions[:, None, :], is_causal=self.is_causal, sliding_window=self.sliding_window)
         if visible is not None:
             mask = visible if mask is None else visible & mask
-        if mask is not None:
-            mask = mask[:, None]
-        if self.sees_all and not self.training and fast_math.approx_for(q):  # as __call__ attends
-            out = self.cpu_attention(q, k, v, mask)
-        else:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.attend(x, starts, rope, (ctx_k, ctx_v), None if mask is None else mask[:, None])
 
 
 class DraftMLP(nn.Module):
