@@ -870,9 +870,13 @@ class BatchSizer:
     ``sum_b E_b(min(L, r_b)) / C(B, L)``, with each row's own acceptance
     (``E_b`` from its :class:`SlotAcceptance`, so a row the drafter suits
     pulls toward longer blocks and one it does not toward shorter) and
-    :class:`BatchCosts`. Drafting at all is decided on the shares as seen
-    (as :meth:`BlockSizer.pays` does); while plain steps win, a probe drafts
-    now and then, after ``PROBE_WAIT`` plain cycles, twice as many after
+    :class:`BatchCosts`. The length is chosen on the shares as seen, not
+    the optimistic ones :class:`BlockSizer` drafts a lone request by: a
+    verified row costs compute in proportion to the rows, so every row's
+    optimism would be paid for at every cycle; the batch explores on its
+    own schedule instead (``EXPLORE_EVERY``: half or twice the best
+    length). While plain steps win, a probe drafts now and then at the
+    optimistic best, after ``PROBE_WAIT`` plain cycles, twice as many after
     each probe that did not pay, at most ``PROBE_BUDGET`` of the plain time."""
 
     def __init__(self, max_block: int, costs: Optional[BatchCosts], fixed: bool = False):
@@ -899,15 +903,13 @@ class BatchSizer:
         if self.fixed:
             choice = cap
         else:
-            rate = self.rates(rows, remaining)[:cap]
-            choice = rate.index(max(rate)) + 1
-            as_seen = self.rates(rows, remaining, optimistic=False)
-            if choice > 1 and as_seen[choice - 1] <= as_seen[0]:
-                choice = 1  # drafting is decided on the shares as seen (see BlockSizer.pays)
+            as_seen = self.rates(rows, remaining, optimistic=False)[:cap]
+            choice = as_seen.index(max(as_seen)) + 1
             self.probing = False
             if choice == 1:
                 self.plain_run += 1
                 if self.plain_run >= self.patience and cap > 1:
+                    rate = self.rates(rows, remaining)
                     choice = max(range(2, cap + 1), key=lambda b: rate[b - 1])
                     self.probing = True
             else:

@@ -179,7 +179,7 @@ def held_out_sets(tokenizer):
     return {"sql": read_json("requests.json")["held_out"], "general": named_prompts("smollm2")[: WORK_GENERAL]}
 
 
-STEPS, CURVE_STEPS = 400, 120
+STEPS, CURVE_STEPS = 800, 120
 WORK_GENERAL = 12  # of the pair's 64 held-out chat requests: enough cycles, an affordable decode
 
 
@@ -331,6 +331,7 @@ def stage_speed(args):
     """DFlash (adaptive block) against mlx-lm's greedy decode on the held-out
     SQL and general requests, with the shipped and the adapted drafter, each
     through ``mlx-dflash bench`` (tok/s of both decoders and their ratio;
+    no draft-tree configurations beside them;
     timings: run it on a quiet machine)."""
     from transformers import AutoTokenizer
 
@@ -343,7 +344,7 @@ def stage_speed(args):
             if out.is_file() or (path is not None and not (path / "config.json").is_file()):
                 continue
             cmd = [sys.executable, "-m", "dflash_mlx.benchmark", "--model", "smollm2", "--prompts", str(file),
-                   "--max-tokens", "160", "--repeats", "1", "--json", str(out)]  # fmt: skip
+                   "--max-tokens", "160", "--repeats", "1", "--tree-budgets", "--json", str(out)]  # fmt: skip
             print(f"[speed] {name} drafter, held-out {kind}", flush=True)
             subprocess.run(cmd + (["--draft-model", str(path)] if path else []), check=True)
 
@@ -411,7 +412,7 @@ def main(argv=None):
     p.add_argument("--minutes", type=float, default=60.0, help="the adaptation's training minutes at most")
     p.add_argument("--curve-steps", type=int, default=CURVE_STEPS, help="each of the curve's runs")
     p.add_argument("--curve-shares", type=int, nargs="+", default=[4, 2, 1], help="the curve's runs: the first 1/N of the traffic each")
-    p.add_argument("--eval-every", type=int, default=30)
+    p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--learning-rate", type=float, default=None, help="default: the trainer's for --from-traffic")
     p.add_argument("--replay-share", type=float, default=None, help="default: the trainer's")
     p.add_argument("--name", default="adapted", help="the adaptation run's name: its drafter, scores and decodes")

@@ -911,3 +911,15 @@ def test_batch_sizer_probes_a_plain_batch_and_backs_off():
     sizer.observe(rows, [1000] * 8, choices[-1], costs.cost(8, choices[-1]))
     assert sizer.patience > PROBE_WAIT  # it did not pay: the next probe waits longer
     assert BatchSizer(16, costs, fixed=True).choose(rows, [5] * 8) == 5  # fixed: the whole block, never past the end
+
+
+def test_a_batch_chooses_its_length_on_the_shares_as_seen():
+    """Rows whose deep slots were seen in few cycles: the optimistic shares
+    (one standard error up) would draft them, but each verified row costs
+    compute at every cycle, so the batch drafts what its rows have shown."""
+    _, costs = batch_costs(s=0.001)
+    rows = [accepting(0.7, cycles=10) for _ in range(4)]
+    sizer = BatchSizer(16, costs)
+    seen, hopeful = sizer.rates(rows, [100] * 4, optimistic=False), sizer.rates(rows, [100] * 4)
+    assert hopeful.index(max(hopeful)) > seen.index(max(seen))  # the two rules part here
+    assert sizer.choose(rows, [100] * 4) == seen.index(max(seen)) + 1
