@@ -206,7 +206,8 @@ def join_layer(rows: Rows, caches: Sequence, sizes: Sequence[int]):
     for c, n in zip(caches, sizes):
         held += held_rows(c, rows.pos[at])
         at += n
-    return stack_rows(rows, [h for h, _ in held], [s for _, s in held], window)
+    keys, values = stack_padded([h for h, _ in held], STEP)
+    return RaggedKVCache(rows, keys, values, [s for _, s in held], window)
 
 
 def join_arrays(caches: Sequence[ArraysCache]) -> ArraysCache:
@@ -220,11 +221,6 @@ def join_arrays(caches: Sequence[ArraysCache]) -> ArraysCache:
             [c[e] if c[e] is not None else mx.zeros((c.batch_size, *like.shape[1:]), like.dtype) for c in caches]
         )
     return out
-
-
-def stack_rows(rows: Rows, held, shift, window):
-    """A ragged cache from per-row ``(keys, values)`` of ``[1, H, n, D]`` (None: empty)."""
-    return RaggedKVCache(rows, *stack_padded(held, STEP), shift, window)
 
 
 class BatchCache(TargetCache):
