@@ -811,20 +811,31 @@ class BatchCosts:
     forward whose cost grows with the rows it runs (``a + b B`` for the
     anchors, ``s`` per verified draft row, priced by the total rows the
     batch verifies), plus the drafter's forward for ``B`` requests when
-    drafting. The five terms are fitted by least squares to the last
-    ``window`` cycles and, for each shape the prior (the pair's one-request
-    table, :meth:`from_table`) was measured at and those cycles lack,
-    ``prior_weight`` cycles of the prior's cost, with a slight pull toward the prior's terms where the cycles cannot
+    drafting. The five terms are fitted by least squares to the shapes the
+    loop has run, each by the median of its last ``per_shape`` cycles and
+    weighted by how many those are, so that shapes run rarely (probes, a
+    batch's last rows) count beside the one run at every cycle: the plain
+    steps of a long plain spell would otherwise outweigh every drafting
+    shape, and the split of drafting's cost between the draft and the
+    verified rows would rest on the prior alone. For each shape the prior
+    (the pair's one-request table, :meth:`from_table`) was measured at and
+    the loop has not run, ``prior_weight`` cycles of the prior's cost stand
+    in, with a slight pull toward the prior's terms where the shapes cannot
     tell them apart (how a cost splits between ``a`` and ``b B`` shows only
-    once several batch sizes have run): a batch shape the loop has not run
-    yet is priced from the shapes it has.
+    once several batch sizes have run).
+
+    A shape not run yet is priced by the fit; one that has run, by its own
+    cycles with the fit's figure counted as one more: where the verify is
+    compute-bound a verified row costs more in a large batch than in the
+    small ones the line was fitted on, and the shapes run show it.
     """
 
-    def __init__(self, prior: List[float], blocks=(1, 2), window: int = 64, prior_weight: float = 2.0):
+    def __init__(self, prior: List[float], blocks=(1, 2), per_shape: int = 8, prior_weight: float = 2.0):
         self.prior = np.asarray(prior, float)
         self.theta = self.prior.copy()
-        self.recent = deque(maxlen=window)
-        self.anchors = [(self.features(1, b), float(np.dot(self.prior, self.features(1, b)))) for b in blocks]
+        self.per_shape = per_shape
+        self.shapes: Dict[Tuple[int, int], deque] = {}  # (rows, block): the last seconds of that shape
+        self.anchors = {(1, b): float(np.dot(self.prior, self.features(1, b))) for b in blocks}
         self.prior_weight = prior_weight
         self.warm = set()
 
@@ -844,7 +855,11 @@ class BatchCosts:
         return [1.0, rows, drafting, drafting * rows, rows * (block - 1)]
 
     def cost(self, rows: int, block: int) -> float:
-        return max(float(np.dot(self.theta, self.features(rows, block))), 1e-6)
+        fit = max(float(np.dot(self.theta, self.features(rows, block))), 1e-6)
+        seen = self.shapes.get((rows, block))
+        if not seen:
+            return fit
+        return (len(seen) * statistics.median(seen) + fit) / (len(seen) + 1)
 
     def observe(self, rows: int, block: int, seconds: float) -> None:
         """A cycle of ``rows`` rows at ``block`` took ``seconds``; the first
@@ -852,13 +867,12 @@ class BatchCosts:
         if (rows, block) not in self.warm:
             self.warm.add((rows, block))
             return
-        self.recent.append((self.features(rows, block), seconds))
-        seen = {tuple(f) for f, _ in self.recent}
-        anchors = [(f, t) for f, t in self.anchors if tuple(f) not in seen]  # the prior stands in for shapes not run
-        cycles = list(self.recent) + anchors
-        weights = np.array([1.0] * len(self.recent) + [self.prior_weight] * len(anchors))
-        x = np.array([f for f, _ in cycles])
-        y = np.array([t for _, t in cycles])
+        self.shapes.setdefault((rows, block), deque(maxlen=self.per_shape)).append(seconds)
+        shapes = [(k, len(v), statistics.median(v)) for k, v in self.shapes.items()]
+        shapes += [(k, self.prior_weight, t) for k, t in self.anchors.items() if k not in self.shapes]
+        x = np.array([self.features(*k) for k, _, _ in shapes])
+        weights = np.array([w for _, w, _ in shapes], float)
+        y = np.array([t for _, _, t in shapes])
         pull = 1e-3 * weights.sum() * np.diag(np.mean(x * x, axis=0))
         theta = np.linalg.solve(x.T @ (weights[:, None] * x) + pull, x.T @ (weights * y) + pull @ self.prior)
         self.theta = np.maximum(theta, 0.0)
@@ -885,7 +899,7 @@ class BatchSizer:
         self.fixed = fixed or costs is None or max_block == 1
         self.patience, self.plain_run = PROBE_WAIT, 0
         self.probing = False
-        self.drafting = 0  # drafting cycles chosen
+        self.drafting = self.probes = 0  # drafting cycles chosen, probes
         self.chosen: Dict[int, int] = {}
 
     def rates(self, rows: List[SlotAcceptance], remaining: List[int], optimistic: bool = True) -> List[float]:
@@ -911,7 +925,11 @@ class BatchSizer:
                 if self.plain_run >= self.patience and cap > 1:
                     rate = self.rates(rows, remaining)
                     choice = max(range(2, cap + 1), key=lambda b: rate[b - 1])
-                    self.probing = True
+                    self.probing, self.probes = True, self.probes + 1
+                    if self.probes % 2 == 0:
+                        # Every other probe at half that length: probes at one
+                        # length cannot tell the draft's cost from the verified rows'.
+                        choice = max(2, choice // 2)
             else:
                 self.plain_run = 0
                 self.drafting += 1

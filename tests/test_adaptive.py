@@ -883,6 +883,26 @@ def test_batch_costs_learn_the_cycles_shape_from_the_cycles():
         assert costs.cost(rows, block) == pytest.approx(truth(rows, block), rel=0.1)
 
 
+def test_batch_costs_price_a_shape_run_by_its_own_cycles():
+    """A verify that grows faster than linearly with the rows (compute-bound,
+    past some batch size) is priced low at a large batch by a line fitted on
+    small ones; once that shape has run, its own cycles price it. A long
+    plain spell after does not wash out what the drafting shapes showed."""
+    line, _ = batch_costs()
+    truth = lambda rows, block: line(rows, block) + 2e-5 * (rows * (block - 1)) ** 2  # noqa: E731
+    costs = BatchCosts([0.02, 0.001, 0.004, 0.001, 0.002])
+    for rows, block in itertools.product([1, 2], [1, 2, 4, 8, 16]):
+        for _ in range(3):
+            costs.observe(rows, block, truth(rows, block))
+    assert costs.cost(8, 16) < 0.8 * truth(8, 16)  # extrapolated: too low
+    for _ in range(3):
+        costs.observe(8, 16, truth(8, 16))
+    assert costs.cost(8, 16) == pytest.approx(truth(8, 16), rel=0.1)
+    for _ in range(500):
+        costs.observe(8, 1, truth(8, 1))
+    assert costs.cost(8, 16) == pytest.approx(truth(8, 16), rel=0.1)
+
+
 def test_batch_sizer_drafts_when_rows_are_cheap_and_falls_back_when_dear():
     truth, costs = batch_costs()
     sizer = BatchSizer(16, costs)
@@ -903,13 +923,15 @@ def test_each_rows_acceptance_counts():
 
 
 def test_batch_sizer_probes_a_plain_batch_and_backs_off():
-    _, costs = batch_costs(s=0.05, e=0.02)
+    _, costs = batch_costs(s=0.001, e=0.03)  # the draft is dear, the verified rows cheap
     sizer = BatchSizer(16, costs)
-    rows = [accepting(0.05) for _ in range(8)]
+    rows = [accepting(0.5, cycles=5) for _ in range(8)]  # few cycles seen: plain for now, a long probe's worth a try
     choices = [sizer.choose(rows, [1000] * 8) for _ in range(PROBE_WAIT)]
     assert choices[:-1] == [1] * (PROBE_WAIT - 1) and choices[-1] > 1  # a probe after PROBE_WAIT plain cycles
     sizer.observe(rows, [1000] * 8, choices[-1], costs.cost(8, choices[-1]))
     assert sizer.patience > PROBE_WAIT  # it did not pay: the next probe waits longer
+    again = [sizer.choose(rows, [1000] * 8) for _ in range(sizer.patience)]
+    assert choices[-1] > 3 and again[:-1] == [1] * (sizer.patience - 1) and again[-1] == choices[-1] // 2  # then at half the length
     assert BatchSizer(16, costs, fixed=True).choose(rows, [5] * 8) == 5  # fixed: the whole block, never past the end
 
 
