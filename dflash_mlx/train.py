@@ -180,8 +180,9 @@ class TrainConfig:
     )
     cache_target: bool = option(
         False,
-        "keep each row's target taps and predictions in memory after its first pass, so later epochs skip "
-        "the target (data: 2-D .npy rows of exactly --seq-len tokens; memory: rows x seq-len x taps x hidden floats)",
+        "keep each row's target taps and predictions in memory after its first pass, so later draws skip "
+        "the target (data: 2-D .npy rows of exactly --seq-len tokens; memory: rows x seq-len x taps x hidden floats, "
+        "for the rows the run is expected to draw more than once)",
     )
     cache_dir: Optional[str] = option(
         None,
@@ -688,17 +689,25 @@ class TargetOutputs:
     row (a whole window) runs once: kept in memory, or with ``--cache-dir`` in
     memory-mapped files there (taps as float16), which outlive the run, so a
     resumed or repeated run over the same rows, target and taps reuses them.
-    A row is marked done only after its data is flushed.
+    A row is marked done only after its data is flushed. In memory, only the
+    rows the run is expected to draw more than once are kept (``draws``:
+    each row's expected draws; a fine-tune's replayed rows are drawn about
+    once each, by design, and keeping them would grow the run's memory by a
+    row's taps at almost every step for nothing); the others run the target
+    every time they are drawn.
     """
 
-    def __init__(self, adapter, args, n_rows: int, width: int):
+    def __init__(self, adapter, args, n_rows: int, width: int, draws: Optional[np.ndarray] = None):
         self.adapter, self.taps_ids, self.seq_len = adapter, list(args.taps), args.seq_len
         self.enabled, self.greedy = args.cache_target, args.targets == "self-distill"
         if not self.enabled:
             return
-        shapes = {"taps": (n_rows, args.seq_len, width), "done": (n_rows,)}
+        kept = np.arange(n_rows) if args.cache_dir is not None or draws is None else np.flatnonzero(draws > 1)
+        self.slot = np.full(n_rows, -1)  # where each row is kept; -1: not kept
+        self.slot[kept] = np.arange(len(kept))
+        shapes = {"taps": (len(kept), args.seq_len, width), "done": (len(kept),)}
         if self.greedy:
-            shapes["greedy"] = (n_rows, args.seq_len)
+            shapes["greedy"] = (len(kept), args.seq_len)
         if args.cache_dir is None:
             dtypes = {"taps": np.float32, "greedy": np.int32, "done": np.bool_}
             self.arrays = {k: np.zeros(shape, dtypes[k]) for k, shape in shapes.items()}
@@ -731,12 +740,13 @@ class TargetOutputs:
         if not self.enabled:
             taps, greedy = target_pass(self.adapter, mx.array(windows), self.taps_ids)
             return taps, greedy if self.greedy else None
-        rows = starts // self.seq_len  # each row is one window (checked in train)
+        slots = self.slot[starts // self.seq_len]  # each row is one window (checked in train)
         a = self.arrays
-        new = sorted(set(rows[~a["done"][rows]].tolist()))
+        kept = slots[slots >= 0]
+        new = sorted(set(kept[~a["done"][kept]].tolist()))
         for i in range(0, len(new), CACHE_PASS_ROWS):
             part = new[i : i + CACHE_PASS_ROWS]
-            pick = [int(np.flatnonzero(rows == r)[0]) for r in part]
+            pick = [int(np.flatnonzero(slots == r)[0]) for r in part]
             taps, greedy = target_pass(self.adapter, mx.array(windows[pick]), self.taps_ids)
             a["taps"][part] = np.array(taps.astype(mx.float32))
             if self.greedy:
@@ -748,8 +758,18 @@ class TargetOutputs:
             a["done"][new] = True
             if isinstance(a["done"], np.memmap):
                 a["done"].flush()
-        greedy = mx.array(a["greedy"][rows]) if self.greedy else None
-        return mx.array(a["taps"][rows]).astype(mx.float32), greedy
+        taps = np.zeros((len(slots), *a["taps"].shape[1:]), np.float32)
+        greedy = np.zeros((len(slots), self.seq_len), np.int32)
+        taps[slots >= 0] = a["taps"][kept]
+        if self.greedy:
+            greedy[slots >= 0] = a["greedy"][kept]
+        passing = np.flatnonzero(slots < 0)
+        if len(passing):
+            passed, labels = target_pass(self.adapter, mx.array(windows[passing]), self.taps_ids)
+            taps[passing] = np.array(passed.astype(mx.float32))
+            if self.greedy:
+                greedy[passing] = np.array(labels)
+        return mx.array(taps), mx.array(greedy) if self.greedy else None
 
 
 # ----------------------------------------------------------------- checkpoint
@@ -1177,7 +1197,10 @@ def train(args: TrainConfig) -> dict:
     weights = slot_weights(args.block_size, args.gamma)[:n_slots]
     value_and_grad = nn.value_and_grad(draft, drafter_loss)
     mask_id = args.mask_token_id
-    target_outputs = TargetOutputs(adapter, args, n_rows=len(docs), width=len(args.taps) * adapter.hidden_size)
+    chance = data[2] if data[2] is not None else np.full(len(docs), 1 / len(docs))  # each row's chance of a draw
+    target_outputs = TargetOutputs(
+        adapter, args, n_rows=len(docs), width=len(args.taps) * adapter.hidden_size, draws=args.steps * args.batch_size * chance,
+    )
 
     def step_fn(starts, windows, anchors):
         tokens = mx.array(windows)

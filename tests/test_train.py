@@ -227,6 +227,31 @@ def test_cached_target_trains_identically(qwen3_5_pair, corpus, tmp_path):
     assert train_cli(small_run(qwen3_5_pair, corpus, tmp_path / "x", "--cache-target")) == 1
 
 
+def test_memory_cache_keeps_only_rows_drawn_again(qwen3_5_pair, corpus, tmp_path):
+    """In memory, --cache-target keeps the rows the run is expected to draw
+    more than once (a fine-tune's replayed rows are drawn about once each);
+    the others run the target whenever drawn. Either way the taps and labels
+    are the target's own."""
+    ids = np.asarray(qwen3_5_pair.tokenizer.encode(corpus.read_text()[:2000]))
+    np.save(tmp_path / "rows.npy", ids[: 6 * 48].reshape(6, 48))
+    argv = small_run(qwen3_5_pair, tmp_path / "rows.npy", tmp_path / "o", "--cache-target")
+    args = T.TrainConfig(**vars(T.setup_arg_parser().parse_args(argv)))
+    T.check_args(args)
+    _, adapter, docs, data, *_ = T.prepare(args)
+    width = len(args.taps) * adapter.hidden_size
+    cached = T.TargetOutputs(adapter, args, len(docs), width, draws=np.array([3.0, 0.5, 3.0, 0.5, 3.0, 0.5]))
+    plain = T.TargetOutputs(adapter, T.TrainConfig(**{**vars(args), "cache_target": False}), len(docs), width)
+    assert cached.arrays["taps"].shape[0] == 3  # rows 0, 2 and 4
+    flat = np.concatenate(docs)
+    for rows in ([0, 1, 1, 2], [1, 2, 3, 0]):
+        starts = np.array(rows) * args.seq_len
+        windows = np.stack([flat[s : s + args.seq_len] for s in starts])
+        (taps, greedy), (want, labels) = cached(starts, windows), plain(starts, windows)
+        np.testing.assert_allclose(np.array(taps), np.array(want), rtol=1e-5, atol=1e-5)
+        assert np.array_equal(np.array(greedy), np.array(labels))
+    assert cached.arrays["done"].tolist() == [True, True, False]
+
+
 def test_disk_cache_of_target_outputs(qwen3_5_pair, corpus, tmp_path):
     """--cache-dir: float16 taps on disk, written once, reused by a later run;
     training follows the uncached run closely (taps rounded to float16)."""
