@@ -123,10 +123,12 @@ class Request:
         return key
 
     def choose(self, logits: mx.array) -> mx.array:
-        """The target's token(s) for ``logits [..., V]``, with this request's own key."""
-        if self.rule.sampling is not None:
-            return sample(processed_probs(logits, **self.rule.sampling), self.next_key())
-        return self.rule.choose(logits)
+        """The target's token(s) for ``logits [..., V]``, drawn with this
+        request's own key (under either acceptance rule) where it has one."""
+        if self.rule.sampler is None or self.key is None:
+            return self.rule.choose(logits)
+        s = self.sampling
+        return sample(processed_probs(logits, s["temperature"], s["top_p"], s["top_k"], s["min_p"]), self.next_key())
 
 
 class BatchGenerator:
@@ -625,7 +627,7 @@ class BatchGenerator:
                 p = processed_probs(logits[b], **r.rule.sampling)
                 accepted[b], token[b] = speculative_accept(proposal[b], p, qs[b], r.next_key())
             else:  # exact match against the target's own samples
-                accepted[b], token[b] = accept_greedy(proposal[b], r.rule.choose(logits[b]))
+                accepted[b], token[b] = accept_greedy(proposal[b], r.choose(logits[b]))
         head = mx.stack([mx.stack([a.astype(mx.int32), t.astype(mx.int32)]) for a, t in zip(accepted, token)])
         return mx.concatenate([head, proposal], axis=1)
 
