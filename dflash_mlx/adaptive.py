@@ -807,35 +807,38 @@ class BatchCosts:
     """Seconds of a batched cycle by its shape, measured: ``B`` rows, each
     verifying ``L`` tokens (``L = 1``: a plain batched step, no draft).
 
-    A cycle costs ``t = a + b B + [L > 1] (d + e B) + s B (L - 1)``: a
-    forward whose cost grows with the rows it runs (``a + b B`` for the
-    anchors, ``s`` per verified draft row, priced by the total rows the
-    batch verifies), plus the drafter's forward for ``B`` requests when
-    drafting. The five terms are fitted by least squares to the shapes the
-    loop has run, each by the median of its last ``per_shape`` cycles and
-    weighted by how many those are, so that shapes run rarely (probes, a
-    batch's last rows) count beside the one run at every cycle: the plain
-    steps of a long plain spell would otherwise outweigh every drafting
-    shape, and the split of drafting's cost between the draft and the
-    verified rows would rest on the prior alone. For each shape the prior
-    (the pair's one-request table, :meth:`from_table`) was measured at and
-    the loop has not run, ``prior_weight`` cycles of the prior's cost stand
-    in, with a slight pull toward the prior's terms where the shapes cannot
-    tell them apart (how a cost splits between ``a`` and ``b B`` shows only
-    once several batch sizes have run).
+    A plain step costs ``p + q B``; a drafting cycle ``a + b B + s B (L - 1)``:
+    the drafter's forward and the target's for ``B`` requests, growing with
+    the rows (``s`` per verified draft row, priced by the total rows the
+    batch verifies). Each line is fitted by least squares to the shapes of
+    its kind the loop has run, each shape by the mean of its last
+    ``per_shape`` cycles (not the median: plain steps queued ahead are read
+    two at a time, so their cycles take turns at two steps' time and almost
+    none) and weighted by how many those are, so that shapes run rarely
+    (probes, a batch's last rows) count beside the one run at every cycle.
+    The two kinds are fitted apart: a plain step runs no draft and is queued
+    ahead of its read, and priced on one line with the drafting cycles it
+    took whatever a few drafting shapes left over, so a batch that had only
+    drafted at 8 rows priced a plain step there above what it costs and
+    never tried one. For each shape the prior (the pair's one-request table,
+    :meth:`from_table`) was measured at and the loop has not run,
+    ``prior_weight`` cycles of the prior's cost stand in, with a slight pull
+    toward the prior's terms where the shapes cannot tell them apart (how a
+    cost splits between ``p`` and ``q B`` shows only once several batch
+    sizes have run).
 
-    A shape not run yet is priced by the fit; one that has run, by its own
-    cycles with the fit's figure counted as one more: where the verify is
+    A shape not run yet is priced by its line; one that has run, by its own
+    cycles with the line's figure counted as one more: where the verify is
     compute-bound a verified row costs more in a large batch than in the
     small ones the line was fitted on, and the shapes run show it.
     """
 
-    def __init__(self, prior: List[float], blocks=(1, 2), per_shape: int = 8, prior_weight: float = 2.0):
-        self.prior = np.asarray(prior, float)
-        self.theta = self.prior.copy()
+    def __init__(self, plain: List[float], drafting: List[float], blocks=(1, 2), per_shape: int = 8, prior_weight: float = 2.0):
+        self.prior = {False: np.asarray(plain, float), True: np.asarray(drafting, float)}  # by whether it drafts
+        self.theta = {k: v.copy() for k, v in self.prior.items()}
         self.per_shape = per_shape
         self.shapes: Dict[Tuple[int, int], deque] = {}  # (rows, block): the last seconds of that shape
-        self.anchors = {(1, b): float(np.dot(self.prior, self.features(1, b))) for b in blocks}
+        self.anchors = {(1, b): float(np.dot(self.prior[b > 1], self.features(1, b))) for b in blocks}
         self.prior_weight = prior_weight
         self.warm = set()
 
@@ -847,19 +850,19 @@ class BatchCosts:
         what a verified row does, and half the draft is per request."""
         plain, draft, slope = table.upto(2)[0], table.draft, table.slope
         extra = max(0.0, draft - plain)
-        return cls([max(plain - slope, 0.0), slope, extra / 2, extra / 2, slope], blocks=(1, 2, table.max_block))
+        shared = max(plain - slope, 0.0)
+        return cls([shared, slope], [shared + extra / 2, slope + extra / 2, slope], blocks=(1, 2, table.max_block))
 
     @staticmethod
     def features(rows: int, block: int) -> List[float]:
-        drafting = float(block > 1)
-        return [1.0, rows, drafting, drafting * rows, rows * (block - 1)]
+        return [1.0, rows] if block == 1 else [1.0, rows, rows * (block - 1)]
 
     def cost(self, rows: int, block: int) -> float:
-        fit = max(float(np.dot(self.theta, self.features(rows, block))), 1e-6)
+        fit = max(float(np.dot(self.theta[block > 1], self.features(rows, block))), 1e-6)
         seen = self.shapes.get((rows, block))
         if not seen:
             return fit
-        return (len(seen) * statistics.median(seen) + fit) / (len(seen) + 1)
+        return (sum(seen) + fit) / (len(seen) + 1)
 
     def observe(self, rows: int, block: int, seconds: float) -> None:
         """A cycle of ``rows`` rows at ``block`` took ``seconds``; the first
@@ -868,14 +871,15 @@ class BatchCosts:
             self.warm.add((rows, block))
             return
         self.shapes.setdefault((rows, block), deque(maxlen=self.per_shape)).append(seconds)
-        shapes = [(k, len(v), statistics.median(v)) for k, v in self.shapes.items()]
-        shapes += [(k, self.prior_weight, t) for k, t in self.anchors.items() if k not in self.shapes]
+        kind = block > 1
+        shapes = [(k, len(v), sum(v) / len(v)) for k, v in self.shapes.items() if (k[1] > 1) == kind]
+        shapes += [(k, self.prior_weight, t) for k, t in self.anchors.items() if k not in self.shapes and (k[1] > 1) == kind]
         x = np.array([self.features(*k) for k, _, _ in shapes])
         weights = np.array([w for _, w, _ in shapes], float)
         y = np.array([t for _, _, t in shapes])
         pull = 1e-3 * weights.sum() * np.diag(np.mean(x * x, axis=0))
-        theta = np.linalg.solve(x.T @ (weights[:, None] * x) + pull, x.T @ (weights * y) + pull @ self.prior)
-        self.theta = np.maximum(theta, 0.0)
+        theta = np.linalg.solve(x.T @ (weights[:, None] * x) + pull, x.T @ (weights * y) + pull @ self.prior[kind])
+        self.theta[kind] = np.maximum(theta, 0.0)
 
 
 class BatchSizer:
@@ -897,7 +901,12 @@ class BatchSizer:
         self.max_block = max_block
         self.costs = costs
         self.fixed = fixed or costs is None or max_block == 1
-        self.patience, self.plain_run = PROBE_WAIT, 0
+        # By rows in the batch: plain cycles before the next probe, and plain
+        # cycles since the last drafting one. Kept apart, since drafting that
+        # pays with 2 rows says nothing of 8, and a batch's last rows, fewer
+        # as they end, would otherwise restart every larger batch's probing.
+        self.patience: Dict[int, int] = {}
+        self.plain_run: Dict[int, int] = {}
         self.probing = False
         self.drafting = self.probes = 0  # drafting cycles chosen, probes
         self.chosen: Dict[int, int] = {}
@@ -920,9 +929,10 @@ class BatchSizer:
             as_seen = self.rates(rows, remaining, optimistic=False)[:cap]
             choice = as_seen.index(max(as_seen)) + 1
             self.probing = False
+            n = len(rows)
             if choice == 1:
-                self.plain_run += 1
-                if self.plain_run >= self.patience and cap > 1:
+                self.plain_run[n] = self.plain_run.get(n, 0) + 1
+                if self.plain_run[n] >= self.patience.get(n, PROBE_WAIT) and cap > 1:
                     rate = self.rates(rows, remaining)
                     choice = max(range(2, cap + 1), key=lambda b: rate[b - 1])
                     self.probing, self.probes = True, self.probes + 1
@@ -931,7 +941,7 @@ class BatchSizer:
                         # length cannot tell the draft's cost from the verified rows'.
                         choice = max(2, choice // 2)
             else:
-                self.plain_run = 0
+                self.plain_run[n] = 0
                 self.drafting += 1
                 if self.drafting % EXPLORE_EVERY == 0:
                     # Now and then half or twice the best length: cycles at one
@@ -948,10 +958,11 @@ class BatchSizer:
         self.costs.observe(len(rows), block, seconds)
         if block == 1:
             return
+        n = len(rows)
         as_seen = self.rates(rows, remaining, optimistic=False)
         if max(as_seen[1:], default=0.0) > as_seen[0]:
-            self.patience, self.plain_run = PROBE_WAIT, 0
+            self.patience[n], self.plain_run[n] = PROBE_WAIT, 0
         elif self.probing:
-            plain, probe = self.costs.cost(len(rows), 1), self.costs.cost(len(rows), block)
+            plain, probe = self.costs.cost(n, 1), self.costs.cost(n, block)
             wait = max(PROBE_WAIT, math.ceil((probe - plain) / (PROBE_BUDGET * plain)))
-            self.patience, self.plain_run = min(self.patience * 2, wait), 0
+            self.patience[n], self.plain_run[n] = min(self.patience.get(n, PROBE_WAIT) * 2, wait), 0

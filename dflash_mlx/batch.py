@@ -519,7 +519,7 @@ class BatchGenerator:
         rows = launched.rows
         if launched.block == 1 and all(r.max_tokens - r.n > 1 for r in rows) and self.choose(rows, ahead=1) == 1:
             self.commit(launched, [1] * len(rows))
-            self.ahead = self.launch(rows, 1, anchors=launched.outcome[:, 1:2])
+            self.ahead = self.launch(rows, 1, anchors=launched.outcome[:, 1:2], queued_ahead=True)
         out, done = self.accept(launched, launched.outcome.tolist())
         if done and self.ahead is not None:  # the rows that ended leave it unkept
             ahead, self.ahead = self.ahead, None
@@ -533,9 +533,10 @@ class BatchGenerator:
         self.left = time.perf_counter()
         return out
 
-    def launch(self, rows: List[Request], block: int, anchors: Optional[mx.array] = None) -> "Launched":
+    def launch(self, rows: List[Request], block: int, anchors: Optional[mx.array] = None, queued_ahead: bool = False) -> "Launched":
         """Queue a cycle of ``block`` tokens per row (1: a plain step, its
-        ``anchors`` may be the last plain step's lazy tokens)."""
+        ``anchors`` may be the last plain step's lazy tokens, ``queued_ahead``
+        of its read)."""
         if anchors is None:
             anchors = mx.array([[r.anchor] for r in rows], dtype=mx.int32)
         drafted, qs = None, [None] * len(rows)
@@ -553,7 +554,7 @@ class BatchGenerator:
         logits, taps = self.target.forward(verify_in, self.cache)
         outcome = self.outcome(rows, logits, drafted, qs)
         mx.async_eval(outcome, taps)
-        return Launched(list(rows), block, outcome, logits, taps)
+        return Launched(list(rows), block, outcome, logits, taps, queued_ahead)
 
     def commit(self, launched: "Launched", kept: List[int]) -> None:
         """Each row keeps its first ``kept[b]`` verified tokens in the
@@ -595,7 +596,12 @@ class BatchGenerator:
             self.commit(launched, kept)
         self.cycles_read.append(len(rows))
         read = time.perf_counter()
-        self.sizer.observe([r.acceptance for r in rows], [r.max_tokens - r.n for r in rows], block, read - self.clock)
+        if block > 1 or launched.queued_ahead:
+            # A plain step is priced as in a plain spell, queued ahead of the
+            # last one's read: one launched after a drafting cycle waits for
+            # its own forward, and priced by those, plain steps looked dearer
+            # than a spell of them runs, so a large batch kept drafting.
+            self.sizer.observe([r.acceptance for r in rows], [r.max_tokens - r.n for r in rows], block, read - self.clock)
         self.clock = read
         return out, done
 
@@ -635,13 +641,15 @@ class BatchGenerator:
 @dataclass
 class Launched:
     """A queued cycle: its rows, block, lazy outcome (:meth:`BatchGenerator.outcome`),
-    logits and tap states, and whether its rows' kept tokens are committed."""
+    logits and tap states, whether it was queued ahead, and whether its rows'
+    kept tokens are committed."""
 
     rows: List[Request]
     block: int
     outcome: mx.array
     logits: mx.array
     taps: mx.array
+    queued_ahead: bool = False  # a plain step queued before the last one was read
     committed: bool = False
 
 

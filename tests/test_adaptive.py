@@ -860,7 +860,7 @@ def test_plain_steps_that_end_a_generation_are_no_spell_of_the_next(paid):
 def batch_costs(a=0.02, b=0.001, d=0.004, e=0.001, s=0.002):
     """Seconds of a batched cycle of ``rows`` rows at ``block``, and its table."""
     truth = lambda rows, block: a + b * rows + (block > 1) * (d + e * rows) + s * rows * (block - 1)  # noqa: E731
-    return truth, BatchCosts([a, b, d, e, s])
+    return truth, BatchCosts([a, b], [a + d, b + e, s])
 
 
 def accepting(share: float, max_block: int = 16, cycles: int = 40) -> SlotAcceptance:
@@ -875,7 +875,7 @@ def accepting(share: float, max_block: int = 16, cycles: int = 40) -> SlotAccept
 
 def test_batch_costs_learn_the_cycles_shape_from_the_cycles():
     truth, _ = batch_costs()
-    costs = BatchCosts([0.05, 0.0, 0.02, 0.0, 0.0])  # a wrong table
+    costs = BatchCosts([0.05, 0.0], [0.07, 0.0, 0.0])  # a wrong table
     for rows, block in itertools.product([1, 2, 4, 8], [1, 2, 4, 8, 16]):
         for _ in range(3):
             costs.observe(rows, block, truth(rows, block))
@@ -890,7 +890,7 @@ def test_batch_costs_price_a_shape_run_by_its_own_cycles():
     plain spell after does not wash out what the drafting shapes showed."""
     line, _ = batch_costs()
     truth = lambda rows, block: line(rows, block) + 2e-5 * (rows * (block - 1)) ** 2  # noqa: E731
-    costs = BatchCosts([0.02, 0.001, 0.004, 0.001, 0.002])
+    costs = BatchCosts([0.02, 0.001], [0.024, 0.002, 0.002])
     for rows, block in itertools.product([1, 2], [1, 2, 4, 8, 16]):
         for _ in range(3):
             costs.observe(rows, block, truth(rows, block))
@@ -901,6 +901,31 @@ def test_batch_costs_price_a_shape_run_by_its_own_cycles():
     for _ in range(500):
         costs.observe(8, 1, truth(8, 1))
     assert costs.cost(8, 16) == pytest.approx(truth(8, 16), rel=0.1)
+
+
+def test_a_plain_step_is_priced_by_plain_steps():
+    """A batch that has only drafted prices a plain step on the plain
+    steps' line (here the prior's, which is right), whatever the drafting
+    cycles, whose verify grows faster than linearly, leave over."""
+    line, _ = batch_costs()
+    truth = lambda rows, block: line(rows, block) + (block > 1) * 2e-5 * (rows * (block - 1)) ** 2  # noqa: E731
+    costs = BatchCosts([0.02, 0.001], [0.024, 0.002, 0.002])
+    for shape in itertools.product([2, 4, 8], [4, 8, 16]):
+        for _ in range(4):
+            costs.observe(*shape, truth(*shape))
+    assert costs.cost(8, 1) == pytest.approx(truth(8, 1), rel=0.05)
+
+
+def test_batch_costs_read_plain_steps_queued_ahead_in_pairs():
+    """Plain steps queued ahead are read two at a time: one cycle takes two
+    steps' time, the next almost none. A step costs their mean, read after
+    either."""
+    costs = BatchCosts([0.004, 0.0002], [0.008, 0.0012, 0.0002])
+    prices = []
+    for i in range(21):
+        costs.observe(8, 1, 0.011 if i % 2 else 0.001)
+        prices.append(costs.cost(8, 1))
+    assert all(p == pytest.approx(0.006, rel=0.25) for p in prices[6:])
 
 
 def test_batch_sizer_drafts_when_rows_are_cheap_and_falls_back_when_dear():
@@ -929,9 +954,14 @@ def test_batch_sizer_probes_a_plain_batch_and_backs_off():
     choices = [sizer.choose(rows, [1000] * 8) for _ in range(PROBE_WAIT)]
     assert choices[:-1] == [1] * (PROBE_WAIT - 1) and choices[-1] > 1  # a probe after PROBE_WAIT plain cycles
     sizer.observe(rows, [1000] * 8, choices[-1], costs.cost(8, choices[-1]))
-    assert sizer.patience > PROBE_WAIT  # it did not pay: the next probe waits longer
-    again = [sizer.choose(rows, [1000] * 8) for _ in range(sizer.patience)]
-    assert choices[-1] > 3 and again[:-1] == [1] * (sizer.patience - 1) and again[-1] == choices[-1] // 2  # then at half the length
+    wait = sizer.patience[8]
+    assert wait > PROBE_WAIT  # it did not pay: the next probe waits longer
+    good = [accepting(0.95) for _ in range(2)]
+    block = sizer.choose(good, [1000] * 2)
+    sizer.observe(good, [1000] * 2, block, costs.cost(2, block))
+    assert block > 1 and sizer.patience[8] == wait  # drafting that pays with 2 rows says nothing of 8
+    again = [sizer.choose(rows, [1000] * 8) for _ in range(wait)]
+    assert choices[-1] > 3 and again[:-1] == [1] * (wait - 1) and again[-1] == choices[-1] // 2  # then at half the length
     assert BatchSizer(16, costs, fixed=True).choose(rows, [5] * 8) == 5  # fixed: the whole block, never past the end
 
 
