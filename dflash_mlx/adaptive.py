@@ -894,8 +894,9 @@ class BatchSizer:
     optimism would be paid for at every cycle; the batch explores on its
     own schedule instead (``EXPLORE_EVERY``: half or twice the best
     length). While plain steps win, a probe drafts now and then at the
-    optimistic best, after ``PROBE_WAIT`` plain cycles, twice as many after
-    each probe that did not pay, at most ``PROBE_BUDGET`` of the plain time."""
+    optimistic best (every other one at half of it), after ``PROBE_WAIT``
+    plain cycles, twice as many after each probe that did not pay, at most
+    ``PROBE_BUDGET`` of the plain time, counted for each batch size apart."""
 
     def __init__(self, max_block: int, costs: Optional[BatchCosts], fixed: bool = False):
         self.max_block = max_block
