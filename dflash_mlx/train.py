@@ -690,19 +690,20 @@ class TargetOutputs:
     memory-mapped files there (taps as float16), which outlive the run, so a
     resumed or repeated run over the same rows, target and taps reuses them.
     A row is marked done only after its data is flushed. In memory, only the
-    rows the run is expected to draw more than once are kept (``draws``:
-    each row's expected draws; a fine-tune's replayed rows are drawn about
-    once each, by design, and keeping them would grow the run's memory by a
-    row's taps at almost every step for nothing); the others run the target
-    every time they are drawn.
+    rows the run is expected to draw more than once are kept (``chance``:
+    each row's chance of a draw, None: alike; a fine-tune's replayed rows
+    are drawn about once each, by design, and keeping them would grow the
+    run's memory by a row's taps at almost every step for nothing); the
+    others run the target every time they are drawn.
     """
 
-    def __init__(self, adapter, args, n_rows: int, width: int, draws: Optional[np.ndarray] = None):
+    def __init__(self, adapter, args, n_rows: int, width: int, chance: Optional[np.ndarray] = None):
         self.adapter, self.taps_ids, self.seq_len = adapter, list(args.taps), args.seq_len
         self.enabled, self.greedy = args.cache_target, args.targets == "self-distill"
         if not self.enabled:
             return
-        kept = np.arange(n_rows) if args.cache_dir is not None or draws is None else np.flatnonzero(draws > 1)
+        draws = args.steps * args.batch_size * (np.full(n_rows, 1 / n_rows) if chance is None else np.asarray(chance))
+        kept = np.arange(n_rows) if args.cache_dir is not None else np.flatnonzero(draws > 1)
         self.slot = np.full(n_rows, -1)  # where each row is kept; -1: not kept
         self.slot[kept] = np.arange(len(kept))
         shapes = {"taps": (len(kept), args.seq_len, width), "done": (len(kept),)}
@@ -1197,10 +1198,7 @@ def train(args: TrainConfig) -> dict:
     weights = slot_weights(args.block_size, args.gamma)[:n_slots]
     value_and_grad = nn.value_and_grad(draft, drafter_loss)
     mask_id = args.mask_token_id
-    chance = data[2] if data[2] is not None else np.full(len(docs), 1 / len(docs))  # each row's chance of a draw
-    target_outputs = TargetOutputs(
-        adapter, args, n_rows=len(docs), width=len(args.taps) * adapter.hidden_size, draws=args.steps * args.batch_size * chance,
-    )
+    target_outputs = TargetOutputs(adapter, args, n_rows=len(docs), width=len(args.taps) * adapter.hidden_size, chance=data[2])
 
     def step_fn(starts, windows, anchors):
         tokens = mx.array(windows)

@@ -239,7 +239,8 @@ def test_memory_cache_keeps_only_rows_drawn_again(qwen3_5_pair, corpus, tmp_path
     T.check_args(args)
     _, adapter, docs, data, *_ = T.prepare(args)
     width = len(args.taps) * adapter.hidden_size
-    cached = T.TargetOutputs(adapter, args, len(docs), width, draws=np.array([3.0, 0.5, 3.0, 0.5, 3.0, 0.5]))
+    chance = np.array([3.0, 0.5, 3.0, 0.5, 3.0, 0.5]) / (args.steps * args.batch_size)  # expected draws 3 or 0.5
+    cached = T.TargetOutputs(adapter, args, len(docs), width, chance=chance)
     plain = T.TargetOutputs(adapter, T.TrainConfig(**{**vars(args), "cache_target": False}), len(docs), width)
     assert cached.arrays["taps"].shape[0] == 3  # rows 0, 2 and 4
     flat = np.concatenate(docs)
