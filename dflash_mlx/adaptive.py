@@ -807,30 +807,26 @@ class BatchCosts:
     """Seconds of a batched cycle by its shape, measured: ``B`` rows, each
     verifying ``L`` tokens (``L = 1``: a plain batched step, no draft).
 
-    A plain step costs ``p + q B``; a drafting cycle ``a + b B + s B (L - 1)``:
-    the drafter's forward and the target's for ``B`` requests, growing with
-    the rows (``s`` per verified draft row, priced by the total rows the
-    batch verifies). Each line is fitted by least squares to the shapes of
-    its kind the loop has run, each shape by the mean of its last
-    ``per_shape`` cycles (not the median: plain steps queued ahead are read
-    two at a time, so their cycles take turns at two steps' time and almost
-    none) and weighted by how many those are, so that shapes run rarely
-    (probes, a batch's last rows) count beside the one run at every cycle.
-    The two kinds are fitted apart: a plain step runs no draft and is queued
-    ahead of its read, and priced on one line with the drafting cycles it
-    took whatever a few drafting shapes left over, so a batch that had only
-    drafted at 8 rows priced a plain step there above what it costs and
-    never tried one. For each shape the prior (the pair's one-request table,
-    :meth:`from_table`) was measured at and the loop has not run,
-    ``prior_weight`` cycles of the prior's cost stand in, with a slight pull
-    toward the prior's terms where the shapes cannot tell them apart (how a
-    cost splits between ``p`` and ``q B`` shows only once several batch
-    sizes have run).
+    A plain step costs ``p + q B``; a drafting cycle ``a + b B + s B (L - 1)``,
+    the drafter's forward and the target's for ``B`` requests (``s`` per
+    verified draft row). The two lines are fitted apart, by least squares to
+    the shapes of their kind the loop has run: a plain step runs no draft and
+    is queued ahead of its read, and on one line with the drafting cycles it
+    was priced by whatever they left over (at 8 requests, above what it
+    costs: the batch never tried one). Each shape counts by the mean of its
+    last ``per_shape`` cycles (not the median: plain steps queued ahead are
+    read in pairs, one read waiting for two steps and the next for none),
+    weighted by how many, so that shapes run rarely (probes, a batch's last
+    rows) are not outweighed by a long plain spell. Each shape the prior (the
+    pair's one-request table, :meth:`from_table`) was measured at and the
+    loop has not run stands in with ``prior_weight`` cycles of the prior's
+    cost, and a slight pull toward the prior's terms settles what the shapes
+    cannot tell apart (``p`` from ``q B`` until several batch sizes have run).
 
     A shape not run yet is priced by its line; one that has run, by its own
     cycles with the line's figure counted as one more: where the verify is
-    compute-bound a verified row costs more in a large batch than in the
-    small ones the line was fitted on, and the shapes run show it.
+    compute-bound a verified row costs more in a large batch than the line
+    fitted on small ones says.
     """
 
     def __init__(self, plain: List[float], drafting: List[float], blocks=(1, 2), per_shape: int = 8, prior_weight: float = 2.0):
