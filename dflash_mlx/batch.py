@@ -52,7 +52,6 @@ from .generate import (
     continue_generation, one_thread_per_pair, prefill,
 )
 from .models.dflash import masked_blocks
-from .sampling import processed_probs, sample, speculative_accept
 from .targets.rows import BatchCache, check_joinable
 
 DEFAULT_COMPLETION_BATCH_SIZE = 32  # mlx-lm's --decode-concurrency default
@@ -121,14 +120,6 @@ class Request:
             return None
         self.key, key = mx.random.split(self.key)
         return key
-
-    def choose(self, logits: mx.array) -> mx.array:
-        """The target's token(s) for ``logits [..., V]``, drawn with this
-        request's own key (under either acceptance rule) where it has one."""
-        if self.rule.sampler is None or self.key is None:
-            return self.rule.choose(logits)
-        s = self.sampling
-        return sample(processed_probs(logits, s["temperature"], s["top_p"], s["top_k"], s["min_p"]), self.next_key())
 
 
 class BatchGenerator:
@@ -383,7 +374,7 @@ class BatchGenerator:
 
     def first_token(self, r: Request, logits: mx.array) -> BatchResponse:
         """The prefill's token; the request then joins the batch, unless it is done."""
-        token, lp, *_ = commit_first(r.cache, r.choose(logits).item(), logits, r.logprobs)
+        token, lp, *_ = commit_first(r.cache, r.rule.choose(logits, r.next_key()).item(), logits, r.logprobs)
         lp = None if lp is None else [lp]
         r.anchor, r.n = token, 1
         finish = "stop" if token in r.eos else ("length" if r.max_tokens == 1 else None)
@@ -628,12 +619,10 @@ class BatchGenerator:
             if r.rule.sampler is None:
                 continue
             if L == 1:
-                accepted[b], token[b] = mx.array(0, mx.int32), r.choose(logits[b, 0])
-            elif qs[b] is not None:
-                p = processed_probs(logits[b], **r.rule.sampling)
-                accepted[b], token[b] = speculative_accept(proposal[b], p, qs[b], r.next_key())
-            else:  # exact match against the target's own samples
-                accepted[b], token[b] = accept_greedy(proposal[b], r.choose(logits[b]))
+                accepted[b], token[b] = mx.array(0, mx.int32), r.rule.choose(logits[b, 0], r.next_key())
+            else:  # the row's own rule, with its own key
+                row = r.rule.outcome(logits[b], proposal[b], qs[b], r.next_key())
+                accepted[b], token[b] = row[0], row[1]
         head = mx.stack([mx.stack([a.astype(mx.int32), t.astype(mx.int32)]) for a, t in zip(accepted, token)])
         return mx.concatenate([head, proposal], axis=1)
 

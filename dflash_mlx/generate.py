@@ -24,7 +24,7 @@ from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_S
 from .errors import ArgumentError
 from .models.dflash import masked_block
 from .ops.threads import compiled, release_at_thread_exit
-from .sampling import ACCEPTANCE_RULES, processed_probs, speculative_accept
+from .sampling import ACCEPTANCE_RULES, processed_probs, sample, speculative_accept
 from .tree import build_tree, candidates, walked_ranks
 
 
@@ -152,23 +152,32 @@ class AcceptanceRule:
     exact match of the target's samples (see :func:`generate_step`)."""
 
     sampler: Optional[Callable[[mx.array], mx.array]]
-    sampling: Optional[dict]  # processed_probs' arguments when rejection sampling
+    settings: Optional[dict] = None  # processed_probs' arguments, where the sampler was made from them
+    speculative: bool = False  # rejection sampling (else the target's samples are matched exactly)
 
-    def choose(self, logits):
-        """The target's token(s) for logits ``[..., V]``."""
+    @property
+    def sampling(self) -> Optional[dict]:
+        """processed_probs' arguments when rejection sampling, else None."""
+        return self.settings if self.speculative else None
+
+    def choose(self, logits, key=None):
+        """The target's token(s) for logits ``[..., V]``; ``key``: a request's
+        own random key (None: ``mx.random``'s state, through the sampler)."""
         if self.sampler is None:
             return mx.argmax(logits, axis=-1)
-        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        if key is None or self.settings is None:
+            return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        return sample(processed_probs(logits, **self.settings), key)
 
-    def outcome(self, logits, proposal, q) -> mx.array:
+    def outcome(self, logits, proposal, q, key=None) -> mx.array:
         """A drafting cycle's result as one lazy int32 vector, so the loop
         can queue it and read it with one host sync (:func:`read_outcome`):
         ``[accepted count, the token after them, *proposal]``. A plain
         cycle's is the target's token alone, :meth:`choose` of its logits."""
         if q is None:
-            accepted, token = accept_greedy(proposal, self.choose(logits))
+            accepted, token = accept_greedy(proposal, self.choose(logits, key))
         else:
-            accepted, token = speculative_accept(proposal, processed_probs(logits, **self.sampling), q)
+            accepted, token = speculative_accept(proposal, processed_probs(logits, **self.settings), q, key)
         return mx.concatenate([accepted[None], token[None], proposal]).astype(mx.int32)
 
 
@@ -194,12 +203,10 @@ def read_outcome(outcome: mx.array) -> Tuple[int, int, List[int]]:
 def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance) -> AcceptanceRule:
     if acceptance not in ACCEPTANCE_RULES:
         raise ArgumentError(f"acceptance must be one of {ACCEPTANCE_RULES}, not {acceptance!r}")
-    sampling = None
-    if sampler is None and temperature > 0:
-        sampler = make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)
-        if acceptance == "speculative":
-            sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-    return AcceptanceRule(sampler, sampling)
+    if sampler is not None or temperature <= 0:
+        return AcceptanceRule(sampler)
+    settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    return AcceptanceRule(make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k), settings, acceptance == "speculative")
 
 
 def max_block_size(draft, block_size: Optional[int], sizer: Optional[BlockSizer]) -> int:

@@ -96,17 +96,17 @@ def test_processed_probs_is_what_make_sampler_samples(setting):
 # The acceptance rule, vectorised over many independent first cycles
 
 
-def accept_with_prob_p(tokens, p, q):
+def accept_with_prob_p(tokens, p, q, key=None):
     """Broken: accepts x with probability p(x), not min(1, p(x)/q(x))."""
     return _broken(tokens, p, q, lambda p_x, q_x, u: u < p_x, residual=True)
 
 
-def accept_always(tokens, p, q):
+def accept_always(tokens, p, q, key=None):
     """Broken: trusts the drafter."""
     return _broken(tokens, p, q, lambda p_x, q_x, u: u <= 1, residual=True)
 
 
-def resample_from_p(tokens, p, q):
+def resample_from_p(tokens, p, q, key=None):
     """Broken: right acceptance test, but the rejected slot redrawn from p."""
     return _broken(tokens, p, q, lambda p_x, q_x, u: u * q_x < p_x, residual=False)
 
