@@ -759,18 +759,18 @@ class TargetOutputs:
             a["done"][new] = True
             if isinstance(a["done"], np.memmap):
                 a["done"].flush()
-        taps = np.zeros((len(slots), *a["taps"].shape[1:]), np.float32)
-        greedy = np.zeros((len(slots), self.seq_len), np.int32)
+        taps = np.empty((len(slots), *a["taps"].shape[1:]), np.float32)
         taps[slots >= 0] = a["taps"][kept]
+        greedy = np.empty((len(slots), self.seq_len), np.int32) if self.greedy else None
         if self.greedy:
             greedy[slots >= 0] = a["greedy"][kept]
-        passing = np.flatnonzero(slots < 0)
+        passing = np.flatnonzero(slots < 0)  # rows not kept: the target runs for them now
         if len(passing):
             passed, labels = target_pass(self.adapter, mx.array(windows[passing]), self.taps_ids)
             taps[passing] = np.array(passed.astype(mx.float32))
             if self.greedy:
                 greedy[passing] = np.array(labels)
-        return mx.array(taps), mx.array(greedy) if self.greedy else None
+        return mx.array(taps), None if greedy is None else mx.array(greedy)
 
 
 # ----------------------------------------------------------------- checkpoint
