@@ -32,7 +32,7 @@ import os
 import shutil
 import struct
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -83,6 +83,17 @@ class PromptCache:
         self.added = 0  # tap chunks added (see add_hidden)
         self.hole: Optional[Tuple[int, int]] = None
         self.tokens: List[int] = []
+
+    def commit(self, tokens: Sequence[int], taps: Optional[mx.array] = None, pending: Optional[Sequence[int]] = None) -> None:
+        """``tokens`` join the sequence; ``taps``: the tap states of the
+        positions the target just ran (for the drafter); ``pending``: the
+        sequence's tokens the target has not run yet (None: as they were).
+        The one place a prompt cache's sequence moves on."""
+        self.tokens.extend(tokens)
+        if taps is not None:
+            self.add_hidden(taps)
+        if pending is not None:
+            self.pending = list(pending)
 
     @property
     def offset(self) -> int:

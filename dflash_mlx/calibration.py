@@ -69,7 +69,7 @@ def cycle_seconds(target, draft, cache, context: mx.array, block: int, settle: C
 
 def tree_cycle_seconds(target, draft, cache, context: mx.array, nodes: int, max_block: int) -> float:
     """Seconds of a mock draft-tree cycle of ``nodes`` nodes (as the loop
-    runs one, :meth:`dflash_mlx.generate.Drafting.tree`): the whole block's
+    runs one, :meth:`dflash_mlx.decode.Decoder.tree_cycle`): the whole block's
     slot logits, their best candidates read to the host, the tree built
     there and verified in one forward, the outcome read, rolled back."""
     masks = masked_block(draft, 0, max_block)

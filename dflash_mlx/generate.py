@@ -13,19 +13,18 @@ from typing import Callable, Generator, Iterable, List, Optional, Sequence, Tupl
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import cli
-from .adaptive import BlockSizer, TreeChoice, TreeWalk
-from .calibration import calibrated, plan
+from .adaptive import BlockSizer
 from .cache import PromptCache, bound_target, prompt_cache_for
+from .calibration import calibrated, plan
+from .decode import BatchResponse, Decoder, Request, Sizing
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
 from .errors import ArgumentError
-from .models.dflash import masked_block
-from .ops.threads import compiled, release_at_thread_exit
-from .sampling import ACCEPTANCE_RULES, processed_probs, sample, speculative_accept
-from .tree import build_tree, candidates, walked_ranks
+from .ops.threads import release_at_thread_exit
+from .prefill import prefill
+from .sampling import ACCEPTANCE_RULES, acceptance_rule
 
 
 @dataclass
@@ -84,129 +83,6 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
         add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
         prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
     return mx.array(prompt, dtype=mx.int32)
-
-
-@compiled  # a handful of tiny ops, fused: one task instead of seven per cycle
-def accept_greedy(draft_tokens: mx.array, target_tokens: mx.array) -> Tuple[mx.array, mx.array]:
-    """Longest prefix where the draft equals the target's choice, and the
-    target's own token at the first mismatch (or after the last slot).
-
-    ``[..., n]`` and ``[..., n + 1]`` in, ``(accepted, next_token)`` out, on
-    the device like :func:`speculative_accept`, so the loop reads the whole
-    outcome in one host sync.
-    """
-    n = draft_tokens.shape[-1]
-    same = (draft_tokens == target_tokens[..., :n]).astype(mx.int32)
-    accepted = mx.cumprod(same, axis=-1).sum(axis=-1)
-    return accepted, mx.take_along_axis(target_tokens, accepted[..., None], axis=-1)[..., 0]
-
-
-def feed(target, cache: PromptCache, tokens: List[int], step: int = DEFAULT_PREFILL_STEP_SIZE, progress=None) -> None:
-    """Run the target over the cache's pending tokens and ``tokens``, all but
-    the last, which stays pending (so the cache can stop at any boundary and
-    still produce that position's logits later).
-
-    Chunks of ``step`` tokens, as mlx-lm's ``generate_step`` prefills; the
-    tap states go to ``cache.target_hidden`` for the drafter. The cache
-    holds what the target ran after every chunk, so an interruption between
-    chunks (``progress`` raising KeyboardInterrupt, say) leaves it usable.
-    """
-    tokens = list(tokens)
-    todo, held = cache.pending + tokens, len(cache.pending)
-    body = todo[:-1]
-    for start in range(0, len(body), step):
-        chunk = body[start : start + step]
-        _, target_hidden = target.forward(mx.array([chunk]), cache.target, last_logits_only=True, record=False)
-        mx.eval(target_hidden, [c.state for c in cache.target])
-        cache.add_hidden(target_hidden)
-        ran = start + len(chunk) - held  # of ``tokens``
-        cache.tokens.extend(tokens[max(0, ran - len(chunk)) : max(0, ran)])
-        cache.pending = []
-        if progress is not None:
-            progress(start + len(chunk), len(todo))
-    cache.tokens.extend(tokens[max(0, len(body) - held) :])
-    cache.pending = todo[-1:]
-
-
-def prefill(target, cache: PromptCache, tokens: List[int], step: int, progress=None) -> mx.array:
-    """Feed ``tokens`` and every pending token to the target; the last one
-    runs alone (mlx-lm's order). Returns its logits ``[1, V]``."""
-    feed(target, cache, tokens, step, progress)
-    logits, target_hidden = target.forward(mx.array([cache.pending]), cache.target, last_logits_only=True, record=False)
-    cache.add_hidden(target_hidden)
-    cache.pending = []
-    return logits[:, -1]
-
-
-def commit_first(cache: PromptCache, token: int, logits, want_logprobs: bool) -> tuple:
-    """The prefill's ``token`` committed (pending: the next verify runs it),
-    as :func:`generate_step` yields it, with its logprobs if wanted."""
-    cache.pending = [token]
-    cache.tokens.append(token)
-    return token, logits[0] - mx.logsumexp(logits[0]) if want_logprobs else None, False, 0, 0
-
-
-@dataclass
-class AcceptanceRule:
-    """How a verified block is accepted: greedy, rejection sampling or
-    exact match of the target's samples (see :func:`generate_step`)."""
-
-    sampler: Optional[Callable[[mx.array], mx.array]]
-    settings: Optional[dict] = None  # processed_probs' arguments, where the sampler was made from them
-    speculative: bool = False  # rejection sampling (else the target's samples are matched exactly)
-
-    @property
-    def sampling(self) -> Optional[dict]:
-        """processed_probs' arguments when rejection sampling, else None."""
-        return self.settings if self.speculative else None
-
-    def choose(self, logits, key=None):
-        """The target's token(s) for logits ``[..., V]``; ``key``: a request's
-        own random key (None: ``mx.random``'s state, through the sampler)."""
-        if self.sampler is None:
-            return mx.argmax(logits, axis=-1)
-        if key is None or self.settings is None:
-            return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-        return sample(processed_probs(logits, **self.settings), key)
-
-    def outcome(self, logits, proposal, q, key=None) -> mx.array:
-        """A drafting cycle's result as one lazy int32 vector, so the loop
-        can queue it and read it with one host sync (:func:`read_outcome`):
-        ``[accepted count, the token after them, *proposal]``. A plain
-        cycle's is the target's token alone, :meth:`choose` of its logits."""
-        if q is None:
-            accepted, token = accept_greedy(proposal, self.choose(logits, key))
-        else:
-            accepted, token = speculative_accept(proposal, processed_probs(logits, **self.settings), q, key)
-        return mx.concatenate([accepted[None], token[None], proposal]).astype(mx.int32)
-
-
-def cycle_tokens(proposed: List[int], accepted: int, bonus: int, eos, room: int) -> Tuple[List[int], bool]:
-    """What a verified cycle commits: the ``accepted`` drafted tokens and
-    the target's own after them, cut after an eos (kept, as mlx-lm keeps
-    it) and to the ``room`` left; and whether an eos ended them."""
-    new = proposed[:accepted] + [bonus]
-    stop = next((i for i, t in enumerate(new) if t in eos), None)
-    if stop is not None:
-        new = new[: stop + 1]
-    return new[:room], stop is not None and stop < room
-
-
-def read_outcome(outcome: mx.array) -> Tuple[int, int, List[int]]:
-    """``(accepted count, token after them, proposal)`` from :meth:`AcceptanceRule.outcome`."""
-    values = outcome.tolist()
-    if len(values) == 1:
-        return 0, values[0], []
-    return values[0], values[1], values[2:]
-
-
-def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance) -> AcceptanceRule:
-    if acceptance not in ACCEPTANCE_RULES:
-        raise ArgumentError(f"acceptance must be one of {ACCEPTANCE_RULES}, not {acceptance!r}")
-    if sampler is not None or temperature <= 0:
-        return AcceptanceRule(sampler)
-    settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-    return AcceptanceRule(make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k), settings, acceptance == "speculative")
 
 
 def max_block_size(draft, block_size: Optional[int], sizer: Optional[BlockSizer]) -> int:
@@ -351,10 +227,24 @@ def generate_step(
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-        first = commit_first(cache, rule.choose(logits).item(), logits, logprobs)
-        plans = lambda: plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)  # noqa: E731
-        ready = calibrated(target, draft, max_block, trees[1])  # else plans() measures the costs first
-        yield from first_then_cycles(target, draft, cache, first, rule, plans, ready, max_tokens, set(eos_token_ids), logprobs)
+        request = Request(0, cache, rule, max_tokens, frozenset(eos_token_ids), logprobs)
+        first = request.start(logits)
+        if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
+            yield from yielded(first)  # before the cycles' costs are measured, not after
+            if first.finish_reason is not None:
+                return
+            first = None
+        sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)
+        decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
+        decoder.join([request])
+        decoder.queue()  # the first cycle runs while the first token goes out
+        if first is not None:
+            yield from yielded(first)
+        while True:
+            for response in decoder.step():
+                yield from yielded(response)
+                if response.finish_reason is not None:
+                    return
 
 
 @contextmanager
@@ -372,213 +262,11 @@ def generation(target, draft, cache: PromptCache, stream):
             mx.clear_cache()
 
 
-def continue_generation(
-    model, draft, prompt_cache: PromptCache, *, max_tokens: int, block_size: Optional[int] = None,
-    temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, min_p: float = 0.0, acceptance: str = "speculative",
-    eos_token_ids: Iterable[int] = (), logprobs: bool = False, stream=generation_stream,
-):
-    """The cycles of a generation another loop began, from its prompt
-    cache's pending token on (a batch's request left decoding alone), as
-    :func:`generate_step` yields them after its first token: at most
-    ``max_tokens`` more. The pair must be calibrated (the loop that began
-    it was)."""
-    rule = acceptance_rule(temperature, top_p, top_k, min_p, None, acceptance)
-    max_block = max_block_size(draft, block_size, None)
-    target = bound_target(model, draft)
-    trees = tree_plan(target, draft, None, None)
-    cache = prompt_cache
-    with generation(target, draft, cache, stream):
-        sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, None, *trees)
-        yield from decode(target, draft, cache, None, rule, sizer, settle, max_tokens + 1, set(eos_token_ids), logprobs)
-
-
-@dataclass
-class Cycle:
-    """A queued cycle: what the sizer chose (a block length or a
-    :class:`~dflash_mlx.adaptive.TreeChoice`), its outcome
-    (:meth:`AcceptanceRule.outcome`, or for a tree the target's choice at
-    every row; not yet read), the target's logits and its tap states for
-    the verified rows; for a tree, the tree and its candidates."""
-
-    choice: Union[int, TreeChoice]
-    outcome: mx.array
-    logits: mx.array
-    target_hidden: mx.array
-    tree: Optional[object] = None
-    ids: Optional[object] = None
-
-    @property
-    def rows(self) -> int:
-        return self.tree.rows if self.tree is not None else self.choice
-
-    def read(self):
-        """``(rows kept, proposed tokens along them, accepted count, the
-        target's token after them, what a tree's walk showed)`` in one host read."""
-        if self.tree is None:
-            accepted, token, proposed = read_outcome(self.outcome)
-            return list(range(accepted + 1)), proposed, accepted, token, None
-        choices = self.outcome.tolist()
-        path, token = self.tree.walk(choices)
-        walk = TreeWalk(walked_ranks(self.tree, self.ids, path, choices), self.tree.spine)
-        return path, [self.tree.tokens[r] for r in path[1:]], len(path) - 1, token, walk
-
-
-@dataclass
-class Drafting:
-    """What every cycle of one generation drafts and verifies with; queues
-    each cycle (:meth:`launch`) and commits what it kept (:meth:`commit`)."""
-
-    target: object
-    draft: object
-    cache: PromptCache
-    rule: AcceptanceRule
-    max_block: int
-    settle: Callable
-
-    def block(self, anchor) -> mx.array:
-        """The drafter's input: the anchor and a whole block of masks. It
-        always fills all ``max_block`` slots: it guesses each slot from the
-        whole block of masks, and a shorter block of masks than it was
-        trained on makes its early slots worse (measured in BENCHMARKS.md)."""
-        return masked_block(self.draft, anchor, self.max_block)
-
-    def launch(self, anchor, choice, remaining) -> Cycle:
-        """Queue the cycle after ``anchor`` the sizer chose, never more than
-        ``remaining`` tokens' worth."""
-        if isinstance(choice, TreeChoice):
-            return self.tree(anchor, choice.nodes, remaining)
-        return self.chain(anchor, choice)
-
-    def chain(self, anchor, length) -> Cycle:
-        """Draft a whole block from the tap states the drafter has not seen,
-        verify the anchor and the first ``length - 1`` drafted tokens
-        (``length`` 1: plain decoding, no draft), and the outcome. A plain
-        step's anchor may be the previous plain step's lazy outcome."""
-        cache, rule = self.cache, self.rule
-        verify_in = anchor.reshape(1, 1) if isinstance(anchor, mx.array) else mx.array([[anchor]], dtype=mx.int32)
-        q = None
-        if length > 1:
-            block, slots = self.block(anchor), length - 1
-            if rule.sampling is not None:
-                drafted, q = self.draft.propose_with_probs(block, cache.target_hidden, cache.draft, **rule.sampling, slots=slots)
-                q = q[0]
-            else:
-                drafted = self.draft.propose(block, cache.target_hidden, cache.draft, slots=slots)
-            cache.target_hidden = None  # injected into the drafter's context
-            self.settle(drafted)
-            verify_in = mx.concatenate([verify_in, drafted.astype(mx.int32)], axis=1)
-        logits, target_hidden = self.target.forward(verify_in, cache.target)
-        outcome = rule.outcome(logits[0], verify_in[0, 1:], q) if length > 1 else rule.choose(logits[0, -1:])
-        mx.async_eval(outcome, target_hidden)
-        return Cycle(length, outcome, logits, target_hidden)
-
-    def tree(self, anchor, nodes, remaining) -> Cycle:
-        """Draft the whole block, take its best candidates per slot (one host
-        read: the tree is built on the host), build a tree of ``nodes``
-        nodes at most ``remaining - 1`` deep and verify it in one forward;
-        the outcome is the target's choice at every row."""
-        cache = self.cache
-        slots = min(remaining, self.max_block) - 1
-        head = self.draft.slot_head_logits(self.block(anchor), cache.target_hidden, cache.draft, slots=slots)
-        cache.target_hidden = None  # injected into the drafter's context
-        ids, logprobs = candidates(head[0], nodes, self.draft.vocab_ids)
-        tree = build_tree(anchor, ids, logprobs, nodes)
-        logits, target_hidden = self.target.forward(mx.array([tree.tokens]), cache.target, tree=tree)
-        outcome = self.rule.choose(logits[0]).astype(mx.int32)
-        mx.async_eval(outcome)
-        return Cycle(TreeChoice(nodes), outcome, logits, target_hidden, tree, ids)
-
-    def commit(self, cycle: Cycle, rows: List[int]) -> None:
-        """Keep the verified ``rows`` (a chain's prefix, a tree's walked
-        path) in the target's caches, and their taps for the drafter."""
-        if cycle.tree is None:
-            self.target.rollback(self.cache.target, len(rows))
-            kept = cycle.target_hidden
-            self.cache.add_hidden(kept if kept.shape[1] == len(rows) else kept[:, : len(rows)])
-        else:
-            self.target.rollback(self.cache.target, rows)
-            self.cache.add_hidden(cycle.target_hidden[:, mx.array(rows)])
-
-
-def first_then_cycles(target, draft, cache, first, rule, plans, ready, max_tokens, eos, want_logprobs):
-    """The prefill's token ``first``, then the cycles (``plans()``: their
-    sizer and evaluation, see :func:`~dflash_mlx.calibration.plan`). Unless
-    the pair is ``ready`` (calibrated), ``plans()`` measures the cycles'
-    costs first: the first token goes out before that, not after."""
-    if max_tokens == 1 or first[0] in eos:
-        yield first
-        return
-    if not ready:
-        yield first
-        first = None
-    yield from decode(target, draft, cache, first, rule, *plans(), max_tokens, eos, want_logprobs)
-
-
-def decode(target, draft, cache: PromptCache, first, rule, sizer, settle, max_tokens, eos, want_logprobs):
-    """The cycles after the prefill's token (the cache's pending one): draft,
-    verify, accept, roll back, commit, one host sync each. ``sizer``
-    chooses each block or tree from the cycles before it; ``settle``
-    evaluates the draft (``mx.eval``, or ``mx.async_eval`` to overlap).
-    ``first``: the prefill's token as :func:`generate_step` yields it, to
-    yield once the first cycle is queued (None: already yielded).
-
-    Each cycle is queued before the previous one's tokens are yielded, as
-    mlx-lm queues its next step, so the caller's work on them (detokenizing,
-    streaming) overlaps the device's. A queued forward is recorded, so
-    closing the generator at a yield rolls it back (see
-    :func:`generate_step`).
-    """
-    drafting = Drafting(target, draft, cache, rule, sizer.max_block, settle)
-    anchor, n = cache.pending[0], 1
-    tic = time.perf_counter()  # cycles are timed without the caller's time
-    cycle = drafting.launch(anchor, sizer.choose(max_tokens - n), max_tokens - n)  # never more slots than tokens left
-    if first is not None:
-        paused = time.perf_counter()
-        yield first
-        tic += time.perf_counter() - paused
-    while True:
-        # A plain step keeps its one row whatever its token, so when the
-        # next cycle is plain too it is queued on this one's lazy token
-        # before the host reads it, as mlx-lm's generate_step runs ahead.
-        # The choice is the one the loop would make after the read (a plain
-        # step commits one token), from the cycles before this one.
-        ahead = choice = None
-        if cycle.rows == 1 and n + 1 < max_tokens:
-            choice = sizer.choose(max_tokens - n - 1)
-            if choice == 1:
-                drafting.commit(cycle, [0])
-                ahead = drafting.chain(cycle.outcome, 1)
-        rows, proposed, accepted, bonus, walk = cycle.read()
-        # A cycle's cost: from the previous read to this one, less the
-        # caller's time with the tokens, which is the same per token
-        # whatever the block and so has no say in choosing it.
-        now = time.perf_counter()
-        sizer.observe(cycle.choice, accepted, now - tic, walk, context=cache.offset)  # before the next choice
-        tic = now
-        new_tokens, stopped = cycle_tokens(proposed, accepted, bonus, eos, max_tokens - n)
-        rows = rows[: len(new_tokens)]
-        if n // 256 != (n + len(new_tokens)) // 256:
-            mx.clear_cache()  # as mlx-lm's generate_step does every 256 tokens
-        n += len(new_tokens)
-        ends = n >= max_tokens or stopped
-        anchor = new_tokens[-1]
-        if ahead is None:
-            drafting.commit(cycle, rows)
-        cache.pending = [anchor]
-        cache.tokens.extend(new_tokens)
-        logits, block, tree = cycle.logits, cycle.rows, 0 if cycle.tree is None else cycle.tree.nodes
-        if ahead is not None:
-            cycle = ahead  # rolled back by generate_step if the token was eos
-        elif not ends:
-            choice = sizer.choose(max_tokens - n) if choice is None else choice
-            cycle = drafting.launch(anchor, choice, max_tokens - n)
-        lp = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True) if want_logprobs else None
-        paused = time.perf_counter()
-        for i, t in enumerate(new_tokens):
-            yield t, None if lp is None else lp[rows[i]], i < accepted, block, tree
-        if ends:
-            return
-        tic += time.perf_counter() - paused
+def yielded(response: BatchResponse):
+    """A request's tokens from one cycle as :func:`generate_step` yields them."""
+    for i, token in enumerate(response.tokens):
+        lp = None if response.logprobs is None else response.logprobs[i]
+        yield token, lp, response.from_draft[i], response.block, response.tree
 
 
 def stream_generate(

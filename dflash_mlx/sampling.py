@@ -16,12 +16,14 @@ then distributed exactly as the target samples it. All randomness is drawn
 from ``mx.random``, so ``mx.random.seed(n)`` reproduces a run.
 """
 
-from typing import Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 from .errors import ArgumentError
+from .ops.threads import compiled
 
 ACCEPTANCE_RULES = ("speculative", "exact-match")
 
@@ -95,3 +97,85 @@ def speculative_accept(
     # Rounding can empty the residual when p == q; p itself is then exact.
     residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p_row)
     return accepted, sample(residual, keys[1])
+
+
+@compiled  # a handful of tiny ops, fused: one task instead of seven per cycle
+def accept_greedy(draft_tokens: mx.array, target_tokens: mx.array) -> Tuple[mx.array, mx.array]:
+    """Longest prefix where the draft equals the target's choice, and the
+    target's own token at the first mismatch (or after the last slot).
+
+    ``[..., n]`` and ``[..., n + 1]`` in, ``(accepted, next_token)`` out, on
+    the device like :func:`speculative_accept`, so the loop reads the whole
+    outcome in one host sync.
+    """
+    n = draft_tokens.shape[-1]
+    same = (draft_tokens == target_tokens[..., :n]).astype(mx.int32)
+    accepted = mx.cumprod(same, axis=-1).sum(axis=-1)
+    return accepted, mx.take_along_axis(target_tokens, accepted[..., None], axis=-1)[..., 0]
+
+
+@dataclass
+class AcceptanceRule:
+    """How a request accepts a verified block: greedy, rejection sampling
+    or exact match of the target's samples (see
+    :func:`~dflash_mlx.generate.generate_step`)."""
+
+    sampler: Optional[Callable[[mx.array], mx.array]]
+    settings: Optional[dict] = None  # processed_probs' arguments, where the sampler was made from them
+    speculative: bool = False  # rejection sampling (else the target's samples are matched exactly)
+
+    @property
+    def sampling(self) -> Optional[dict]:
+        """processed_probs' arguments when rejection sampling, else None."""
+        return self.settings if self.speculative else None
+
+    def choose(self, logits, key=None):
+        """The target's token(s) for logits ``[..., V]``; ``key``: a request's
+        own random key (None: ``mx.random``'s state, through the sampler)."""
+        if self.sampler is None:
+            return mx.argmax(logits, axis=-1)
+        if key is None or self.settings is None:
+            return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        return sample(processed_probs(logits, **self.settings), key)
+
+    def outcome(self, logits, proposal, q, key=None) -> Tuple[mx.array, mx.array]:
+        """``(accepted count, the token after them)`` for one request's
+        verified ``logits [n + 1, V]`` of its ``proposal [n]`` (``q``: the
+        distribution it was sampled from; None: proposed greedily)."""
+        if q is None:
+            return accept_greedy(proposal, self.choose(logits, key))
+        return speculative_accept(proposal, processed_probs(logits, **self.settings), q, key)
+
+
+def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance) -> AcceptanceRule:
+    """A request's :class:`AcceptanceRule` from its sampling arguments."""
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ArgumentError(f"acceptance must be one of {ACCEPTANCE_RULES}, not {acceptance!r}")
+    if sampler is not None or temperature <= 0:
+        return AcceptanceRule(sampler)
+    settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    return AcceptanceRule(make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k), settings, acceptance == "speculative")
+
+
+def accept_rows(rules: Sequence[AcceptanceRule], logits: mx.array, proposal: mx.array, qs: List, keys: List) -> mx.array:
+    """A verified cycle's outcome for every row as one lazy ``[B, 2 + n]``
+    int32 array, read with one host sync: per row its accepted count, the
+    token after them and its ``proposal [B, n]`` (``n`` 0: a plain step).
+    Greedy rows are decided together; each other row by its own rule, with
+    its own key (``qs[b]``: the q its tokens were sampled from)."""
+    B = logits.shape[0]
+    greedy = [b for b, rule in enumerate(rules) if rule.sampler is None]
+    accepted, token = [None] * B, [None] * B
+    if greedy:
+        idx = mx.array(greedy, dtype=mx.int32) if len(greedy) < B else None
+        sub = (lambda a: a) if idx is None else (lambda a: a[idx])  # noqa: E731
+        acc, tok = accept_greedy(sub(proposal), mx.argmax(sub(logits), axis=-1))
+        if len(greedy) == B:  # every row greedy: decided in one go
+            return mx.concatenate([mx.stack([acc, tok], axis=1).astype(mx.int32), proposal], axis=1)
+        for i, b in enumerate(greedy):
+            accepted[b], token[b] = acc[i], tok[i]
+    for b, rule in enumerate(rules):
+        if rule.sampler is not None:
+            accepted[b], token[b] = rule.outcome(logits[b], proposal[b], qs[b], keys[b])
+    head = mx.stack([mx.stack([a.astype(mx.int32), t.astype(mx.int32)]) for a, t in zip(accepted, token)])
+    return mx.concatenate([head, proposal], axis=1)

@@ -65,7 +65,8 @@ from .disk_cache import DiskPromptCache, TieredPromptCache, pair_identity
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BLOCK_SIZE
 from .errors import ArgumentError, RequestError
 from .batch import DEFAULT_COMPLETION_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, BatchGenerator
-from .generate import feed, generate_step
+from .generate import generate_step
+from .prefill import feed
 from .pipeline import STOP, agree_flag, share_request
 from .traffic import record_safely
 

@@ -47,7 +47,9 @@ from dflash_mlx.adaptive import BlockSizer, CycleCosts
 from dflash_mlx.benchmark import run_autoregressive, time_forwards
 from dflash_mlx.cache import bound_target
 from dflash_mlx.defaults import DEFAULT_TARGET
-from dflash_mlx.generate import accept_greedy, encode_prompt, prefill
+from dflash_mlx.generate import encode_prompt
+from dflash_mlx.prefill import prefill
+from dflash_mlx.sampling import accept_greedy
 from dflash_mlx.models.dflash import masked_block
 from dflash_mlx.pair import benchmark_prompts, load_pair
 

@@ -16,7 +16,7 @@ from dflash_mlx.adaptive import (
 )
 from dflash_mlx.calibration import calibrate, calibrated
 from dflash_mlx.errors import ArgumentError
-from dflash_mlx.generate import prefill
+from dflash_mlx.prefill import prefill
 
 # A verify of b tokens plus its draft: a 16-token cycle costs 2.4 one-token steps.
 LINEAR = {1: 1.0, 2: 1.5, 8: 1.9, 16: 2.4}

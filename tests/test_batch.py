@@ -21,7 +21,7 @@ from tiny import PROMPT, TRUNCATED, FakeDrafter, committed_sequence, pit_check, 
 import dflash_mlx
 from dflash_mlx.batch import BatchGenerator, batch_generate
 from dflash_mlx.errors import ArgumentError
-from dflash_mlx.generate import prefill
+from dflash_mlx.prefill import prefill
 from dflash_mlx.models.dflash import masked_block
 from dflash_mlx.sampling import ACCEPTANCE_RULES
 from dflash_mlx.targets import adapter_for

@@ -23,7 +23,8 @@ from dflash_mlx import server as dserver
 from dflash_mlx.cache import load_prompt_cache, save_prompt_cache
 from dflash_mlx.defaults import DEFAULT_DRAFT_SINK, DEFAULT_DRAFT_WINDOW
 from dflash_mlx.errors import ArgumentError
-from dflash_mlx.generate import encode_prompt, feed
+from dflash_mlx.generate import encode_prompt
+from dflash_mlx.prefill import feed
 from dflash_mlx.random_pair import LLAMA
 
 FAMILIES = ["qwen3", "qwen3_5", "llama", "gemma4_text", "gpt_oss", "qwen3_next", "kimi_k25"]
@@ -359,7 +360,7 @@ def test_a_separate_drafter_shares_the_weights_not_what_the_loop_learns(qwen3_pa
     from mlx.utils import tree_flatten
 
     from dflash_mlx.calibration import calibrate
-    from dflash_mlx.generate import prefill
+    from dflash_mlx.prefill import prefill
 
     model, tok = qwen3_pair.model, qwen3_pair.tokenizer
     draft = dflash_mlx.load_draft(qwen3_pair.make_draft(tmp_path / "d", block_size=4), model)

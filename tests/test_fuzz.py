@@ -737,14 +737,13 @@ def test_a_generation_error_answers_in_the_dialect(tiny_server, monkeypatch, pat
     loop decodes) ends the request with an error in its dialect, a 500 or,
     once a stream is under way, an error event; never a dropped connection;
     the next request is served by a fresh batch."""
-    from dflash_mlx.batch import BatchGenerator
+    from dflash_mlx.decode import Decoder
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected generation fault")
 
     base = next(body for p, body, _ in ENDPOINTS if p == path)
-    monkeypatch.setattr(BatchGenerator, "cycle", broken)
-    monkeypatch.setattr(BatchGenerator, "alone_cycle", broken)  # (a request alone)
+    monkeypatch.setattr(Decoder, "step", broken)
     status, raw = post_raw(tiny_server, path, json.dumps({**base, "stream": stream}).encode())
     if stream:
         assert status == 200 and b"injected generation fault" in raw and b"error" in raw.rstrip().splitlines()[-1], raw

@@ -136,7 +136,7 @@ def test_sequential_recurrence_is_lossless(qwen3_5_pair, block_size, device, ran
     ],
 )
 def test_greedy_acceptance_on_device(draft_tokens, target_tokens, want):
-    from dflash_mlx.generate import accept_greedy
+    from dflash_mlx.sampling import accept_greedy
 
     accepted, token = accept_greedy(mx.array(draft_tokens, mx.int32), mx.array(target_tokens, mx.int32))
     assert (accepted.item(), token.item()) == want

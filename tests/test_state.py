@@ -19,7 +19,7 @@ from tiny import dflash_tokens
 
 import dflash_mlx
 from dflash_mlx.cache import bound_target, load_prompt_cache, make_prompt_cache, save_prompt_cache
-from dflash_mlx.generate import feed
+from dflash_mlx.prefill import feed
 
 # Rounding only: the same positions run in chunks of other sizes (prefill
 # against verify blocks) sum their float32 dot products in another order.

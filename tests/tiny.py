@@ -722,10 +722,12 @@ class DoubleDrafter(FakeDrafter):
             self.qs.append(q)
         return tokens
 
-    def propose_with_probs(self, block, context, cache, temperature, top_p=0.0, top_k=0, min_p=0.0, slots=None):
+    def propose_with_probs(self, block, context, cache, temperature, top_p=0.0, top_k=0, min_p=0.0, slots=None, key=None):
+        keys = [None] * block.shape[1] if key is None else list(mx.random.split(key, block.shape[1]))
+
         def pick(logits):
             q = processed_probs(logits, temperature, top_p, top_k, min_p)
-            return sample(q), q
+            return sample(q, keys.pop()), q
 
         seq = committed_sequence(self.prompt, block, context, cache)
         tokens = self.draft(seq, block.shape[1] - 1, pick)

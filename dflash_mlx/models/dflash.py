@@ -942,21 +942,23 @@ class DFlashDraftModel(nn.Module):
         top_k: int = 0,
         min_p: float = 0.0,
         slots: Optional[int] = None,
+        key=None,
     ) -> Tuple[mx.array, mx.array]:
         """Sampled tokens for slots 1..``slots`` (default L-1) and the
         distribution ``q`` they were drawn from, ``([B, slots], [B, slots,
         V])``: what speculative sampling needs to verify them. ``q`` is
-        processed like the target's ``p``. Drafters differ only in how they
+        processed like the target's ``p``; ``key``: the request's own random
+        key (None: ``mx.random``'s state). Drafters differ only in how they
         draw (:meth:`draw`).
         """
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-        return self.draw(block_tokens, target_hidden, cache, sampling, slots)
+        return self.draw(block_tokens, target_hidden, cache, sampling, slots, key)
 
-    def draw(self, block_tokens, target_hidden, cache, sampling: dict, slots: Optional[int] = None) -> Tuple[mx.array, mx.array]:
+    def draw(self, block_tokens, target_hidden, cache, sampling: dict, slots: Optional[int] = None, key=None) -> Tuple[mx.array, mx.array]:
         """:meth:`propose_with_probs` with ``sampling`` holding
         :func:`processed_probs`' settings: each slot independently."""
         q = processed_probs(self.slot_logits(block_tokens, target_hidden, cache, slots), **sampling)
-        return sample(q), q
+        return sample(q, key), q
 
 
 def draft_config_for_target(

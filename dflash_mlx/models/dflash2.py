@@ -450,8 +450,10 @@ class DFlash2DraftModel(DFlashDraftModel):
         of a walk is the walk over that prefix."""
         return self.select(block_tokens, target_hidden, cache).tokens[:, :slots]
 
-    def draw(self, block_tokens, target_hidden, cache, sampling: dict, slots: Optional[int] = None) -> Tuple[mx.array, mx.array]:
-        """:meth:`sampled_walk`'s first ``slots`` slots (default all)."""
+    def draw(self, block_tokens, target_hidden, cache, sampling: dict, slots: Optional[int] = None, key=None) -> Tuple[mx.array, mx.array]:
+        """:meth:`sampled_walk`'s first ``slots`` slots (default all); the
+        walk draws from ``mx.random``'s state, not ``key``, as its batched
+        rows do (:meth:`draft_rows`)."""
         tokens, q = self.sampled_walk(block_tokens, target_hidden, cache, sampling)
         return tokens[:, :slots], q[:, :slots]
 

@@ -24,6 +24,7 @@ class TargetCache(list):
     """
 
     undo = None
+    batched = False  # a batch's rows (:class:`~.rows.BatchCache`), not one request's
 
 
 class TargetAdapter:
@@ -167,6 +168,15 @@ class TargetAdapter:
 
     def rollback(self, cache: Sequence, keep) -> None:
         raise NotImplementedError
+
+    def keep(self, cache, kept: Sequence) -> None:
+        """After a recorded forward, each row keeps what it accepted: row
+        ``b`` of a batch its first ``kept[b]`` tokens; a request's own cache
+        its first ``kept[0]`` tokens, or a draft tree's walked rows."""
+        if cache.batched:
+            self.rollback_rows(cache, kept)
+        else:
+            self.rollback(cache, kept[0])
 
     def rollback_rows(self, cache, kept: Sequence[int]) -> None:
         """A batch's rollback (``cache``: a :class:`~.rows.BatchCache`): row

@@ -227,6 +227,7 @@ class BatchCache(TargetCache):
     """A batch's per-layer target caches and the rows' positions they share."""
 
     rows: Rows
+    batched = True
 
     @classmethod
     def join(cls, parts: Sequence[TargetCache], positions: Sequence[int]) -> "BatchCache":

@@ -1,0 +1,456 @@
+"""One decode engine for a request alone and for a batch: each cycle
+chooses, drafts, verifies, accepts, keeps and emits, for B >= 1 rows at once.
+
+A :class:`Decoder` holds its rows (:class:`Request`: a prompt cache, an
+acceptance rule, a token budget, stop tokens, a random key). One row decodes
+on its own prompt cache, with the target's caches as mlx-lm makes them, and
+may verify a draft tree (:mod:`dflash_mlx.tree`) where the sizer chooses
+one; two rows or more verify chains together over one
+:class:`~dflash_mlx.targets.rows.BatchCache`, whose rows keep lengths of
+their own, so no row pays for another's rejections. Every rule is written
+once, for all of them: the acceptance over rows
+(:func:`~dflash_mlx.sampling.accept_rows`), what a cycle commits
+(:func:`cycle_tokens`), the rollback (``TargetAdapter.keep``), the plain
+step run ahead of its read, and the clock the sizer learns from.
+
+:func:`~dflash_mlx.generate.generate_step` is a decoder holding one request;
+:class:`~dflash_mlx.batch.BatchGenerator` schedules requests in and out of
+one (z-lab's MLX loop and mlx-lm's ``generate_step`` read the same way:
+prefill, draft, verify, accept, yield, trim).
+"""
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+
+from .adaptive import BatchSizer, BlockSizer, SlotAcceptance, TreeChoice, TreeWalk
+from .cache import PromptCache
+from .models.dflash import masked_blocks
+from .sampling import AcceptanceRule, accept_rows
+from .targets.rows import BatchCache
+from .tree import build_tree, candidates, walked_ranks
+
+
+@dataclass
+class Request:
+    """One row: its prompt cache (whose target part lives in a batch's
+    caches while it decodes batched), how it accepts, and how far it has
+    got; ``todo``, ``total`` and ``progress`` are its prefill's, for a
+    scheduler."""
+
+    uid: int
+    cache: PromptCache
+    rule: AcceptanceRule
+    max_tokens: int
+    eos: frozenset
+    logprobs: bool = False
+    key: Optional[mx.array] = None  # its own random key (a seeded sampled request)
+    block_limit: Optional[int] = None  # the longest block it lets a batch verify
+    todo: List[int] = field(default_factory=list)  # prompt tokens not prefilled yet
+    total: int = 0  # prompt tokens to prefill
+    progress: Optional[Callable[[int, int], None]] = None  # hears its prefill's progress
+    acceptance: Optional[SlotAcceptance] = None  # how far into a batch's blocks it accepts
+    controls: List = field(default_factory=list)  # what shapes its target's logits (see Decoder.controlled)
+    n: int = 0  # tokens generated
+    anchor: int = -1  # the last committed token, not yet run by the target
+
+    def next_key(self):
+        if self.key is None:
+            return None
+        self.key, key = mx.random.split(self.key)
+        return key
+
+    @property
+    def room(self) -> int:
+        return self.max_tokens - self.n
+
+    def finish(self, stopped: bool) -> Optional[str]:
+        return "stop" if stopped else ("length" if self.n >= self.max_tokens else None)
+
+    def start(self, logits: mx.array) -> "BatchResponse":
+        """The prefill's token from its ``logits [1, V]``, committed (and
+        pending: the first verify runs it)."""
+        for c in self.controls:
+            logits = c.block(logits, None)
+        token = self.rule.choose(logits, self.next_key()).item()
+        for c in self.controls:
+            c.commit([token])
+        self.cache.commit([token], pending=[token])
+        self.anchor, self.n = token, 1
+        lp = [logits[0] - mx.logsumexp(logits[0])] if self.logprobs else None
+        return BatchResponse(self.uid, [token], [False], lp, self.finish(token in self.eos), 0, 0)
+
+
+@dataclass
+class BatchResponse:
+    """What one request got from one cycle (or its prefill: ``block`` 0).
+
+    Args:
+        uid: the request.
+        tokens: the tokens it committed (its first: the prefill's).
+        from_draft: per token, whether it was a drafted token the target accepted.
+        logprobs: per token, the target's log-probabilities ``[V]`` there
+            (None unless the request asked for them).
+        finish_reason: "stop" (eos), "length" (max_tokens) or None.
+        block: tokens it verified this cycle (1: a plain step; a tree's rows).
+        batch: requests the cycle verified together.
+        tree: nodes of the draft tree it verified (0: a chain or a plain step).
+        prompt_cache: the request's prompt cache, once it has finished.
+    """
+
+    uid: int
+    tokens: List[int]
+    from_draft: List[bool]
+    logprobs: Optional[List[mx.array]]
+    finish_reason: Optional[str]
+    block: int
+    batch: int = 1
+    tree: int = 0
+    prompt_cache: Optional[PromptCache] = None
+
+
+def cycle_tokens(proposed: List[int], accepted: int, bonus: int, eos, room: int) -> Tuple[List[int], bool]:
+    """What a verified cycle commits: the ``accepted`` drafted tokens and
+    the target's own after them, cut after an eos (kept, as mlx-lm keeps
+    it) and to the ``room`` left; and whether an eos ended them."""
+    new = proposed[:accepted] + [bonus]
+    stop = next((i for i, t in enumerate(new) if t in eos), None)
+    if stop is not None:
+        new = new[: stop + 1]
+    return new[:room], stop is not None and stop < room
+
+
+@dataclass
+class Cycle:
+    """A queued cycle: its rows, what was chosen (tokens verified per row,
+    or a :class:`~dflash_mlx.adaptive.TreeChoice`), its lazy outcome
+    (:func:`~dflash_mlx.sampling.accept_rows`' ``[B, 2 + L - 1]``, or a
+    tree's target choice at every row), logits and tap states; a tree and
+    its candidates; whether it was queued before the last cycle was read,
+    and whether its rows' kept tokens are in the caches yet."""
+
+    rows: List[Request]
+    choice: Union[int, TreeChoice]
+    outcome: mx.array
+    logits: mx.array
+    taps: mx.array
+    tree: Optional[object] = None
+    ids: Optional[mx.array] = None
+    queued_ahead: bool = False
+    kept: bool = False
+    then: Optional[Union[int, TreeChoice]] = None  # the choice made for the cycle after it, before its read
+
+    @property
+    def block(self) -> int:
+        return self.tree.rows if self.tree is not None else self.choice
+
+    def read(self) -> List[Tuple[List[int], List[int], int, int, Optional[TreeWalk]]]:
+        """Per row ``(rows kept, proposed tokens along them, accepted count,
+        the target's token after them, what a tree's walk showed)``, in one
+        host read."""
+        if self.tree is None:
+            return [(list(range(v[0] + 1)), v[2:], v[0], v[1], None) for v in self.outcome.tolist()]
+        choices = self.outcome.tolist()
+        path, token = self.tree.walk(choices)
+        walk = TreeWalk(walked_ranks(self.tree, self.ids, path, choices), self.tree.spine)
+        return [(path, [self.tree.tokens[r] for r in path[1:]], len(path) - 1, token, walk)]
+
+
+class Sizing:
+    """What chooses each cycle: a request alone by ``lone`` (a
+    :class:`~dflash_mlx.adaptive.BlockSizer`: chains, plain steps and draft
+    trees), a batch by ``batch`` (a :class:`~dflash_mlx.adaptive.BatchSizer`,
+    from each row's own acceptance). Rows that each cap their block verify
+    the shortest cap."""
+
+    def __init__(self, lone: BlockSizer, batch: Optional[BatchSizer] = None):
+        self.lone, self.batch = lone, batch
+
+    def new_row(self, r: Request) -> None:
+        """A row joins a batch: it starts from what the lone sizer has seen of the pair."""
+        r.acceptance = copy.deepcopy(self.lone.acceptance)
+
+    def choose(self, rows: List[Request], ahead: int = 0):
+        """The next cycle, from the cycles before it (``ahead``: chosen before
+        the last cycle is read, each row that many tokens further)."""
+        remaining = [r.room - ahead for r in rows]
+        limits = [r.block_limit for r in rows if r.block_limit]
+        if len(limits) == len(rows):  # every request fixed its block: the shortest, for all
+            return max(1, min(min(limits), max(remaining)))
+        if len(rows) == 1:
+            return self.lone.choose(remaining[0])
+        return min([self.batch.choose([r.acceptance for r in rows], remaining)] + limits)
+
+    def observe(self, cycle: Cycle, read, seconds: float, context: int) -> None:
+        """A cycle read ``seconds`` after the one before it."""
+        rows = cycle.rows
+        if len(rows) == 1 and not rows[0].block_limit:
+            self.lone.observe(cycle.choice, read[0][2], seconds, read[0][4], context=context)
+        elif len(rows) > 1:
+            for r, (_, _, accepted, _, _) in zip(rows, read):
+                if cycle.block > 1:
+                    r.acceptance.observe(cycle.block - 1, accepted)
+            if cycle.block > 1 or cycle.queued_ahead:
+                # A plain step is priced as in a plain spell, queued ahead of
+                # the last one's read: one launched after a drafting cycle
+                # waits for its own forward, and plain steps priced by those
+                # looked dearer than a spell of them runs.
+                self.batch.observe([r.acceptance for r in rows], [r.room for r in rows], cycle.block, seconds)
+
+
+class Decoder:
+    """Decodes its rows cycle by cycle with one drafter and one target.
+
+    :meth:`step` reads the queued cycle (queuing one first if none is),
+    commits what every row kept, lets the rows that ended leave and, with
+    ``run_ahead``, queues the next cycle before returning, so the caller's
+    work on the tokens (detokenizing, streaming) overlaps the device's, as
+    mlx-lm queues its next step. A plain step keeps its one row whatever its
+    token, so when the next cycle is plain too it is queued on this one's
+    lazy tokens before the host reads them. ``settle`` evaluates a draft
+    (``mx.eval``, or ``mx.async_eval`` to overlap it with the verify).
+    """
+
+    def __init__(self, target, draft, max_block: int, settle: Callable, sizing: Sizing):
+        self.target, self.draft, self.max_block, self.settle, self.sizing = target, draft, max_block, settle, sizing
+        self.rows: List[Request] = []
+        self.cache = None  # the rows' target caches: a lone row's own, or a BatchCache
+        self.queued: Optional[Cycle] = None
+        self.clock = self.returned = 0.0  # when the last cycle was read; when the caller got its tokens
+        self.cycles_read: List[int] = []  # the rows of each cycle the last step read
+        self.committed = 0  # tokens committed, all rows
+
+    # -- membership ----------------------------------------------------------
+
+    def join(self, requests: Sequence[Request]) -> None:
+        """Requests whose prefill is done (their anchor pending) join."""
+        self.drop_queued()
+        rows = self.rows + list(requests)
+        if len(rows) > 1:
+            for r in rows:
+                if r.acceptance is None:
+                    self.sizing.new_row(r)
+            batched = isinstance(self.cache, BatchCache)
+            parts, positions = ([self.cache], self.positions()) if batched else ([], [])
+            for r in rows[len(self.rows) if batched else 0 :]:
+                parts.append(r.cache.target)
+                positions.append(r.cache.ran)
+                r.cache.target = None  # in the batch until it leaves
+            self.cache = BatchCache.join(parts, positions)
+        else:
+            self.cache = rows[0].cache.target
+        self.rows = rows
+
+    def positions(self) -> List[int]:
+        if isinstance(self.cache, BatchCache):
+            return list(self.cache.rows.pos)
+        return [self.rows[0].cache.ran]
+
+    def leave(self, indices: Sequence[int]) -> List[Request]:
+        """Rows ``indices`` leave, each with its own target cache back (a row
+        left alone gets its own too, to decode alone). Returns them."""
+        if not indices:
+            return []
+        gone = set(indices)
+        stay = [b for b in range(len(self.rows)) if b not in gone]
+        leaving = [self.rows[b] for b in indices]
+        if isinstance(self.cache, BatchCache):
+            for b in list(indices) + (stay if len(stay) == 1 else []):
+                r = self.rows[b]
+                r.cache.target = self.cache.row(b)
+                r.cache.unlink_draft()
+        for r in leaving:
+            r.cache.drop_unreadable()  # at rest, the cache holds only what a drafter may read
+        self.rows = [self.rows[b] for b in stay]
+        if len(stay) > 1:
+            self.cache.take(stay)
+        else:
+            self.cache = self.rows[0].cache.target if stay else None
+        return leaving
+
+    def drop_queued(self) -> None:
+        """Forget a queued cycle (its rows keep none of it): the rows are
+        about to change."""
+        if self.queued is not None:
+            self.keep(self.queued, [0] * len(self.queued.rows))
+            self.queued = None
+
+    # -- one cycle -----------------------------------------------------------
+
+    def queue(self) -> None:
+        """Queue the rows' next cycle (before the caller's work on the last one's tokens)."""
+        self.clock = time.perf_counter()
+        self.queued = self.launch(self.rows, self.sizing.choose(self.rows))
+        self.returned = time.perf_counter()
+
+    def step(self, run_ahead: bool = True) -> List[BatchResponse]:
+        """Read a cycle, commit every row's tokens, let the rows that ended
+        leave; what every row got (two cycles' worth where a plain step
+        ran ahead and a row ended)."""
+        self.cycles_read = []
+        now = time.perf_counter()
+        if self.queued is None:
+            cycle, self.clock = self.launch(self.rows, self.sizing.choose(self.rows)), now
+        else:
+            cycle, self.queued = self.queued, None
+            self.clock += now - self.returned  # the caller's time between cycles is no cycle's
+        ahead = self.plain_ahead(cycle)
+        out, ended = self.accept(cycle)
+        if ended and ahead is not None:  # the rows that ended leave it unkept
+            more, later = self.accept(ahead, void=set(ended))
+            out, ended, ahead = out + more, ended + later, None
+        caches = {r.uid: r.cache for r in self.rows}
+        for e in out:
+            if e.finish_reason is not None:  # its request leaves below, its cache whole again
+                e.prompt_cache = caches[e.uid]
+        self.leave(sorted(set(ended)))
+        if ahead is not None:
+            self.queued = ahead
+        elif run_ahead and self.rows:
+            self.queued = self.launch(self.rows, cycle.then if cycle.then is not None else self.sizing.choose(self.rows))
+        self.returned = time.perf_counter()
+        return out
+
+    def plain_ahead(self, cycle: Cycle) -> Optional[Cycle]:
+        """After a plain step, the next one queued on its lazy tokens before
+        the read, if the sizer would choose a plain step next too (the
+        choice is the one the loop would make after the read, from the
+        cycles before this one; it stands for the cycle after the read)."""
+        if cycle.block != 1 or any(r.room <= 1 or r.controls for r in cycle.rows):
+            return None  # (a row's controls see its committed tokens: none run ahead of a read)
+        cycle.then = self.sizing.choose(cycle.rows, ahead=1)
+        if cycle.then != 1:
+            return None
+        self.keep(cycle, [1] * len(cycle.rows))
+        return self.launch(cycle.rows, 1, anchors=cycle.outcome[:, 1:2], queued_ahead=True)
+
+    def launch(self, rows: List[Request], choice, anchors: Optional[mx.array] = None, queued_ahead: bool = False) -> Cycle:
+        """Queue a cycle: a tree (one row), or per row its anchor and the
+        first ``choice - 1`` drafted tokens (1: a plain step, whose
+        ``anchors`` may be the last plain step's lazy tokens)."""
+        if isinstance(choice, TreeChoice):
+            return self.tree_cycle(rows[0], choice, min(rows[0].room, self.max_block))
+        if anchors is None:
+            anchors = mx.array([[r.anchor] for r in rows], dtype=mx.int32)
+        proposal, qs = mx.zeros((len(rows), 0), mx.int32), [None] * len(rows)
+        if choice > 1:
+            proposal, qs = self.draft_chains(rows, choice - 1)
+            self.settle(proposal)
+        logits, taps = self.target.forward(mx.concatenate([anchors, proposal], axis=1), self.cache)
+        logits = self.controlled(rows, logits, proposal)
+        outcome = accept_rows([r.rule for r in rows], logits, proposal, qs, [r.next_key() for r in rows])
+        mx.async_eval(outcome, taps)
+        return Cycle(list(rows), choice, outcome, logits, taps, queued_ahead=queued_ahead)
+
+    def draft_chains(self, rows: List[Request], slots: int) -> Tuple[mx.array, list]:
+        """Every row's drafted tokens ``[B, slots]`` from the tap states its
+        drafter has not seen, and per row the q they were sampled from (None:
+        greedy). The drafter fills its whole block of masks whatever length
+        is verified: a shorter block of masks makes its early slots worse."""
+        blocks = masked_blocks(self.draft, [r.anchor for r in rows], self.max_block)
+        if len(rows) == 1:
+            r = rows[0]
+            if r.rule.sampling is None:
+                proposal, qs = self.draft.propose(blocks, r.cache.target_hidden, r.cache.draft, slots=slots), [None]
+            else:
+                proposal, q = self.draft.propose_with_probs(
+                    blocks, r.cache.target_hidden, r.cache.draft, **r.rule.sampling, slots=slots, key=r.next_key()
+                )
+                qs = [q[0]]
+        else:
+            proposal, qs = self.draft.draft_rows(
+                blocks, [r.cache.target_hidden for r in rows], [r.cache.draft for r in rows], slots,
+                [r.rule.sampling for r in rows], [r.next_key() for r in rows],
+            )
+        for r in rows:
+            r.cache.target_hidden = None  # injected into its drafter context
+        return proposal.astype(mx.int32), qs
+
+    def tree_cycle(self, r: Request, choice: TreeChoice, room: int) -> Cycle:
+        """One row's draft tree: the whole block's best candidates per slot
+        (one host read: the tree is built on the host), a tree of
+        ``choice.nodes`` nodes at most ``room - 1`` deep, verified in one
+        forward; the outcome is the target's choice at every row."""
+        blocks = masked_blocks(self.draft, [r.anchor], self.max_block)
+        head = self.draft.slot_head_logits(blocks, r.cache.target_hidden, r.cache.draft, slots=room - 1)
+        r.cache.target_hidden = None  # injected into the drafter's context
+        ids, logprobs = candidates(head[0], choice.nodes, self.draft.vocab_ids)
+        tree = build_tree(r.anchor, ids, logprobs, choice.nodes)
+        logits, taps = self.target.forward(mx.array([tree.tokens]), self.cache, tree=tree)
+        for c in r.controls:
+            logits = c.tree(logits[0], tree.tokens, tree.parents)[None]
+        outcome = r.rule.choose(logits[0], r.next_key()).astype(mx.int32)
+        mx.async_eval(outcome)
+        return Cycle([r], choice, outcome, logits, taps, tree, ids)
+
+    @staticmethod
+    def controlled(rows: List[Request], logits: mx.array, proposal: mx.array) -> mx.array:
+        """Each row's verified logits under its own controls (logits
+        processors, a grammar's mask: each ``block(logits [L, V], proposal
+        [L - 1])``), row ``i`` seeing the request's committed tokens and its
+        draft up to ``i``, as the target alone would see them at that
+        position. The acceptance rule and the log-probabilities read these,
+        so each control is exact through speculation."""
+        if not any(r.controls for r in rows):
+            return logits
+        out = []
+        for b, r in enumerate(rows):
+            x = logits[b]
+            for c in r.controls:
+                x = c.block(x, proposal[b])
+            out.append(x)
+        return mx.stack(out)
+
+    def keep(self, cycle: Cycle, kept: List) -> None:
+        """Each row keeps its verified rows ``kept[b]`` (a count, or a tree's
+        walked rows) in the target's caches, and their tap states for its drafter."""
+        self.target.keep(self.cache, kept)
+        for b, (r, k) in enumerate(zip(cycle.rows, kept)):
+            if isinstance(k, list):
+                r.cache.add_hidden(cycle.taps[b : b + 1, mx.array(k)])
+            elif k:
+                taps = cycle.taps[b : b + 1]
+                r.cache.add_hidden(taps if taps.shape[1] == k else taps[:, :k])
+        cycle.kept = True
+
+    def accept(self, cycle: Cycle, void=frozenset()) -> Tuple[List[BatchResponse], List[int]]:
+        """Each row's tokens from the cycle's outcome, read once; rows in
+        ``void`` (ended before this cycle, which ran ahead) keep nothing of
+        it. Returns what every row got and the rows that ended."""
+        read = cycle.read()
+        now = time.perf_counter()
+        self.sizing.observe(cycle, read, now - self.clock, cycle.rows[0].cache.offset)  # before the next choice
+        self.clock = now
+        self.cycles_read.append(len(cycle.rows))
+        kept, out, ended = [], [], []
+        tree = 0 if cycle.tree is None else cycle.tree.nodes
+        for b, (r, (rows, proposed, accepted, token, _)) in enumerate(zip(cycle.rows, read)):
+            if b in void:
+                kept.append(0)
+                continue
+            new, stopped = cycle_tokens(proposed, accepted, token, r.eos, r.room)
+            rows = rows[: len(new)]
+            kept.append(rows if cycle.tree is not None else len(rows))
+            r.n += len(new)
+            r.anchor = new[-1]
+            for c in r.controls:
+                c.commit(new)
+            r.cache.commit(new, pending=new[-1:])
+            lp = None
+            if r.logprobs:
+                lps = cycle.logits[b] - mx.logsumexp(cycle.logits[b], axis=-1, keepdims=True)
+                lp = [lps[i] for i in rows]
+            finish = r.finish(stopped)
+            out.append(BatchResponse(r.uid, new, [i < accepted for i in range(len(new))], lp, finish, cycle.block, len(cycle.rows), tree))
+            if finish is not None:
+                ended.append(b)
+        if not cycle.kept:
+            self.keep(cycle, kept)
+        committed = sum(len(e.tokens) for e in out)
+        if self.committed // 256 != (self.committed + committed) // 256:
+            mx.clear_cache()  # as mlx-lm's generate_step does every 256 tokens
+        self.committed += committed
+        return out, ended
