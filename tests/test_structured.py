@@ -1,0 +1,221 @@
+"""The constraint layer against llguidance itself: masks, block and tree
+masks, forced tokens, constrained drafting and the logits processor, on a
+tiny byte tokenizer and the bundled pair's; and the response formats'
+checks. The loop's use of it is tested with the loop."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from llguidance import LLMatcher
+from mlx_lm.generate import generate_step
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from tiny import QWEN3, make_target
+
+from dflash_mlx.errors import ArgumentError
+from dflash_mlx.structured import Constraint, allowed, bridge, constraint_from_response_format, grammar_of
+
+DEFAULT_TARGET = Path(__file__).parent.parent / "dflash_mlx" / "default_pair" / "target"
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["ok", "color", "n"],
+    "additionalProperties": False,
+}
+
+
+def json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    """A tiny seeded target over the byte tokenizer (258 ids), its vocabulary padded to 300."""
+    from mlx_lm import load
+
+    return load(str(make_target(tmp_path_factory.mktemp("structured") / "target", QWEN3, seed=5, vocab_size=300)))
+
+
+@pytest.fixture(scope="module", params=["tiny", "default_pair"])
+def tokenizer(request, tiny_target):
+    return tiny_target[1] if request.param == "tiny" else load_tokenizer(DEFAULT_TARGET)
+
+
+def reference_words(matcher: LLMatcher, words: int) -> np.ndarray:
+    """llguidance's own mask of a matcher's state, as ``words`` int32 words
+    (its buffer may run a word longer, with nothing set there)."""
+    full = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
+    assert not full[words:].any()
+    return full[:words]
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_masks_are_llguidances_own(tokenizer):
+    c = constraint_from_response_format(json_schema(SCHEMA), tokenizer)
+    ref = LLMatcher(bridge(tokenizer), LLMatcher.grammar_from_json_schema(SCHEMA), log_level=0)
+    for t in encode(tokenizer, '{"ok": true, "color": "red", "n": 3}'):
+        want = reference_words(ref, len(c.words()))
+        assert np.array_equal(c.words(), want)
+        bits = np.unpackbits(want.view(np.uint8), bitorder="little")[: c.vocab].astype(bool)
+        got = np.array(c.mask(c.vocab + 40))
+        assert np.array_equal(got[: c.vocab], bits) and not got[c.vocab:].any()
+        assert got[t], "the answer's own token is allowed"
+        c.commit([t])
+        assert ref.consume_token(t)
+    assert c.is_accepting() and c.finished
+    assert np.flatnonzero(np.array(c.mask())).tolist() == sorted(c.eos), "only eos once the answer is complete"
+
+
+def test_block_masks_equal_step_by_step_masks_and_leave_the_state(tokenizer):
+    c = constraint_from_response_format(json_schema(SCHEMA), tokenizer)
+    answer = encode(tokenizer, '{"ok": false, "color": "green", "n": 7}')
+    c.commit(answer[:3])
+    before = c.words()
+    drafts = answer[3:9]
+    rows, valid = c.block_masks(drafts)
+    assert valid == len(drafts)
+    for i in range(len(drafts) + 1):
+        assert np.array_equal(np.array(rows[i]), np.array(c.mask())), f"row {i}"
+        if i < len(drafts):
+            c.commit([drafts[i]])
+    c.rollback(len(drafts))
+    assert np.array_equal(c.words(), before) and c.committed == 3
+    refused = drafts[:2] + encode(tokenizer, "}")[:1] + drafts[3:]  # a brace where a value's text goes on
+    rows, valid = c.block_masks(refused)
+    assert valid == 2
+    c.commit(refused[:2])
+    assert np.array_equal(np.array(rows[2]), np.array(c.mask()))
+    assert np.array(rows[3:]).all(), "rows past the refused draft are never used"
+    c.rollback(2)
+    assert np.array_equal(c.words(), before)
+
+
+def test_tree_masks_mask_each_node_by_its_own_path(tokenizer):
+    c = constraint_from_response_format({"type": "regex", "pattern": "(cat|car|dog)s?"}, tokenizer)
+    ids = {ch: encode(tokenizer, ch)[0] for ch in "cadrtsx"}
+    #        root  c       a     t     r     s     x     d
+    tokens = [0, ids["c"], ids["a"], ids["t"], ids["r"], ids["s"], ids["x"], ids["d"]]
+    parents = [-1, 0, 1, 2, 2, 3, 1, 0]
+    rows, valid = c.tree_masks(tokens, parents)
+    assert valid.tolist() == [True, True, True, True, True, True, False, True]
+    for i in range(1, len(tokens)):
+        path, j = [], i
+        while j > 0:
+            path.insert(0, tokens[j])
+            j = parents[j]
+        if valid[i]:
+            chain, ok = c.block_masks(path)
+            assert ok == len(path) and np.array_equal(np.array(rows[i]), np.array(chain[-1])), f"node {i}"
+    assert np.array_equal(np.array(rows[0]), np.array(c.mask())) and c.committed == 0
+
+
+def test_forced_tokens_are_the_only_allowed_ones(tokenizer):
+    c = constraint_from_response_format({"type": "regex", "pattern": "The answer is (yes|no)\\."}, tokenizer)
+    forced = c.forced(64)
+    assert forced, "a fixed prefix is forced"
+    assert c.committed == 0 and len(c.forced(64)) == len(forced), "forced() leaves the state"
+    for t in forced:
+        allowed_ids = np.flatnonzero(np.array(c.mask()))
+        assert allowed_ids.tolist() == [t]
+        c.commit([t])
+    assert np.array(c.mask()).sum() > 1, "forcing stops where the grammar gives a choice"
+    assert "The answer is ".startswith(tokenizer.decode(forced))
+
+
+def test_rollback_restores_the_state(tokenizer):
+    c = constraint_from_response_format({"type": "json_object"}, tokenizer)
+    answer = encode(tokenizer, '{"a": [1, 2, {"b": null}]}')
+    states = []
+    for t in answer:
+        states.append(c.words())
+        c.commit([t])
+    for k in range(len(answer), 0, -1):
+        c.rollback(1)
+        assert np.array_equal(c.words(), states[k - 1])
+    with pytest.raises(ValueError):
+        c.rollback(1)
+    with pytest.raises(ValueError, match="refuses"):
+        c.commit(encode(tokenizer, "x"))
+
+
+def test_constrained_drafting_is_the_masked_argmax_along_its_own_choices(tokenizer):
+    c = constraint_from_response_format(json_schema(SCHEMA), tokenizer)
+    vocab = c.vocab + 7
+    logits = mx.random.normal((8, vocab), key=mx.random.key(3))
+    tokens, rows = c.draft(logits)
+    assert rows is None and c.committed == 0
+    want = []
+    for j in range(len(tokens)):  # the plain way: a full mask per slot
+        want.append(int(mx.argmax(c.apply(logits[j]))))
+        c.commit(want[-1:])
+    c.rollback(len(want))
+    assert tokens == want and len(tokens) == 8
+
+    key = mx.random.key(4)
+    sampled, rows = c.draft(logits, sample=lambda row: mx.random.categorical(row, key=key))
+    assert rows.shape == (len(sampled), vocab) and c.committed == 0
+    for j, t in enumerate(sampled):
+        assert np.array_equal(np.isfinite(np.array(rows[j])), np.array(c.mask(vocab)))
+        c.commit([t])
+
+
+def test_the_processor_makes_mlx_lms_greedy_decode_valid_json(tiny_target):
+    model, tokenizer = tiny_target
+    # (a random target would pad with whitespace forever: the schema turns it off, as a client may)
+    c = constraint_from_response_format(json_schema({**SCHEMA, "x-guidance": {"whitespace_flexible": False}}), tokenizer)
+    out = []
+    steps = generate_step(mx.array(encode(tokenizer, "Answer in JSON: ")), model, max_tokens=120, logits_processors=[c.processor()])
+    for token, _ in steps:
+        if token in tokenizer.eos_token_ids:
+            break
+        out.append(token)
+    else:
+        pytest.fail("the answer did not end within max_tokens")
+    answer = json.loads(tokenizer.decode(out))
+    assert set(answer) == {"ok", "color", "n"} and isinstance(answer["ok"], bool)
+    assert answer["color"] in ("red", "green") and answer["n"] in range(10)
+    unmasked = [t for t, _ in generate_step(mx.array(encode(tokenizer, "Answer in JSON: ")), model, max_tokens=len(out))]
+    assert unmasked != out, "the mask changed what the target says"
+
+
+def test_a_padded_vocabulary_never_allows_the_padding(tiny_target):
+    model, tokenizer = tiny_target
+    c = constraint_from_response_format({"type": "json_object"}, tokenizer)
+    logits = mx.zeros((1, 300))
+    assert not np.isfinite(np.array(c.apply(logits))[0, c.vocab:]).any()
+    assert allowed(np.full((2, 1), -1, dtype=np.int32), 40).tolist() == [[True] * 32 + [False] * 8] * 2
+
+
+@pytest.mark.parametrize(
+    "response_format, problem",
+    [
+        (json_schema({"type": "strin"}), "JSON schema is invalid"),
+        (json_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "JSON schema is invalid"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "needs"),
+        ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}, "strict"),
+        ({"type": "regex", "pattern": "a(b"}, "regular expression is invalid"),
+        ({"type": "regex"}, "needs"),
+        ({"type": "grammar", "lark": "start: missing_rule"}, "Lark grammar is invalid"),
+        ({"type": "xml"}, "type is one of"),
+        ("json", "type is one of"),
+    ],
+)
+def test_bad_formats_are_refused_before_any_work(response_format, problem):
+    with pytest.raises(ArgumentError, match=problem):
+        grammar_of(response_format)
+
+
+def test_text_is_no_constraint_and_the_bridge_is_built_once(tiny_target):
+    _, tokenizer = tiny_target
+    assert constraint_from_response_format({"type": "text"}, tokenizer) is None
+    assert constraint_from_response_format(None, tokenizer) is None
+    assert bridge(tokenizer) is bridge(tokenizer)
+    assert isinstance(constraint_from_response_format({"type": "grammar", "lark": 'start: "a" | "b"'}, tokenizer), Constraint)
+    with pytest.raises(ArgumentError, match="fast Hugging Face tokenizer"):
+        bridge(object.__new__(type("SlowTokenizer", (), {"eos_token_id": 0})))
