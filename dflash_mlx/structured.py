@@ -136,11 +136,10 @@ def allowed(words: np.ndarray, vocab_size: int) -> mx.array:
     booleans ``[R, vocab_size]``; ids past the tokenizer's are disallowed
     (a model's vocabulary is often padded past its tokenizer's)."""
     words = np.atleast_2d(words)
-    bits = (mx.array(words.view(np.uint32))[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
-    bits = bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(mx.bool_)
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]  # (little-endian words)
     if bits.shape[1] < vocab_size:
-        bits = mx.concatenate([bits, mx.zeros((words.shape[0], vocab_size - bits.shape[1]), mx.bool_)], axis=1)
-    return bits
+        bits = np.concatenate([bits, np.zeros((len(bits), vocab_size - bits.shape[1]), np.uint8)], axis=1)
+    return mx.array(bits.view(np.bool_))
 
 
 def masked(logits: mx.array, allow: mx.array) -> mx.array:
@@ -257,7 +256,10 @@ class Constraint:
         rows = allocate_token_bitmask(len(drafts) + 1, self.vocab)
         valid = self.take(drafts)
         self.matcher.rollback(valid)
-        fill_next_token_bitmask_par_with_draft_tokens(EXECUTOR, [(self.matcher, 0, drafts[:valid])], rows)
+        if valid:
+            fill_next_token_bitmask_par_with_draft_tokens(EXECUTOR, [(self.matcher, 0, drafts[:valid])], rows)
+        else:  # (llguidance's draft-token fill takes at least one)
+            fill_next_token_bitmask(self.matcher, rows)
         rows[valid + 1:] = -1
         return rows, valid
 

@@ -94,6 +94,9 @@ def test_block_masks_equal_step_by_step_masks_and_leave_the_state(tokenizer):
     assert np.array(rows[3:]).all(), "rows past the refused draft are never used"
     c.rollback(2)
     assert np.array_equal(c.words(), before)
+    for drafts in ([], refused[2:]):  # none, and the first refused
+        rows, valid = c.block_masks(drafts)
+        assert valid == 0 and np.array_equal(np.array(rows[0]), np.array(c.mask())) and np.array(rows[1:]).all()
 
 
 def test_tree_masks_mask_each_node_by_its_own_path(tokenizer):
