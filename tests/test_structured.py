@@ -222,3 +222,128 @@ def test_text_is_no_constraint_and_the_bridge_is_built_once(tiny_target):
     assert isinstance(constraint_from_response_format({"type": "grammar", "lark": 'start: "a" | "b"'}, tokenizer), Constraint)
     with pytest.raises(ArgumentError, match="fast Hugging Face tokenizer"):
         bridge(object.__new__(type("SlowTokenizer", (), {"eos_token_id": 0})))
+
+
+# ---------------------------------------------------------------------------
+# Requests: every dialect's structured-output fields, read into one format
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather", "strict": True,
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False},
+    },
+}
+OTHER = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    """The Qwen-style tiny chat tokenizer: <tool_call> a single (non-special) token, mlx-lm's json_tools parser."""
+    from tiny_chat import QWEN_CHAT, write_chat_tokenizer
+
+    path = tmp_path_factory.mktemp("chat_tokenizer")
+    write_chat_tokenizer(path, QWEN_CHAT)
+    return load_tokenizer(path)
+
+
+def format_of(body, tokenizer):
+    from dflash_mlx.api.formats import request_format
+    from dflash_mlx.api.harmony import text_format
+
+    return request_format(body, tokenizer, text_format(tokenizer))
+
+
+def takes(form, tokenizer, text) -> bool:
+    """Whether the format's grammar takes ``text`` whole and may end there."""
+    c = constraint_from_response_format(form, tokenizer)
+    ids = encode(tokenizer, text)
+    return c.take(ids) == len(ids) and c.is_accepting()
+
+
+def test_a_forced_call_is_a_call_of_the_tools_with_strict_arguments(chat_tokenizer):
+    tok = chat_tokenizer
+    form = format_of({"tools": [WEATHER, OTHER], "tool_choice": "required"}, tok)
+    assert form["type"] == "grammar"
+    assert takes(form, tok, CALL)
+    assert takes(form, tok, '<tool_call>\n{"name": "get_time", "arguments": {"any": 1}}\n</tool_call>'), "not strict: any object"
+    assert takes(form, tok, CALL + "\n" + CALL), "parallel calls"
+    assert not takes(form, tok, "Sure, " + CALL), "no text before a forced call"
+    assert not takes(form, tok, CALL.replace("city", "town")), "strict arguments"
+    named = format_of({"tools": [WEATHER, OTHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, tok)
+    assert not takes(named, tok, CALL) and takes(named, tok, CALL.replace("get_weather", "get_time").replace('"city": "Paris"', ""))
+
+
+def test_strict_tools_under_auto_leave_text_free_and_hold_calls(chat_tokenizer):
+    tok = chat_tokenizer
+    form = format_of({"tools": [WEATHER]}, tok)
+    assert takes(form, tok, "It is sunny, no call needed.")
+    assert takes(form, tok, "Let me look. " + CALL)
+    assert not takes(form, tok, "Let me look. " + CALL.replace("city", "town"))
+    assert format_of({"tools": [OTHER]}, tok) is None, "no strict tool, no forced call: free"
+    assert format_of({"tools": [WEATHER], "tool_choice": "none"}, tok) is None
+    both = format_of({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}, tok)
+    assert takes(both, tok, '{"ok": true, "color": "red", "n": 1}') and takes(both, tok, CALL)
+    assert not takes(both, tok, "It is sunny.")
+
+
+@pytest.mark.parametrize(
+    "body, param, says",
+    [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "send one"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "strin"}}}}, "response_format", "JSON schema is invalid"),
+        ({"response_format": {"type": "regex", "pattern": "(("}}, "response_format", "regular expression"),
+        ({"tools": [WEATHER], "response_format": {"type": "regex", "pattern": "a"}}, "response_format", "cannot be combined"),
+    ],
+)
+def test_bad_structured_requests_name_their_field(chat_tokenizer, body, param, says):
+    from dflash_mlx.errors import RequestError
+
+    with pytest.raises(RequestError, match=says) as e:
+        format_of(body, chat_tokenizer)
+    assert e.value.param == param and e.value.status == 400
+
+
+def test_calls_spelled_in_text_end_the_prose_before_them(tiny_target):
+    from types import SimpleNamespace
+
+    from dflash_mlx.api.formats import request_format
+    from mlx_lm.tool_parsers import json_tools
+
+    tok = tiny_target[1]  # bytes only: the marker is spelled out
+    form = request_format({"tools": [WEATHER]}, tok, SimpleNamespace(tool_parser=json_tools.parse_tool_call))
+    assert '"<tool_call>"' in form["lark"]
+    assert takes(form, tok, "It is sunny.") and takes(form, tok, "Let me look. " + CALL) and takes(form, tok, CALL)
+    assert not takes(form, tok, "Let me look. " + CALL.replace("city", "town"))
+    assert not takes(form, tok, "Let me look. <tool_call>\nnot a call")
+
+
+def test_forced_calls_need_the_json_tool_call_format(tiny_target):
+    from dflash_mlx.errors import RequestError
+
+    with pytest.raises(RequestError, match="json_tools"):
+        format_of({"tools": [WEATHER], "tool_choice": "required"}, tiny_target[1])
+    assert format_of({"response_format": {"type": "json_object"}}, tiny_target[1]) == {"type": "json_object"}
+
+
+def test_the_dialects_formats_read_as_chats(chat_tokenizer):
+    from dflash_mlx.api import messages, responses
+    from dflash_mlx.errors import RequestError
+
+    chat, _ = responses.to_chat({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a", "schema": SCHEMA, "strict": True}},
+                                 "tools": [{"type": "function", "name": "get_weather", "parameters": {}, "strict": True}],
+                                 "tool_choice": {"type": "function", "name": "get_weather"}}, [])
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
+    assert chat["tools"][0]["function"]["strict"] is True and chat["tool_choice"]["name"] == "get_weather"
+    chat = messages.to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                             "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}},
+                             "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"], "strict": True}],
+                             "tool_choice": {"type": "tool", "name": "get_weather"}})
+    assert chat["response_format"]["json_schema"]["schema"] == SCHEMA
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert takes(format_of({**chat, "response_format": None}, chat_tokenizer), chat_tokenizer, CALL)
+    with pytest.raises(RequestError, match="output_config"):
+        messages.to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "output_format": {"type": "regex"}})
