@@ -347,3 +347,27 @@ def test_the_dialects_formats_read_as_chats(chat_tokenizer):
     assert takes(format_of({**chat, "response_format": None}, chat_tokenizer), chat_tokenizer, CALL)
     with pytest.raises(RequestError, match="output_config"):
         messages.to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "output_format": {"type": "regex"}})
+
+
+def test_the_cli_flags_give_the_response_format(tmp_path):
+    from dflash_mlx import cli
+
+    parser = cli.ArgumentParser()
+    cli.add_structured_arguments(parser)
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(SCHEMA))
+    assert cli.response_format(parser.parse_args([])) is None
+    assert cli.response_format(parser.parse_args(["--json-schema", str(schema)])) == {
+        "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    assert cli.response_format(parser.parse_args(["--regex", "[0-9]+"])) == {"type": "regex", "pattern": "[0-9]+"}
+    lark = tmp_path / "g.lark"
+    lark.write_text('start: "yes" | "no"')
+    assert cli.response_format(parser.parse_args(["--grammar", str(lark)]))["lark"] == 'start: "yes" | "no"'
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    for argv, says in ([["--json-schema", str(bad)], "not JSON"], [["--json-schema", str(tmp_path / "none.json")], "cannot read"],
+                       [["--regex", "(("], "regular expression is invalid"]):
+        with pytest.raises(ArgumentError, match=says):
+            cli.response_format(parser.parse_args(argv))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--regex", "a", "--grammar", str(lark)])
