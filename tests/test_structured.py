@@ -371,3 +371,14 @@ def test_the_cli_flags_give_the_response_format(tmp_path):
             cli.response_format(parser.parse_args(argv))
     with pytest.raises(SystemExit):
         parser.parse_args(["--regex", "a", "--grammar", str(lark)])
+
+
+def test_a_batch_masks_each_row_by_its_own_constraint(tokenizer):
+    from dflash_mlx.structured import batch_masks
+
+    a = constraint_from_response_format({"type": "regex", "pattern": "[0-9]+"}, tokenizer)
+    b = constraint_from_response_format({"type": "json_object"}, tokenizer)
+    rows = batch_masks([a, None, b], a.vocab + 3)
+    assert rows.shape == (3, a.vocab + 3)
+    assert np.array_equal(np.array(rows[0]), np.array(a.mask(a.vocab + 3))) and np.array(rows[1]).all()
+    assert np.array_equal(np.array(rows[2]), np.array(b.mask(a.vocab + 3)))
