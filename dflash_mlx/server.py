@@ -230,7 +230,7 @@ def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int],
     if kind == "chat":
         state = answers.response_initial_state or state
     draft_tokens = body.get("num_draft_tokens")
-    response_format = request_format(body, tokenizer, answers)
+    response_format = request_format(body, tokenizer, answers, state)
     if response_format is not None:  # (until the decode loop takes response_format)
         param = next(p for p in ("response_format", "tool_choice", "tools") if body.get(p) not in (None, "auto"))
         raise RequestError(f"{param}: structured outputs are not yet applied by this server's decode loop", param)

@@ -382,3 +382,25 @@ def test_a_batch_masks_each_row_by_its_own_constraint(tokenizer):
     assert rows.shape == (3, a.vocab + 3)
     assert np.array_equal(np.array(rows[0]), np.array(a.mask(a.vocab + 3))) and np.array(rows[1]).all()
     assert np.array_equal(np.array(rows[2]), np.array(b.mask(a.vocab + 3)))
+
+
+def test_an_open_think_block_is_closed_freely_before_the_held_answer(chat_tokenizer, tiny_target):
+    from types import SimpleNamespace
+
+    from dflash_mlx.api.formats import request_format
+    from dflash_mlx.api.harmony import text_format
+    from dflash_mlx.errors import RequestError
+
+    answer = '{"ok": true, "color": "red", "n": 1}'
+    body = {"response_format": json_schema(SCHEMA)}
+    for tok, answers in ((chat_tokenizer, text_format(chat_tokenizer)), (tiny_target[1], SimpleNamespace(think_end="</think>"))):
+        form = request_format(body, tok, answers, "reasoning")  # </think> one token, then spelled in bytes
+        assert takes(form, tok, "Red, I think.</think>" + answer) and takes(form, tok, "</think>" + answer)
+        assert not takes(form, tok, answer) and not takes(form, tok, "Hm.</think>Red.")
+        regex = request_format({"response_format": {"type": "regex", "pattern": "[0-9]+"}}, tok, answers, "reasoning")
+        assert takes(regex, tok, "Count.</think>42") and not takes(regex, tok, "Count.</think>4a")
+    tools = request_format({"tools": [WEATHER], "tool_choice": "required"}, chat_tokenizer, text_format(chat_tokenizer), "reasoning")
+    assert takes(tools, chat_tokenizer, "Weather?</think>" + CALL) and not takes(tools, chat_tokenizer, CALL)
+    assert request_format({"response_format": {"type": "text"}}, chat_tokenizer, text_format(chat_tokenizer), "header") is None
+    with pytest.raises(RequestError, match="harmony"):
+        request_format(body, chat_tokenizer, text_format(chat_tokenizer), "header")

@@ -26,19 +26,27 @@ from llguidance import regex_to_lark
 from mlx_lm.tool_parsers import json_tools
 
 from ..errors import ArgumentError, RequestError
-from ..structured import bridge, constraint_from_response_format
+from ..structured import JSON_OBJECT, bridge, constraint_from_response_format, grammar_of
 from .turn import openai_tool_choice
 
 # Any JSON object: a non-strict tool's arguments.
 ANY_OBJECT = {"type": "object"}
 
 
-def request_format(body: dict, tokenizer, answers) -> Optional[dict]:
+def request_format(body: dict, tokenizer, answers, state: str = "normal") -> Optional[dict]:
     """The response format a checked chat (or text) completions body asks
     for, None for free text; checked against the tokenizer (a
-    :class:`RequestError` naming the field, before any work)."""
+    :class:`RequestError` naming the field, before any work). ``state``: where
+    the prompt leaves the answer (``reasoning``: inside an open think block,
+    which the format then lets the model close first)."""
     try:
         form = chat_format(body, tokenizer, answers)
+        if form is not None and grammar_of(form) is None:  # (text)
+            return None
+        if form is not None and state == "header":
+            raise RequestError("structured outputs are not available for harmony (gpt-oss) answers", "response_format")
+        if form is not None and state == "reasoning":
+            form = after_reasoning(form, answers.think_end, tokenizer)
         if form is not None:
             constraint_from_response_format(form, tokenizer)  # llguidance's checks, with the tokenizer
     except ArgumentError as e:
@@ -66,6 +74,27 @@ def chat_format(body: dict, tokenizer, answers) -> Optional[dict]:
     if forced and kind not in (None, "text"):
         raise RequestError("a forced tool call and a response_format cannot both hold: send one", "response_format")
     return {"type": "grammar", "lark": tool_call_grammar(tools, forced, response_format, tokenizer, answers)}
+
+
+def after_reasoning(form: dict, think_end: str, tokenizer) -> dict:
+    """``form`` after free reasoning that ends with ``think_end``: the answer
+    held, the thinking not (llguidance's Lark embeds the other grammars)."""
+    grammar_of(form)  # (its own errors first, named as its own)
+    kind = form["type"]
+    if kind == "json_object":
+        body = f"%json {json.dumps(JSON_OBJECT)}"
+    elif kind == "json_schema":
+        body = f"%json {json.dumps(form['json_schema']['schema'])}"
+    elif kind == "regex":
+        body = "/" + regex_to_lark(form["pattern"], "") + "/"
+    else:
+        body = "%lark {\n" + form["lark"] + "\n}"
+    end = literal(think_end, tokenizer)
+    if end.startswith('"'):
+        head = ["start: reasoning answer", f"reasoning[stop={end}]: /(?s:.*)/"]
+    else:
+        head = [f"start: REASONING? {end} answer", "REASONING: /(?s:.+)/"]
+    return {"type": "grammar", "lark": "\n".join([*head, f"answer: {body}"])}
 
 
 def named_tool(choice: dict) -> str:
