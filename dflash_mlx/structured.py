@@ -37,7 +37,7 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par_with_draft_tokens
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from .errors import ArgumentError
 
@@ -158,10 +158,6 @@ def only_token(words: np.ndarray) -> Optional[int]:
     return int(nonzero[0]) * 32 + word.bit_length() - 1
 
 
-# llguidance's thread pool for masks of several matchers at once.
-EXECUTOR = llguidance.LLExecutor()
-
-
 class Constraint:
     """One request's grammar state: an llguidance matcher over the target's
     tokenizer, and the operations a decode loop needs on it.
@@ -177,6 +173,7 @@ class Constraint:
         self.vocab = tokenizer.vocab_size
         self.eos = tuple(tokenizer.eos_tokens)
         self.committed = 0
+        self.ended = False  # an eos taken after the grammar completed
 
     # -- the state ----------------------------------------------------------
 
@@ -203,19 +200,31 @@ class Constraint:
             raise ValueError(f"the grammar refuses {tokens[taken]} of the committed {tokens}: a token was kept that its mask did not allow")
 
     def take(self, tokens: List[int]) -> int:
-        """Advance the matcher over as many of ``tokens`` as the grammar takes
-        (its eos once complete, which llguidance's ``try_consume_tokens``
-        leaves to ``consume_token``); how many it took."""
+        """Advance the matcher over as many of ``tokens`` as the grammar takes;
+        how many it took. An eos once the grammar is complete ends it: taken
+        without moving the matcher (llguidance keeps no token for it), and
+        nothing after it is."""
+        if self.ended:
+            return 0
         known = next((i for i, t in enumerate(tokens) if not 0 <= t < self.vocab), len(tokens))  # (padded ids: refused)
         n = self.matcher.try_consume_tokens(tokens[:known])
-        if n < known and tokens[n] in self.eos and self.matcher.is_stopped() and self.matcher.consume_token(tokens[n]):
+        if n < len(tokens) and tokens[n] in self.eos and self.matcher.is_stopped():
+            self.ended = True
             n += 1
         return n
 
+    def undo(self, n: int) -> None:
+        """Take back the last ``n`` tokens :meth:`take` took."""
+        if n and self.ended:
+            self.ended, n = False, n - 1
+        if n and not self.matcher.rollback(n):
+            raise ValueError(f"llguidance cannot take back {n} tokens: {self.matcher.get_error()}")
+
     def rollback(self, n: int) -> None:
         """Take back the last ``n`` committed tokens."""
-        if n > self.committed or not self.matcher.rollback(n):
+        if n > self.committed:
             raise ValueError(f"cannot take back {n} of {self.committed} committed tokens")
+        self.undo(n)
         self.committed -= n
 
     def is_accepting(self) -> bool:
@@ -237,7 +246,7 @@ class Constraint:
             if token is None or token in self.eos or self.take([token]) != 1:
                 break
             out.append(token)
-        self.matcher.rollback(len(out))
+        self.undo(len(out))
         return out
 
     # -- proposals ------------------------------------------------------------
@@ -253,14 +262,13 @@ class Constraint:
     def block_words(self, drafts: Sequence[int]) -> Tuple[np.ndarray, int]:
         """:meth:`block_masks` as bitmask rows ``[len(drafts) + 1, W]``."""
         drafts = [int(t) for t in drafts]
-        rows = allocate_token_bitmask(len(drafts) + 1, self.vocab)
-        valid = self.take(drafts)
-        self.matcher.rollback(valid)
-        if valid:
-            fill_next_token_bitmask_par_with_draft_tokens(EXECUTOR, [(self.matcher, 0, drafts[:valid])], rows)
-        else:  # (llguidance's draft-token fill takes at least one)
-            fill_next_token_bitmask(self.matcher, rows)
-        rows[valid + 1:] = -1
+        rows = allocate_token_bitmask(len(drafts) + 1, self.vocab)  # (all ones: rows never used)
+        valid = 0
+        fill_next_token_bitmask(self.matcher, rows, 0)
+        while valid < len(drafts) and self.take(drafts[valid:valid + 1]) == 1:
+            valid += 1
+            fill_next_token_bitmask(self.matcher, rows, valid)
+        self.undo(valid)
         return rows, valid
 
     def tree_masks(self, tokens: Sequence[int], parents: Sequence[int], vocab_size: Optional[int] = None) -> Tuple[mx.array, np.ndarray]:
@@ -281,14 +289,14 @@ class Constraint:
             if not valid[p]:
                 continue
             common = next((k for k, (a, b) in enumerate(zip(at, paths[p])) if a != b), min(len(at), len(paths[p])))
-            self.matcher.rollback(len(at) - common)
+            self.undo(len(at) - common)
             self.take(paths[p][common:])  # (a valid parent's path: all taken)
             at = paths[p]
             if self.take([int(tokens[i])]) == 1:
                 valid[i] = True
                 fill_next_token_bitmask(self.matcher, rows, i)
-                self.matcher.rollback(1)
-        self.matcher.rollback(len(at))
+                self.undo(1)
+        self.undo(len(at))
         return allowed(rows, vocab_size or self.vocab), valid
 
     def draft(self, logits: mx.array, sample: Optional[Callable[[mx.array], mx.array]] = None) -> Tuple[List[int], Optional[mx.array]]:
@@ -315,7 +323,7 @@ class Constraint:
                 break  # (a sampler outside the mask)
             tokens.append(token)
             rows.append(row)
-        self.matcher.rollback(len(tokens))
+        self.undo(len(tokens))
         return tokens, (mx.stack(rows) if sample is not None and rows else None)
 
     def processor(self) -> "MaskProcessor":

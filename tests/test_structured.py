@@ -99,6 +99,19 @@ def test_block_masks_equal_step_by_step_masks_and_leave_the_state(tokenizer):
         assert valid == 0 and np.array_equal(np.array(rows[0]), np.array(c.mask())) and np.array(rows[1:]).all()
 
 
+def test_eos_is_taken_once_the_grammar_is_complete(tokenizer):
+    c = constraint_from_response_format({"type": "regex", "pattern": "ab"}, tokenizer)
+    eos = sorted(c.eos)[0]
+    ab = encode(tokenizer, "ab")
+    rows, valid = c.block_masks(ab + [eos])
+    assert valid == len(ab) + 1 and np.flatnonzero(np.array(rows[len(ab)])).tolist() == sorted(c.eos)
+    logits = mx.zeros((len(ab) + 3, c.vocab))
+    tokens, _ = c.draft(logits)
+    assert tokens[len(tokens) - 1] == eos and len(tokens) <= len(ab) + 1, "drafting ends with the eos"
+    c.commit(ab + [eos])
+    assert c.finished and c.committed == len(ab) + 1
+
+
 def test_tree_masks_mask_each_node_by_its_own_path(tokenizer):
     c = constraint_from_response_format({"type": "regex", "pattern": "(cat|car|dog)s?"}, tokenizer)
     ids = {ch: encode(tokenizer, ch)[0] for ch in "cadrtsx"}
