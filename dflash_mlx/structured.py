@@ -33,7 +33,6 @@ import threading
 import weakref
 from typing import Callable, List, Optional, Sequence, Tuple
 
-import llguidance
 import mlx.core as mx
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
