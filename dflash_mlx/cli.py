@@ -7,11 +7,13 @@ line on stderr and exit code 1, never a traceback.
 
 import argparse
 import importlib
+import json
 import sys
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .defaults import DEFAULT_DRAFT_SINK, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_STEP_SIZE, DEFAULT_TARGET
-from .errors import DFlashError
+from .errors import ArgumentError, DFlashError
 
 COMMANDS = {
     "generate": ("dflash_mlx.generate", "stream text from a target with a DFlash drafter"),
@@ -113,6 +115,43 @@ def add_draft_window_arguments(parser: argparse.ArgumentParser, several: bool = 
         "--draft-sink", type=non_negative_int, default=None,
         help=f"with a draft window: the first S context positions the drafter always reads (default {DEFAULT_DRAFT_SINK})",
     )
+
+
+def add_structured_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--json-schema``, ``--regex`` and ``--grammar``: the answer held to one
+    (see docs/structured.md); :func:`response_format` reads them."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE", default=None, help="answer JSON valid against the JSON schema in FILE")
+    group.add_argument("--regex", metavar="PATTERN", default=None, help="answer text matching the regular expression PATTERN")
+    group.add_argument("--grammar", metavar="FILE", default=None, help="answer text in the Lark grammar in FILE (llguidance's Lark syntax)")
+
+
+def response_format(args) -> Optional[dict]:
+    """The response format ``--json-schema`` / ``--regex`` / ``--grammar`` ask
+    for (None: free text), checked: an unreadable file, a schema that is not
+    JSON or a grammar llguidance refuses is an error before any work."""
+    from .structured import grammar_of  # (llguidance loads only for a command that asks)
+
+    if args.regex is not None:
+        form = {"type": "regex", "pattern": args.regex}
+    elif args.json_schema is not None or args.grammar is not None:
+        path = args.json_schema or args.grammar
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ArgumentError(f"cannot read {path}: {e}") from None
+        if args.grammar is not None:
+            form = {"type": "grammar", "lark": text}
+        else:
+            try:
+                schema = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ArgumentError(f"--json-schema {path} is not JSON: {e}") from None
+            form = {"type": "json_schema", "json_schema": {"name": Path(path).stem, "schema": schema, "strict": True}}
+    else:
+        return None
+    grammar_of(form)
+    return form
 
 
 def main(argv=None):

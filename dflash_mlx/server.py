@@ -58,6 +58,7 @@ from mlx_lm.server import APIHandler, GenerationContext, Response, convert_chat,
 from . import cli
 from .adapt import add_learn_arguments, learning
 from .api import ENDPOINTS, Metrics, ResponseStore, read_json_body
+from .api.formats import request_format
 from .api.harmony import text_format
 from .api.turn import openai_tool_choice, tool_choice_rule
 from .cache import make_prompt_cache
@@ -101,6 +102,7 @@ class Prepared:
     boundaries: List[int]
     initial_state: str
     block_size: Optional[int] = None  # fixed by the request's num_draft_tokens
+    response_format: Optional[dict] = None  # structured outputs (dflash_mlx.structured's shape); None: free text
 
 
 @dataclass
@@ -229,7 +231,11 @@ def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int],
     if kind == "chat":
         state = answers.response_initial_state or state
     draft_tokens = body.get("num_draft_tokens")
-    return Prepared(tokens, boundaries, state, None if draft_tokens is None else draft_tokens + 1)
+    response_format = request_format(body, tokenizer, answers, state)
+    if response_format is not None:  # (until the decode loop takes response_format)
+        param = next(p for p in ("response_format", "tool_choice", "tools") if body.get(p) not in (None, "auto"))
+        raise RequestError(f"{param}: structured outputs are not yet applied by this server's decode loop", param)
+    return Prepared(tokens, boundaries, state, None if draft_tokens is None else draft_tokens + 1, response_format)
 
 
 def top_logprobs(logprobs: mx.array, n: int, tokenizer) -> tuple:

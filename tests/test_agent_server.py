@@ -379,6 +379,18 @@ BAD = [
     ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": -1}, "max_tokens"),
     ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "role"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "response_format": {"type": "json_schema",
+                              "json_schema": {"name": "a", "schema": {"type": "strin"}}}}, "JSON schema is invalid"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "response_format": {"type": "regex", "pattern": "(("}},
+     "regular expression is invalid"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [WEATHER_TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
+    ("/v1/responses", {"model": "m", "input": "hi", "text": {"format": {"type": "json_schema", "name": "a",
+                                                                     "schema": {"type": "strin"}}}}, "JSON schema is invalid"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER,
+                      "output_config": {"format": {"type": "json_schema", "schema": {"type": "strin"}}}}, "JSON schema is invalid"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER, "output_config": {"format": {"type": "xml"}}},
+     "output_config"),
 ]
 
 

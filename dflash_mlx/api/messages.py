@@ -12,6 +12,7 @@ import logging
 from typing import List, Optional, Tuple
 
 from ..errors import RequestError
+from .formats import messages_output_format
 from .turn import (
     Assembler,
     Result,
@@ -21,6 +22,7 @@ from .turn import (
     chat_tools,
     event_stream,
     new_id,
+    openai_tool_choice,
     part_text,
     read_json_body,
     tool_choice_rule,
@@ -103,16 +105,19 @@ def anthropic_tool(t: dict, where: str) -> Optional[dict]:
     """A client tool as a chat tool; None for a server tool (``web_search_...``)."""
     if t.get("type") not in (None, "custom"):
         return None
-    return chat_tool(t.get("name"), t.get("description"), t.get("input_schema"), where)
+    return chat_tool(t.get("name"), t.get("description"), t.get("input_schema"), where, t.get("strict"))
 
 
-def tool_choice(choice) -> Optional[str]:
+def tool_choice(choice):
+    """An Anthropic tool choice as chat completions' (``any``: required; ``tool``: a named function)."""
     if choice is None:
         return None
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind not in ("auto", "any", "tool", "none"):
         raise RequestError("tool_choice must be {type: auto | any | tool | none}", "tool_choice")
-    return {"any": "required", "tool": "named"}.get(kind, kind)
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return {"any": "required"}.get(kind, kind)
 
 
 def to_chat(body: dict, count_only: bool = False) -> dict:
@@ -134,10 +139,13 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
         if kind not in ("enabled", "disabled", "adaptive"):
             raise RequestError("thinking must be {type: enabled | disabled}", "thinking")
         kwargs["enable_thinking"] = kind != "disabled"
+    choice = tool_choice(body.get("tool_choice"))
     chat = {
         "model": body.get("model", "default"),
         "messages": messages,
-        "tools": tool_choice_rule(tool_choice(body.get("tool_choice")), chat_tools(body.get("tools"), anthropic_tool)),
+        "tools": tool_choice_rule(openai_tool_choice(choice), chat_tools(body.get("tools"), anthropic_tool)),
+        "tool_choice": choice,
+        "response_format": messages_output_format(body),
         "stop": stop,
         "chat_template_kwargs": kwargs,
     }

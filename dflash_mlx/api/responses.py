@@ -15,6 +15,7 @@ from collections import OrderedDict
 from typing import List, Optional, Tuple
 
 from ..errors import RequestError
+from .formats import responses_text_format
 from .turn import (
     Assembler,
     Result,
@@ -124,7 +125,7 @@ def function_tool(t: dict, where: str) -> Optional[dict]:
     ``custom``, ...), which Codex sends by default and only OpenAI runs."""
     if t.get("type") != "function":
         return None
-    return chat_tool(t.get("name"), t.get("description"), t.get("parameters"), where)
+    return chat_tool(t.get("name"), t.get("description"), t.get("parameters"), where, t.get("strict"))
 
 
 def to_chat(body: dict, history: list) -> Tuple[dict, list]:
@@ -141,6 +142,8 @@ def to_chat(body: dict, history: list) -> Tuple[dict, list]:
         "model": body.get("model", "default"),
         "messages": messages,
         "tools": tool_choice_rule(openai_tool_choice(body.get("tool_choice")), chat_tools(body.get("tools"), function_tool)),
+        "tool_choice": body.get("tool_choice"),
+        "response_format": responses_text_format(body.get("text")),
         "chat_template_kwargs": dict(body.get("chat_template_kwargs") or {}),
     }
     if max_tokens is not None:
@@ -247,7 +250,7 @@ class ResponsesEndpoint:
             "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": False,
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "max_output_tokens": body.get("max_output_tokens"), "error": None, "incomplete_details": None,
-            "metadata": body.get("metadata") or {}, "text": {"format": {"type": "text"}}, "usage": None,
+            "metadata": body.get("metadata") or {}, "text": body.get("text") or {"format": {"type": "text"}}, "usage": None,
         }
         finished = self.stream(turn, response) if body.get("stream") else self.complete(turn, response)
         if finished and body.get("store", True):

@@ -64,17 +64,10 @@ Event = Tuple[str, Any]
 
 def tool_choice_rule(choice: Optional[str], tools: Optional[list]) -> Optional[list]:
     """The tools to template for a normalised tool choice (``auto``, ``none``,
-    ``required`` or ``named``): the loop decodes the target's own tokens, so
-    it can offer tools or withhold them, never force a call."""
-    if choice in (None, "auto"):
-        return tools
-    if choice == "none":
-        return None
-    raise RequestError(
-        f"tool_choice {choice!r} needs constrained decoding, which the lossless DFlash loop does not do: "
-        "use auto (or none) and let the model choose",
-        "tool_choice",
-    )
+    ``required`` or ``named``): ``none`` withholds them; a forced call
+    (``required``, ``named``) is the request's constraint
+    (:mod:`dflash_mlx.api.formats`), the tools are offered as for ``auto``."""
+    return None if choice == "none" else tools
 
 
 def openai_tool_choice(choice) -> Optional[str]:
@@ -86,15 +79,19 @@ def openai_tool_choice(choice) -> Optional[str]:
     raise RequestError("tool_choice must be auto, none, required or {type: function, ...}", "tool_choice")
 
 
-def chat_tool(name, description, parameters, where: str) -> dict:
-    """A chat-completions function tool, checked."""
+def chat_tool(name, description, parameters, where: str, strict=None) -> dict:
+    """A chat-completions function tool, checked (``strict``: its arguments held to its schema)."""
     if not isinstance(name, str) or not name:
         raise RequestError(f"{where} needs a name", "tools")
     if parameters is not None and not isinstance(parameters, dict):
         raise RequestError(f"{where}'s schema must be a JSON object", "tools")
+    if strict is not None and not isinstance(strict, bool):
+        raise RequestError(f"{where}'s strict must be true or false", "tools")
     function = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
     if description:
         function["description"] = description
+    if strict:
+        function["strict"] = True
     return {"type": "function", "function": function}
 
 

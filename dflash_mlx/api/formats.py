@@ -1,0 +1,194 @@
+"""Structured outputs as every dialect asks for them, read into one response
+format (:mod:`dflash_mlx.structured`'s shape) that the decode loop applies.
+
+Chat completions: ``response_format`` (``text``, ``json_object``,
+``json_schema`` with ``strict``, and this server's ``regex`` and
+``grammar``); function tools with ``strict: true`` (their arguments held to
+their schema); ``tool_choice`` ``required`` or a named function (a call
+forced). The Responses API's ``text.format`` and Anthropic's
+``output_config.format`` (and its beta ``output_format``) are translated to
+chat's ``response_format`` by their dialects, tool choices and ``strict``
+tools likewise, so :func:`request_format` reads one shape.
+
+Tool calls are constrained in the format the model writes them in and
+mlx-lm's ``json_tools`` parser reads (``<tool_call>\\n{"name": ...,
+"arguments": {...}}\\n</tool_call>``, the Qwen and Hermes templates' shape),
+by a Lark grammar that embeds each call's JSON schema (llguidance's
+``%json``); a model whose calls take another shape gets a 400 for strict tools
+and forced calls.
+"""
+
+import json
+import re
+from typing import List, Optional
+
+from llguidance import regex_to_lark
+from mlx_lm.tool_parsers import json_tools
+
+from ..errors import ArgumentError, RequestError
+from ..structured import JSON_OBJECT, bridge, constraint_from_response_format, grammar_of
+from .turn import openai_tool_choice
+
+# Any JSON object: a non-strict tool's arguments.
+ANY_OBJECT = {"type": "object"}
+
+
+def request_format(body: dict, tokenizer, answers, state: str = "normal") -> Optional[dict]:
+    """The response format a checked chat (or text) completions body asks
+    for, None for free text; checked against the tokenizer (a
+    :class:`RequestError` naming the field, before any work). ``state``: where
+    the prompt leaves the answer (``reasoning``: inside an open think block,
+    which the format then lets the model close first)."""
+    try:
+        form = chat_format(body, tokenizer, answers)
+        if form is not None and grammar_of(form) is None:  # (text)
+            return None
+        if form is not None and state == "header":
+            raise RequestError("structured outputs are not available for harmony (gpt-oss) answers", "response_format")
+        if form is not None and state == "reasoning":
+            form = after_reasoning(form, answers.think_end, tokenizer)
+        if form is not None:
+            constraint_from_response_format(form, tokenizer)  # llguidance's checks, with the tokenizer
+    except ArgumentError as e:
+        param = "tools" if body.get("response_format") is None else "response_format"
+        raise RequestError(f"{param}: {e}", param) from None
+    return form
+
+
+def chat_format(body: dict, tokenizer, answers) -> Optional[dict]:
+    """:func:`request_format` before the tokenizer's check."""
+    response_format = body.get("response_format")
+    choice = openai_tool_choice(body.get("tool_choice"))
+    tools = [] if choice == "none" else [t["function"] for t in body.get("tools") or [] if t.get("type") == "function"]
+    forced = choice in ("required", "named")
+    if forced and not tools:
+        raise RequestError(f"tool_choice {choice!r} needs tools to call", "tool_choice")
+    if choice == "named":
+        name = named_tool(body["tool_choice"])
+        tools = [t for t in tools if t["name"] == name]
+        if not tools:
+            raise RequestError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    if not forced and not any(t.get("strict") is True for t in tools):
+        return response_format  # (checked with the tokenizer by the caller)
+    kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+    if forced and kind not in (None, "text"):
+        raise RequestError("a forced tool call and a response_format cannot both hold: send one", "response_format")
+    return {"type": "grammar", "lark": tool_call_grammar(tools, forced, response_format, tokenizer, answers)}
+
+
+def after_reasoning(form: dict, think_end: str, tokenizer) -> dict:
+    """``form`` after free reasoning that ends with ``think_end``: the answer
+    held, the thinking not (llguidance's Lark embeds the other grammars)."""
+    grammar_of(form)  # (its own errors first, named as its own)
+    kind = form["type"]
+    if kind == "json_object":
+        body = f"%json {json.dumps(JSON_OBJECT)}"
+    elif kind == "json_schema":
+        body = f"%json {json.dumps(form['json_schema']['schema'])}"
+    elif kind == "regex":
+        body = "/" + regex_to_lark(form["pattern"], "") + "/"
+    else:
+        body = "%lark {\n" + form["lark"] + "\n}"
+    end = literal(think_end, tokenizer)
+    if end.startswith('"'):
+        head = ["start: reasoning answer", f"reasoning[stop={end}]: /(?s:.*)/"]
+    else:
+        head = [f"start: REASONING? {end} answer", "REASONING: /(?s:.+)/"]
+    return {"type": "grammar", "lark": "\n".join([*head, f"answer: {body}"])}
+
+
+def named_tool(choice: dict) -> str:
+    """The function a named tool choice names (chat's ``{"function": {"name"}}`` or Responses' ``{"name"}``)."""
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else choice.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError("a named tool_choice needs the function's name", "tool_choice")
+    return name
+
+
+def call_schema(tools: List[dict]) -> dict:
+    """The JSON schema of one call of ``tools``: the name, then the
+    arguments (a strict tool's its parameters' schema, another's any object)."""
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["name"]},
+                "arguments": (t.get("parameters") or ANY_OBJECT) if t.get("strict") is True else ANY_OBJECT,
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def literal(text: str, tokenizer) -> str:
+    """A marker in Lark: a special token by its name (its bytes never match a
+    string), anything else as a string."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) == 1 and bridge(tokenizer).is_special_token(ids[0]):
+        return text
+    return json.dumps(text)
+
+
+def tool_call_grammar(tools: List[dict], forced: bool, response_format, tokenizer, answers) -> str:
+    """A Lark grammar of an answer in the ``json_tools`` call format: one or
+    more calls (``forced``); or else free text, optionally followed by calls;
+    or, with a JSON ``response_format``, that JSON or calls."""
+    if answers.tool_parser is not json_tools.parse_tool_call:
+        raise RequestError(
+            "strict tools and forced tool calls need a model whose tool calls are <tool_call>{json}</tool_call> "
+            "(mlx-lm's json_tools format); this model writes them in another format: send tool_choice auto "
+            "and tools without strict",
+            "tools",
+        )
+    start, end = literal(json_tools.tool_call_start, tokenizer), literal(json_tools.tool_call_end, tokenizer)
+    lines = [
+        f'calls: "\\n" call "\\n" {end} ("\\n" {start} "\\n" call "\\n" {end})*',
+        f"call: %json {json.dumps(call_schema(tools))}",
+    ]
+    if forced:
+        return "\n".join([f"start: {start} calls", *lines])
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind in ("json_object", "json_schema"):  # the JSON answer, or calls
+        schema = ANY_OBJECT if kind == "json_object" else response_format["json_schema"]["schema"]
+        return "\n".join([f"start: answer | {start} calls", f"answer: %json {json.dumps(schema)}", *lines])
+    if kind not in (None, "text"):
+        raise RequestError(f"a {kind} response_format cannot be combined with strict tools: send one", "response_format")
+    if start.startswith('"'):  # the marker spelled in text: the prose before a call ends at it
+        return "\n".join([
+            f"start: TEXT? | prose calls | {start} calls",
+            f"prose[stop={start}]: /(?s:.*)/",
+            f"TEXT: /(?s:.+)/ & ~/(?s:.*{regex_to_lark(re.escape(json_tools.tool_call_start))}.*)/",
+            *lines,
+        ])
+    return "\n".join([f"start: TEXT? | TEXT? {start} calls", "TEXT: /(?s:.+)/", *lines])
+
+
+def responses_text_format(text) -> Optional[dict]:
+    """The Responses API's ``text.format`` as chat's ``response_format``."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise RequestError("text must be an object, e.g. {\"format\": {\"type\": \"json_schema\", ...}}", "text")
+    form = text.get("format")
+    if form is None or not isinstance(form, dict) or form.get("type") != "json_schema":
+        return form  # text, json_object (or a bad one, named by the chat check)
+    spec = {k: form[k] for k in ("name", "schema", "strict", "description") if k in form}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def messages_output_format(body: dict) -> Optional[dict]:
+    """Anthropic's ``output_config.format`` (or the beta ``output_format``),
+    ``{"type": "json_schema", "schema": {...}}``, as chat's ``response_format``."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise RequestError("output_config must be an object", "output_config")
+    form = (config or {}).get("format", body.get("output_format"))
+    if form is None:
+        return None
+    if not isinstance(form, dict) or form.get("type") != "json_schema":
+        raise RequestError('output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": form.get("schema")}}

@@ -1,0 +1,419 @@
+"""The constraint layer against llguidance itself: masks, block and tree
+masks, forced tokens, constrained drafting and the logits processor, on a
+tiny byte tokenizer and the bundled pair's; and the response formats'
+checks. The loop's use of it is tested with the loop."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from llguidance import LLMatcher
+from mlx_lm.generate import generate_step
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from tiny import QWEN3, make_target
+
+from dflash_mlx.errors import ArgumentError
+from dflash_mlx.structured import Constraint, allowed, bridge, constraint_from_response_format, grammar_of
+
+DEFAULT_TARGET = Path(__file__).parent.parent / "dflash_mlx" / "default_pair" / "target"
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["ok", "color", "n"],
+    "additionalProperties": False,
+}
+
+
+def json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    """A tiny seeded target over the byte tokenizer (258 ids), its vocabulary padded to 300."""
+    from mlx_lm import load
+
+    return load(str(make_target(tmp_path_factory.mktemp("structured") / "target", QWEN3, seed=5, vocab_size=300)))
+
+
+@pytest.fixture(scope="module", params=["tiny", "default_pair"])
+def tokenizer(request, tiny_target):
+    return tiny_target[1] if request.param == "tiny" else load_tokenizer(DEFAULT_TARGET)
+
+
+def reference_words(matcher: LLMatcher, words: int) -> np.ndarray:
+    """llguidance's own mask of a matcher's state, as ``words`` int32 words
+    (its buffer may run a word longer, with nothing set there)."""
+    full = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
+    assert not full[words:].any()
+    return full[:words]
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_masks_are_llguidances_own(tokenizer):
+    c = constraint_from_response_format(json_schema(SCHEMA), tokenizer)
+    ref = LLMatcher(bridge(tokenizer), LLMatcher.grammar_from_json_schema(SCHEMA), log_level=0)
+    for t in encode(tokenizer, '{"ok": true, "color": "red", "n": 3}'):
+        want = reference_words(ref, len(c.words()))
+        assert np.array_equal(c.words(), want)
+        bits = np.unpackbits(want.view(np.uint8), bitorder="little")[: c.vocab].astype(bool)
+        got = np.array(c.mask(c.vocab + 40))
+        assert np.array_equal(got[: c.vocab], bits) and not got[c.vocab:].any()
+        assert got[t], "the answer's own token is allowed"
+        c.commit([t])
+        assert ref.consume_token(t)
+    assert c.is_accepting() and c.finished
+    assert np.flatnonzero(np.array(c.mask())).tolist() == sorted(c.eos), "only eos once the answer is complete"
+
+
+def test_block_masks_equal_step_by_step_masks_and_leave_the_state(tokenizer):
+    c = constraint_from_response_format(json_schema(SCHEMA), tokenizer)
+    answer = encode(tokenizer, '{"ok": false, "color": "green", "n": 7}')
+    c.commit(answer[:3])
+    before = c.words()
+    drafts = answer[3:9]
+    rows, valid = c.block_masks(drafts)
+    assert valid == len(drafts)
+    for i in range(len(drafts) + 1):
+        assert np.array_equal(np.array(rows[i]), np.array(c.mask())), f"row {i}"
+        if i < len(drafts):
+            c.commit([drafts[i]])
+    c.rollback(len(drafts))
+    assert np.array_equal(c.words(), before) and c.committed == 3
+    refused = drafts[:2] + encode(tokenizer, "}")[:1] + drafts[3:]  # a brace where a value's text goes on
+    rows, valid = c.block_masks(refused)
+    assert valid == 2
+    c.commit(refused[:2])
+    assert np.array_equal(np.array(rows[2]), np.array(c.mask()))
+    assert np.array(rows[3:]).all(), "rows past the refused draft are never used"
+    c.rollback(2)
+    assert np.array_equal(c.words(), before)
+    for drafts in ([], refused[2:]):  # none, and the first refused
+        rows, valid = c.block_masks(drafts)
+        assert valid == 0 and np.array_equal(np.array(rows[0]), np.array(c.mask())) and np.array(rows[1:]).all()
+
+
+def test_eos_is_taken_once_the_grammar_is_complete(tokenizer):
+    c = constraint_from_response_format({"type": "regex", "pattern": "ab"}, tokenizer)
+    eos = sorted(c.eos)[0]
+    ab = encode(tokenizer, "ab")
+    rows, valid = c.block_masks(ab + [eos])
+    assert valid == len(ab) + 1 and np.flatnonzero(np.array(rows[len(ab)])).tolist() == sorted(c.eos)
+    logits = mx.zeros((len(ab) + 3, c.vocab))
+    tokens, _ = c.draft(logits)
+    assert tokens[len(tokens) - 1] == eos and len(tokens) <= len(ab) + 1, "drafting ends with the eos"
+    c.commit(ab + [eos])
+    assert c.finished and c.committed == len(ab) + 1
+
+
+def test_tree_masks_mask_each_node_by_its_own_path(tokenizer):
+    c = constraint_from_response_format({"type": "regex", "pattern": "(cat|car|dog)s?"}, tokenizer)
+    ids = {ch: encode(tokenizer, ch)[0] for ch in "cadrtsx"}
+    #        root  c       a     t     r     s     x     d
+    tokens = [0, ids["c"], ids["a"], ids["t"], ids["r"], ids["s"], ids["x"], ids["d"]]
+    parents = [-1, 0, 1, 2, 2, 3, 1, 0]
+    rows, valid = c.tree_masks(tokens, parents)
+    assert valid.tolist() == [True, True, True, True, True, True, False, True]
+    for i in range(1, len(tokens)):
+        path, j = [], i
+        while j > 0:
+            path.insert(0, tokens[j])
+            j = parents[j]
+        if valid[i]:
+            chain, ok = c.block_masks(path)
+            assert ok == len(path) and np.array_equal(np.array(rows[i]), np.array(chain[-1])), f"node {i}"
+    assert np.array_equal(np.array(rows[0]), np.array(c.mask())) and c.committed == 0
+
+
+def test_forced_tokens_are_the_only_allowed_ones(tokenizer):
+    c = constraint_from_response_format({"type": "regex", "pattern": "The answer is (yes|no)\\."}, tokenizer)
+    forced = c.forced(64)
+    assert forced, "a fixed prefix is forced"
+    assert c.committed == 0 and len(c.forced(64)) == len(forced), "forced() leaves the state"
+    for t in forced:
+        allowed_ids = np.flatnonzero(np.array(c.mask()))
+        assert allowed_ids.tolist() == [t]
+        c.commit([t])
+    assert np.array(c.mask()).sum() > 1, "forcing stops where the grammar gives a choice"
+    assert "The answer is ".startswith(tokenizer.decode(forced))
+
+
+def test_rollback_restores_the_state(tokenizer):
+    c = constraint_from_response_format({"type": "json_object"}, tokenizer)
+    answer = encode(tokenizer, '{"a": [1, 2, {"b": null}]}')
+    states = []
+    for t in answer:
+        states.append(c.words())
+        c.commit([t])
+    for k in range(len(answer), 0, -1):
+        c.rollback(1)
+        assert np.array_equal(c.words(), states[k - 1])
+    with pytest.raises(ValueError):
+        c.rollback(1)
+    with pytest.raises(ValueError, match="refuses"):
+        c.commit(encode(tokenizer, "x"))
+
+
+def test_constrained_drafting_is_the_masked_argmax_along_its_own_choices(tokenizer):
+    c = constraint_from_response_format(json_schema(SCHEMA), tokenizer)
+    vocab = c.vocab + 7
+    logits = mx.random.normal((8, vocab), key=mx.random.key(3))
+    tokens, rows = c.draft(logits)
+    assert rows is None and c.committed == 0
+    want = []
+    for j in range(len(tokens)):  # the plain way: a full mask per slot
+        want.append(int(mx.argmax(c.apply(logits[j]))))
+        c.commit(want[-1:])
+    c.rollback(len(want))
+    assert tokens == want and len(tokens) == 8
+
+    key = mx.random.key(4)
+    sampled, rows = c.draft(logits, sample=lambda row: mx.random.categorical(row, key=key))
+    assert rows.shape == (len(sampled), vocab) and c.committed == 0
+    for j, t in enumerate(sampled):
+        assert np.array_equal(np.isfinite(np.array(rows[j])), np.array(c.mask(vocab)))
+        c.commit([t])
+
+
+def test_the_processor_makes_mlx_lms_greedy_decode_valid_json(tiny_target):
+    model, tokenizer = tiny_target
+    # (a random target would pad with whitespace forever: the schema turns it off, as a client may)
+    c = constraint_from_response_format(json_schema({**SCHEMA, "x-guidance": {"whitespace_flexible": False}}), tokenizer)
+    out = []
+    steps = generate_step(mx.array(encode(tokenizer, "Answer in JSON: ")), model, max_tokens=120, logits_processors=[c.processor()])
+    for token, _ in steps:
+        if token in tokenizer.eos_token_ids:
+            break
+        out.append(token)
+    else:
+        pytest.fail("the answer did not end within max_tokens")
+    answer = json.loads(tokenizer.decode(out))
+    assert set(answer) == {"ok", "color", "n"} and isinstance(answer["ok"], bool)
+    assert answer["color"] in ("red", "green") and answer["n"] in range(10)
+    unmasked = [t for t, _ in generate_step(mx.array(encode(tokenizer, "Answer in JSON: ")), model, max_tokens=len(out))]
+    assert unmasked != out, "the mask changed what the target says"
+
+
+def test_a_padded_vocabulary_never_allows_the_padding(tiny_target):
+    model, tokenizer = tiny_target
+    c = constraint_from_response_format({"type": "json_object"}, tokenizer)
+    logits = mx.zeros((1, 300))
+    assert not np.isfinite(np.array(c.apply(logits))[0, c.vocab:]).any()
+    assert allowed(np.full((2, 1), -1, dtype=np.int32), 40).tolist() == [[True] * 32 + [False] * 8] * 2
+
+
+@pytest.mark.parametrize(
+    "response_format, problem",
+    [
+        (json_schema({"type": "strin"}), "JSON schema is invalid"),
+        (json_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "JSON schema is invalid"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "needs"),
+        ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}, "strict"),
+        ({"type": "regex", "pattern": "a(b"}, "regular expression is invalid"),
+        ({"type": "regex"}, "needs"),
+        ({"type": "grammar", "lark": "start: missing_rule"}, "Lark grammar is invalid"),
+        ({"type": "xml"}, "type is one of"),
+        ("json", "type is one of"),
+    ],
+)
+def test_bad_formats_are_refused_before_any_work(response_format, problem):
+    with pytest.raises(ArgumentError, match=problem):
+        grammar_of(response_format)
+
+
+def test_text_is_no_constraint_and_the_bridge_is_built_once(tiny_target):
+    _, tokenizer = tiny_target
+    assert constraint_from_response_format({"type": "text"}, tokenizer) is None
+    assert constraint_from_response_format(None, tokenizer) is None
+    assert bridge(tokenizer) is bridge(tokenizer)
+    assert isinstance(constraint_from_response_format({"type": "grammar", "lark": 'start: "a" | "b"'}, tokenizer), Constraint)
+    with pytest.raises(ArgumentError, match="fast Hugging Face tokenizer"):
+        bridge(object.__new__(type("SlowTokenizer", (), {"eos_token_id": 0})))
+
+
+# ---------------------------------------------------------------------------
+# Requests: every dialect's structured-output fields, read into one format
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather", "strict": True,
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False},
+    },
+}
+OTHER = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    """The Qwen-style tiny chat tokenizer: <tool_call> a single (non-special) token, mlx-lm's json_tools parser."""
+    from tiny_chat import QWEN_CHAT, write_chat_tokenizer
+
+    path = tmp_path_factory.mktemp("chat_tokenizer")
+    write_chat_tokenizer(path, QWEN_CHAT)
+    return load_tokenizer(path)
+
+
+def format_of(body, tokenizer):
+    from dflash_mlx.api.formats import request_format
+    from dflash_mlx.api.harmony import text_format
+
+    return request_format(body, tokenizer, text_format(tokenizer))
+
+
+def takes(form, tokenizer, text) -> bool:
+    """Whether the format's grammar takes ``text`` whole and may end there."""
+    c = constraint_from_response_format(form, tokenizer)
+    ids = encode(tokenizer, text)
+    return c.take(ids) == len(ids) and c.is_accepting()
+
+
+def test_a_forced_call_is_a_call_of_the_tools_with_strict_arguments(chat_tokenizer):
+    tok = chat_tokenizer
+    form = format_of({"tools": [WEATHER, OTHER], "tool_choice": "required"}, tok)
+    assert form["type"] == "grammar"
+    assert takes(form, tok, CALL)
+    assert takes(form, tok, '<tool_call>\n{"name": "get_time", "arguments": {"any": 1}}\n</tool_call>'), "not strict: any object"
+    assert takes(form, tok, CALL + "\n" + CALL), "parallel calls"
+    assert not takes(form, tok, "Sure, " + CALL), "no text before a forced call"
+    assert not takes(form, tok, CALL.replace("city", "town")), "strict arguments"
+    named = format_of({"tools": [WEATHER, OTHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, tok)
+    assert not takes(named, tok, CALL) and takes(named, tok, CALL.replace("get_weather", "get_time").replace('"city": "Paris"', ""))
+
+
+def test_strict_tools_under_auto_leave_text_free_and_hold_calls(chat_tokenizer):
+    tok = chat_tokenizer
+    form = format_of({"tools": [WEATHER]}, tok)
+    assert takes(form, tok, "It is sunny, no call needed.")
+    assert takes(form, tok, "Let me look. " + CALL)
+    assert not takes(form, tok, "Let me look. " + CALL.replace("city", "town"))
+    assert format_of({"tools": [OTHER]}, tok) is None, "no strict tool, no forced call: free"
+    assert format_of({"tools": [WEATHER], "tool_choice": "none"}, tok) is None
+    both = format_of({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}, tok)
+    assert takes(both, tok, '{"ok": true, "color": "red", "n": 1}') and takes(both, tok, CALL)
+    assert not takes(both, tok, "It is sunny.")
+
+
+@pytest.mark.parametrize(
+    "body, param, says",
+    [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "send one"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "strin"}}}}, "response_format", "JSON schema is invalid"),
+        ({"response_format": {"type": "regex", "pattern": "(("}}, "response_format", "regular expression"),
+        ({"tools": [WEATHER], "response_format": {"type": "regex", "pattern": "a"}}, "response_format", "cannot be combined"),
+    ],
+)
+def test_bad_structured_requests_name_their_field(chat_tokenizer, body, param, says):
+    from dflash_mlx.errors import RequestError
+
+    with pytest.raises(RequestError, match=says) as e:
+        format_of(body, chat_tokenizer)
+    assert e.value.param == param and e.value.status == 400
+
+
+def test_calls_spelled_in_text_end_the_prose_before_them(tiny_target):
+    from types import SimpleNamespace
+
+    from dflash_mlx.api.formats import request_format
+    from mlx_lm.tool_parsers import json_tools
+
+    tok = tiny_target[1]  # bytes only: the marker is spelled out
+    form = request_format({"tools": [WEATHER]}, tok, SimpleNamespace(tool_parser=json_tools.parse_tool_call))
+    assert '"<tool_call>"' in form["lark"]
+    assert takes(form, tok, "It is sunny.") and takes(form, tok, "Let me look. " + CALL) and takes(form, tok, CALL)
+    assert not takes(form, tok, "Let me look. " + CALL.replace("city", "town"))
+    assert not takes(form, tok, "Let me look. <tool_call>\nnot a call")
+
+
+def test_forced_calls_need_the_json_tool_call_format(tiny_target):
+    from dflash_mlx.errors import RequestError
+
+    with pytest.raises(RequestError, match="json_tools"):
+        format_of({"tools": [WEATHER], "tool_choice": "required"}, tiny_target[1])
+    assert format_of({"response_format": {"type": "json_object"}}, tiny_target[1]) == {"type": "json_object"}
+
+
+def test_the_dialects_formats_read_as_chats(chat_tokenizer):
+    from dflash_mlx.api import messages, responses
+    from dflash_mlx.errors import RequestError
+
+    chat, _ = responses.to_chat({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a", "schema": SCHEMA, "strict": True}},
+                                 "tools": [{"type": "function", "name": "get_weather", "parameters": {}, "strict": True}],
+                                 "tool_choice": {"type": "function", "name": "get_weather"}}, [])
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
+    assert chat["tools"][0]["function"]["strict"] is True and chat["tool_choice"]["name"] == "get_weather"
+    chat = messages.to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                             "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}},
+                             "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"], "strict": True}],
+                             "tool_choice": {"type": "tool", "name": "get_weather"}})
+    assert chat["response_format"]["json_schema"]["schema"] == SCHEMA
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert takes(format_of({**chat, "response_format": None}, chat_tokenizer), chat_tokenizer, CALL)
+    with pytest.raises(RequestError, match="output_config"):
+        messages.to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "output_format": {"type": "regex"}})
+
+
+def test_the_cli_flags_give_the_response_format(tmp_path):
+    from dflash_mlx import cli
+
+    parser = cli.ArgumentParser()
+    cli.add_structured_arguments(parser)
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(SCHEMA))
+    assert cli.response_format(parser.parse_args([])) is None
+    assert cli.response_format(parser.parse_args(["--json-schema", str(schema)])) == {
+        "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    assert cli.response_format(parser.parse_args(["--regex", "[0-9]+"])) == {"type": "regex", "pattern": "[0-9]+"}
+    lark = tmp_path / "g.lark"
+    lark.write_text('start: "yes" | "no"')
+    assert cli.response_format(parser.parse_args(["--grammar", str(lark)]))["lark"] == 'start: "yes" | "no"'
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    for argv, says in ([["--json-schema", str(bad)], "not JSON"], [["--json-schema", str(tmp_path / "none.json")], "cannot read"],
+                       [["--regex", "(("], "regular expression is invalid"]):
+        with pytest.raises(ArgumentError, match=says):
+            cli.response_format(parser.parse_args(argv))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--regex", "a", "--grammar", str(lark)])
+
+
+def test_a_batch_masks_each_row_by_its_own_constraint(tokenizer):
+    from dflash_mlx.structured import batch_masks
+
+    a = constraint_from_response_format({"type": "regex", "pattern": "[0-9]+"}, tokenizer)
+    b = constraint_from_response_format({"type": "json_object"}, tokenizer)
+    rows = batch_masks([a, None, b], a.vocab + 3)
+    assert rows.shape == (3, a.vocab + 3)
+    assert np.array_equal(np.array(rows[0]), np.array(a.mask(a.vocab + 3))) and np.array(rows[1]).all()
+    assert np.array_equal(np.array(rows[2]), np.array(b.mask(a.vocab + 3)))
+
+
+def test_an_open_think_block_is_closed_freely_before_the_held_answer(chat_tokenizer, tiny_target):
+    from types import SimpleNamespace
+
+    from dflash_mlx.api.formats import request_format
+    from dflash_mlx.api.harmony import text_format
+    from dflash_mlx.errors import RequestError
+
+    answer = '{"ok": true, "color": "red", "n": 1}'
+    body = {"response_format": json_schema(SCHEMA)}
+    for tok, answers in ((chat_tokenizer, text_format(chat_tokenizer)), (tiny_target[1], SimpleNamespace(think_end="</think>"))):
+        form = request_format(body, tok, answers, "reasoning")  # </think> one token, then spelled in bytes
+        assert takes(form, tok, "Red, I think.</think>" + answer) and takes(form, tok, "</think>" + answer)
+        assert not takes(form, tok, answer) and not takes(form, tok, "Hm.</think>Red.")
+        regex = request_format({"response_format": {"type": "regex", "pattern": "[0-9]+"}}, tok, answers, "reasoning")
+        assert takes(regex, tok, "Count.</think>42") and not takes(regex, tok, "Count.</think>4a")
+    tools = request_format({"tools": [WEATHER], "tool_choice": "required"}, chat_tokenizer, text_format(chat_tokenizer), "reasoning")
+    assert takes(tools, chat_tokenizer, "Weather?</think>" + CALL) and not takes(tools, chat_tokenizer, CALL)
+    assert request_format({"response_format": {"type": "text"}}, chat_tokenizer, text_format(chat_tokenizer), "header") is None
+    with pytest.raises(RequestError, match="harmony"):
+        request_format(body, chat_tokenizer, text_format(chat_tokenizer), "header")
