@@ -14,8 +14,11 @@ operations it needs on one request's grammar state (:class:`Constraint`):
 - ``commit`` / ``rollback``: move the state with the tokens the loop keeps;
 - ``forced``: the tokens the grammar leaves no choice over (a mask with one
   token), which need no drafting and no verification;
-- ``draft``: a drafter's block masked slot by slot along its own proposal;
 - ``tree_masks``: each node of a draft tree masked by its own path;
+- ``block`` / ``tree`` / ``commit`` / ``draft_block``: the decode loop's
+  per-row control (:class:`dflash_mlx.decode.Request`'s ``controls``): a
+  verify masked row by row along its draft, the forced tokens counted, and
+  a drafter's block masked slot by slot along its own proposal;
 - ``processor``: the same mask as an mlx-lm logits processor, for mlx-lm's
   own ``generate_step``: the reference a masked DFlash decode must equal.
 
@@ -39,6 +42,7 @@ from llguidance import LLMatcher, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from .errors import ArgumentError
+from .sampling import processed_probs, sample
 
 FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
 
@@ -130,6 +134,21 @@ def constraint_from_response_format(response_format, tokenizer) -> Optional["Con
     return Constraint(grammar, bridge(tokenizer))
 
 
+def constraint_for(response_format, tokenizer=None) -> Optional["Constraint"]:
+    """A request's constraint, built before any work: a fresh
+    :class:`Constraint` as given, or one for a response format over
+    ``tokenizer`` (which a format that constrains needs); None for free text."""
+    if isinstance(response_format, Constraint):
+        if response_format.committed:
+            raise ArgumentError("a Constraint passed as response_format must be fresh (nothing committed): build one per request")
+        return response_format
+    if grammar_of(response_format) is None:
+        return None
+    if tokenizer is None:
+        raise ArgumentError("a response_format needs the target's tokenizer to hold its answer to: pass tokenizer=...")
+    return constraint_from_response_format(response_format, tokenizer)
+
+
 def allowed(words: np.ndarray, vocab_size: int) -> mx.array:
     """Bitmask rows ``[R, W]`` (llguidance's: bit t % 32 of word t // 32) as
     booleans ``[R, vocab_size]``; ids past the tokenizer's are disallowed
@@ -144,6 +163,14 @@ def allowed(words: np.ndarray, vocab_size: int) -> mx.array:
 def masked(logits: mx.array, allow: mx.array) -> mx.array:
     """``logits`` with -inf where ``allow`` is False."""
     return mx.where(allow, logits, mx.array(-mx.inf, logits.dtype))
+
+
+def held(logits: mx.array, allow: mx.array) -> mx.array:
+    """A drafter's ``logits`` masked by ``allow``; uniform over the allowed
+    tokens where the drafter gives every one of them -inf (a draft
+    vocabulary without them), so a masked draft is always a distribution."""
+    row = masked(logits, allow)
+    return mx.where(mx.max(row) > -mx.inf, row, masked(mx.zeros_like(logits), allow))
 
 
 def only_token(words: np.ndarray) -> Optional[int]:
@@ -173,6 +200,9 @@ class Constraint:
         self.eos = tuple(tokenizer.eos_tokens)
         self.committed = 0
         self.ended = False  # an eos taken after the grammar completed
+        self.forced_count = 0  # committed tokens that were the only ones allowed
+        self.seen: dict = {}  # path past the state -> whether its mask allows one token (from the last verify)
+        self.plan = None  # the last drafted block and its rows' bitmasks, for the verify after it
 
     # -- the state ----------------------------------------------------------
 
@@ -190,13 +220,19 @@ class Constraint:
         """``logits`` (``[..., V]``) with the tokens the grammar refuses now at -inf."""
         return masked(logits, self.mask(logits.shape[-1]))
 
-    def commit(self, tokens: Sequence[int]) -> None:
-        """Advance the state over tokens the loop keeps (each one the mask allowed)."""
+    def commit(self, tokens: Sequence[int]) -> int:
+        """Advance the state over tokens the loop keeps (each one the mask
+        allowed); how many of them were forced (the only token their mask
+        allowed, as the last :meth:`block` or :meth:`tree` saw)."""
         tokens = [int(t) for t in tokens]
+        forced = sum(bool(self.seen.get(tuple(tokens[:k]))) for k in range(len(tokens)))
+        self.seen = {}
         taken = self.take(tokens)
         self.committed += taken
         if taken != len(tokens):
             raise ValueError(f"the grammar refuses {tokens[taken]} of the committed {tokens}: a token was kept that its mask did not allow")
+        self.forced_count += forced
+        return forced
 
     def take(self, tokens: List[int]) -> int:
         """Advance the matcher over as many of ``tokens`` as the grammar takes;
@@ -276,6 +312,11 @@ class Constraint:
         the state after the tokens on its path below the root; ``valid[i]``:
         whether the grammar takes node i's token on its path (a refused node's
         subtree is never accepted: its rows are all True)."""
+        rows, valid, _ = self.tree_words(tokens, parents)
+        return allowed(rows, vocab_size or self.vocab), valid
+
+    def tree_words(self, tokens: Sequence[int], parents: Sequence[int]) -> Tuple[np.ndarray, np.ndarray, List[List[int]]]:
+        """:meth:`tree_masks` as bitmask rows, with each node's path below the root."""
         rows = allocate_token_bitmask(len(tokens), self.vocab)
         valid = np.zeros(len(tokens), dtype=bool)
         paths: List[List[int]] = [[]]
@@ -296,34 +337,81 @@ class Constraint:
                 fill_next_token_bitmask(self.matcher, rows, i)
                 self.undo(1)
         self.undo(len(at))
-        return allowed(rows, vocab_size or self.vocab), valid
+        return rows, valid, paths
 
-    def draft(self, logits: mx.array, sample: Optional[Callable[[mx.array], mx.array]] = None) -> Tuple[List[int], Optional[mx.array]]:
-        """A drafter's block ``[L, V]`` of logits masked slot by slot along its
-        own choices: slot j by the state after the tokens chosen at slots
-        before it. Greedy (``sample`` None): the masked argmax of each slot,
-        and no logits (where a slot's own argmax is allowed it is the masked
-        one: its mask is only computed where it is not). Sampled: ``sample``
-        maps a masked row ``[1, V]`` to a token, and the masked rows ``[L, V]``
-        come back for the acceptance rule's q. Stops after an eos. The state
-        is left where it was."""
-        tokens: List[int] = []
-        rows: List[mx.array] = []
-        top = mx.argmax(logits, axis=-1).tolist() if sample is None else None
-        for j in range(logits.shape[0]):
-            if tokens and tokens[-1] in self.eos:
-                break
-            if top is not None and self.take([top[j]]) == 1:
-                tokens.append(top[j])
-                continue
-            row = self.apply(logits[j])
-            token = int(mx.argmax(row)) if sample is None else int(sample(row[None]).item())
+    # -- the decode loop's per-row control (dflash_mlx.decode.Request.controls) --
+
+    def block(self, logits: mx.array, proposal: Optional[mx.array]) -> mx.array:
+        """A verify's logits ``[L, V]`` (the anchor's row, then ``proposal``'s
+        ``[L - 1]``; None: the prefill's one row) masked row by row: row i by
+        the state after the proposal's first i tokens. At the first token the
+        grammar refuses, its row bans it, so acceptance ends there (the rows
+        after it are left as they are: never read)."""
+        n = 0 if proposal is None else proposal.shape[-1]
+        plan, self.plan = self.plan, None
+        if plan is not None and len(plan[0]) == n:  # (the block draft_block just drafted: no read)
+            drafts, rows, valid = plan
+        else:
+            drafts = [int(t) for t in proposal.tolist()] if n else []
+            rows, valid = self.block_words(drafts)
+        self.seen = {tuple(drafts[:i]): only_token(rows[i]) is not None for i in range(valid + 1)}
+        return masked(logits, allowed(rows, logits.shape[-1]))
+
+    def tree(self, logits: mx.array, tokens: Sequence[int], parents: Sequence[int]) -> mx.array:
+        """A tree verify's logits ``[R, V]``, each node's row masked by its own path (:meth:`tree_masks`)."""
+        rows, valid, paths = self.tree_words(tokens, parents)
+        self.plan = None
+        self.seen = {tuple(paths[i]): only_token(rows[i]) is not None for i in np.flatnonzero(valid)}
+        return masked(logits, allowed(rows, logits.shape[-1]))
+
+    def draft_block(self, slots: int, logits: Callable[[], mx.array], vocab_size: int, sampling: Optional[dict] = None, key=None) -> Tuple[List[int], Optional[mx.array]]:
+        """A drafted block of ``slots`` tokens that the grammar takes, and the
+        distribution ``q [slots, vocab_size]`` each was drawn from (None:
+        greedy). Slot j is masked by the state after the tokens chosen before
+        it: a slot whose mask allows one token takes it (q a point mass);
+        another takes the masked drafter's choice, from ``logits()`` (the
+        drafter's ``[slots, V]``, called at most once: a block the grammar
+        forces whole needs no drafter forward), its masked argmax, or a sample
+        of :func:`~dflash_mlx.sampling.processed_probs` of its masked row with
+        ``sampling``'s settings and ``key``. After an eos the block repeats
+        it (never committed). The state is left where it was; the masks are
+        kept for the verify (:meth:`block`)."""
+        tokens, rows, qs, drafted, top = [], [], [], None, None
+        keys = None if key is None or sampling is None else mx.random.split(key, slots)
+        while len(tokens) < slots and not (tokens and tokens[-1] in self.eos):
+            j, words, q = len(tokens), self.words(), None
+            rows.append(words)
+            token = only_token(words)
+            if token is None:
+                if drafted is None:
+                    drafted = logits()
+                    top = mx.argmax(drafted, axis=-1).tolist() if sampling is None else None
+                if top is not None and self.allows(words, top[j]):
+                    token = top[j]
+                else:
+                    row = held(drafted[j], allowed(words, drafted.shape[-1])[0])
+                    if sampling is None:
+                        token = int(mx.argmax(row))
+                    else:
+                        q = processed_probs(row, **sampling)
+                        token = int(sample(q, None if keys is None else keys[j]))
             if self.take([token]) != 1:
-                break  # (a sampler outside the mask)
+                raise ValueError(f"the grammar refuses the drafted {token}, chosen from its own mask")
             tokens.append(token)
-            rows.append(row)
+            qs.append(q)
+        rows.append(self.words())
         self.undo(len(tokens))
-        return tokens, (mx.stack(rows) if sample is not None and rows else None)
+        whole = len(tokens) == slots
+        self.plan = (tokens, np.stack(rows), slots) if whole else None
+        tokens = tokens + tokens[-1:] * (slots - len(tokens))
+        if sampling is None:
+            return tokens, None
+        qs = qs + [None] * (slots - len(qs))
+        return tokens, mx.stack([(mx.arange(vocab_size) == t).astype(mx.float32) if q is None else q for t, q in zip(tokens, qs)])
+
+    def allows(self, words: np.ndarray, token: int) -> bool:
+        """Whether a bitmask row allows ``token``."""
+        return 0 <= token < self.vocab and bool((int(words[token >> 5]) >> (token & 31)) & 1)
 
     def processor(self) -> "MaskProcessor":
         """This constraint as an mlx-lm logits processor (it commits the tokens it is shown)."""

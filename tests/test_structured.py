@@ -15,6 +15,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tiny import QWEN3, make_target
 
 from dflash_mlx.errors import ArgumentError
+from dflash_mlx.sampling import processed_probs
 from dflash_mlx.structured import Constraint, allowed, bridge, constraint_from_response_format, grammar_of
 
 DEFAULT_TARGET = Path(__file__).parent.parent / "dflash_mlx" / "default_pair" / "target"
@@ -106,8 +107,8 @@ def test_eos_is_taken_once_the_grammar_is_complete(tokenizer):
     rows, valid = c.block_masks(ab + [eos])
     assert valid == len(ab) + 1 and np.flatnonzero(np.array(rows[len(ab)])).tolist() == sorted(c.eos)
     logits = mx.zeros((len(ab) + 3, c.vocab))
-    tokens, _ = c.draft(logits)
-    assert tokens[len(tokens) - 1] == eos and len(tokens) <= len(ab) + 1, "drafting ends with the eos"
+    tokens, _ = c.draft_block(len(ab) + 3, lambda: logits, c.vocab)
+    assert tokens[len(ab)] == eos and tokens[len(ab):] == [eos] * 3, "drafting ends with the eos (repeated after it)"
     c.commit(ab + [eos])
     assert c.finished and c.committed == len(ab) + 1
 
@@ -164,21 +165,41 @@ def test_constrained_drafting_is_the_masked_argmax_along_its_own_choices(tokeniz
     c = constraint_from_response_format(json_schema(SCHEMA), tokenizer)
     vocab = c.vocab + 7
     logits = mx.random.normal((8, vocab), key=mx.random.key(3))
-    tokens, rows = c.draft(logits)
-    assert rows is None and c.committed == 0
+    tokens, q = c.draft_block(8, lambda: logits, vocab)
+    assert q is None and c.committed == 0
     want = []
     for j in range(len(tokens)):  # the plain way: a full mask per slot
         want.append(int(mx.argmax(c.apply(logits[j]))))
         c.commit(want[-1:])
     c.rollback(len(want))
     assert tokens == want and len(tokens) == 8
+    assert c.block(mx.zeros((9, vocab)), mx.array(tokens)).shape == (9, vocab) and c.plan is None, "the verify took the drafted masks"
 
-    key = mx.random.key(4)
-    sampled, rows = c.draft(logits, sample=lambda row: mx.random.categorical(row, key=key))
-    assert rows.shape == (len(sampled), vocab) and c.committed == 0
+    sampling = dict(temperature=0.7, top_p=0.0, top_k=0, min_p=0.0)
+    sampled, q = c.draft_block(8, lambda: logits, vocab, sampling, key=mx.random.key(4))
+    assert q.shape == (8, vocab) and c.committed == 0
     for j, t in enumerate(sampled):
-        assert np.array_equal(np.isfinite(np.array(rows[j])), np.array(c.mask(vocab)))
+        allow = np.array(c.mask(vocab))
+        assert np.array_equal(np.array(q[j]) > 0, allow & (np.array(q[j]) > 0)) and q[j, t] > 0, "q: masked, and holds its token"
+        if allow.sum() == 1:
+            assert float(q[j, t]) == 1.0, "a forced slot's q is its point mass"
+        else:
+            want = processed_probs(c.apply(logits[j]), **sampling)
+            assert np.allclose(np.array(q[j]), np.array(want)), "q is the masked drafter's processed distribution"
         c.commit([t])
+
+
+def test_a_forced_block_needs_no_drafter(tokenizer):
+    c = constraint_from_response_format({"type": "regex", "pattern": "The answer is (yes|no)\\."}, tokenizer)
+    forced = c.forced(64)
+
+    def no_drafter():
+        raise AssertionError("the drafter ran for a forced block")
+
+    tokens, q = c.draft_block(len(forced), no_drafter, c.vocab, dict(temperature=1.0, top_p=0.0, top_k=0, min_p=0.0))
+    assert tokens == forced and np.array_equal(np.array(q.argmax(axis=-1)), forced) and float(q.sum()) == len(forced)
+    c.block(mx.zeros((len(forced) + 1, c.vocab)), mx.array(tokens))
+    assert c.commit(forced[:2]) == 2 and c.forced_count == 2, "committed forced tokens are counted"
 
 
 def test_the_processor_makes_mlx_lms_greedy_decode_valid_json(tiny_target):
