@@ -35,6 +35,7 @@ from .errors import ArgumentError
 from .generate import checked_prompt, encode_prompt, max_block_size, one_thread_per_pair, tree_plan
 from .prefill import feed, prefill, prefill_together
 from .sampling import acceptance_rule
+from .structured import constraint_for
 from .targets.rows import check_joinable
 
 DEFAULT_COMPLETION_BATCH_SIZE = 32  # mlx-lm's --decode-concurrency default
@@ -51,6 +52,7 @@ class BatchGenerator:
     disconnected client) between cycles. At most ``completion_batch_size``
     requests decode at once; the others wait for a slot before their
     prefill. ``block_size`` fixes every cycle's block (None: adaptive).
+    ``tokenizer`` (the target's) is what requests' response formats need.
     """
 
     def __init__(
@@ -65,12 +67,13 @@ class BatchGenerator:
         draft_window: Optional[int] = None,
         draft_sink: Optional[int] = None,
         stream=generation_stream,
+        tokenizer=None,
     ):
         self.old_wired_limit = self.decoder = None  # (close() may run on a generator refused below)
         for name, value in (("completion_batch_size", completion_batch_size), ("prefill_batch_size", prefill_batch_size), ("prefill_step_size", prefill_step_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ArgumentError(f"{name} must be a whole number of at least 1, not {value!r}")
-        self.model, self.draft, self.stream = model, draft, stream
+        self.model, self.draft, self.stream, self.tokenizer = model, draft, stream, tokenizer
         self.target = bound_target(model, draft)
         self.max_block = max_block_size(draft, block_size, None)
         self.fixed = block_size is not None
@@ -130,6 +133,7 @@ class BatchGenerator:
         logprobs: bool = False,
         block_size=None,
         progress=None,
+        response_format=None,
     ) -> List[int]:
         """Queue requests; returns their uids. ``prompts``: token lists (only
         the part new to a request's prompt cache, as in
@@ -139,7 +143,10 @@ class BatchGenerator:
         stop tokens (``eos_token_ids``: ids, or a collection of ids per prompt); a request's seed gives it its own random key (None:
         ``mx.random``'s state). A request's ``block_size`` caps the batch's
         blocks while it decodes (None: no cap); its ``progress(done, total)``
-        hears how far its prompt's prefill is."""
+        hears how far its prompt's prefill is. ``response_format`` (one for
+        all, or a list: one per prompt) holds a request's answer to a JSON
+        schema, a regular expression or a grammar (:mod:`dflash_mlx.structured`;
+        built with the generator's ``tokenizer``, checked here)."""
         n = len(prompts)
 
         def each(name, value, many=(list, tuple)):
@@ -155,18 +162,22 @@ class BatchGenerator:
             prompts, each("max_tokens", max_tokens), each("prompt_caches", prompt_caches or [None] * n),
             each("temperature", temperature), each("top_p", top_p), each("top_k", top_k), each("min_p", min_p),
             each("seed", seed), each("block_size", block_size), each("progress", progress),
-            each("eos_token_ids", eos), each("logprobs", logprobs),
+            each("eos_token_ids", eos), each("logprobs", logprobs), each("response_format", response_format, (list,)),
         )
         requests = [self.request(self.uid + i, *row, acceptance) for i, row in enumerate(settings)]
+        held = [id(c) for r in requests for c in r.controls]
+        if len(set(held)) < len(held):
+            raise ArgumentError("each request needs a Constraint of its own: pass response formats (or one fresh Constraint per prompt)")
         self.uid += len(requests)
         self.waiting.extend(requests)
         return [r.uid for r in requests]
 
-    def request(self, uid, prompt, limit, cache, temp, tp, tk, mp, seed, cap, hear, eos, want, acceptance) -> Request:
+    def request(self, uid, prompt, limit, cache, temp, tp, tk, mp, seed, cap, hear, eos, want, form, acceptance) -> Request:
         """One inserted request, checked before any work."""
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ArgumentError(f"max_tokens must be a whole number of at least 1, got {limit!r}")
         rule = acceptance_rule(temp, tp, tk, mp, None, acceptance)
+        constraint = constraint_for(form, self.tokenizer)
         cache = prompt_cache_for(self.model, self.draft, cache, self.draft_window, self.draft_sink)
         tokens = checked_prompt(self.target, cache, prompt)
         if cache.target.undo is not None:
@@ -175,7 +186,9 @@ class BatchGenerator:
         if cap is not None:
             max_block_size(self.draft, cap, None)
         key = None if seed is None else mx.random.key(int(seed))
-        return Request(uid, cache, rule, limit, frozenset(eos), bool(want), key, cap, tokens, len(tokens), hear)
+        controls = [constraint] if constraint else []
+        eos = frozenset(eos) | frozenset(constraint.eos if constraint else ())  # (a complete answer ends there)
+        return Request(uid, cache, rule, limit, eos, bool(want), key, cap, tokens, len(tokens), hear, controls=controls)
 
     def remove(self, uids: Iterable[int]) -> Dict[int, PromptCache]:
         """Drop requests between cycles; returns their prompt caches, each
@@ -321,14 +334,15 @@ def batch_generate(
     :func:`~dflash_mlx.generate.generate` gives for its prompt alone:
     token-identical when greedy, identically distributed when sampled.
     ``stats[i]``: its prompt and generated tokens, cycles, accepted draft
-    tokens and tokens per cycle. ``record`` (a :class:`dflash_mlx.traffic.Recorder`)
+    tokens (``forced``: of them, those its ``response_format`` forced) and
+    tokens per cycle. ``record`` (a :class:`dflash_mlx.traffic.Recorder`)
     stores each finished conversation as drafter training data, as
     :func:`~dflash_mlx.generate.stream_generate`'s does."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    insert_keys = ("temperature", "top_p", "top_k", "min_p", "seed", "acceptance", "logprobs")
+    insert_keys = ("temperature", "top_p", "top_k", "min_p", "seed", "acceptance", "logprobs", "response_format")
     insert = {k: kwargs.pop(k) for k in insert_keys if k in kwargs}
-    gen = BatchGenerator(model, draft, **kwargs)
+    gen = BatchGenerator(model, draft, tokenizer=tokenizer, **kwargs)
     encoded = [encode_prompt(tokenizer, p).tolist() for p in prompts]
     contexts = [(list(c.tokens) if c is not None else []) + e for c, e in zip(prompt_caches or [None] * len(encoded), encoded)]
     uids = gen.insert(
@@ -337,7 +351,7 @@ def batch_generate(
     index = {u: i for i, u in enumerate(uids)}
     n = len(uids)
     tokens, finish = [[] for _ in range(n)], [None] * n
-    stats = [dict(prompt_tokens=len(e), generation_tokens=0, cycles=0, accepted=0) for e in encoded]
+    stats = [dict(prompt_tokens=len(e), generation_tokens=0, cycles=0, accepted=0, forced=0) for e in encoded]
     caches = [None] * n
     tic = time.perf_counter()
     while gen.busy:
@@ -346,6 +360,7 @@ def batch_generate(
             tokens[i] += r.tokens
             stats[i]["cycles"] += r.block > 0
             stats[i]["accepted"] += sum(r.from_draft)
+            stats[i]["forced"] += r.forced
             if r.finish_reason is not None:
                 finish[i], caches[i] = r.finish_reason, r.prompt_cache
                 if record is not None:

@@ -76,12 +76,11 @@ class Request:
         for c in self.controls:
             logits = c.block(logits, None)
         token = self.rule.choose(logits, self.next_key()).item()
-        for c in self.controls:
-            c.commit([token])
+        forced = sum(c.commit([token]) or 0 for c in self.controls)
         self.cache.commit([token], pending=[token])
         self.anchor, self.n = token, 1
         lp = [logits[0] - mx.logsumexp(logits[0])] if self.logprobs else None
-        return BatchResponse(self.uid, [token], [False], lp, self.finish(token in self.eos), 0, 0)
+        return BatchResponse(self.uid, [token], [False], lp, self.finish(token in self.eos), 0, 0, forced=forced)
 
 
 @dataclass
@@ -99,6 +98,8 @@ class BatchResponse:
         batch: requests the cycle verified together.
         tree: nodes of the draft tree it verified (0: a chain or a plain step).
         prompt_cache: the request's prompt cache, once it has finished.
+        forced: of ``tokens``, those its grammar forced (the only token its
+            mask allowed; see :mod:`dflash_mlx.structured`).
     """
 
     uid: int
@@ -110,6 +111,13 @@ class BatchResponse:
     batch: int = 1
     tree: int = 0
     prompt_cache: Optional[PromptCache] = None
+    forced: int = 0
+
+
+def drafting(r: Request):
+    """The row's control that drafts its blocks itself (a grammar's
+    ``draft_block``: drafts that obey it), or None."""
+    return next((c for c in r.controls if hasattr(c, "draft_block")), None)
 
 
 def cycle_tokens(proposed: List[int], accepted: int, bonus: int, eos, room: int) -> Tuple[List[int], bool]:
@@ -331,6 +339,7 @@ class Decoder:
         """Queue a cycle: a tree (one row), or per row its anchor and the
         first ``choice - 1`` drafted tokens (1: a plain step, whose
         ``anchors`` may be the last plain step's lazy tokens)."""
+        choice = self.forced_choice(rows, choice)
         if isinstance(choice, TreeChoice):
             return self.tree_cycle(rows[0], choice, min(rows[0].room, self.max_block))
         if anchors is None:
@@ -345,11 +354,26 @@ class Decoder:
         mx.async_eval(outcome, taps)
         return Cycle(list(rows), choice, outcome, logits, taps, queued_ahead=queued_ahead)
 
+    def forced_choice(self, rows: List[Request], choice):
+        """``choice``, or a longer chain where every row's grammar forces the
+        tokens ahead (the only ones it allows): those need no drafting, so
+        the cycle verifies them all and the target's token after them."""
+        grammars = [drafting(r) for r in rows]
+        if not all(grammars):
+            return choice
+        room = min(r.room for r in rows)
+        block = min(room, 1 + min(len(g.forced(self.max_block - 1)) for g in grammars))
+        if block <= 1:
+            return choice
+        return block if isinstance(choice, TreeChoice) else max(choice, block)
+
     def draft_chains(self, rows: List[Request], slots: int) -> Tuple[mx.array, list]:
         """Every row's drafted tokens ``[B, slots]`` from the tap states its
         drafter has not seen, and per row the q they were sampled from (None:
         greedy). The drafter fills its whole block of masks whatever length
         is verified: a shorter block of masks makes its early slots worse."""
+        if any(drafting(r) for r in rows):
+            return self.held_chains(rows, slots)
         blocks = masked_blocks(self.draft, [r.anchor for r in rows], self.max_block)
         if len(rows) == 1:
             r = rows[0]
@@ -368,6 +392,31 @@ class Decoder:
         for r in rows:
             r.cache.target_hidden = None  # injected into its drafter context
         return proposal.astype(mx.int32), qs
+
+    def held_chains(self, rows: List[Request], slots: int) -> Tuple[mx.array, list]:
+        """:meth:`draft_chains` where some rows' controls draft their own
+        blocks (a grammar): the other rows draft together as usual, each of
+        these from its own drafter logits, masked slot by slot along its own
+        proposal by its control (which skips the drafter where it forces the
+        whole block)."""
+        free = [b for b, r in enumerate(rows) if drafting(r) is None]
+        tokens, qs = [None] * len(rows), [None] * len(rows)
+        if free:
+            proposal, free_qs = self.draft_chains([rows[b] for b in free], slots)
+            for i, b in enumerate(free):
+                tokens[b], qs[b] = proposal[i], free_qs[i]
+        for b, r in enumerate(rows):
+            if tokens[b] is None:
+
+                def logits(r=r):
+                    block = masked_blocks(self.draft, [r.anchor], self.max_block)
+                    out = self.draft.slot_logits(block, r.cache.target_hidden, r.cache.draft, slots=slots)
+                    r.cache.target_hidden = None  # injected into its drafter context
+                    return out[0]
+
+                drafted, qs[b] = drafting(r).draft_block(slots, logits, self.target.vocab_size, r.rule.sampling, r.next_key())
+                tokens[b] = mx.array(drafted, mx.int32)
+        return mx.stack(tokens).astype(mx.int32), qs
 
     def tree_cycle(self, r: Request, choice: TreeChoice, room: int) -> Cycle:
         """One row's draft tree: the whole block's best candidates per slot
@@ -436,15 +485,14 @@ class Decoder:
             kept.append(rows if cycle.tree is not None else len(rows))
             r.n += len(new)
             r.anchor = new[-1]
-            for c in r.controls:
-                c.commit(new)
+            forced = sum(c.commit(new) or 0 for c in r.controls)  # (a grammar says how many it forced)
             r.cache.commit(new, pending=new[-1:])
             lp = None
             if r.logprobs:
                 lps = cycle.logits[b] - mx.logsumexp(cycle.logits[b], axis=-1, keepdims=True)
                 lp = [lps[i] for i in rows]
             finish = r.finish(stopped)
-            out.append(BatchResponse(r.uid, new, [i < accepted for i in range(len(new))], lp, finish, cycle.block, len(cycle.rows), tree))
+            out.append(BatchResponse(r.uid, new, [i < accepted for i in range(len(new))], lp, finish, cycle.block, len(cycle.rows), tree, forced=forced))
             if finish is not None:
                 ended.append(b)
         if not cycle.kept:

@@ -25,6 +25,7 @@ from .errors import ArgumentError
 from .ops.threads import release_at_thread_exit
 from .prefill import prefill
 from .sampling import ACCEPTANCE_RULES, acceptance_rule
+from .structured import constraint_for
 
 
 @dataclass
@@ -48,6 +49,9 @@ class GenerationResponse:
         tree_size: nodes of the draft tree this cycle verified (0: a chain
             or plain decoding); ``committed`` is then the walked path's
             length plus the target's token after it.
+        forced: of the tokens committed this cycle, those the
+            ``response_format`` forced (the only token its grammar allowed:
+            no drafting needed, see docs/structured.md).
     """
 
     text: str
@@ -62,6 +66,7 @@ class GenerationResponse:
     finish_reason: Optional[str] = None
     block_size: int = 0
     tree_size: int = 0
+    forced: int = 0
 
 
 def cycle_lengths(responses: Sequence[GenerationResponse]) -> List[int]:
@@ -178,6 +183,7 @@ def generate_step(
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stream=generation_stream, draft_window: Optional[int] = None, draft_sink: Optional[int] = None,
+    response_format=None, tokenizer=None,
 ) -> Generator[Tuple[int, Optional[mx.array], bool, int, int], None, None]:
     """Yield each committed token as ``(token, logprobs, from_draft, block,
     tree)``, like mlx-lm's ``speculative_generate_step`` plus the rows its
@@ -216,8 +222,16 @@ def generate_step(
     ``tree_budget`` 0: none, ``n``: n nodes every cycle) that maximises expected
     tokens per second, as measured (:mod:`dflash_mlx.adaptive`; a ``sizer`` makes
     the choices instead): a seeded sampled run repeats only when they are fixed.
+
+    ``response_format`` (OpenAI's shape, see :mod:`dflash_mlx.structured`;
+    it needs the target's ``tokenizer``), or a fresh
+    :class:`~dflash_mlx.structured.Constraint`, holds the answer to a JSON
+    schema, a regular expression or a Lark grammar, exactly as mlx-lm's
+    decode with the same mask as a logits processor; the answer ends at the
+    tokenizer's eos once the grammar is complete (docs/structured.md).
     """
     rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
+    constraint = constraint_for(response_format, tokenizer)
     if max_tokens < 1:
         raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
     max_block = max_block_size(draft, block_size, sizer)
@@ -227,7 +241,8 @@ def generate_step(
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-        request = Request(0, cache, rule, max_tokens, frozenset(eos_token_ids), logprobs)
+        eos = frozenset(eos_token_ids) | frozenset(constraint.eos if constraint else ())
+        request = Request(0, cache, rule, max_tokens, eos, logprobs, controls=[constraint] if constraint else [])
         first = request.start(logits)
         if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
             yield from yielded(first)  # before the cycles' costs are measured, not after
@@ -293,6 +308,7 @@ def stream_generate(
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
+    constraint = constraint_for(kwargs.pop("response_format", None), tokenizer)
     prompt = encode_prompt(tokenizer, prompt)
     context = (list(prompt_cache.tokens) if prompt_cache is not None else []) + prompt.tolist()
     eos = set(tokenizer.eos_token_ids)
@@ -300,11 +316,11 @@ def stream_generate(
     detok.reset()
     steps = generate_step(
         prompt, model, draft, prompt_cache=prompt_cache, max_tokens=max_tokens,
-        eos_token_ids=eos, stream=stream, **kwargs,
+        eos_token_ids=eos, stream=stream, response_format=constraint, **kwargs,
     )
     with wired_limit(model, [stream]), closing(steps):
         tic = time.perf_counter()
-        n_out, prompt_tps, cycle, accepted, answer = 0, None, [], 0, []
+        n_out, prompt_tps, cycle, accepted, answer, forced = 0, None, [], 0, [], 0
         for token, _, from_draft, block, tree in steps:
             if prompt_tps is None:
                 prompt_tps = prompt.size / (time.perf_counter() - tic)
@@ -336,10 +352,11 @@ def stream_generate(
                 finish_reason=finish,
                 block_size=block,
                 tree_size=tree,
+                forced=constraint.forced_count - forced if constraint else 0,
             )
             if finish:
                 return
-            cycle, accepted = [], 0
+            cycle, accepted, forced = [], 0, constraint.forced_count if constraint else 0
 
 
 def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
@@ -373,6 +390,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--system-prompt", default=None)
     cli.add_prefill_step_size_argument(p)
     cli.add_draft_window_arguments(p)
+    cli.add_structured_arguments(p)
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="stream text and print statistics")
     p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started (see docs/pipeline.md)")
     return p
@@ -392,6 +410,7 @@ def main(argv=None):
     from .pair import DEFAULT_TARGET, default_prompt, load_pair
 
     args = setup_arg_parser().parse_args(argv)
+    response_format = cli.response_format(args)  # (checked before loading)
     rank = mx.distributed.init().rank() if args.pipeline else 0
     if args.pipeline:
         from .pipeline import load_for_command
@@ -428,6 +447,7 @@ def main(argv=None):
         prefill_step_size=args.prefill_step_size,
         draft_window=args.draft_window,
         draft_sink=args.draft_sink,
+        response_format=response_format,
     ):
         if args.verbose:
             print(r.text, end="", flush=True)
@@ -444,6 +464,9 @@ def main(argv=None):
             trees = Counter(r.tree_size for r in responses[1:] if r.tree_size)
             if trees:
                 print("Draft trees (nodes:cycles): " + " ".join(f"{n}:{k}" for n, k in sorted(trees.items())))
+        forced = sum(r.forced for r in responses)
+        if forced:
+            print(f"Forced by the response format: {forced} tokens (no drafting needed)")
         print(f"Peak memory: {last.peak_memory:.3f} GB")
     return 0
 
