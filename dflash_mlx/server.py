@@ -232,9 +232,6 @@ def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int],
         state = answers.response_initial_state or state
     draft_tokens = body.get("num_draft_tokens")
     response_format = request_format(body, tokenizer, answers, state)
-    if response_format is not None:  # (until the decode loop takes response_format)
-        param = next(p for p in ("response_format", "tool_choice", "tools") if body.get(p) not in (None, "auto"))
-        raise RequestError(f"{param}: structured outputs are not yet applied by this server's decode loop", param)
     return Prepared(tokens, boundaries, state, None if draft_tokens is None else draft_tokens + 1, response_format)
 
 
@@ -362,6 +359,7 @@ class DFlashResponseGenerator:
             self.model, self.draft, block_size=args.block_size, completion_batch_size=args.decode_concurrency,
             prefill_batch_size=args.prompt_concurrency, prefill_step_size=args.prefill_step_size,
             draft_window=args.draft_window, draft_sink=args.draft_sink, stream=generation_stream,
+            tokenizer=self.tokenizer,
         )
 
     def warm_up(self) -> None:
@@ -509,7 +507,8 @@ class DFlashResponseGenerator:
                 block_size=block_size, tree_budget=tree_budget, temperature=args.sampling.temperature,
                 top_p=args.sampling.top_p, top_k=args.sampling.top_k, min_p=args.sampling.min_p,
                 eos_token_ids=served.eos, logprobs=served.want, prefill_step_size=self.cli_args.prefill_step_size,
-                prompt_progress_callback=served.progress,
+                prompt_progress_callback=served.progress, response_format=prepared.response_format,
+                tokenizer=self.tokenizer,
             )
             with wired_limit(self.model, [generation_stream]), closing(steps):
                 for token, logprobs, from_draft, block, tree in steps:
@@ -598,6 +597,7 @@ class DFlashResponseGenerator:
                     [served.todo], args.max_tokens, prompt_caches=[served.cache], temperature=s.temperature,
                     top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=args.seed, eos_token_ids=served.eos,
                     logprobs=served.want, block_size=prepared.block_size, progress=served.progress,
+                    response_format=prepared.response_format,
                 )
                 self.serving[uid] = served
                 if self.adaptation is not None:  # adapting waits while any request runs

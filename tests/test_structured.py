@@ -12,7 +12,9 @@ import pytest
 from llguidance import LLMatcher
 from mlx_lm.generate import generate_step
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from tiny import QWEN3, make_target
+from tiny import FAMILIES, QWEN3, V, make_target, pit_check, prompt_of, sampled_runs, small_pair
+
+import dflash_mlx
 
 from dflash_mlx.errors import ArgumentError
 from dflash_mlx.sampling import processed_probs
@@ -438,3 +440,124 @@ def test_an_open_think_block_is_closed_freely_before_the_held_answer(chat_tokeni
     assert request_format({"response_format": {"type": "text"}}, chat_tokenizer, text_format(chat_tokenizer), "header") is None
     with pytest.raises(RequestError, match="harmony"):
         request_format(body, chat_tokenizer, text_format(chat_tokenizer), "header")
+
+
+# ---------------------------------------------------------------------------
+# Through the decode loop: mlx-lm's masked decode is the reference
+
+# (a random target would pad with whitespace forever: the schema turns it off, as a client may)
+TIGHT = {**SCHEMA, "x-guidance": {"whitespace_flexible": False}}
+FORMS = [json_schema(TIGHT), {"type": "regex", "pattern": "(yes|no), because [a-z ]{3,12}\\."}, {"type": "json_object"}]
+
+
+def masked_reference(model, tokenizer, prompt, form, max_tokens):
+    """mlx-lm's own greedy decode with the format's mask as a logits
+    processor (a fresh constraint), to the eos (kept) or ``max_tokens``."""
+    c = constraint_from_response_format(form, tokenizer)
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, logits_processors=[c.processor()]):
+        out.append(token)
+        if token in tokenizer.eos_token_ids:
+            break
+    return out
+
+
+def structured_run(model, draft, tokenizer, prompt, form, max_tokens, **kw):
+    """DFlash's tokens (the eos kept) and its responses."""
+    responses = list(dflash_mlx.stream_generate(model, draft, tokenizer, mx.array(prompt), max_tokens=max_tokens, response_format=form, **kw))
+    tokens = [t for r in responses for t in r.tokens]
+    return tokens + ([next(iter(tokenizer.eos_token_ids))] if responses[-1].finish_reason == "stop" else []), responses
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_decodes_its_masked_greedy_answer_exactly(make_pair, family, tmp_path):
+    """A real (random) drafter, constrained drafting, forced blocks: every
+    token mlx-lm's masked decode's, on a tiny seeded target of each family."""
+    pair = make_pair(family)
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    for i, form in enumerate(FORMS[:2]):
+        prompt = prompt_of(9 + 7 * i, seed=i)
+        want = masked_reference(pair.model, pair.tokenizer, prompt, form, 48)
+        for kw in ({}, {"block_size": 6}):
+            got, responses = structured_run(pair.model, draft, pair.tokenizer, prompt, form, 48, **kw)
+            assert got == want, (family, form["type"], kw)
+            assert sum(r.forced for r in responses) > 0, "forced tokens are counted"
+
+
+def test_the_bundled_pair_and_draft_trees_decode_exactly(tokenizer, tmp_path):
+    from dflash_mlx.pair import load_pair
+
+    if not hasattr(tokenizer, "eos_token_ids"):  # (only the bundled pair's tokenizer)
+        pytest.skip("the tiny byte tokenizer's pair is covered above")
+    model, tok, draft, _ = load_pair(DEFAULT_TARGET)
+    prompt = tok.encode("Answer in JSON: is the sky blue?")
+    for form in FORMS:
+        want = masked_reference(model, tok, prompt, form, 40)
+        for kw in ({}, {"block_size": 8}, {"tree_budget": 6}):
+            got, responses = structured_run(model, draft, tok, prompt, form, 40, **kw)
+            assert got == want, (form["type"], kw)
+        if form is FORMS[0] and want[-1] in tok.eos_token_ids:
+            assert json.loads(tok.decode(want[:-1]))["color"] in ("red", "green")
+
+
+def test_a_grammar_that_cannot_end_in_time_ends_with_length(make_pair, tmp_path):
+    pair = make_pair("qwen3")
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    got, responses = structured_run(pair.model, draft, pair.tokenizer, prompt_of(8), FORMS[0], 5)
+    assert len(got) == 5 and responses[-1].finish_reason == "length"
+    assert got == masked_reference(pair.model, pair.tokenizer, prompt_of(8), FORMS[0], 5)
+
+
+def test_batched_rows_with_different_formats_each_equal_their_lone_run(make_pair, tmp_path):
+    pair = make_pair("qwen3_5")
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    prompts = [prompt_of(n, seed=n) for n in (6, 23, 11, 40)]
+    forms = FORMS + [None]
+    for kw in ({}, {"block_size": 5}):
+        res = dflash_mlx.batch_generate(pair.model, draft, pair.tokenizer, prompts, max_tokens=40, response_format=forms, **kw)
+        for p, f, text, tokens, stats in zip(prompts, forms, res.texts, res.tokens, res.stats):
+            lone = masked_reference(pair.model, pair.tokenizer, p, f, 40) if f else pair.reference(p, 40)
+            assert tokens == [t for t in lone if t not in pair.tokenizer.eos_token_ids], (f, kw)
+            assert (stats["forced"] > 0) == (f is not None)
+    with pytest.raises(ArgumentError, match="JSON schema is invalid"):
+        dflash_mlx.batch_generate(pair.model, draft, pair.tokenizer, prompts[:2], max_tokens=4, response_format=[None, json_schema({"type": "strin"})])
+
+
+def test_bad_formats_are_refused_by_the_library_before_any_work(make_pair, tmp_path):
+    pair = make_pair("qwen3")
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    with pytest.raises(ArgumentError, match="regular expression is invalid"):
+        dflash_mlx.generate(pair.model, draft, pair.tokenizer, prompt_of(5), response_format={"type": "regex", "pattern": "a(("})
+    with pytest.raises(ArgumentError, match="tokenizer"):
+        next(dflash_mlx.generate_step(prompt_of(5), pair.model, draft, response_format=FORMS[2]))
+    c = constraint_from_response_format(FORMS[2], pair.tokenizer)
+    gen = dflash_mlx.BatchGenerator(pair.model, draft)
+    with pytest.raises(ArgumentError, match="of its own"):
+        gen.insert([prompt_of(5), prompt_of(6)], 4, response_format=c)
+    gen.close()
+
+
+def test_sampled_structured_rows_follow_the_masked_distribution(tmp_path):
+    """Speculative sampling with a masked target and a masked drafter: the
+    committed tokens are distributed as mlx-lm's masked sampler draws them
+    (probability-integral check over many seeded runs, as test_sampling's)."""
+    small = small_pair(tmp_path, QWEN3)
+    # ids 0..15 of the byte tokenizer are the characters ! to 0: a forced
+    # token after each "%", choices elsewhere, and never an end (eos is id 256)
+    form = {"type": "regex", "pattern": "(%&[!-$]{1,3}[*+,])*"}
+
+    def allow(tokens):
+        c = constraint_from_response_format(form, small.tokenizer)
+        rows = []
+        for t in tokens:
+            rows.append(c.mask(V))
+            c.commit([t])
+        return mx.stack(rows)
+
+    for kw in (dict(block_size=4), {}):
+        tokens, accepted = sampled_runs(small, small.draft, 4, dict(temperature=1.0), response_format=form, **kw)
+        ks, bound, outside = pit_check(small.model, tokens, dict(temperature=1.0), np.random.default_rng(0), allow)
+        assert outside == 0 and ks < bound, kw
+        assert max(accepted) >= 2, "drafts were accepted"
+    ks, bound, _ = pit_check(small.model, tokens, dict(temperature=1.0), np.random.default_rng(0))
+    assert ks > bound, "the check tells the unmasked target's distribution from what was sampled"

@@ -466,9 +466,11 @@ def generated_tokens(model, draft, tokenizer, seed, max_tokens, **kw):
     return dflash_tokens(model, draft, tokenizer, PROMPT, max_tokens=max_tokens, **kw)
 
 
-def pit_check(model, runs, setting, rng):
+def pit_check(model, runs, setting, rng, allow=None):
     """Randomised PIT of every generated token under the target's exact
-    processed p given its actual prefix (one plain mlx-lm forward per run).
+    processed p given its actual prefix (one plain mlx-lm forward per run;
+    ``allow(tokens)``: the tokens allowed at each position ``[n, V]``, the
+    others' logits -inf, as a grammar's mask leaves them).
 
     Returns (KS distance of the PIT values from U(0, 1), its DKW bound,
     number of tokens committed outside the processed support).
@@ -476,6 +478,8 @@ def pit_check(model, runs, setting, rng):
     us, outside = [], 0
     for tokens in runs:
         logits = model(mx.array([PROMPT + tokens]))[0, len(PROMPT) - 1 : -1]
+        if allow is not None:
+            logits = mx.where(allow(tokens), logits, -mx.inf)
         p = np.array(processed_probs(logits, **setting), dtype=np.float64)
         x = np.array(tokens)
         p_x = p[np.arange(len(x)), x]
