@@ -89,8 +89,10 @@ def grammar_of(response_format) -> Optional[str]:
 def checked(grammar: str, what: str, tokenizer: Optional[LLTokenizer] = None) -> str:
     """``grammar`` if llguidance finds it valid, else an :class:`ArgumentError` with its message."""
     error = LLMatcher.validate_grammar(grammar, tokenizer)
-    if error:
-        raise ArgumentError(f"the {what} is invalid: {error.strip()}")
+    if error:  # (on one line: llguidance's source excerpts and carets left out)
+        lines = [line.strip() for line in error.splitlines()]
+        said = " ".join(line for line in lines if line and set(line) != {"^"} and not line.split("|")[0].strip().isdigit())
+        raise ArgumentError(f"the {what} is invalid: {said}")
     return grammar
 
 

@@ -571,3 +571,57 @@ def test_listening_beyond_loopback_without_a_key_warns(capsys, monkeypatch, host
     listen(args).server_close()
     err = capsys.readouterr().err
     assert (err.count("warning: listening on 0.0.0.0 without --api-key") == 1) == warned and KEY not in err
+
+
+# Structured outputs: the answer held to a schema, through the DFlash loop
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "sunny": {"type": "boolean"}, "high": {"type": "integer", "minimum": -40, "maximum": 50}},
+    "required": ["city", "sunny", "high"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},  # (a tiny target could pad with whitespace to max_tokens)
+}
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"], "additionalProperties": False}}}
+
+
+def valid_weather(answer: dict) -> bool:
+    """WEATHER_SCHEMA checked by hand (jsonschema is not a dependency)."""
+    return (set(answer) == {"city", "sunny", "high"} and answer["city"] in ("Paris", "Rome")
+            and isinstance(answer["sunny"], bool) and isinstance(answer["high"], int) and -40 <= answer["high"] <= 50)
+
+
+def masked_reference_text(served, messages, form, tools=None):
+    """mlx-lm's greedy text with the format's llguidance mask as a logits processor."""
+    from dflash_mlx.structured import constraint_from_response_format
+
+    _, model, tokenizer = served
+    ids = tokenizer.apply_chat_template(copy.deepcopy(messages), tools=tools, add_generation_prompt=True)
+    c = constraint_from_response_format(form, tokenizer)
+    return reference_text(model, tokenizer, ids, MAX_TOKENS, logits_processors=[c.processor()])
+
+
+def test_structured_outputs_validate_through_the_openai_client(served, oai, chat_pair):
+    form = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER_SCHEMA, "strict": True}}
+    want = masked_reference_text(served, ASK, form)
+    r = oai.chat.completions.create(model="m", messages=ASK, response_format=form, max_tokens=MAX_TOKENS)
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    assert valid_weather(json.loads(want))
+    chunks = list(oai.chat.completions.create(model="m", messages=ASK, response_format=form, max_tokens=MAX_TOKENS, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    with live_server(chat_pair, "--tree-budget", "3") as lone:  # a request alone: generate_step's path
+        alone = openai.OpenAI(base_url=lone + "/v1", api_key="x", max_retries=0, timeout=300)
+        assert alone.chat.completions.create(model="m", messages=ASK, response_format=form, max_tokens=MAX_TOKENS).choices[0].message.content == want
+
+    # a strict tool, its call forced: the arguments hold to its parameters
+    r = oai.chat.completions.create(model="m", messages=ASK, tools=[STRICT_WEATHER], max_tokens=MAX_TOKENS,
+                                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = r.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    assert r.choices[0].finish_reason == "tool_calls"
+
+    # Responses' text.format, the same answer
+    r = oai.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=MAX_TOKENS,
+                             text={"format": {"type": "json_schema", "name": "weather", "schema": WEATHER_SCHEMA, "strict": True}})
+    assert r.output_text == want

@@ -51,6 +51,22 @@ def test_generate_matches_library_text(tiny_dirs, qwen3_5_pair, capsys):
     assert out.startswith("abc" + text)
 
 
+def test_generate_holds_its_answer_to_a_regex(tiny_dirs, qwen3_5_pair, capsys):
+    import dflash_mlx
+
+    model, draft_dir = tiny_dirs
+    pattern = "(yes|no), because [a-z]{2,8}[.]"
+    assert generate.main(["--model", model, "--draft-model", draft_dir, "--prompt", "abc", "-m", "24", "--regex", pattern]) == 0
+    out = capsys.readouterr().out
+    draft = dflash_mlx.load_draft(draft_dir, qwen3_5_pair.model)
+    text = dflash_mlx.generate(qwen3_5_pair.model, draft, qwen3_5_pair.tokenizer, "abc", max_tokens=24, response_format={"type": "regex", "pattern": pattern})
+    assert out.startswith("abc" + text) and text.startswith(("yes, because ", "no, because "))
+    assert "Forced by the response format:" in out
+    assert cli.run(generate.main, ["--model", model, "--draft-model", draft_dir, "--regex", "a(("]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the regular expression is invalid") and err.count("\n") == 1
+
+
 def test_generate_bad_paths_fail_cleanly(tiny_dirs, tmp_path, capsys):
     model, _ = tiny_dirs
     assert cli.run(generate.main, ["--model", model, "--draft-model", str(tmp_path / "none")]) == 1
