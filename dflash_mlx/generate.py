@@ -223,12 +223,9 @@ def generate_step(
     tokens per second, as measured (:mod:`dflash_mlx.adaptive`; a ``sizer`` makes
     the choices instead): a seeded sampled run repeats only when they are fixed.
 
-    ``response_format`` (OpenAI's shape, see :mod:`dflash_mlx.structured`;
-    it needs the target's ``tokenizer``), or a fresh
-    :class:`~dflash_mlx.structured.Constraint`, holds the answer to a JSON
-    schema, a regular expression or a Lark grammar, exactly as mlx-lm's
-    decode with the same mask as a logits processor; the answer ends at the
-    tokenizer's eos once the grammar is complete (docs/structured.md).
+    ``response_format`` (:mod:`dflash_mlx.structured`, with the target's
+    ``tokenizer``) holds the answer to a grammar as mlx-lm's masked decode
+    does, to the tokenizer's eos once complete (docs/structured.md).
     """
     rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
     constraint = constraint_for(response_format, tokenizer)
@@ -243,23 +240,29 @@ def generate_step(
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
         eos = frozenset(eos_token_ids) | frozenset(constraint.eos if constraint else ())
         request = Request(0, cache, rule, max_tokens, eos, logprobs, controls=[constraint] if constraint else [])
-        first = request.start(logits)
-        if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
-            yield from yielded(first)  # before the cycles' costs are measured, not after
-            if first.finish_reason is not None:
+        yield from decoded(target, draft, request, request.start(logits), max_block, trees, block_size is not None, sizer)
+
+
+def decoded(target, draft, request: Request, first: BatchResponse, max_block: int, trees, fixed: bool, sizer):
+    """A prefilled request's tokens as :func:`generate_step` yields them,
+    from its prefill's ``first`` to its end, on a decoder holding it alone."""
+    cache = request.cache
+    if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
+        yield from yielded(first)  # before the cycles' costs are measured, not after
+        if first.finish_reason is not None:
+            return
+        first = None
+    sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, fixed, sizer, *trees)
+    decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
+    decoder.join([request])
+    decoder.queue()  # the first cycle runs while the first token goes out
+    if first is not None:
+        yield from yielded(first)
+    while True:
+        for response in decoder.step():
+            yield from yielded(response)
+            if response.finish_reason is not None:
                 return
-            first = None
-        sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)
-        decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
-        decoder.join([request])
-        decoder.queue()  # the first cycle runs while the first token goes out
-        if first is not None:
-            yield from yielded(first)
-        while True:
-            for response in decoder.step():
-                yield from yielded(response)
-                if response.finish_reason is not None:
-                    return
 
 
 @contextmanager
