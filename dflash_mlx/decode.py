@@ -361,8 +361,8 @@ class Decoder:
         grammars = [drafting(r) for r in rows]
         if not all(grammars):
             return choice
-        room = min(r.room for r in rows)
-        block = min(room, 1 + min(len(g.forced(self.max_block - 1)) for g in grammars))
+        most = min([r.room for r in rows] + [r.block_limit for r in rows if r.block_limit])
+        block = min(most, 1 + min(len(g.forced(self.max_block - 1)) for g in grammars))
         if block <= 1:
             return choice
         return block if isinstance(choice, TreeChoice) else max(choice, block)

@@ -565,3 +565,13 @@ def test_sampled_structured_rows_follow_the_masked_distribution(tmp_path):
         assert max(accepted) >= 2, "drafts were accepted"
     ks, bound, _ = pit_check(small.model, tokens, dict(temperature=1.0), np.random.default_rng(0))
     assert ks > bound, "the check tells the unmasked target's distribution from what was sampled"
+
+
+def test_forced_text_is_verified_in_one_cycle_without_drafting(make_pair, tmp_path):
+    pair = make_pair("qwen3")
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=16), pair.model)
+    form = {"type": "regex", "pattern": "The answer is (yes|no)\\."}
+    got, responses = structured_run(pair.model, draft, pair.tokenizer, prompt_of(8), form, 30)
+    assert got == masked_reference(pair.model, pair.tokenizer, prompt_of(8), form, 30)
+    assert responses[0].forced == 1 and responses[1].forced == len("he answer is ")
+    assert responses[1].committed == len("he answer is ") + 1, "the forced run and the target's choice after it, in one cycle"
