@@ -68,6 +68,7 @@ from .errors import ArgumentError, RequestError
 from .batch import DEFAULT_COMPLETION_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, BatchGenerator
 from .generate import generate_step
 from .prefill import feed
+from .structured import constraint_for
 from .pipeline import STOP, agree_flag, share_request
 from .traffic import record_safely
 
@@ -258,7 +259,7 @@ class Served:
         self.eos = set(self.tokenizer.eos_token_ids)
         self.want = args.logprobs or args.top_logprobs > 0
         self.detok = self.tokenizer.detokenizer
-        self.n = self.accepted = 0
+        self.n = self.accepted = self.forced = 0  # (forced: tokens its response format left no choice over)
         self.answer: List[int] = []  # every token out, eos included (what --learn records)
         self.sizes, self.trees, self.cycle_starts = Counter(), Counter(), False
         self.alive = time.monotonic()
@@ -288,7 +289,7 @@ class Served:
             logging.info("request stopped by the client after %d tokens", self.n)
         cycles = sum(self.sizes.values()) + sum(self.trees.values())
         self.ctx.dflash.update(
-            cycles=cycles, accepted_draft_tokens=self.accepted,
+            cycles=cycles, accepted_draft_tokens=self.accepted, forced_tokens=self.forced,
             block_sizes={b: k for b, k in sorted(self.sizes.items()) if k},
             tree_sizes={n: k for n, k in sorted(self.trees.items()) if k},
             tokens_per_cycle=round((len(self.answer) - 1) / max(1, cycles), 3),
@@ -502,18 +503,19 @@ class DFlashResponseGenerator:
                 mx.random.seed(args.seed)
             block_size = prepared.block_size or self.cli_args.block_size  # None: adaptive
             tree_budget = 0 if prepared.block_size else self.cli_args.tree_budget  # num_draft_tokens: a chain
+            constraint = constraint_for(prepared.response_format, self.tokenizer)  # (its forced tokens counted)
             steps = generate_step(
                 served.todo, self.model, self.draft, prompt_cache=served.cache, max_tokens=args.max_tokens,
                 block_size=block_size, tree_budget=tree_budget, temperature=args.sampling.temperature,
                 top_p=args.sampling.top_p, top_k=args.sampling.top_k, min_p=args.sampling.min_p,
                 eos_token_ids=served.eos, logprobs=served.want, prefill_step_size=self.cli_args.prefill_step_size,
-                prompt_progress_callback=served.progress, response_format=prepared.response_format,
-                tokenizer=self.tokenizer,
+                prompt_progress_callback=served.progress, response_format=constraint,
             )
             with wired_limit(self.model, [generation_stream]), closing(steps):
                 for token, logprobs, from_draft, block, tree in steps:
                     if served.add(token, logprobs, from_draft, block, tree) or self.client_gone(served.ctx, from_draft):
                         break
+            served.forced = constraint.forced_count if constraint else 0
             self.finish(served)
         except Exception as e:
             logging.exception("request failed")
@@ -564,6 +566,7 @@ class DFlashResponseGenerator:
                 if r.uid in gone:
                     continue
                 served = self.serving[r.uid]
+                served.forced += r.forced
                 ended = False
                 for i, token in enumerate(r.tokens):
                     lp = None if r.logprobs is None else r.logprobs[i]

@@ -607,11 +607,14 @@ def test_structured_outputs_validate_through_the_openai_client(served, oai, chat
     r = oai.chat.completions.create(model="m", messages=ASK, response_format=form, max_tokens=MAX_TOKENS)
     assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
     assert valid_weather(json.loads(want))
+    assert 0 < r.usage.model_extra["dflash"]["forced_tokens"] < r.usage.completion_tokens + 1  # (the eos is one)
     chunks = list(oai.chat.completions.create(model="m", messages=ASK, response_format=form, max_tokens=MAX_TOKENS, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     with live_server(chat_pair, "--tree-budget", "3") as lone:  # a request alone: generate_step's path
         alone = openai.OpenAI(base_url=lone + "/v1", api_key="x", max_retries=0, timeout=300)
-        assert alone.chat.completions.create(model="m", messages=ASK, response_format=form, max_tokens=MAX_TOKENS).choices[0].message.content == want
+        lone_answer = alone.chat.completions.create(model="m", messages=ASK, response_format=form, max_tokens=MAX_TOKENS)
+        assert lone_answer.choices[0].message.content == want
+        assert lone_answer.usage.model_extra["dflash"]["forced_tokens"] == r.usage.model_extra["dflash"]["forced_tokens"]
 
     # a strict tool, its call forced: the arguments hold to its parameters
     r = oai.chat.completions.create(model="m", messages=ASK, tools=[STRICT_WEATHER], max_tokens=MAX_TOKENS,
