@@ -368,16 +368,17 @@ BAD = [
     ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER + [
         {"role": "assistant", "content": [{"type": "tool_use", "name": "get_weather", "input": {}}]}]}, "needs an id"),
     ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER, "tools": [ANTHROPIC_TOOL],
-                      "tool_choice": {"type": "any"}}, "tool_choice"),
+                      "tool_choice": {"type": "tool", "name": "nope"}}, "not among the tools"),
     ("/v1/messages", {"model": "m", "max_tokens": 0, "messages": USER}, "max_tokens"),
     ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER, "top_k": -1}, "top_k"),
     ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "image"),
     ("/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "role"),
     ("/v1/responses", {"model": "m", "input": [{"role": "robot", "content": "x"}]}, "role"),
     ("/v1/responses", {"model": "m", "input": [{"type": "function_call_output", "output": "x"}]}, "call_id"),
-    ("/v1/responses", {"model": "m", "input": "hi", "tools": [RESPONSES_TOOL], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/responses", {"model": "m", "input": "hi", "tool_choice": "required"}, "needs tools"),
     ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": -1}, "max_tokens"),
-    ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [WEATHER_TOOL], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "cannot both hold"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "role"),
     ("/v1/chat/completions", {"model": "m", "messages": USER, "response_format": {"type": "json_schema",
                               "json_schema": {"name": "a", "schema": {"type": "strin"}}}}, "JSON schema is invalid"),
@@ -409,7 +410,7 @@ def test_malformed_requests_get_4xx_in_their_dialect_and_the_server_goes_on(serv
 def test_anthropic_client_raises_bad_request(claude):
     with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
         claude.messages.create(model="m", max_tokens=4, messages=USER, tools=[ANTHROPIC_TOOL],
-                               tool_choice={"type": "tool", "name": "get_weather"})
+                               tool_choice={"type": "tool", "name": "get_time"})
 
 
 def metrics(base: str) -> dict:
@@ -623,6 +624,18 @@ def test_structured_outputs_validate_through_the_openai_client(served, oai, chat
     arguments = json.loads(call.function.arguments)
     assert call.function.name == "get_weather" and set(arguments) == {"city"} and isinstance(arguments["city"], str)
     assert r.choices[0].finish_reason == "tool_calls"
+
+    # a forced call in the other dialects: the call the target makes unforced
+    want_call = split_tool_call(reference(served, ASK, [WEATHER_TOOL])[0])
+    r = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=MAX_TOKENS)
+    (call,) = r.choices[0].message.tool_calls
+    assert {"name": call.function.name, "arguments": json.loads(call.function.arguments)} == want_call
+    claude = anthropic.Anthropic(base_url=served[0], api_key="x", max_retries=0, timeout=300)
+    m = claude.messages.create(model="m", max_tokens=MAX_TOKENS, messages=ASK, tools=[ANTHROPIC_TOOL], tool_choice={"type": "any"})
+    assert m.stop_reason == "tool_use" and (m.content[-1].name, m.content[-1].input) == (want_call["name"], want_call["arguments"])
+    r = oai.responses.create(model="m", input=ASK[0]["content"], tools=[RESPONSES_TOOL], tool_choice="required", max_output_tokens=MAX_TOKENS)
+    (item,) = r.output
+    assert item.type == "function_call" and (item.name, json.loads(item.arguments)) == (want_call["name"], want_call["arguments"])
 
     # Responses' text.format, the same answer
     r = oai.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=MAX_TOKENS,
