@@ -231,8 +231,7 @@ def generate_step(
     constraint = constraint_for(response_format, tokenizer)
     if max_tokens < 1:
         raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
-    max_block = max_block_size(draft, block_size, sizer)
-    target = bound_target(model, draft)
+    max_block, target = max_block_size(draft, block_size, sizer), bound_target(model, draft)
     trees = tree_plan(target, draft, tree_budget, sizer)
     cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink)
     prompt = checked_prompt(target, cache, prompt)
@@ -240,29 +239,7 @@ def generate_step(
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
         eos = frozenset(eos_token_ids) | frozenset(constraint.eos if constraint else ())
         request = Request(0, cache, rule, max_tokens, eos, logprobs, controls=[constraint] if constraint else [])
-        yield from decoded(target, draft, request, request.start(logits), max_block, trees, block_size is not None, sizer)
-
-
-def decoded(target, draft, request: Request, first: BatchResponse, max_block: int, trees, fixed: bool, sizer):
-    """A prefilled request's tokens as :func:`generate_step` yields them,
-    from its prefill's ``first`` to its end, on a decoder holding it alone."""
-    cache = request.cache
-    if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
-        yield from yielded(first)  # before the cycles' costs are measured, not after
-        if first.finish_reason is not None:
-            return
-        first = None
-    sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, fixed, sizer, *trees)
-    decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
-    decoder.join([request])
-    decoder.queue()  # the first cycle runs while the first token goes out
-    if first is not None:
-        yield from yielded(first)
-    while True:
-        for response in decoder.step():
-            yield from yielded(response)
-            if response.finish_reason is not None:
-                return
+        yield from alone(target, draft, request, request.start(logits), max_block, trees, block_size is not None, sizer)
 
 
 @contextmanager
@@ -278,6 +255,30 @@ def generation(target, draft, cache: PromptCache, stream):
                 target.rollback(cache.target, 0)
             cache.drop_unreadable()  # at rest, the cache holds only what a drafter may read
             mx.clear_cache()
+
+
+def alone(target, draft, request: Request, first: BatchResponse, max_block: int, trees, fixed: bool, sizer):
+    """A prefilled lone request's tokens, from its prefill's ``first``: the
+    cycles' costs measured if they are not yet (after ``first`` goes out),
+    then a decoder holding it alone, whose first cycle is queued before
+    ``first`` goes out, then cycle after cycle to its end."""
+    cache = request.cache
+    if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
+        yield from yielded(first)  # before the cycles' costs are measured, not after
+        if first.finish_reason is not None:
+            return
+        first = None
+    sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, fixed, sizer, *trees)
+    decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
+    decoder.join([request])
+    decoder.queue()
+    if first is not None:
+        yield from yielded(first)
+    while True:
+        for response in decoder.step():
+            yield from yielded(response)
+            if response.finish_reason is not None:
+                return
 
 
 def yielded(response: BatchResponse):
