@@ -575,3 +575,15 @@ def test_forced_text_is_verified_in_one_cycle_without_drafting(make_pair, tmp_pa
     assert got == masked_reference(pair.model, pair.tokenizer, prompt_of(8), form, 30)
     assert responses[0].forced == 1 and responses[1].forced == len("he answer is ")
     assert responses[1].committed == len("he answer is ") + 1, "the forced run and the target's choice after it, in one cycle"
+
+
+def test_a_dflash2_drafter_drafts_held_blocks_exactly(make_pair, tmp_path):
+    """A grammar row drafts from the drafter's slot logits (DFlash2's
+    selector walk is its unconstrained rows' path): exact all the same."""
+    from dflash_mlx.random_pair import make_draft
+
+    pair = make_pair("qwen3")
+    draft = dflash_mlx.load_draft(str(make_draft(tmp_path / "d2", pair.dflash2_config(), seed=2)), pair.model)
+    for form in FORMS[:2]:
+        want = masked_reference(pair.model, pair.tokenizer, prompt_of(9), form, 40)
+        assert structured_run(pair.model, draft, pair.tokenizer, prompt_of(9), form, 40, block_size=8)[0] == want
