@@ -223,3 +223,17 @@ def test_adapter_path_decodes_as_mlx_lm_with_the_adapter(qwen3_pair, adapter, tm
     assert want != qwen3_pair.reference(prompt, 24)  # the adapter changes the output
     got = [t for r in dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=24) for t in r.tokens]
     assert got == want
+
+
+def test_a_prompt_cache_file_of_mlx_lm_is_refused_with_a_clear_error(qwen3_pair, tmp_path):
+    """mlx_lm.cache_prompt's files hold the target's cache alone; DFlash's
+    drafter needs its own context, so such a file is refused by name."""
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    cache = make_prompt_cache(qwen3_pair.model)
+    qwen3_pair.model(mx.array([[1, 2, 3]]), cache=cache)
+    path = str(tmp_path / "mlx_lm.safetensors")
+    save_prompt_cache(path, cache, {"model": str(qwen3_pair.path), "tokenizer_config": "{}"})  # as mlx_lm.cache_prompt writes it
+    draft = dflash_mlx.load_draft(qwen3_pair.make_draft(tmp_path / "d"), qwen3_pair.model)
+    with pytest.raises(ArgumentError, match=r"mlx-lm's prompt cache \(mlx_lm.cache_prompt\).*save_prompt_cache"):
+        dflash_mlx.load_prompt_cache(path, draft)
