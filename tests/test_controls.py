@@ -109,21 +109,29 @@ def a_parser():
     return p
 
 
-def test_flags_mirror_mlx_lm_generates_names_types_and_defaults():
-    ours = {a.dest: a for a in a_parser()._actions}
-    theirs = {a.dest: a for a in mlx_lm_generate.setup_arg_parser()._actions}
-    for dest, a in ours.items():
-        if dest == "help":
-            continue
-        b = theirs[dest]
-        assert a.option_strings == b.option_strings and a.nargs == b.nargs and type(a) is type(b), dest
-        default = a.default
-        if dest == "chat_template_config":  # parsed into the dict it holds
-            assert default is None and b.default is None
-            continue
-        assert default == b.default, dest
-        if b.type is not None and a.default is not None:
-            assert type(a.type(str(b.default))) is type(b.type(str(b.default))), dest
+# Each helper flag with values mlx_lm.generate's parser takes.
+SAMPLES = {
+    "--xtc-probability": ["0.25"], "--xtc-threshold": ["0.2"], "--min-tokens-to-keep": ["3"], "--kv-bits": ["4"],
+    "--kv-group-size": ["32"], "--quantized-kv-start": ["0"], "--max-kv-size": ["256"], "--adapter-path": ["a"],
+    "--trust-remote-code": [], "--extra-eos-token": ["<a>", "<b>"], "--prefill-response": ["Sure"],
+    "--prompt-cache-file": ["c.safetensors"], "--use-default-chat-template": [],
+}
+
+
+@pytest.mark.parametrize("flag", SAMPLES)
+def test_flags_mirror_mlx_lm_generates_names_types_and_defaults(flag):
+    ours, theirs = a_parser(), mlx_lm_generate.setup_arg_parser()
+    dest = flag[2:].replace("-", "_")
+    assert ours.get_default(dest) == theirs.get_default(dest)
+    got, want = ours.parse_args([flag, *SAMPLES[flag]]), theirs.parse_args([flag, *SAMPLES[flag]])
+    assert getattr(got, dest) == getattr(want, dest) and type(getattr(got, dest)) is type(getattr(want, dest))
+
+
+def test_chat_template_config_is_mlx_lms_json_parsed():
+    """mlx_lm.generate keeps the text and parses it later; here the parser gives the object (or one error line)."""
+    text = '{"enable_thinking": false}'
+    assert a_parser().parse_args(["--chat-template-config", text]).chat_template_config == json.loads(
+        mlx_lm_generate.setup_arg_parser().parse_args(["--chat-template-config", text]).chat_template_config)
 
 
 @pytest.mark.parametrize("flag, value, says", [

@@ -86,7 +86,8 @@ def read_by_body(source: str) -> set:
 
 
 def flags(parser) -> set:
-    return {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    """A parser's long flags, as its usage line names them."""
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", parser.format_usage())) - {"--help"}
 
 
 def string_constants(obj) -> set:
@@ -165,6 +166,7 @@ def test_the_readers_find_what_they_look_for():
     assert read_by_body(source) == {"x", "y", "z"}
     assert {"messages", "logit_bias", "stream_options", "repetition_context_size"} <= read_by_body(inspect.getsource(APIHandler))
     assert {"--kv-bits", "--num-draft-tokens", "--chat-template-args"} <= flags(mlx_lm_server_parser())
+    assert len(flags(mlx_lm_server_parser())) == 26 and "--help" not in flags(chat.setup_arg_parser())
     assert field_is_read("logit_bias", "dflash_mlx.server.logit_bias")
     assert not field_is_read("logit_bias", "dflash_mlx.server.chat_tokens")
     assert field_is_read("stream_options", "mlx_lm.server.APIHandler.do_POST")
