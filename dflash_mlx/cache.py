@@ -430,6 +430,12 @@ def read_cache_metadata(file_name: str, verify: bool = False) -> Dict[str, str]:
             size = os.fstat(f.fileno()).st_size
             if size != start + data_length(header):
                 raise ValueError(f"{size} bytes where the header describes {start + data_length(header)}")
+            if isinstance(metadata, dict) and "dflash_mlx" not in metadata and "1.0" in metadata:  # its cache classes
+                raise ArgumentError(
+                    f"{file_name} is mlx-lm's prompt cache (mlx_lm.cache_prompt): it holds the target's cache "
+                    "without the drafter's context, which DFlash decodes from; save one with "
+                    "dflash_mlx.save_prompt_cache after a generation with make_prompt_cache(model, draft)"
+                )
             if not isinstance(metadata, dict) or "dflash_mlx" not in metadata:
                 raise ArgumentError(f"{file_name} is not a dflash_mlx prompt cache (save it with save_prompt_cache)")
             if metadata.get("dflash_mlx_format") != CACHE_FORMAT:

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 
 import anthropic
+import mlx.core as mx
 import openai
 import pytest
 from mlx_lm import load
@@ -28,7 +29,9 @@ from tiny import reference_text
 from tiny_chat import ASK, CALLED, RESULT, THINK, WEATHER_TOOL, make_chat_draft, make_chat_target
 
 import dflash_mlx
-from dflash_mlx.server import make_server, setup_arg_parser
+from dflash_mlx.api.harmony import text_format
+from dflash_mlx.server import make_server, prepare, setup_arg_parser
+from dflash_mlx.targets import adapter_for
 
 MAX_TOKENS = 96
 # The Anthropic and Responses forms of the weather tool.
@@ -379,6 +382,29 @@ BAD = [
     ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": -1}, "max_tokens"),
     ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "role"),
+    # tool definitions, checked before the template reads them
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [{"type": "function", "function": {"name": 5}}]},
+     "tools.0.function needs a name (a non-empty string), not 5"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": "city"}}]}, "schema must be a JSON object"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [{"name": "f"}]}, "tools.0 must be"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER, "tools": [{"name": 7, "input_schema": {}}]},
+     "needs a name"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER, "tools": [{"name": "f", "input_schema": [1]}]},
+     "schema must be a JSON object"),
+    ("/v1/responses", {"model": "m", "input": "hi", "tools": [{"type": "bogus", "name": "f"}]}, "type 'bogus'"),
+    ("/v1/responses", {"model": "m", "input": "hi", "tools": [{"type": "function", "name": 3}]}, "needs a name"),
+    # mlx-lm's controls, out of range
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "repetition_context_size": -1}, "repetition_context_size"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "presence_context_size": 1.5}, "presence_context_size"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "repetition_penalty": -1}, "repetition_penalty"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "logit_bias": {"100000": 1}}, "outside the vocabulary"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "logit_bias": {"x": 1}}, "not a token id"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "logit_bias": {"3": "up"}}, "finite number"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "top_logprobs": 12}, "top_logprobs must be at most 11"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "xtc_threshold": 0.7}, "xtc_threshold must be at most 0.5"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "xtc_probability": 2}, "xtc_probability"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "n": 2}, "n must be 1"),
 ]
 
 
@@ -548,6 +574,66 @@ def test_limits_get_413_and_400_in_the_dialect_and_the_server_goes_on(keyed, pat
     assert_error_shape(answer, dialect, "invalid_request_error")
     short = {"messages": ASK, "input": "hi", "max_tokens": 4}
     assert raw_request(keyed[0], "POST", path, json.dumps(short).encode(), auth)[0] == 200
+
+
+def urllib_post(base, body: bytes, headers):
+    """(status, JSON answer) of a POST sent with Python's urllib, which sends its whole body before reading."""
+    req = urllib.request.Request(base + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("size", [4001, 16 << 20])
+def test_a_body_over_the_limit_gets_a_413_the_client_reads(keyed, size):
+    """The refused body is read (and dropped) before the answer: a client
+    still sending meets the 413, not a reset connection."""
+    body = json.dumps({"messages": [{"role": "user", "content": ""}], "max_tokens": 4}).encode()
+    body = body[:-1] + b" " * (size - len(body)) + b"}"
+    assert len(body) == size
+    status, answer = urllib_post(keyed[0], body, {"x-api-key": KEY})
+    assert status == 413 and "--max-request-bytes" in answer["error"]["message"]
+    assert urllib_post(keyed[0], json.dumps({"messages": ASK, "max_tokens": 2}).encode(), {"x-api-key": KEY})[0] == 200
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(served, oai):
+    """A message of many megabytes: refused from its length in characters
+    (its tokens bounded below by the longest token's length), never
+    tokenized whole; the message says "at least", the bound's word."""
+    from dflash_mlx.server import longest_token
+
+    _, model, tokenizer = served
+    context = model.args.max_position_embeddings
+    content = "x" * max(8 << 20, (context + 1) * longest_token(tokenizer))
+    status, answer = urllib_post(served[0], json.dumps({"messages": [{"role": "user", "content": content}]}).encode(), {})
+    assert status == 400 and answer["error"]["param"] == "messages"
+    least = int(answer["error"]["message"].split("at least ")[1].split()[0])
+    assert least >= len(content) // longest_token(tokenizer) > context
+    assert f"context is {context}" in answer["error"]["message"]
+    assert oai.chat.completions.create(model="m", messages=USER, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_controls_are_parsed_for_the_loop(served):
+    """A request's penalties, logit bias and XTC become mlx-lm's processors
+    and XTC keywords on the prepared request, as mlx-lm's server builds them."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    tokenizer, target = served[2], adapter_for(served[1])
+    body = {"messages": USER, "repetition_penalty": 1.5, "logit_bias": {"5": 3}, "frequency_penalty": 0.5,
+            "frequency_context_size": 4, "xtc_probability": 0.25}
+    prepared = prepare(tokenizer, target, body, "chat", None, {}, text_format(tokenizer))
+    processors = prepared.controls.pop("logits_processors")
+    want = make_logits_processors({5: 3.0}, 1.5, 20, None, 20, 0.5, 4)
+    tokens, logits = mx.array(prepared.tokens), mx.random.normal((1, target.vocab_size), key=mx.random.key(2))
+    a, b = logits, mx.array(logits.tolist())
+    for p, q in zip(processors, want, strict=True):
+        a, b = p(tokens, a), q(tokens, b)
+    assert mx.array_equal(a, b)
+    assert prepared.controls == {"xtc_probability": 0.25, "xtc_threshold": 0.1,
+                                 "xtc_special_tokens": tokenizer.encode("\n") + list(tokenizer.eos_token_ids)}
+    assert prepare(tokenizer, target, {"messages": USER}, "chat", None, {}, text_format(tokenizer)).controls == {}
 
 
 @pytest.mark.parametrize("host, key, warned", [("0.0.0.0", None, True), ("0.0.0.0", KEY, False), ("127.0.0.1", None, False)])

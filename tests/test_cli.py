@@ -302,3 +302,28 @@ def test_argument_parser_rejects_bad_values_in_one_line(capsys):
     with pytest.raises(SystemExit) as stop:
         p.parse_args(["--unknown"])
     assert stop.value.code == 1 and capsys.readouterr().err.startswith("error: unrecognized arguments")
+
+
+@pytest.mark.parametrize("command", ["chat", "server"])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--kv-bits", "7"], ["--kv-bits", "kv_bits must be one of 1, 2, 3, 4, 5, 6, 8"]),
+        (["--kv-group-size", "100"], ["--kv-group-size", "32, 64, 128"]),
+        (["--quantized-kv-start", "-4"], ["--quantized-kv-start", "at least 0"]),
+        (["--max-kv-size", "0"], ["--max-kv-size", "at least 1"]),
+    ],
+)
+def test_mlx_lm_cache_flags_refuse_bad_values_in_one_line(run_here, command, args, needles):
+    """mlx-lm's KV-cache flags are refused by the parser, before any model loads."""
+    assert_one_error_line(run_here(f"dflash_mlx.{command}", *args), *needles)
+
+
+def test_chat_takes_mlx_lms_flags(tiny_dirs, capsys):
+    """chat with mlx-lm's XTC, template and eos flags runs (the greedy default leaves XTC aside)."""
+    model, draft = tiny_dirs
+    answers = iter(["hello", "q"])
+    flags = ["--xtc-threshold", "0.2", "--chat-template-config", '{"x": 1}', "--extra-eos-token", "7"]
+    assert chat.main(["--model", model, "--draft-model", draft, "-m", "8", *flags], input_fn=lambda _: next(answers)) == 0
+    assert capsys.readouterr().out.count("tokens/cycle]") == 1
+    assert_one_error_line(run_module("dflash_mlx.chat", "--model", model, "--chat-template-config", "[1]"), "must be a JSON object")
