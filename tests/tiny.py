@@ -226,6 +226,9 @@ class Pair:
     def reference(self, prompt, max_tokens, eos_ids=None, **kw):
         return reference_tokens(self.model, self.tokenizer, prompt, max_tokens, eos_ids, **kw)
 
+    def reference_steps(self, prompt, max_tokens, eos_ids=None, **kw):
+        return reference_steps(self.model, self.tokenizer, prompt, max_tokens, eos_ids, **kw)
+
     def dflash(self, draft, prompt, eos_ids=None, **kw):
         return dflash_tokens(self.model, draft, self.tokenizer, prompt, eos_ids, **kw)
 
@@ -351,6 +354,14 @@ def reference_tokens(model, tokenizer, prompt, max_tokens, eos_ids=None, **kw):
     """mlx-lm's own tokens (eos excluded, as both generators report)."""
     responses = reference_responses(model, tokenizer, prompt, max_tokens, eos_ids, **kw)
     return [r.token for r in responses if r.finish_reason != "stop"]
+
+
+def reference_steps(model, tokenizer, prompt, max_tokens, eos_ids=None, **kw):
+    """mlx-lm's own tokens and the logprobs it yields with each ``[n, V]``
+    (eos excluded); ``kw`` as :func:`reference_responses` takes them, a
+    ``logits_processors`` list and a ``sampler`` included."""
+    responses = [r for r in reference_responses(model, tokenizer, prompt, max_tokens, eos_ids, **kw) if r.finish_reason != "stop"]
+    return [r.token for r in responses], mx.stack([r.logprobs for r in responses])
 
 
 def reference_text(model, tokenizer, prompt, max_tokens, **kw):
