@@ -133,8 +133,8 @@ class Processors:
         drafted, ancestry = as_tokens(tokens)[1:], tree_ancestry(parents)
         if vectorised and self.settings is not None:
             return self.all_rows(logits, drafted, lambda held, c: windows(ancestry, held, c))
-        index = lambda path: drafted[mx.array(path, dtype=mx.int32)] if path else drafted[:0]  # noqa: E731
-        return mx.concatenate([self.row(logits[r : r + 1], index(a)) for r, a in enumerate(ancestry)])
+        along = [drafted[mx.array(a, dtype=mx.int32)] if a else drafted[:0] for a in ancestry]
+        return mx.concatenate([self.row(logits[r : r + 1], along[r]) for r in range(len(ancestry))])
 
     def row(self, logits: mx.array, drafted: mx.array) -> mx.array:
         """One row ``[1, V]`` through every processor, as mlx-lm calls them."""
@@ -155,7 +155,7 @@ class Processors:
             penalty, context = s[f"{kind}_penalty"], s[f"{kind}_context_size"]
             held = min(context, self.history.size)
             tail = mx.concatenate([self.history[self.history.size - held :], drafted])
-            if penalty is None or penalty == 0 or tail.size == 0:
+            if penalty is None or penalty == 0 or tail.size == 0:  # off, as mlx-lm leaves it; or no history yet
                 continue
             at = window(held, context)
             cols = mx.where(at >= 0, tail[mx.maximum(at, 0)], vocab)
@@ -192,6 +192,12 @@ def token_id(value, vocab_size: Optional[int], what: str) -> None:
         raise ArgumentError(f"{what}: token id {value} is outside the vocabulary (0..{vocab_size - 1}); pass ids below {vocab_size}")
 
 
+def positive_int(value, what: str, hint: str = "") -> None:
+    """An int of 1 or more (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ArgumentError(f"{what} must be a positive integer, got {value!r}; pass 1 or more{hint}")
+
+
 def finite(value, what: str, low: float = -math.inf, high: float = math.inf) -> None:
     """A real number in ``[low, high]``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high or math.isnan(value):
@@ -220,8 +226,8 @@ def check_processor_settings(vocab_size: Optional[int] = None, **settings) -> No
         penalty, context = s[f"{kind}_penalty"], s[f"{kind}_context_size"]
         if penalty is not None:
             finite(penalty, f"{kind}_penalty", low=0.0 if kind == "repetition" else -math.inf)
-        if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or context < 1:
-            raise ArgumentError(f"{kind}_context_size must be a positive number of tokens, got {context!r}; pass 1 or more (mlx-lm's default is 20)")
+        default = PROCESSOR_DEFAULTS[f"{kind}_context_size"]
+        positive_int(context, f"{kind}_context_size", f" tokens (mlx-lm's default is {default})")
 
 
 def check_sampler_settings(
@@ -240,5 +246,4 @@ def check_sampler_settings(
     finite(xtc_threshold, "xtc_threshold", 0.0, 0.5)
     for token in xtc_special_tokens or ():
         token_id(token, vocab_size, "xtc_special_tokens")
-    if isinstance(min_tokens_to_keep, bool) or not isinstance(min_tokens_to_keep, (int, np.integer)) or min_tokens_to_keep < 1:
-        raise ArgumentError(f"min_tokens_to_keep must be a positive integer, got {min_tokens_to_keep!r}; pass 1 or more")
+    positive_int(min_tokens_to_keep, "min_tokens_to_keep")

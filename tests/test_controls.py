@@ -290,9 +290,9 @@ def test_xtc_off_and_special_tokens():
 @pytest.mark.parametrize(
     "check, kwargs, says",
     [
-        (check_processor_settings, dict(repetition_context_size=0), "repetition_context_size must be a positive"),
-        (check_processor_settings, dict(presence_context_size=-3), "presence_context_size must be a positive"),
-        (check_processor_settings, dict(frequency_context_size=2.5), "frequency_context_size must be a positive"),
+        (check_processor_settings, dict(repetition_context_size=0), "repetition_context_size must be a positive integer, got 0; pass 1 or more tokens (mlx-lm's default is 20)"),
+        (check_processor_settings, dict(presence_context_size=-3), "presence_context_size must be a positive integer"),
+        (check_processor_settings, dict(frequency_context_size=2.5), "frequency_context_size must be a positive integer"),
         (check_processor_settings, dict(repetition_penalty=-1.0), "repetition_penalty must be a number in [0.0"),
         (check_processor_settings, dict(presence_penalty=float("nan")), "presence_penalty must be a number"),
         (check_processor_settings, dict(vocab_size=V, logit_bias={V: 1.0}), "outside the vocabulary (0..15)"),
