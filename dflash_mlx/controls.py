@@ -54,19 +54,22 @@ def logprobs(processed: mx.array) -> mx.array:
 @functools.lru_cache(maxsize=256)
 def chain_windows(rows: int, held: int, context: int) -> mx.array:
     """:func:`windows` of a chain: row ``r`` follows the first ``r`` drafted tokens."""
-    return windows([range(r) for r in range(rows)], held, context)
+    return windows([list(range(r)) for r in range(rows)], held, context)
 
 
 def windows(ancestry, held: int, context: int) -> mx.array:
     """Where each row's last ``context`` history tokens are in
     ``tail + drafted`` (``tail``: the last ``held`` committed tokens, the
     anchor last; ``ancestry[r]``: the drafted tokens row ``r`` follows, in
-    order), as ``[rows, context]`` int32, -1 where the history is shorter."""
-    out = np.full((len(ancestry), context), -1, dtype=np.int32)
+    order), right-aligned in ``[rows, width]`` int32 (``width``: the longest
+    such window), -1 where a row's history is shorter."""
+    width = min(context, held + max(len(a) for a in ancestry))
+    out = np.full((len(ancestry), width), -1, dtype=np.int32)
     for r, path in enumerate(ancestry):
-        seq = (list(range(held)) + [held + a for a in path])[-context:]
-        if seq:
-            out[r, context - len(seq) :] = seq
+        drafted = held + np.asarray(path[max(0, len(path) - width) :], dtype=np.int32)
+        k = min(width - drafted.size, held)  # committed tokens still in the window
+        out[r, width - drafted.size :] = drafted
+        out[r, width - drafted.size - k : width - drafted.size] = np.arange(held - k, held)
     return mx.array(out)
 
 
