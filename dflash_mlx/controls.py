@@ -16,9 +16,9 @@ step with each row's own history:
   them, so any processor is exact;
 * the processors ``mlx_lm.sample_utils.make_logits_processors`` makes
   (:meth:`Processors.from_settings`): all rows at once, each row's window
-  gathered from the history and the drafted tokens, then the same scatter
-  and gather operations mlx-lm applies to one row, so the result is
-  bit-identical (short windows point at a scratch column).
+  gathered from the history and the drafted tokens, then the same
+  elementwise operations mlx-lm applies to one row's window, so the result
+  is bit-identical.
 """
 
 import functools
@@ -122,7 +122,7 @@ class Processors:
         rows = logits.shape[0]
         if not self.callables:
             return logits
-        if vectorised and self.settings is not None:
+        if vectorised and self.settings is not None and self.history.size:
             return self.all_rows(logits, drafted, lambda held, c: chain_windows(rows, held, c))
         return mx.concatenate([self.row(logits[i : i + 1], drafted[:i]) for i in range(rows)])
 
@@ -134,7 +134,7 @@ class Processors:
         if not self.callables:
             return logits
         drafted, ancestry = as_tokens(tokens)[1:], tree_ancestry(parents)
-        if vectorised and self.settings is not None:
+        if vectorised and self.settings is not None and self.history.size:
             return self.all_rows(logits, drafted, lambda held, c: windows(ancestry, held, c))
         along = [drafted[mx.array(a, dtype=mx.int32)] if a else drafted[:0] for a in ancestry]
         return mx.concatenate([self.row(logits[r : r + 1], along[r]) for r in range(len(ancestry))])
@@ -147,30 +147,35 @@ class Processors:
         return logits
 
     def all_rows(self, logits: mx.array, drafted: mx.array, window) -> mx.array:
-        """Every row at once for make_logits_processors' own processors.
-        ``window(held, context)``: each row's window (see :func:`windows`)
-        into the last ``held`` history tokens followed by ``drafted``."""
-        s, (rows, vocab) = self.settings, logits.shape
-        out = mx.concatenate([logits, mx.zeros((rows, 1), dtype=logits.dtype)], axis=1)  # column V: the scratch
+        """Every row at once for make_logits_processors' own processors, with
+        the history not empty. ``window(held, context)``: each row's window
+        (see :func:`windows`) into the last ``held`` history tokens followed
+        by ``drafted``; a row's last slot always holds a token (the anchor
+        at least), and the slots before its window repeat it, which the
+        repetition and presence penalties write twice with the same value
+        and the frequency penalty subtracts 0 from."""
+        s, out = self.settings, logits
         if s["logit_bias"]:
             out = out.at[:, mx.array(list(s["logit_bias"].keys()))].add(mx.array(list(s["logit_bias"].values())))
         for kind in PENALTIES:
             penalty, context = s[f"{kind}_penalty"], s[f"{kind}_context_size"]
-            held = min(context, self.history.size)
-            tail = mx.concatenate([self.history[self.history.size - held :], drafted])
-            if penalty is None or penalty == 0 or tail.size == 0:  # off, as mlx-lm leaves it; or no history yet
+            if penalty is None or penalty == 0:  # off, as mlx-lm leaves it
                 continue
+            held = min(context, self.history.size)
             at = window(held, context)
-            cols = mx.where(at >= 0, tail[mx.maximum(at, 0)], vocab)
-            ids = mx.broadcast_to(mx.arange(rows, dtype=mx.int32)[:, None], cols.shape)
+            cols = mx.concatenate([self.history[self.history.size - held :], drafted])[mx.maximum(at, 0)]
+            cols = mx.where(at >= 0, cols, cols[:, -1:])
+            if kind == "frequency":
+                rows = mx.broadcast_to(mx.arange(cols.shape[0])[:, None], cols.shape)
+                out = out.at[rows, cols].subtract(mx.where(at >= 0, penalty, 0.0).astype(out.dtype))
+                continue
+            picked = mx.take_along_axis(out, cols, axis=-1)
             if kind == "repetition":
-                picked = out[ids, cols]
-                out[ids, cols] = mx.where(picked < 0, picked * penalty, picked / penalty)
-            elif kind == "presence":
-                out[ids, cols] -= penalty
+                picked = mx.where(picked < 0, picked * penalty, picked / penalty)
             else:
-                out = out.at[ids, cols].subtract(penalty)
-        return out[:, :vocab]
+                picked = picked - penalty
+            out = mx.put_along_axis(out, cols, picked, axis=-1)
+        return out
 
 
 def process_rows(processors: Sequence[Optional[Processors]], logits: mx.array, proposals=None) -> mx.array:
