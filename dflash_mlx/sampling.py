@@ -12,7 +12,10 @@ mlx-lm's ``apply_xtc`` draws it) is random per step: with probability
 ``xtc_probability`` every token above ``xtc_threshold`` but the least likely
 of them is removed. Its distribution is therefore the two-part mixture
 ``(1 - xtc_probability) * plain + xtc_probability * filtered``, written out
-exactly so the acceptance rule can use it.
+exactly so the acceptance rule can use it. mlx-lm's sampler draws that coin
+once per call, so rows sampled by one call of it share one coin where plain
+decoding flips one per token: a verify's rows are drawn from
+:func:`processed_probs`, one independent draw per row (:func:`sample`).
 
 :func:`speculative_accept` is the verification rule: a drafted token ``x``
 survives with probability ``min(1, p(x) / q(x))``; at the first rejection the
