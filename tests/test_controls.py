@@ -5,18 +5,22 @@ and a batch; XTC's distribution; logprobs; the settings checks.
 The distribution checks use tests/test_sampling.py's bounds (tiny.tv_bound:
 false-failure probability below tiny.DELTA per check)."""
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import apply_top_p, apply_xtc, make_logits_processors, make_sampler
-from tiny import V, prompt_of, tv, tv_bound
+from tiny import ANCHOR, PROMPT, V, continuation_logits, draft_noise, prompt_of, small_pair, tv, tv_bound
+
+import tiny
 
 from dflash_mlx.controls import (
     Processors, check_processor_settings, check_sampler_settings, logprobs, process_rows,
 )
 from dflash_mlx.errors import ArgumentError
 from dflash_mlx.generate import accept_greedy
-from dflash_mlx.sampling import processed_probs, xtc_removed
+from dflash_mlx.sampling import processed_probs, sample, speculative_accept, xtc_removed
 from dflash_mlx.targets import adapter_for
 from dflash_mlx.tree import build_tree, chain
 
@@ -221,6 +225,75 @@ def test_tree_verifies_with_processors_are_mlx_lms_decode(qwen3_pair, control):
     assert mx.abs(lps - ref_lps).max().item() < 1e-4
     wrong, wrong_lps, _ = speculate_trees(pair, prompt, Processors.from_settings(prompt, **control), ref, n, as_chain=True)
     assert wrong != ref or mx.abs(wrong_lps - ref_lps).max().item() > 1e-2
+
+
+# ---------------------------------------------------------------------------
+# Sampled: a verified block with processors and XTC has the target's joint
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return small_pair(tmp_path_factory.mktemp("small_controls"), tiny.QWEN3)
+
+
+PENALISED = dict(logit_bias={3: 1.0}, repetition_penalty=1.6, repetition_context_size=4, presence_penalty=0.3, frequency_penalty=0.7)
+SAMPLED = dict(temperature=1.0, top_p=0.95, xtc_probability=0.5, xtc_threshold=0.1)
+
+
+def exact_rows(logits, depth):
+    """mlx-lm's processors on the target's logits after PROMPT + ANCHOR + every
+    continuation of ``depth`` tokens, each with its own history, as probabilities."""
+    rows = []
+    for k, cont in enumerate(itertools.product(range(V), repeat=depth)):
+        row = logits[k : k + 1]
+        for f in make_logits_processors(**PENALISED):
+            row = f(mx.array(PROMPT + [ANCHOR, *cont]), row)
+        rows.append(row)
+    return np.array(processed_probs(mx.concatenate(rows), **SAMPLED), dtype=np.float64)
+
+
+def block_tables(logits, own_histories=True):
+    """``[V, V, 3, V]``: the processed probabilities of the verify of
+    [ANCHOR, d1, d2] for every d1, d2, through Processors.block (or, not
+    ``own_histories``, every row with the committed history alone: a bug)."""
+    processors = Processors.from_settings(PROMPT + [ANCHOR], V, **PENALISED)
+    out = []
+    for d1, d2 in itertools.product(range(V), repeat=2):
+        block = mx.stack([logits[0][0], logits[1][d1], logits[2][d1 * V + d2]])
+        if own_histories:
+            processed = processors.block(block, [d1, d2])
+        else:
+            processed = mx.concatenate([processors.block(block[i : i + 1]) for i in range(3)])
+        out.append(processed_probs(processed, **SAMPLED))
+    return mx.stack(out).reshape(V, V, 3, V)
+
+
+def first_cycle(tables, exact, q, n):
+    """n independent first cycles: d1, d2 from ``q`` (no processors, no XTC:
+    any drafter), accepted against ``tables``; the joint of the first three
+    tokens completed from the exact rows where a cycle commits fewer."""
+    d1, d2 = sample(mx.broadcast_to(q, (n, V))), sample(mx.broadcast_to(q, (n, V)))
+    accepted, nxt = speculative_accept(mx.stack([d1, d2], axis=1), tables[d1, d2], mx.broadcast_to(q, (n, 2, V)))
+    p2, p3 = (mx.array(e, dtype=mx.float32) for e in exact[1:])
+    x1 = mx.where(accepted >= 1, d1, nxt)
+    x2 = mx.where(accepted >= 2, d2, mx.where(accepted == 1, nxt, sample(p2[x1])))
+    x3 = mx.where(accepted >= 2, nxt, sample(p3[x1 * V + x2]))
+    return np.array((x1 * V + x2) * V + x3), np.array(accepted)
+
+
+def test_sampled_block_with_processors_and_xtc_has_the_target_joint(small):
+    logits = [continuation_logits(small.model, d) for d in range(3)]
+    exact = [exact_rows(t, d) for d, t in enumerate(logits)]
+    joint = (exact[0].reshape(V, 1, 1) * exact[1].reshape(V, V, 1) * exact[2].reshape(V, V, V)).reshape(-1)
+    q = processed_probs(logits[0][0] + draft_noise(), 1.0)
+    n = 100_000
+    mx.random.seed(3)
+    cells, accepted = first_cycle(block_tables(logits), exact, q, n)
+    assert tv(cells, joint) < tv_bound(joint, n)
+    assert set(np.unique(accepted)) == {0, 1, 2}
+    mx.random.seed(3)  # the check can fail: rows processed with the committed history alone
+    cells, _ = first_cycle(block_tables(logits, own_histories=False), exact, q, n)
+    assert tv(cells, joint) > tv_bound(joint, n)
 
 
 # ---------------------------------------------------------------------------

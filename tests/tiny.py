@@ -462,6 +462,22 @@ TRUNCATED = dict(temperature=0.8, top_p=0.9, top_k=8)
 REAL_TOKENS = 64
 
 
+def draft_noise():
+    """Fixed logit noise that keeps the double drafter's q close to, not equal to, p."""
+    return mx.random.normal((V,), key=mx.random.key(7)) * 0.6
+
+
+ANCHOR = 6  # the prefill token: the target's own sample, so the check conditions on it
+
+
+def continuation_logits(model, depth: int):
+    """Target logits after PROMPT + ANCHOR + every continuation of ``depth``
+    tokens: [V**depth, V], continuations in lexicographic order."""
+    conts = np.array(list(itertools.product(range(V), repeat=depth)), dtype=np.int32).reshape(V**depth, depth)
+    seqs = np.concatenate([np.tile(PROMPT + [ANCHOR], (V**depth, 1)), conts], axis=1)
+    return model(mx.array(seqs))[:, -1].astype(mx.float32)
+
+
 def small_pair(root, base):
     """A tiny target with a 16-token vocabulary and a random DFlash drafter
     for it (block size 4). The byte tokenizer stays: ids 0..15 decode fine,
