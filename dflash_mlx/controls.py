@@ -41,7 +41,7 @@ def as_tokens(tokens) -> mx.array:
     """Token ids (a list, a scalar or an array, possibly lazy) as a flat int32 array."""
     if isinstance(tokens, mx.array):
         return tokens.reshape(-1).astype(mx.int32)
-    return mx.array(list(tokens), dtype=mx.int32)
+    return mx.array([tokens] if isinstance(tokens, (int, np.integer)) else list(tokens), dtype=mx.int32)
 
 
 def logprobs(processed: mx.array) -> mx.array:

@@ -87,7 +87,8 @@ def test_history_follows_extend_with_lazy_tokens():
     listed = Processors.from_settings([1, 2], **setting)
     lazy.extend(mx.argmax(mx.array([0.0, 0.0, 0.0, 1.0])))  # 3, a scalar
     lazy.extend(mx.array([[2, 2]], dtype=mx.uint32))
-    listed.extend([3, 2, 2])
+    listed.extend([3, 2])
+    listed.extend(2)
     assert lazy.history.tolist() == listed.history.tolist() == [1, 2, 3, 2, 2]
     logits = random_logits(1)
     assert mx.array_equal(lazy.block(logits), listed.block(logits, [], vectorised=False))
