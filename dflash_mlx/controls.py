@@ -13,7 +13,9 @@ history (ending with the anchor) and processes a block, a tree or a plain
 step with each row's own history:
 
 * any callables: one call per row and processor, exactly as mlx-lm calls
-  them, so any processor is exact;
+  them, so any processor that is a function of its arguments is exact (one
+  that keeps state between calls, counting on one call per committed token,
+  is not: rows past a rejection are processed too, and trees branch);
 * the processors ``mlx_lm.sample_utils.make_logits_processors`` makes
   (:meth:`Processors.from_settings`): all rows at once, each row's window
   gathered from the history and the drafted tokens, then the same
