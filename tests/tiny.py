@@ -226,6 +226,9 @@ class Pair:
     def reference(self, prompt, max_tokens, eos_ids=None, **kw):
         return reference_tokens(self.model, self.tokenizer, prompt, max_tokens, eos_ids, **kw)
 
+    def reference_steps(self, prompt, max_tokens, eos_ids=None, **kw):
+        return reference_steps(self.model, self.tokenizer, prompt, max_tokens, eos_ids, **kw)
+
     def dflash(self, draft, prompt, eos_ids=None, **kw):
         return dflash_tokens(self.model, draft, self.tokenizer, prompt, eos_ids, **kw)
 
@@ -353,6 +356,14 @@ def reference_tokens(model, tokenizer, prompt, max_tokens, eos_ids=None, **kw):
     return [r.token for r in responses if r.finish_reason != "stop"]
 
 
+def reference_steps(model, tokenizer, prompt, max_tokens, eos_ids=None, **kw):
+    """mlx-lm's own tokens and the logprobs it yields with each ``[n, V]``
+    (eos excluded); ``kw`` as :func:`reference_responses` takes them, a
+    ``logits_processors`` list and a ``sampler`` included."""
+    responses = [r for r in reference_responses(model, tokenizer, prompt, max_tokens, eos_ids, **kw) if r.finish_reason != "stop"]
+    return [r.token for r in responses], mx.stack([r.logprobs for r in responses])
+
+
 def reference_text(model, tokenizer, prompt, max_tokens, **kw):
     """mlx-lm's own text."""
     return "".join(r.text for r in reference_responses(model, tokenizer, prompt, max_tokens, **kw))
@@ -449,6 +460,22 @@ V = 16  # small vocabulary: exact joint tables over a few tokens stay small
 PROMPT = [1, 5, 3, 7]
 TRUNCATED = dict(temperature=0.8, top_p=0.9, top_k=8)
 REAL_TOKENS = 64
+
+
+def draft_noise():
+    """Fixed logit noise that keeps the double drafter's q close to, not equal to, p."""
+    return mx.random.normal((V,), key=mx.random.key(7)) * 0.6
+
+
+ANCHOR = 6  # the prefill token: the target's own sample, so the check conditions on it
+
+
+def continuation_logits(model, depth: int):
+    """Target logits after PROMPT + ANCHOR + every continuation of ``depth``
+    tokens: [V**depth, V], continuations in lexicographic order."""
+    conts = np.array(list(itertools.product(range(V), repeat=depth)), dtype=np.int32).reshape(V**depth, depth)
+    seqs = np.concatenate([np.tile(PROMPT + [ANCHOR], (V**depth, 1)), conts], axis=1)
+    return model(mx.array(seqs))[:, -1].astype(mx.float32)
 
 
 def small_pair(root, base):
