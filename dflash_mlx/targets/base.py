@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from ..errors import ArgumentError, DFlashError
 from .attention import tree_positions
-from .kv import KVSettings, forward_kv, make_kv_caches, rollback_kv
+from .kv import KVSettings, forward_kv, make_kv_caches, rollback_kv, rows_before_quantizing
 
 
 class TargetError(DFlashError, ValueError):
@@ -25,6 +25,14 @@ class TargetCache(list):
 
     undo = None
     kv: Optional[KVSettings] = None
+
+    def rows_before_quantizing(self) -> Optional[int]:
+        """Positions that still run on float KV caches before mlx-lm's decode
+        would quantize them (None: no conversion ahead). A chain may cross
+        that point (the forward splits there); a draft tree may not: its
+        rows must lie within this many positions (a tree at most this many
+        rows deep, the anchor's row included)."""
+        return rows_before_quantizing(self)
 
 
 class TargetAdapter:

@@ -101,17 +101,16 @@ def make_kv_caches(model, settings: Optional[KVSettings], head_dims: List[int]) 
     if settings is None:
         return caches
     if settings.bits is not None:
-        bad = [d for d in head_dims if d % settings.group_size]
-        if bad:
-            raise ArgumentError(
-                f"kv_group_size {settings.group_size} does not divide this target's head size {bad[0]}: "
-                f"pass a kv_group_size of {', '.join(str(g) for g in KV_GROUP_SIZES if not bad[0] % g) or 'none listed'}"
-            )
         if any(isinstance(c, RotatingKVCache) for c in caches):
             raise ArgumentError(
                 "kv_bits cannot quantize this target's sliding-window caches (mlx-lm's RotatingKVCache has no "
                 "quantized form, and mlx-lm's generate fails on it too): leave kv_bits out for this model"
             )
+        bad = next((d for d in head_dims if d % settings.group_size), None)
+        if bad is not None:
+            fits = [str(g) for g in KV_GROUP_SIZES if bad % g == 0]
+            fix = f"pass kv_group_size={' or '.join(fits)}" if fits else "leave kv_bits out for this model"
+            raise ArgumentError(f"kv_group_size {settings.group_size} does not divide this target's head size {bad}: {fix}")
     if settings.max_size is not None:
         caches = [RotatingKVCache(settings.max_size, keep=ROTATING_KEEP) if type(c) is KVCache else c for c in caches]
     return caches
@@ -167,7 +166,8 @@ def forward_kv(adapter, tokens, cache, *, taps=None, last_logits_only=False, rec
     quantize_due(cache)
     kw = dict(taps=taps, last_logits_only=last_logits_only, record=record, tree=tree)
     split = rows_before_quantizing(cache)
-    if not record or split is None or split >= (tree.rows if tree is not None else tokens.shape[1]):
+    span = tokens.shape[1] if tree is None else max(tree.depths) + 1  # positions the forward covers
+    if not record or split is None or split >= span:
         return adapter.forward_block(tokens, cache, **kw)
     if tree is not None:
         # The tree's rows past quantized_kv_start would need their float
