@@ -7,6 +7,7 @@ The tiny attention and hybrid targets get 64-wide heads here: a KV
 quantization group (32, 64 or 128) must divide the head size.
 """
 
+import copy
 import itertools
 import os
 
@@ -235,6 +236,7 @@ def test_prompt_cache_keeps_its_settings(wide_qwen3, tmp_path):
     save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
     loaded = load_prompt_cache(str(tmp_path / "c.safetensors"), draft)
     assert loaded.target.kv == KVSettings(8, 64, 30) and loaded.tokens == cache.tokens
+    assert copy.deepcopy(cache).target.kv == cache.target.kv  # the server's snapshots are copies
     assert [type(c) for c in loaded.target] == [QuantizedKVCache] * len(cache.target)
     more = [pair.dflash(draft, prompt_of(5, seed=2), max_tokens=15, prompt_cache=c)[0] for c in (cache, loaded)]
     assert more[0] == more[1]

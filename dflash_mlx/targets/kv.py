@@ -23,6 +23,14 @@ Bounded: every full-attention layer's ``KVCache`` becomes mlx-lm's
 sliding windows keep their own caches. Rollback is the sliding windows'
 (:mod:`.attention`); a verify block is masked as one-token steps see the
 ring (the first ``keep`` positions and the newest ``max_kv_size - keep``).
+
+What a decode loop does with them: make the prompt cache with the
+settings (:func:`dflash_mlx.cache.prompt_cache_for` takes mlx-lm's
+keywords), prefill in chunks of mlx-lm's ``prefill_step_size``, and
+nothing more per cycle: the adapter's ``forward`` converts, splits and
+records, its ``rollback`` undoes. A draft tree must not cross
+``quantized_kv_start``: the loop caps its depth with
+``TargetCache.rows_before_quantizing()`` (a crossing tree is refused).
 """
 
 from dataclasses import dataclass
@@ -43,6 +51,7 @@ ROTATING_KEEP = 4
 
 
 def whole(value, name: str, least: int) -> int:
+    """``value`` if it is a whole number of at least ``least``, else one clear error."""
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ArgumentError(f"{name} must be a whole number of at least {least}, not {value!r}")
     return value
