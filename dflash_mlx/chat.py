@@ -15,7 +15,7 @@ import mlx.core as mx
 from . import cli
 from .adapt import add_learn_arguments
 from .cache import make_prompt_cache
-from .controls import add_extra_eos_tokens, template_prompt
+from .controls import add_extra_eos_tokens, kv_keywords, template_prompt
 from .defaults import DEFAULT_MAX_TOKENS
 from .generate import cycle_lengths, mean_tokens_per_cycle, stream_generate
 
@@ -69,7 +69,7 @@ def main(argv=None, input_fn=input):
     mx.random.seed(args.seed)
     templated = bool(getattr(tokenizer, "chat_template", None))
     print("[q quits, r resets]" + ("" if templated else " [no chat template: text continuation]"))
-    cache = make_prompt_cache(model, draft, args.draft_window, args.draft_sink)
+    cache = make_prompt_cache(model, draft, args.draft_window, args.draft_sink, **kv_keywords(controls))
     while True:
         try:
             query = input_fn(">> ")
@@ -78,7 +78,7 @@ def main(argv=None, input_fn=input):
         if query.strip() == "q":
             break
         if query.strip() == "r":
-            cache = make_prompt_cache(model, draft, args.draft_window, args.draft_sink)
+            cache = make_prompt_cache(model, draft, args.draft_window, args.draft_sink, **kv_keywords(controls))
             print("[conversation reset]")
             continue
         reused, responses = cache.offset, []

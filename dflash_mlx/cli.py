@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence
 from . import controls
 from .defaults import DEFAULT_DRAFT_SINK, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_STEP_SIZE, DEFAULT_TARGET
 from .errors import ArgumentError, DFlashError
+from .targets import kv
 
 COMMANDS = {
     "generate": ("dflash_mlx.generate", "stream text from a target with a DFlash drafter"),
@@ -158,9 +159,9 @@ def add_xtc_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """mlx-lm's KV-cache flags: a quantized cache, a rotating one."""
-    parser.add_argument("--kv-bits", type=checked(lambda v: controls.check_kv_cache(kv_bits=v)), default=None, help=f"quantize the target's KV cache to this many bits ({', '.join(map(str, controls.KV_BITS))}; default: not quantized)")
-    parser.add_argument("--kv-group-size", type=checked(lambda v: controls.check_kv_cache(kv_group_size=v)), default=controls.DEFAULT_KV_GROUP_SIZE, help="group size of the KV cache's quantization")
-    parser.add_argument("--quantized-kv-start", type=checked(lambda v: controls.check_kv_cache(quantized_kv_start=v)), default=controls.DEFAULT_QUANTIZED_KV_START, help="with --kv-bits: quantize once the cache holds this many tokens")
+    parser.add_argument("--kv-bits", type=checked(lambda v: controls.check_kv_cache(kv_bits=v)), default=None, help=f"quantize the target's KV cache to this many bits ({', '.join(map(str, kv.KV_BITS))}; default: not quantized)")
+    parser.add_argument("--kv-group-size", type=checked(lambda v: controls.check_kv_cache(kv_group_size=v)), default=kv.DEFAULT_KV_GROUP_SIZE, help="group size of the KV cache's quantization")
+    parser.add_argument("--quantized-kv-start", type=checked(lambda v: controls.check_kv_cache(quantized_kv_start=v)), default=kv.DEFAULT_QUANTIZED_KV_START, help="with --kv-bits: quantize once the cache holds this many tokens")
     parser.add_argument("--max-kv-size", type=checked(lambda v: controls.check_kv_cache(max_kv_size=v)), default=None, help="keep at most this many tokens in the target's KV cache (a rotating cache; default: no limit)")
 
 

@@ -6,7 +6,9 @@ friends carry mlx-lm's names (``logits_processors``, ``xtc_probability``,
 ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``, ``max_kv_size``).
 This module holds what the commands and the server share about them: the
 values each accepts (one :class:`ArgumentError` before any work, naming the
-fix), the processors built with mlx-lm's ``make_logits_processors``, the
+fix; the KV cache's settings as :mod:`dflash_mlx.targets.kv` checks them),
+the processors built with mlx-lm's ``make_logits_processors`` (applied
+through speculation by :mod:`dflash_mlx.processors`), the
 XTC special tokens as mlx-lm's commands choose them, and the chat template
 (``--chat-template-config``, ``--prefill-response``) as mlx_lm.generate
 applies it.
@@ -14,94 +16,110 @@ applies it.
 
 import json
 import math
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
-from mlx_lm.sample_utils import make_logits_processors
+import numpy as np
 
 from .errors import ArgumentError
+from .processors import PENALTIES, PROCESSOR_DEFAULTS, Penalties
+from .targets.kv import DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KVSettings
 
-# mlx-lm's QuantizedKVCache quantizes with mx.quantize (affine mode): these
-# are the bits and group sizes it accepts.
-KV_BITS = (1, 2, 3, 4, 5, 6, 8)
-KV_GROUP_SIZES = (32, 64, 128)
-# mlx-lm's own defaults (mlx_lm.generate.generate_step, make_sampler, its commands).
-DEFAULT_KV_GROUP_SIZE = 64
-DEFAULT_QUANTIZED_KV_START = 5000
+# mlx-lm's own defaults (make_sampler, its commands).
 DEFAULT_XTC_THRESHOLD = 0.1
 DEFAULT_MIN_TOKENS_TO_KEEP = 1
-DEFAULT_PENALTY_CONTEXT_SIZE = 20
+DEFAULT_PENALTY_CONTEXT_SIZE = PROCESSOR_DEFAULTS["repetition_context_size"]
 XTC_MAX_THRESHOLD = 0.5  # mlx_lm.sample_utils.apply_xtc refuses a larger threshold
 TOP_LOGPROBS_LIMIT = 11  # mlx-lm's server: top_logprobs at most 11
 
 
-def check_kv_cache(kv_bits=None, kv_group_size=DEFAULT_KV_GROUP_SIZE, quantized_kv_start=DEFAULT_QUANTIZED_KV_START, max_kv_size=None) -> None:
-    """Refuse KV-cache settings mlx-lm's caches cannot take."""
-    if kv_bits is not None and kv_bits not in KV_BITS:
-        raise ArgumentError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} (mlx's quantization), not {kv_bits}")
-    if kv_group_size not in KV_GROUP_SIZES:
-        raise ArgumentError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, not {kv_group_size}")
-    if quantized_kv_start < 0:
-        raise ArgumentError(f"quantized_kv_start must be at least 0, not {quantized_kv_start}")
-    if max_kv_size is not None and max_kv_size < 1:
-        raise ArgumentError(f"max_kv_size must be at least 1 (or None: no limit), not {max_kv_size}")
+def token_id(value, vocab_size: Optional[int], what: str) -> None:
+    """A token id: an int in the vocabulary ``[0, vocab_size)`` (any
+    non-negative int when the size is unknown)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ArgumentError(f"{what}: token id {value!r} is not a non-negative integer; pass token ids from the tokenizer")
+    if vocab_size is not None and value >= vocab_size:
+        raise ArgumentError(f"{what}: token id {value} is outside the vocabulary (0..{vocab_size - 1}); pass ids below {vocab_size}")
 
 
-def check_ids(ids, vocab_size: Optional[int], what: str) -> None:
-    """Refuse token ids outside ``[0, vocab_size)`` (any integer when the size is unknown)."""
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise ArgumentError(f"{what} must be token ids (integers), not {i!r}")
-        if vocab_size is not None and not 0 <= i < vocab_size:
-            raise ArgumentError(f"{what}: token id {i} is outside the vocabulary (0..{vocab_size - 1})")
+def positive_int(value, what: str, hint: str = "") -> None:
+    """An int of 1 or more (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ArgumentError(f"{what} must be a positive integer, got {value!r}; pass 1 or more{hint}")
 
 
-def check_sampling(xtc_probability=0.0, xtc_threshold=DEFAULT_XTC_THRESHOLD, xtc_special_tokens=None,
-                   min_tokens_to_keep=DEFAULT_MIN_TOKENS_TO_KEEP, vocab_size=None) -> None:
-    """Refuse XTC and min-p settings mlx-lm's sampler cannot take."""
-    if not 0 <= xtc_probability <= 1:
-        raise ArgumentError(f"xtc_probability must be from 0 to 1, not {xtc_probability}")
-    if not 0 <= xtc_threshold <= XTC_MAX_THRESHOLD:
-        raise ArgumentError(f"xtc_threshold must be from 0 to {XTC_MAX_THRESHOLD}, not {xtc_threshold}")
-    if min_tokens_to_keep < 1:
-        raise ArgumentError(f"min_tokens_to_keep must be at least 1, not {min_tokens_to_keep}")
-    check_ids(xtc_special_tokens or (), vocab_size, "xtc_special_tokens")
+def finite(value, what: str, low: float = -math.inf, high: float = math.inf) -> None:
+    """A finite real number in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+        span = f" in [{low}, {high}]" if math.isfinite(low) or math.isfinite(high) else ""
+        raise ArgumentError(f"{what} must be a finite number{span}, got {value!r}")
+
+
+def check_kv_cache(kv_bits=None, kv_group_size=None, quantized_kv_start=None, max_kv_size=None) -> None:
+    """Refuse KV-cache settings mlx-lm's caches cannot take (None each:
+    mlx-lm's default), as :class:`~dflash_mlx.targets.kv.KVSettings` checks them."""
+    KVSettings.of(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
+
+
+def check_sampling(vocab_size: Optional[int] = None, xtc_probability=0.0, xtc_threshold=DEFAULT_XTC_THRESHOLD,
+                   xtc_special_tokens=None, min_tokens_to_keep=DEFAULT_MIN_TOKENS_TO_KEEP) -> None:
+    """Refuse XTC and min-p settings mlx-lm's ``make_sampler`` refuses (it
+    only finds out at the first token): ``xtc_probability`` outside [0, 1],
+    ``xtc_threshold`` outside [0, 0.5], special tokens outside the
+    vocabulary, ``min_tokens_to_keep`` below 1."""
+    finite(xtc_probability, "xtc_probability", 0.0, 1.0)
+    finite(xtc_threshold, "xtc_threshold", 0.0, XTC_MAX_THRESHOLD)
+    for token in xtc_special_tokens or ():
+        token_id(token, vocab_size, "xtc_special_tokens")
+    positive_int(min_tokens_to_keep, "min_tokens_to_keep")
 
 
 def check_controls(*, logits_processors=None, xtc_probability=0.0, xtc_threshold=DEFAULT_XTC_THRESHOLD,
                    xtc_special_tokens=None, min_tokens_to_keep=DEFAULT_MIN_TOKENS_TO_KEEP, kv_bits=None,
-                   kv_group_size=DEFAULT_KV_GROUP_SIZE, quantized_kv_start=DEFAULT_QUANTIZED_KV_START,
-                   max_kv_size=None, vocab_size: Optional[int] = None) -> None:
+                   kv_group_size=None, quantized_kv_start=None, max_kv_size=None,
+                   vocab_size: Optional[int] = None) -> None:
     """Every control keyword of ``generate_step`` checked at once, before any
     forward (``vocab_size``: the target's, for the token ids)."""
-    if logits_processors is not None and not all(callable(p) for p in logits_processors):
+    if logits_processors is not None and (
+        isinstance(logits_processors, (str, bytes)) or not all(callable(p) for p in logits_processors)
+    ):
         raise ArgumentError("logits_processors must be a list of callables (tokens, logits) -> logits")
-    check_sampling(xtc_probability, xtc_threshold, xtc_special_tokens, min_tokens_to_keep, vocab_size)
+    check_sampling(vocab_size, xtc_probability, xtc_threshold, xtc_special_tokens, min_tokens_to_keep)
     check_kv_cache(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
 
 
-def penalty_processors(logit_bias: Optional[Dict[int, float]] = None, repetition_penalty=None,
-                       repetition_context_size=DEFAULT_PENALTY_CONTEXT_SIZE, presence_penalty=None,
-                       presence_context_size=DEFAULT_PENALTY_CONTEXT_SIZE, frequency_penalty=None,
-                       frequency_context_size=DEFAULT_PENALTY_CONTEXT_SIZE, vocab_size: Optional[int] = None) -> List[Callable]:
-    """mlx-lm's ``make_logits_processors``, its arguments checked first."""
-    for name, size in (("repetition_context_size", repetition_context_size), ("presence_context_size", presence_context_size),
-                       ("frequency_context_size", frequency_context_size)):
-        if size < 0:
-            raise ArgumentError(f"{name} must be at least 0, not {size}")
-    for name, value in (("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
-                        ("frequency_penalty", frequency_penalty)):
-        if value is not None and not math.isfinite(value):
-            raise ArgumentError(f"{name} must be a finite number, not {value}")
-    if repetition_penalty is not None and repetition_penalty < 0:
-        raise ArgumentError(f"repetition_penalty must be at least 0, not {repetition_penalty}")
-    bias = dict(logit_bias or {})
-    check_ids(bias, vocab_size, "logit_bias")
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in bias.values()):
-        raise ArgumentError("logit_bias values must be finite numbers")
-    return make_logits_processors(
-        bias or None, repetition_penalty, repetition_context_size, presence_penalty, presence_context_size,
-        frequency_penalty, frequency_context_size,
-    )
+def check_processor_settings(vocab_size: Optional[int] = None, **settings) -> None:
+    """Raise :class:`ArgumentError` for make_logits_processors' settings
+    mlx-lm would refuse or misread: an unknown keyword, a logit bias whose
+    ids are outside the vocabulary (``vocab_size``; None: not checked), a
+    negative repetition penalty, a context size that is not a positive
+    integer (mlx-lm reads 0 as the whole history and a negative one as all
+    but the first tokens)."""
+    unknown = sorted(set(settings) - set(PROCESSOR_DEFAULTS))
+    if unknown:
+        raise ArgumentError(f"unknown logits processor setting(s) {unknown}; the settings are {sorted(PROCESSOR_DEFAULTS)}")
+    s = {**PROCESSOR_DEFAULTS, **settings}
+    bias = s["logit_bias"]
+    if bias is not None and not isinstance(bias, dict):
+        raise ArgumentError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+    for token, value in (bias or {}).items():
+        token_id(token, vocab_size, "logit_bias")
+        finite(value, f"logit_bias[{token}]")
+    for kind in PENALTIES:
+        penalty, context = s[f"{kind}_penalty"], s[f"{kind}_context_size"]
+        if penalty is not None:
+            finite(penalty, f"{kind}_penalty", low=0.0 if kind == "repetition" else -math.inf)
+        default = PROCESSOR_DEFAULTS[f"{kind}_context_size"]
+        positive_int(context, f"{kind}_context_size", f" tokens (mlx-lm's default is {default})")
+
+
+def penalty_processors(vocab_size: Optional[int] = None, **settings) -> List[Callable]:
+    """mlx-lm's ``make_logits_processors(**settings)``, its settings checked
+    first (:func:`check_processor_settings`), as one
+    :class:`~dflash_mlx.processors.Penalties` (a verify processes all its
+    rows at once); an empty list when every setting is off."""
+    check_processor_settings(vocab_size, **settings)
+    penalties = Penalties(**settings)
+    return [penalties] if penalties.made else []
 
 
 def xtc_special_tokens(tokenizer) -> List[int]:
@@ -114,10 +132,10 @@ def control_keywords(tokenizer, processors: Sequence[Callable] = (), xtc_probabi
                      quantized_kv_start=DEFAULT_QUANTIZED_KV_START, max_kv_size=None) -> dict:
     """The keywords for ``generate_step`` / ``stream_generate`` / ``BatchGenerator.insert``:
     only the controls that change something (none: plain decoding's keywords)."""
-    special = xtc_special_tokens(tokenizer) if xtc_probability > 0 else None
     check_controls(logits_processors=list(processors), xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
                    min_tokens_to_keep=min_tokens_to_keep, kv_bits=kv_bits, kv_group_size=kv_group_size,
                    quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
+    special = xtc_special_tokens(tokenizer) if xtc_probability > 0 else None
     out = {}
     if processors:
         out["logits_processors"] = list(processors)
@@ -130,6 +148,15 @@ def control_keywords(tokenizer, processors: Sequence[Callable] = (), xtc_probabi
     if max_kv_size is not None:
         out["max_kv_size"] = max_kv_size
     return out
+
+
+KV_KEYWORDS = ("kv_bits", "kv_group_size", "quantized_kv_start", "max_kv_size")
+
+
+def kv_keywords(keywords: dict) -> dict:
+    """The KV cache's part of :func:`control_keywords`' answer: what
+    ``make_prompt_cache`` takes, for a caller that makes its caches itself."""
+    return {k: v for k, v in keywords.items() if k in KV_KEYWORDS}
 
 
 def template_config(text: Optional[str]) -> dict:
@@ -145,17 +172,18 @@ def template_config(text: Optional[str]) -> dict:
     return config
 
 
-def template_prompt(tokenizer, prompt: str, system_prompt=None, template_kwargs=None, prefill_response=None) -> List[int]:
-    """The tokens of a user message templated as mlx_lm.generate templates it: the system
-    prompt first, ``prefill_response`` as the start of the assistant's answer
-    (the template continues it instead of opening a new turn), the template
+def template_prompt(tokenizer, prompt: str, system_prompt=None, template_kwargs=None, prefill_response=None, tokenize: bool = True):
+    """The tokens (or, not ``tokenize``, the text) of a user message templated
+    as mlx_lm.generate templates it: the system prompt first,
+    ``prefill_response`` as the start of the assistant's answer (the
+    template continues it instead of opening a new turn), the template
     config's variables passed to the template."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": prompt})
     if prefill_response is not None:
         messages.append({"role": "assistant", "content": prefill_response})
     return tokenizer.apply_chat_template(
-        messages, tokenize=True, continue_final_message=prefill_response is not None,
+        messages, tokenize=tokenize, continue_final_message=prefill_response is not None,
         add_generation_prompt=prefill_response is None, **(template_kwargs or {}),
     )
 

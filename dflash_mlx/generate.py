@@ -17,13 +17,15 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import cli
 from .adaptive import BlockSizer
-from .cache import PromptCache, bound_target, prompt_cache_for
+from .cache import PromptCache, bound_target, load_prompt_cache, prompt_cache_for
 from .calibration import calibrated, plan
+from .controls import add_extra_eos_tokens, check_controls, template_prompt
 from .decode import BatchResponse, Decoder, Request, Sizing
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
 from .errors import ArgumentError
 from .ops.threads import release_at_thread_exit
 from .prefill import prefill
+from .processors import Processors
 from .sampling import ACCEPTANCE_RULES, acceptance_rule
 
 
@@ -178,6 +180,15 @@ def generate_step(
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stream=generation_stream, draft_window: Optional[int] = None, draft_sink: Optional[int] = None,
+    logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
+    min_tokens_to_keep: int = 1,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    xtc_special_tokens: Optional[List[int]] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: Optional[int] = None,
+    quantized_kv_start: Optional[int] = None,
+    max_kv_size: Optional[int] = None,
 ) -> Generator[Tuple[int, Optional[mx.array], bool, int, int], None, None]:
     """Yield each committed token as ``(token, logprobs, from_draft, block,
     tree)``, like mlx-lm's ``speculative_generate_step`` plus the rows its
@@ -216,18 +227,40 @@ def generate_step(
     ``tree_budget`` 0: none, ``n``: n nodes every cycle) that maximises expected
     tokens per second, as measured (:mod:`dflash_mlx.adaptive`; a ``sizer`` makes
     the choices instead): a seeded sampled run repeats only when they are fixed.
+
+    mlx-lm's controls are exact through speculation: ``logits_processors``
+    (callables ``(tokens, logits) -> logits``, e.g. from
+    ``make_logits_processors``; each verified position is processed with its
+    own history, see :mod:`dflash_mlx.processors`), ``min_tokens_to_keep``
+    and XTC (``xtc_probability``, ``xtc_threshold``, ``xtc_special_tokens``,
+    as ``make_sampler`` takes them), and the target's KV caches
+    (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``,
+    ``max_kv_size``; None each: mlx-lm's default; see
+    :mod:`dflash_mlx.targets.kv`). The logprobs are those of the processed
+    logits, as mlx-lm reports them.
     """
-    rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
+    target = bound_target(model, draft)
+    check_controls(
+        logits_processors=logits_processors, xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+        xtc_special_tokens=xtc_special_tokens, min_tokens_to_keep=min_tokens_to_keep, kv_bits=kv_bits,
+        kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size,
+        vocab_size=target.vocab_size,
+    )
+    rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance, **sampler_controls(
+        min_tokens_to_keep, xtc_probability, xtc_threshold, xtc_special_tokens))
     if max_tokens < 1:
         raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
     max_block = max_block_size(draft, block_size, sizer)
-    target = bound_target(model, draft)
     trees = tree_plan(target, draft, tree_budget, sizer)
-    cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink)
+    cache = prompt_cache_for(
+        model, draft, prompt_cache, draft_window, draft_sink, kv_bits=kv_bits, kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size,
+    )
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
+        controls = processors_for(logits_processors, cache, prompt)
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-        request = Request(0, cache, rule, max_tokens, frozenset(eos_token_ids), logprobs)
+        request = Request(0, cache, rule, max_tokens, frozenset(eos_token_ids), logprobs, controls=controls)
         first = request.start(logits)
         if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
             yield from yielded(first)  # before the cycles' costs are measured, not after
@@ -245,6 +278,25 @@ def generate_step(
                 yield from yielded(response)
                 if response.finish_reason is not None:
                     return
+
+
+def sampler_controls(min_tokens_to_keep=1, xtc_probability=0.0, xtc_threshold=0.1, xtc_special_tokens=None) -> dict:
+    """make_sampler's keywords past the drafter's four, for
+    :func:`~dflash_mlx.sampling.acceptance_rule` (only those that change something)."""
+    out = {} if min_tokens_to_keep == 1 else dict(min_tokens_to_keep=min_tokens_to_keep)
+    if xtc_probability > 0:
+        out.update(xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                   xtc_special_tokens=list(xtc_special_tokens) if xtc_special_tokens else None)
+    return out
+
+
+def processors_for(logits_processors, cache: PromptCache, prompt: List[int]) -> list:
+    """A request's controls for its logits processors: their history starts
+    with what mlx-lm's ``generate_step`` would be given as its prompt (the
+    tokens this generation feeds: the cache's pending ones, then ``prompt``)."""
+    if not logits_processors:
+        return []
+    return [Processors(logits_processors, list(cache.pending) + list(prompt))]
 
 
 @contextmanager
@@ -360,6 +412,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin; default: a bundled held-out prompt)")
     p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS)
     cli.add_sampling_arguments(p)
+    cli.add_xtc_arguments(p)
     p.add_argument("--seed", type=int, default=None, help="seed mx.random; a sampled run repeats exactly only with a fixed --block-size (the adaptive default follows measured speed)")
     p.add_argument(
         "--acceptance",
@@ -371,6 +424,10 @@ def setup_arg_parser() -> cli.ArgumentParser:
     cli.add_tree_budget_argument(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is")
     p.add_argument("--system-prompt", default=None)
+    cli.add_template_arguments(p)
+    cli.add_prompt_arguments(p)
+    cli.add_kv_cache_arguments(p)
+    cli.add_load_arguments(p)
     cli.add_prefill_step_size_argument(p)
     cli.add_draft_window_arguments(p)
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="stream text and print statistics")
@@ -378,27 +435,49 @@ def setup_arg_parser() -> cli.ArgumentParser:
     return p
 
 
-def build_prompt(tokenizer, prompt: str, system_prompt=None, use_chat_template=True):
-    """Apply the tokenizer's chat template when it has one (mlx_lm.generate's rule)."""
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": prompt})
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return prompt
+def build_prompt(tokenizer, prompt: str, system_prompt=None, use_chat_template=True, template_kwargs=None,
+                 prefill_response=None, after_cache: bool = False):
+    """The prompt as mlx_lm.generate builds it: the tokenizer's chat template
+    applied when it has one (:func:`~dflash_mlx.controls.template_prompt`;
+    tokens), else the text as is. ``after_cache``: only what follows a
+    saved prompt cache's conversation (the template's text from the user's
+    message on, as mlx_lm.generate cuts it)."""
+    if not (use_chat_template and getattr(tokenizer, "chat_template", None)):
+        return prompt
+    if not after_cache:
+        return template_prompt(tokenizer, prompt, system_prompt, template_kwargs, prefill_response)
+    text = template_prompt(tokenizer, prompt, system_prompt, template_kwargs, prefill_response, tokenize=False)
+    probe = template_prompt(tokenizer, "<query>", system_prompt, template_kwargs, prefill_response, tokenize=False)
+    return tokenizer.encode(text[probe.index("<query>") :], add_special_tokens=False)
+
+
+def load_for_main(args):
+    """The pair, tokenizer and prompt cache (``--prompt-cache-file``; None) a command line asks for."""
+    from .pair import load_pair
+
+    if args.pipeline:
+        from .pipeline import load_for_command
+
+        if args.adapter_path is not None:
+            raise ArgumentError("--adapter-path does not work with --pipeline yet: leave one of them out")
+        model, tokenizer, draft = load_for_command(args.model, args.draft_model, seed=args.seed)
+    else:
+        model, tokenizer, draft, _ = load_pair(args.model, args.draft_model, args.adapter_path, args.trust_remote_code)
+    add_extra_eos_tokens(tokenizer, args.extra_eos_token)
+    if args.use_default_chat_template and getattr(tokenizer, "chat_template", None) is None:
+        tokenizer.chat_template = tokenizer.default_chat_template
+    cache = None if args.prompt_cache_file is None else load_prompt_cache(args.prompt_cache_file, draft)
+    return model, tokenizer, draft, cache
 
 
 def main(argv=None):
     from .blas import warn_if_reference
-    from .pair import DEFAULT_TARGET, default_prompt, load_pair
+    from .pair import DEFAULT_TARGET, default_prompt
 
     args = setup_arg_parser().parse_args(argv)
     rank = mx.distributed.init().rank() if args.pipeline else 0
-    if args.pipeline:
-        from .pipeline import load_for_command
-
-        model, tokenizer, draft = load_for_command(args.model, args.draft_model, seed=args.seed)
-    else:
-        model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
+    model, tokenizer, draft, prompt_cache = load_for_main(args)
+    controls = cli.generation_keywords(args, tokenizer)
     warn_if_reference()  # loaded: about to decode
     args.verbose = args.verbose and rank == 0  # only rank 0 prints
     if rank == 0 and str(args.model) == str(DEFAULT_TARGET):
@@ -406,7 +485,10 @@ def main(argv=None):
     prompt = args.prompt if args.prompt is not None else default_prompt(args.model)
     if prompt == "-":
         prompt = sys.stdin.read()
-    prompt = build_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
+    prompt = build_prompt(
+        tokenizer, prompt, args.system_prompt, not args.ignore_chat_template, args.chat_template_config,
+        args.prefill_response, after_cache=prompt_cache is not None,
+    )
     if args.verbose and isinstance(prompt, str):
         print(prompt, end="", flush=True)
     if args.seed is not None:
@@ -417,6 +499,7 @@ def main(argv=None):
         draft,
         tokenizer,
         prompt,
+        prompt_cache=prompt_cache,
         block_size=args.block_size,
         tree_budget=args.tree_budget,
         max_tokens=args.max_tokens,
@@ -428,24 +511,30 @@ def main(argv=None):
         prefill_step_size=args.prefill_step_size,
         draft_window=args.draft_window,
         draft_sink=args.draft_sink,
+        **controls,
     ):
         if args.verbose:
             print(r.text, end="", flush=True)
         responses.append(r)
     if args.verbose and responses:
-        last, cycles = responses[-1], cycle_lengths(responses)
-        print("\n" + "=" * 10)
-        print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
-        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
-        if cycles:
-            print(f"Mean tokens per cycle: {mean_tokens_per_cycle(cycles):.2f} over {len(cycles)} cycles")
-            sizes = Counter(r.block_size for r in responses[1:] if not r.tree_size)
-            print("Block sizes (size:cycles): " + " ".join(f"{b}:{k}" for b, k in sorted(sizes.items())))
-            trees = Counter(r.tree_size for r in responses[1:] if r.tree_size)
-            if trees:
-                print("Draft trees (nodes:cycles): " + " ".join(f"{n}:{k}" for n, k in sorted(trees.items())))
-        print(f"Peak memory: {last.peak_memory:.3f} GB")
+        print_statistics(responses)
     return 0
+
+
+def print_statistics(responses: Sequence[GenerationResponse]) -> None:
+    """What ``generate --verbose`` prints after the text."""
+    last, cycles = responses[-1], cycle_lengths(responses)
+    print("\n" + "=" * 10)
+    print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+    if cycles:
+        print(f"Mean tokens per cycle: {mean_tokens_per_cycle(cycles):.2f} over {len(cycles)} cycles")
+        sizes = Counter(r.block_size for r in responses[1:] if not r.tree_size)
+        print("Block sizes (size:cycles): " + " ".join(f"{b}:{k}" for b, k in sorted(sizes.items())))
+        trees = Counter(r.tree_size for r in responses[1:] if r.tree_size)
+        if trees:
+            print("Draft trees (nodes:cycles): " + " ".join(f"{n}:{k}" for n, k in sorted(trees.items())))
+    print(f"Peak memory: {last.peak_memory:.3f} GB")
 
 
 if __name__ == "__main__":

@@ -153,6 +153,9 @@ def accept_greedy(draft_tokens: mx.array, target_tokens: mx.array) -> Tuple[mx.a
     return accepted, mx.take_along_axis(target_tokens, accepted[..., None], axis=-1)[..., 0]
 
 
+DRAFTING = ("temperature", "top_p", "top_k", "min_p")  # what a drafter samples its block with
+
+
 @dataclass
 class AcceptanceRule:
     """How a request accepts a verified block: greedy, rejection sampling
@@ -168,12 +171,21 @@ class AcceptanceRule:
         """processed_probs' arguments when rejection sampling, else None."""
         return self.settings if self.speculative else None
 
+    @property
+    def drafting(self) -> Optional[dict]:
+        """What the drafter samples its block with when rejection sampling
+        (temperature and the truncations; any q is exact, so XTC and
+        ``min_tokens_to_keep`` stay the target's), else None."""
+        return None if self.sampling is None else {k: self.settings[k] for k in DRAFTING}
+
     def choose(self, logits, key=None):
-        """The target's token(s) for logits ``[..., V]``; ``key``: a request's
-        own random key (None: ``mx.random``'s state, through the sampler)."""
+        """The target's token(s) for logits ``[..., V]``, one independent draw
+        per row; ``key``: a request's own random key (None: ``mx.random``'s
+        state). mlx-lm's sampler flips one XTC coin per call, so under XTC
+        the rows are drawn from :func:`processed_probs`, never by one call."""
         if self.sampler is None:
             return mx.argmax(logits, axis=-1)
-        if key is None or self.settings is None:
+        if self.settings is None or (key is None and not self.settings.get("xtc_probability")):
             return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         return sample(processed_probs(logits, **self.settings), key)
 
@@ -186,14 +198,18 @@ class AcceptanceRule:
         return speculative_accept(proposal, processed_probs(logits, **self.settings), q, key)
 
 
-def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance) -> AcceptanceRule:
-    """A request's :class:`AcceptanceRule` from its sampling arguments."""
+def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance, **sampler_settings) -> AcceptanceRule:
+    """A request's :class:`AcceptanceRule` from its sampling arguments
+    (``sampler_settings``: make_sampler's ``min_tokens_to_keep`` and XTC
+    keywords, checked by :func:`dflash_mlx.controls.check_sampling`)."""
     if acceptance not in ACCEPTANCE_RULES:
         raise ArgumentError(f"acceptance must be one of {ACCEPTANCE_RULES}, not {acceptance!r}")
+    if sampler is not None and sampler_settings.get("xtc_probability"):
+        raise ArgumentError("pass xtc_probability or a sampler, not both (a sampler makes every choice itself)")
     if sampler is not None or temperature <= 0:
         return AcceptanceRule(sampler)
-    settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-    return AcceptanceRule(make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k), settings, acceptance == "speculative")
+    settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, **sampler_settings)
+    return AcceptanceRule(make_sampler(temperature, **{k: v for k, v in settings.items() if k != "temperature"}), settings, acceptance == "speculative")
 
 
 def accept_rows(rules: Sequence[AcceptanceRule], logits: mx.array, proposal: mx.array, qs: List, keys: List) -> mx.array:

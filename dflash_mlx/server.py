@@ -39,6 +39,7 @@ import logging
 import math
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -61,7 +62,7 @@ from .api import ENDPOINTS, Metrics, ResponseStore, read_json_body
 from .api.harmony import text_format
 from .api.turn import check_chat_tools, openai_tool_choice, tool_choice_rule
 from .cache import make_prompt_cache
-from .controls import TOP_LOGPROBS_LIMIT, XTC_MAX_THRESHOLD, control_keywords, penalty_processors
+from .controls import TOP_LOGPROBS_LIMIT, control_keywords, kv_keywords, penalty_processors
 from .disk_cache import DiskPromptCache, TieredPromptCache, pair_identity
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BLOCK_SIZE
 from .errors import ArgumentError, RequestError
@@ -132,13 +133,7 @@ def check_fields(body: dict) -> None:
     number("seed", 0, 2**64 - 1, int)  # what mx.random.seed takes
     number("num_draft_tokens", 0, MAX_BLOCK_SIZE - 1, int)
     number("top_logprobs", -1, TOP_LOGPROBS_LIMIT, int)  # -1: mlx-lm's "not given"
-    number("repetition_penalty", 0)
-    number("presence_penalty")
-    number("frequency_penalty")
-    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
-        number(name, 0, kind=int)
-    number("xtc_probability", 0, 1)
-    number("xtc_threshold", 0, XTC_MAX_THRESHOLD)
+    # (penalties, logit bias and XTC: dflash_mlx.controls checks them, in request_controls)
     for name in ("stream", "logprobs"):
         if name in body and not isinstance(body[name], bool):
             raise RequestError(f"{name} must be true or false", name)
@@ -151,9 +146,10 @@ def check_fields(body: dict) -> None:
         raise RequestError("n must be 1: the DFlash server answers with one choice; send one request per choice", "n")
 
 
-def logit_bias(body: dict, vocab_size: int) -> Optional[Dict[int, float]]:
-    """The request's ``logit_bias`` (token ids as JSON's string keys) as
-    mlx-lm's server reads it, every id within the vocabulary."""
+def logit_bias(body: dict) -> Optional[dict]:
+    """The request's ``logit_bias`` with its token ids (JSON's string keys)
+    as ints, as mlx-lm's server reads it (the values and the ids' range:
+    :func:`~dflash_mlx.controls.check_processor_settings`)."""
     bias = body.get("logit_bias")
     if bias is None:
         return None
@@ -162,28 +158,27 @@ def logit_bias(body: dict, vocab_size: int) -> Optional[Dict[int, float]]:
     out = {}
     for key, value in bias.items():
         try:
-            token = int(key)
+            out[int(key)] = value
         except ValueError:
             raise RequestError(f"logit_bias: {key!r} is not a token id", "logit_bias") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise RequestError(f"logit_bias[{key!r}] must be a finite number, not {value!r}", "logit_bias")
-        if not 0 <= token < vocab_size:
-            raise RequestError(f"logit_bias: token id {token} is outside the vocabulary (0..{vocab_size - 1})", "logit_bias")
-        out[token] = float(value)
     return out
 
 
 def request_controls(body: dict, tokenizer, vocab_size: int) -> Dict[str, Any]:
-    """The ``generate_step`` keywords of a checked request's penalties,
-    logit bias and XTC, built as mlx-lm's server builds them
-    (``make_logits_processors``; XTC sparing newline and eos)."""
+    """The ``generate_step`` keywords of a request's penalties, logit bias
+    and XTC, built as mlx-lm's server builds them (``make_logits_processors``;
+    XTC sparing newline and eos), checked by :mod:`dflash_mlx.controls`: a
+    bad value is a 400 naming its field."""
     given = {k: body[k] for k in (
         "repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
         "frequency_penalty", "frequency_context_size",
     ) if body.get(k) is not None}
-    processors = penalty_processors(logit_bias(body, vocab_size), **given)
-    xtc = {k: float(body[k]) for k in ("xtc_probability", "xtc_threshold") if body.get(k) is not None}
-    return control_keywords(tokenizer, processors, **xtc)
+    xtc = {k: body[k] for k in ("xtc_probability", "xtc_threshold") if body.get(k) is not None}
+    try:
+        processors = penalty_processors(vocab_size, logit_bias=logit_bias(body), **given)
+        return control_keywords(tokenizer, processors, **xtc)
+    except ArgumentError as e:  # its message starts with the setting's name
+        raise RequestError(str(e), re.match(r"\w+", str(e)).group()) from None
 
 
 def chat_tokens(tokenizer, body: dict, template_args: dict):
@@ -286,10 +281,7 @@ def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int],
     with ``token_chars``); ``answers``: how the tokenizer's answers split
     (:func:`~dflash_mlx.api.harmony.text_format`)."""
     check_fields(body)
-    try:
-        controls = request_controls(body, tokenizer, target.vocab_size)
-    except ArgumentError as e:
-        raise RequestError(str(e)) from None
+    controls = request_controls(body, tokenizer, target.vocab_size)
     param = "messages" if kind == "chat" else "prompt"
     context = getattr(target.args, "max_position_embeddings", None)
     check_prompt_chars(body, kind, max_prompt, context, token_chars)
@@ -411,8 +403,9 @@ class DFlashResponseGenerator:
         # --pipeline: every rank generates what rank 0 receives (pipeline.share_request).
         self.group = mx.distributed.init() if cli_args.pipeline else None
         # Requests decode together in batched cycles, except on a pipelined
-        # target or with forced draft trees: those serve one at a time.
-        self.batch = None if cli_args.pipeline or cli_args.tree_budget else self.new_batch()
+        # target, with forced draft trees or with quantized or rotating KV
+        # caches (a batch's rows share plain ones): those serve one at a time.
+        self.batch = None if cli_args.pipeline or cli_args.tree_budget or kv_keywords(self.controls) else self.new_batch()
         self.serving: Dict[int, "Served"] = {}  # batched requests in flight, by uid
         # Weights still lazy (a model trained in this process) belong to this
         # thread's streams: evaluated here, the generation thread only reads them.
@@ -526,8 +519,10 @@ class DFlashResponseGenerator:
         the tokens it already holds."""
         entry, rest = self.prompt_cache.fetch_nearest_cache(self.key, tokens)
         args = self.cli_args
-        cache = entry[0] if entry is not None else make_prompt_cache(self.model, self.draft, args.draft_window, args.draft_sink)
-        return cache, len(tokens) - len(rest)
+        if entry is not None:
+            return entry[0], len(tokens) - len(rest)
+        return make_prompt_cache(self.model, self.draft, args.draft_window, args.draft_sink, **kv_keywords(self.controls)), 0
+
 
     def snapshot(self, cache, tokens, start, boundaries, progress):
         """Prefill up to each boundary past ``start`` and keep a copy there

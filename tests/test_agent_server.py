@@ -400,9 +400,9 @@ BAD = [
     ("/v1/chat/completions", {"model": "m", "messages": USER, "repetition_penalty": -1}, "repetition_penalty"),
     ("/v1/chat/completions", {"model": "m", "messages": USER, "logit_bias": {"100000": 1}}, "outside the vocabulary"),
     ("/v1/chat/completions", {"model": "m", "messages": USER, "logit_bias": {"x": 1}}, "not a token id"),
-    ("/v1/chat/completions", {"model": "m", "messages": USER, "logit_bias": {"3": "up"}}, "finite number"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "logit_bias": {"3": "up"}}, "logit_bias[3] must be a finite number"),
     ("/v1/chat/completions", {"model": "m", "messages": USER, "top_logprobs": 12}, "top_logprobs must be at most 11"),
-    ("/v1/chat/completions", {"model": "m", "messages": USER, "xtc_threshold": 0.7}, "xtc_threshold must be at most 0.5"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "xtc_threshold": 0.7}, "xtc_threshold must be a finite number in [0.0, 0.5]"),
     ("/v1/chat/completions", {"model": "m", "messages": USER, "xtc_probability": 2}, "xtc_probability"),
     ("/v1/chat/completions", {"model": "m", "messages": USER, "n": 2}, "n must be 1"),
 ]
@@ -624,12 +624,12 @@ def test_controls_are_parsed_for_the_loop(served):
     body = {"messages": USER, "repetition_penalty": 1.5, "logit_bias": {"5": 3}, "frequency_penalty": 0.5,
             "frequency_context_size": 4, "xtc_probability": 0.25}
     prepared = prepare(tokenizer, target, body, "chat", None, {}, text_format(tokenizer))
-    processors = prepared.controls.pop("logits_processors")
+    (processors,) = prepared.controls.pop("logits_processors")
     want = make_logits_processors({5: 3.0}, 1.5, 20, None, 20, 0.5, 4)
     tokens, logits = mx.array(prepared.tokens), mx.random.normal((1, target.vocab_size), key=mx.random.key(2))
-    a, b = logits, mx.array(logits.tolist())
-    for p, q in zip(processors, want, strict=True):
-        a, b = p(tokens, a), q(tokens, b)
+    a, b = processors(tokens, logits), mx.array(logits.tolist())
+    for q in want:
+        b = q(tokens, b)
     assert mx.array_equal(a, b)
     assert prepared.controls == {"xtc_probability": 0.25, "xtc_threshold": 0.1,
                                  "xtc_special_tokens": tokenizer.encode("\n") + list(tokenizer.eos_token_ids)}

@@ -18,6 +18,7 @@ from dflash_mlx import chat, cli, controls
 from dflash_mlx.errors import ArgumentError
 from dflash_mlx.pair import load_pair
 from dflash_mlx.server import request_controls
+from dflash_mlx.targets import kv
 from tiny import reference_tokens
 
 mlx_lm_generate = importlib.import_module("mlx_lm.generate")
@@ -25,8 +26,8 @@ mlx_lm_generate = importlib.import_module("mlx_lm.generate")
 
 def test_kv_bits_and_group_sizes_are_what_mlx_quantizes():
     x = mx.random.normal((2, 128))
-    for bits in controls.KV_BITS:
-        for group in controls.KV_GROUP_SIZES:
+    for bits in kv.KV_BITS:
+        for group in kv.KV_GROUP_SIZES:
             mx.quantize(x, group_size=group, bits=bits)
     for bits, group in ((7, 64), (16, 64), (4, 16)):
         with pytest.raises(ValueError):
@@ -40,8 +41,9 @@ def test_kv_bits_and_group_sizes_are_what_mlx_quantizes():
     (dict(kv_group_size=48), "kv_group_size"),
     (dict(quantized_kv_start=-1), "quantized_kv_start"),
     (dict(max_kv_size=0), "max_kv_size"),
+    (dict(kv_bits=4, max_kv_size=64), "kv_bits and max_kv_size cannot be used together"),
     (dict(xtc_probability=1.5), "xtc_probability"),
-    (dict(xtc_threshold=0.6), "xtc_threshold must be from 0 to 0.5"),
+    (dict(xtc_threshold=0.6), r"xtc_threshold must be a finite number in \[0.0, 0.5\]"),
     (dict(min_tokens_to_keep=0), "min_tokens_to_keep"),
     (dict(xtc_special_tokens=[3, 99], vocab_size=50), "outside the vocabulary"),
     (dict(logits_processors=[1]), "callables"),
@@ -65,40 +67,41 @@ PENALTIES = [
 def test_penalty_processors_are_mlx_lms(kw):
     tokens = mx.array([1, 3, 3, 5, 7, 3, 2])
     logits = mx.random.normal((1, 12), key=mx.random.key(0))
-    ours, theirs = controls.penalty_processors(vocab_size=12, **kw), make_logits_processors(**kw)
-    assert len(ours) == len(theirs) > 0
+    (ours,), theirs = controls.penalty_processors(12, **kw), make_logits_processors(**kw)
     before = logits.tolist()  # (mlx-lm's processors may write into the array they get)
-    a, b = logits, mx.array(before)
-    for p, q in zip(ours, theirs):
-        a, b = p(tokens, a), q(tokens, b)
+    a, b = ours(tokens, logits), mx.array(before)
+    for q in theirs:
+        b = q(tokens, b)
     assert mx.array_equal(a, b) and a.tolist() != before
 
 
 @pytest.mark.parametrize("bad, says", [
-    (dict(repetition_context_size=-1), "repetition_context_size must be at least 0"),
-    (dict(presence_context_size=-3), "presence_context_size"),
+    (dict(repetition_context_size=-1), "repetition_context_size must be a positive integer"),
+    (dict(presence_context_size=0), "presence_context_size"),
     (dict(frequency_context_size=-1), "frequency_context_size"),
-    (dict(repetition_penalty=-0.5), "repetition_penalty must be at least 0"),
+    (dict(repetition_penalty=-0.5), r"repetition_penalty must be a finite number in \[0.0"),
     (dict(logit_bias={12: 1.0}), "token id 12 is outside the vocabulary"),
-    (dict(logit_bias={-1: 1.0}), "outside the vocabulary"),
+    (dict(logit_bias={-1: 1.0}), "not a non-negative integer"),
     (dict(logit_bias={2: float("nan")}), "finite"),
     (dict(presence_penalty=float("inf")), "finite"),
 ])
 def test_penalty_processors_refuse_bad_values(bad, says):
     with pytest.raises(ArgumentError, match=says):
-        controls.penalty_processors(vocab_size=12, **bad)
+        controls.penalty_processors(12, **bad)
 
 
 def test_control_keywords_hold_only_what_changes_something(qwen3_pair):
     tok = qwen3_pair.tokenizer
     assert controls.control_keywords(tok) == {}
     processors = make_logits_processors(repetition_penalty=1.2)
-    got = controls.control_keywords(tok, processors, xtc_probability=0.5, xtc_threshold=0.2, kv_bits=4, max_kv_size=64)
+    got = controls.control_keywords(tok, processors, xtc_probability=0.5, xtc_threshold=0.2, kv_bits=4)
     assert got == dict(
         logits_processors=processors, xtc_probability=0.5, xtc_threshold=0.2,
         xtc_special_tokens=tok.encode("\n") + list(tok.eos_token_ids),  # as mlx_lm.generate and its server choose them
-        kv_bits=4, kv_group_size=64, quantized_kv_start=5000, max_kv_size=64,
+        kv_bits=4, kv_group_size=64, quantized_kv_start=5000,
     )
+    assert controls.control_keywords(tok, max_kv_size=64) == {"max_kv_size": 64}
+    assert controls.kv_keywords(got) == dict(kv_bits=4, kv_group_size=64, quantized_kv_start=5000)
 
 
 def a_parser():
@@ -139,7 +142,7 @@ def test_chat_template_config_is_mlx_lms_json_parsed():
     ("--kv-bits", "four", "expected an integer"),
     ("--kv-group-size", "48", "kv_group_size"),
     ("--quantized-kv-start", "-1", "at least 0"),
-    ("--max-kv-size", "0", "at least 1"),
+    ("--max-kv-size", "0", "at least 5"),
     ("--xtc-probability", "2", "xtc_probability"),
     ("--xtc-threshold", "0.9", "xtc_threshold"),
     ("--min-tokens-to-keep", "0", "min_tokens_to_keep"),
@@ -200,9 +203,10 @@ def test_request_controls_build_mlx_lms_processors(qwen3_pair):
     got = request_controls(body, tok, 64)
     want = make_logits_processors({3: 2.0, 9: -1.5}, 1.2, 4, 0.5, 20, 0.25, 20)  # mlx-lm's server's call
     tokens, logits = mx.array([3, 3, 9, 1]), mx.random.normal((1, 64), key=mx.random.key(1))
-    a, b = logits, mx.array(logits.tolist())
-    for p, q in zip(got.pop("logits_processors"), want, strict=True):
-        a, b = p(tokens, a), q(tokens, b)
+    (ours,) = got.pop("logits_processors")
+    a, b = ours(tokens, logits), mx.array(logits.tolist())
+    for q in want:
+        b = q(tokens, b)
     assert mx.array_equal(a, b)
     assert got == dict(xtc_probability=0.5, xtc_threshold=0.2, xtc_special_tokens=controls.xtc_special_tokens(tok))
     assert request_controls({"presence_penalty": 0, "xtc_threshold": 0.3, "logit_bias": {}}, tok, 64) == {}  # all off

@@ -1,11 +1,13 @@
 """mlx-lm's controls through speculation, against mlx-lm itself: logits
 processors over a verified block (each row with its own history), a tree
 and a batch; XTC's distribution; logprobs; the settings checks.
+(Through the decode loop itself: tests/test_controls_loop.py.)
 
 The distribution checks use tests/test_sampling.py's bounds (tiny.tv_bound:
 false-failure probability below tiny.DELTA per check)."""
 
 import itertools
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -15,11 +17,11 @@ from tiny import ANCHOR, PROMPT, V, continuation_logits, draft_noise, prompt_of,
 
 import tiny
 
-from dflash_mlx.controls import (
-    Processors, check_processor_settings, check_sampler_settings, logprobs, process_rows,
-)
+from dflash_mlx.controls import check_processor_settings, check_sampling, penalty_processors
+from dflash_mlx.decode import Decoder
 from dflash_mlx.errors import ArgumentError
-from dflash_mlx.generate import accept_greedy
+from dflash_mlx.processors import Processors, logprobs
+from dflash_mlx.sampling import accept_greedy
 from dflash_mlx.sampling import processed_probs, sample, speculative_accept, xtc_removed
 from dflash_mlx.targets import adapter_for
 from dflash_mlx.tree import build_tree, chain
@@ -31,6 +33,11 @@ PROCESSOR_SETTINGS = [
     dict(logit_bias={1: 2.5, 4: -3.0}),
     dict(logit_bias={2: 1.0}, repetition_penalty=1.3, presence_penalty=0.4, presence_context_size=3, frequency_penalty=0.3),
 ]
+
+
+def from_settings(history=(), vocab_size=None, **settings) -> Processors:
+    """Processors of make_logits_processors' settings, checked, all rows at once."""
+    return Processors(penalty_processors(vocab_size, **settings), history)
 
 
 def random_logits(rows, vocab=V, seed=0, dtype=mx.float32):
@@ -69,7 +76,7 @@ def test_all_rows_at_once_is_bit_identical(setting, rows, held, dtype):
     """The vectorised path against one call per row, histories shorter and
     longer than the context sizes, drafted tokens that repeat."""
     rng = np.random.default_rng(rows * 100 + held)
-    processors = Processors.from_settings(rng.integers(0, 6, held).tolist(), vocab_size=V, **setting)
+    processors = from_settings(rng.integers(0, 6, held).tolist(), vocab_size=V, **setting)
     proposal = mx.array(rng.integers(0, 6, rows - 1).tolist(), dtype=mx.int32)
     logits = random_logits(rows, seed=held, dtype=dtype)
     fast = processors.block(logits, proposal)
@@ -80,15 +87,15 @@ def test_all_rows_at_once_is_bit_identical(setting, rows, held, dtype):
     assert mx.array_equal(logits, random_logits(rows, seed=held, dtype=dtype))  # the verify's logits are left as they were
 
 
-def test_history_follows_extend_with_lazy_tokens():
-    """extend takes the loop's lazy outcome (an array not yet read) as well as a list."""
+def test_history_follows_commit_with_lazy_tokens():
+    """commit takes the loop's lazy outcome (an array not yet read) as well as a list."""
     setting = PROCESSOR_SETTINGS[-1]
-    lazy = Processors.from_settings([1, 2], **setting)
-    listed = Processors.from_settings([1, 2], **setting)
-    lazy.extend(mx.argmax(mx.array([0.0, 0.0, 0.0, 1.0])))  # 3, a scalar
-    lazy.extend(mx.array([[2, 2]], dtype=mx.uint32))
-    listed.extend([3, 2])
-    listed.extend(2)
+    lazy = from_settings([1, 2], **setting)
+    listed = from_settings([1, 2], **setting)
+    lazy.commit(mx.argmax(mx.array([0.0, 0.0, 0.0, 1.0])))  # 3, a scalar
+    lazy.commit(mx.array([[2, 2]], dtype=mx.uint32))
+    listed.commit([3, 2])
+    listed.commit(2)
     assert lazy.history.tolist() == listed.history.tolist() == [1, 2, 3, 2, 2]
     logits = random_logits(1)
     assert mx.array_equal(lazy.block(logits), listed.block(logits, [], vectorised=False))
@@ -103,7 +110,7 @@ def test_tree_rows_see_their_own_path(setting, vectorised):
     lp = -np.sort(rng.random((4, 3)), axis=1)
     ids = rng.integers(0, 6, (4, 3))
     tree = build_tree(2, ids, np.cumsum(lp, axis=1), 12)
-    processors = Processors.from_settings([1, 2, 2, 5], **setting)
+    processors = from_settings([1, 2, 2, 5], **setting)
     logits = random_logits(tree.rows, seed=9)
     got = processors.tree(logits, tree.tokens, tree.parents, vectorised=vectorised)
     assert max(tree.depths) >= 3 and not tree.is_chain
@@ -119,15 +126,19 @@ def test_tree_rows_see_their_own_path(setting, vectorised):
 
 
 def test_batch_rows_each_with_their_own_processors():
-    rows = [Processors.from_settings([1, 2, 3], **PROCESSOR_SETTINGS[0]), None,
-            Processors([penalise_last], [4, 4]), Processors.from_settings([5], **PROCESSOR_SETTINGS[-1])]
+    """The decoder's controlled logits: each row through its own request's controls."""
+    rows = [[from_settings([1, 2, 3], **PROCESSOR_SETTINGS[0])], [],
+            [Processors([penalise_last], [4, 4])], [from_settings([5], **PROCESSOR_SETTINGS[-1])]]
+    requests = [SimpleNamespace(controls=c) for c in rows]
     logits = mx.stack([random_logits(4, seed=b) for b in range(4)])
     proposals = mx.array([[1, 1, 2], [3, 3, 3], [4, 0, 4], [5, 2, 2]], dtype=mx.int32)
-    got = process_rows(rows, logits, proposals)
-    for b, p in enumerate(rows):
-        lone = logits[b] if p is None else p.block(logits[b], proposals[b], vectorised=False)
+    got = Decoder.controlled(requests, logits, proposals)
+    for b, c in enumerate(rows):
+        lone = c[0].block(logits[b], proposals[b], vectorised=False) if c else logits[b]
         assert mx.array_equal(got[b], lone)
-    assert mx.array_equal(process_rows([None, Processors()], logits[:2], proposals[:2]), logits[:2])
+    assert not mx.array_equal(got, logits)
+    plain = logits[1:2]
+    assert Decoder.controlled(requests[1:2], plain, proposals[1:2]) is plain  # no controls: untouched
 
 
 # ---------------------------------------------------------------------------
@@ -145,7 +156,7 @@ def speculate(model, prompt, processors, reference, max_tokens, block, all_rows_
     seq = list(prompt)
     processed = processors.block(model(mx.array([seq]))[0, -1:])
     out, lps = [mx.argmax(processed[0]).item()], [logprobs(processed)[0]]
-    processors.extend(out[-1:])
+    processors.commit(out[-1:])
     cycle = 0
     while len(out) < max_tokens:
         proposal = list(reference[len(out) : len(out) + block - 1])
@@ -158,7 +169,7 @@ def speculate(model, prompt, processors, reference, max_tokens, block, all_rows_
             processed = processors.block(logits, proposal)
         accepted, bonus = accept_greedy(mx.array(proposal, dtype=mx.int32), mx.argmax(processed, axis=-1))
         new = (proposal[: accepted.item()] + [bonus.item()])[: max_tokens - len(out)]
-        processors.extend(new)  # the committed tokens, the next anchor last
+        processors.commit(new)  # the committed tokens, the next anchor last
         lps.extend(logprobs(processed)[: len(new)])
         out += new
         cycle += 1
@@ -179,7 +190,7 @@ def test_greedy_with_processors_is_mlx_lms_decode(qwen3_pair, control, block):
     make = (lambda: [penalise_last]) if control == "custom" else (lambda: make_logits_processors(**control))
     ref, ref_lps = pair.reference_steps(prompt, n, logits_processors=make())
     assert ref != pair.reference(prompt, n)  # the control changes the output
-    processors = Processors(make(), prompt) if control == "custom" else Processors.from_settings(prompt, pair.vocab, **control)
+    processors = Processors(make(), prompt) if control == "custom" else from_settings(prompt, pair.vocab, **control)
     got, lps = speculate(pair.model, prompt, processors, ref, n, block)
     assert got == ref
     assert mx.abs(lps - ref_lps).max().item() < 1e-4
@@ -211,7 +222,7 @@ def speculate_trees(pair, prompt, processors, reference, max_tokens, as_chain=Fa
         branched += any(tree.ranks[r] for r in path)  # a walk off the best chain
         target.rollback(cache, path)
         new = ([tree.tokens[r] for r in path[1:]] + [token])[: max_tokens - len(out)]
-        processors.extend(new)
+        processors.commit(new)
         lps.extend(logprobs(processed)[mx.array(path[: len(new)])])
         out, anchor, cycle = out + new, new[-1], cycle + 1
     return out, mx.stack(lps), branched
@@ -221,10 +232,10 @@ def speculate_trees(pair, prompt, processors, reference, max_tokens, as_chain=Fa
 def test_tree_verifies_with_processors_are_mlx_lms_decode(qwen3_pair, control):
     pair, prompt, n = qwen3_pair, prompt_of(20), 40
     ref, ref_lps = pair.reference_steps(prompt, n, logits_processors=make_logits_processors(**control))
-    got, lps, branched = speculate_trees(pair, prompt, Processors.from_settings(prompt, pair.vocab, **control), ref, n)
+    got, lps, branched = speculate_trees(pair, prompt, from_settings(prompt, pair.vocab, **control), ref, n)
     assert got == ref and branched
     assert mx.abs(lps - ref_lps).max().item() < 1e-4
-    wrong, wrong_lps, _ = speculate_trees(pair, prompt, Processors.from_settings(prompt, **control), ref, n, as_chain=True)
+    wrong, wrong_lps, _ = speculate_trees(pair, prompt, from_settings(prompt, **control), ref, n, as_chain=True)
     assert wrong != ref or mx.abs(wrong_lps - ref_lps).max().item() > 1e-2
 
 
@@ -257,7 +268,7 @@ def block_tables(logits, own_histories=True):
     """``[V, V, 3, V]``: the processed probabilities of the verify of
     [ANCHOR, d1, d2] for every d1, d2, through Processors.block (or, not
     ``own_histories``, every row with the committed history alone: a bug)."""
-    processors = Processors.from_settings(PROMPT + [ANCHOR], V, **PENALISED)
+    processors = from_settings(PROMPT + [ANCHOR], V, **PENALISED)
     out = []
     for d1, d2 in itertools.product(range(V), repeat=2):
         block = mx.stack([logits[0][0], logits[1][d1], logits[2][d1 * V + d2]])
@@ -368,17 +379,17 @@ def test_xtc_off_and_special_tokens():
         (check_processor_settings, dict(repetition_context_size=0), "repetition_context_size must be a positive integer, got 0; pass 1 or more tokens (mlx-lm's default is 20)"),
         (check_processor_settings, dict(presence_context_size=-3), "presence_context_size must be a positive integer"),
         (check_processor_settings, dict(frequency_context_size=2.5), "frequency_context_size must be a positive integer"),
-        (check_processor_settings, dict(repetition_penalty=-1.0), "repetition_penalty must be a number in [0.0"),
-        (check_processor_settings, dict(presence_penalty=float("nan")), "presence_penalty must be a number"),
+        (check_processor_settings, dict(repetition_penalty=-1.0), "repetition_penalty must be a finite number in [0.0"),
+        (check_processor_settings, dict(presence_penalty=float("nan")), "presence_penalty must be a finite number"),
         (check_processor_settings, dict(vocab_size=V, logit_bias={V: 1.0}), "outside the vocabulary (0..15)"),
         (check_processor_settings, dict(logit_bias={-1: 1.0}), "not a non-negative integer"),
         (check_processor_settings, dict(logit_bias={"7": 1.0}), "not a non-negative integer"),
-        (check_processor_settings, dict(logit_bias={3: "high"}), "logit_bias[3] must be a number"),
+        (check_processor_settings, dict(logit_bias={3: "high"}), "logit_bias[3] must be a finite number"),
         (check_processor_settings, dict(repetition_size=5), "unknown logits processor setting"),
-        (check_sampler_settings, dict(xtc_probability=1.5), "xtc_probability must be a number in [0.0, 1.0]"),
-        (check_sampler_settings, dict(xtc_threshold=0.7), "xtc_threshold must be a number in [0.0, 0.5]"),
-        (check_sampler_settings, dict(vocab_size=V, xtc_special_tokens=[V + 2]), "outside the vocabulary"),
-        (check_sampler_settings, dict(min_tokens_to_keep=0), "min_tokens_to_keep must be a positive integer"),
+        (check_sampling, dict(xtc_probability=1.5), "xtc_probability must be a finite number in [0.0, 1.0]"),
+        (check_sampling, dict(xtc_threshold=0.7), "xtc_threshold must be a finite number in [0.0, 0.5]"),
+        (check_sampling, dict(vocab_size=V, xtc_special_tokens=[V + 2]), "outside the vocabulary"),
+        (check_sampling, dict(min_tokens_to_keep=0), "min_tokens_to_keep must be a positive integer"),
     ],
 )
 def test_bad_settings_get_one_clear_error(check, kwargs, says):
@@ -388,9 +399,10 @@ def test_bad_settings_get_one_clear_error(check, kwargs, says):
 
 
 def test_good_settings_pass_and_build():
-    check_sampler_settings(V, xtc_probability=0.5, xtc_threshold=0.5, xtc_special_tokens=[0, V - 1], min_tokens_to_keep=2)
-    processors = Processors.from_settings([1], vocab_size=V, logit_bias={0: 1, V - 1: -1.5}, repetition_penalty=0.0,
+    check_sampling(V, xtc_probability=0.5, xtc_threshold=0.5, xtc_special_tokens=[0, V - 1], min_tokens_to_keep=2)
+    processors = from_settings([1], vocab_size=V, logit_bias={0: 1, V - 1: -1.5}, repetition_penalty=0.0,
                                           presence_penalty=-0.5, frequency_context_size=1)
-    assert len(processors.callables) == 2  # the bias and the presence penalty, as mlx-lm makes them
+    assert len(processors.callables[0].made) == 2  # the bias and the presence penalty, as mlx-lm makes them
+    assert penalty_processors(V, repetition_penalty=None, logit_bias={}) == []  # all off: none
     with pytest.raises(ArgumentError, match="outside the vocabulary"):
-        Processors.from_settings([1], vocab_size=V, logit_bias={V: 1.0})
+        from_settings([1], vocab_size=V, logit_bias={V: 1.0})

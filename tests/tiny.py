@@ -493,9 +493,11 @@ def generated_tokens(model, draft, tokenizer, seed, max_tokens, **kw):
     return dflash_tokens(model, draft, tokenizer, PROMPT, max_tokens=max_tokens, **kw)
 
 
-def pit_check(model, runs, setting, rng):
+def pit_check(model, runs, setting, rng, logits_processors=None):
     """Randomised PIT of every generated token under the target's exact
-    processed p given its actual prefix (one plain mlx-lm forward per run).
+    processed p given its actual prefix (one plain mlx-lm forward per run;
+    ``logits_processors()``: mlx-lm processors applied to each position with
+    its own history first, as mlx-lm's decode applies them).
 
     Returns (KS distance of the PIT values from U(0, 1), its DKW bound,
     number of tokens committed outside the processed support).
@@ -503,6 +505,14 @@ def pit_check(model, runs, setting, rng):
     us, outside = [], 0
     for tokens in runs:
         logits = model(mx.array([PROMPT + tokens]))[0, len(PROMPT) - 1 : -1]
+        if logits_processors is not None:
+            rows = []
+            for i in range(len(tokens)):
+                row = logits[i : i + 1]
+                for f in logits_processors():
+                    row = f(mx.array(PROMPT + tokens[:i]), row)
+                rows.append(row)
+            logits = mx.concatenate(rows)
         p = np.array(processed_probs(logits, **setting), dtype=np.float64)
         x = np.array(tokens)
         p_x = p[np.arange(len(x)), x]
