@@ -32,10 +32,9 @@ from .calibration import calibrate
 from .decode import BatchResponse, Decoder, Request, Sizing
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
-from .controls import KV_KEYWORDS, check_controls
-from .generate import checked_prompt, encode_prompt, max_block_size, one_thread_per_pair, processors_for, sampler_controls, tree_plan
+from .controls import KV_KEYWORDS
+from .generate import checked_prompt, controlled_rule, encode_prompt, max_block_size, one_thread_per_pair, processors_for, tree_plan
 from .prefill import feed, prefill, prefill_together
-from .sampling import acceptance_rule
 from .targets.rows import check_joinable
 
 DEFAULT_COMPLETION_BATCH_SIZE = 32  # mlx-lm's --decode-concurrency default
@@ -207,9 +206,8 @@ class BatchGenerator:
         """One inserted request, checked before any work."""
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ArgumentError(f"max_tokens must be a whole number of at least 1, got {limit!r}")
-        check_controls(**controls, **kv, vocab_size=self.target.vocab_size)
         processors = controls.pop("logits_processors")
-        rule = acceptance_rule(temp, tp, tk, mp, None, acceptance, **sampler_controls(**controls))
+        rule = controlled_rule(self.target, (temp, tp, tk, mp, None, acceptance), processors, kv, **controls)
         cache = prompt_cache_for(self.model, self.draft, cache, self.draft_window, self.draft_sink, **kv)
         tokens = checked_prompt(self.target, cache, prompt)
         if cache.target.undo is not None:

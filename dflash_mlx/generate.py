@@ -26,7 +26,7 @@ from .errors import ArgumentError
 from .ops.threads import release_at_thread_exit
 from .prefill import prefill
 from .processors import Processors
-from .sampling import ACCEPTANCE_RULES, acceptance_rule
+from .sampling import ACCEPTANCE_RULES, AcceptanceRule, acceptance_rule
 
 
 @dataclass
@@ -180,14 +180,9 @@ def generate_step(
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stream=generation_stream, draft_window: Optional[int] = None, draft_sink: Optional[int] = None,
-    logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
-    min_tokens_to_keep: int = 1,
-    xtc_probability: float = 0.0,
-    xtc_threshold: float = 0.1,
-    xtc_special_tokens: Optional[List[int]] = None,
-    kv_bits: Optional[int] = None,
-    kv_group_size: Optional[int] = None,
-    quantized_kv_start: Optional[int] = None,
+    logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None, min_tokens_to_keep: int = 1,
+    xtc_probability: float = 0.0, xtc_threshold: float = 0.1, xtc_special_tokens: Optional[List[int]] = None,
+    kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None, quantized_kv_start: Optional[int] = None,
     max_kv_size: Optional[int] = None,
 ) -> Generator[Tuple[int, Optional[mx.array], bool, int, int], None, None]:
     """Yield each committed token as ``(token, logprobs, from_draft, block,
@@ -205,9 +200,8 @@ def generate_step(
 
     Greedy (``temperature == 0`` and no ``sampler``) output is token-identical
     to the target's own greedy decode. With ``temperature > 0`` every committed
-    token is distributed exactly as mlx-lm's ``make_sampler(temperature,
-    top_p, min_p, top_k=top_k)`` samples the target, under either
-    ``acceptance`` rule:
+    token is distributed exactly as mlx-lm's ``make_sampler`` samples the
+    target, under either ``acceptance`` rule:
 
     - ``"speculative"`` (default): the drafter samples its block from its own
       processed distribution q; each draft token survives with probability
@@ -215,12 +209,9 @@ def generate_step(
       is resampled from max(0, p - q) (speculative sampling, see
       :mod:`dflash_mlx.sampling`).
     - ``"exact-match"``: the drafter proposes greedily, the target samples
-      every slot, and a draft token survives only if it equals that sample.
-      Simpler, accepts less; kept for comparison.
-
-    A custom ``sampler`` (mlx-lm style, fed log-probabilities; it overrides
-    ``temperature`` and the truncation arguments) only yields tokens, not the
-    p that rejection sampling needs, so it always uses exact match.
+      every slot, and a draft token survives only if it equals that sample
+      (simpler, accepts less). A custom ``sampler`` (mlx-lm style, fed
+      log-probabilities) yields no p, so it always uses exact match.
 
     By default each cycle verifies the length (up to the drafter's trained
     size; 1: plain decoding) or the draft tree (:mod:`dflash_mlx.tree`;
@@ -229,65 +220,65 @@ def generate_step(
     the choices instead): a seeded sampled run repeats only when they are fixed.
 
     mlx-lm's controls are exact through speculation: ``logits_processors``
-    (callables ``(tokens, logits) -> logits``, e.g. from
-    ``make_logits_processors``; each verified position is processed with its
-    own history, see :mod:`dflash_mlx.processors`), ``min_tokens_to_keep``
-    and XTC (``xtc_probability``, ``xtc_threshold``, ``xtc_special_tokens``,
-    as ``make_sampler`` takes them), and the target's KV caches
-    (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``,
-    ``max_kv_size``; None each: mlx-lm's default; see
-    :mod:`dflash_mlx.targets.kv`). The logprobs are those of the processed
-    logits, as mlx-lm reports them.
+    (:mod:`dflash_mlx.processors`), make_sampler's ``min_tokens_to_keep`` and
+    XTC, the KV cache keywords (None: mlx-lm's default; :mod:`~dflash_mlx.targets.kv`).
     """
     target = bound_target(model, draft)
-    check_controls(
-        logits_processors=logits_processors, xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
-        xtc_special_tokens=xtc_special_tokens, min_tokens_to_keep=min_tokens_to_keep, kv_bits=kv_bits,
-        kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size,
-        vocab_size=target.vocab_size,
-    )
-    rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance, **sampler_controls(
-        min_tokens_to_keep, xtc_probability, xtc_threshold, xtc_special_tokens))
+    kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
+    rule = controlled_rule(target, (temperature, top_p, top_k, min_p, sampler, acceptance), logits_processors, kv,
+                           min_tokens_to_keep, xtc_probability, xtc_threshold, xtc_special_tokens)
     if max_tokens < 1:
         raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
     max_block = max_block_size(draft, block_size, sizer)
     trees = tree_plan(target, draft, tree_budget, sizer)
-    cache = prompt_cache_for(
-        model, draft, prompt_cache, draft_window, draft_sink, kv_bits=kv_bits, kv_group_size=kv_group_size,
-        quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size,
-    )
+    cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink, **kv)
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
         controls = processors_for(logits_processors, cache, prompt)
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
         request = Request(0, cache, rule, max_tokens, frozenset(eos_token_ids), logprobs, controls=controls)
-        first = request.start(logits)
-        if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
-            yield from yielded(first)  # before the cycles' costs are measured, not after
-            if first.finish_reason is not None:
+        yield from decode_alone(target, draft, request, logits, max_block, (block_size is not None, sizer, *trees))
+
+
+def decode_alone(target, draft, request: Request, logits: mx.array, max_block: int, planning: tuple):
+    """A prefilled request's tokens, as :func:`generate_step` yields them:
+    its first from the prefill's ``logits``, then a decoder's cycles
+    (``planning``: :func:`~dflash_mlx.calibration.plan`'s fixed, sizer and
+    tree arguments)."""
+    cache = request.cache
+    first = request.start(logits)
+    if first.finish_reason is not None or not calibrated(target, draft, max_block, planning[3]):
+        yield from yielded(first)  # before the cycles' costs are measured, not after
+        if first.finish_reason is not None:
+            return
+        first = None
+    sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, *planning)
+    decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
+    decoder.join([request])
+    decoder.queue()  # the first cycle runs while the first token goes out
+    if first is not None:
+        yield from yielded(first)
+    while True:
+        for response in decoder.step():
+            yield from yielded(response)
+            if response.finish_reason is not None:
                 return
-            first = None
-        sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)
-        decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
-        decoder.join([request])
-        decoder.queue()  # the first cycle runs while the first token goes out
-        if first is not None:
-            yield from yielded(first)
-        while True:
-            for response in decoder.step():
-                yield from yielded(response)
-                if response.finish_reason is not None:
-                    return
 
 
-def sampler_controls(min_tokens_to_keep=1, xtc_probability=0.0, xtc_threshold=0.1, xtc_special_tokens=None) -> dict:
-    """make_sampler's keywords past the drafter's four, for
-    :func:`~dflash_mlx.sampling.acceptance_rule` (only those that change something)."""
-    out = {} if min_tokens_to_keep == 1 else dict(min_tokens_to_keep=min_tokens_to_keep)
+def controlled_rule(target, sampling: tuple, logits_processors, kv: dict, min_tokens_to_keep=1, xtc_probability=0.0,
+                    xtc_threshold=0.1, xtc_special_tokens=None) -> AcceptanceRule:
+    """A request's acceptance rule from ``sampling`` (acceptance_rule's
+    arguments) and make_sampler's other keywords (those that change
+    something), every control checked first: one error before any work."""
+    check_controls(
+        logits_processors=logits_processors, xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+        xtc_special_tokens=xtc_special_tokens, min_tokens_to_keep=min_tokens_to_keep, vocab_size=target.vocab_size, **kv,
+    )
+    more = {} if min_tokens_to_keep == 1 else dict(min_tokens_to_keep=min_tokens_to_keep)
     if xtc_probability > 0:
-        out.update(xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
-                   xtc_special_tokens=list(xtc_special_tokens) if xtc_special_tokens else None)
-    return out
+        more.update(xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                    xtc_special_tokens=list(xtc_special_tokens) if xtc_special_tokens else None)
+    return acceptance_rule(*sampling, **more)
 
 
 def processors_for(logits_processors, cache: PromptCache, prompt: List[int]) -> list:
