@@ -255,14 +255,7 @@ def decode_alone(target, draft, request: Request, logits: mx.array, max_block: i
     sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, *planning)
     decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
     decoder.join([request])
-    decoder.queue()  # the first cycle runs while the first token goes out
-    if first is not None:
-        yield from yielded(first)
-    while True:
-        for response in decoder.step():
-            yield from yielded(response)
-            if response.finish_reason is not None:
-                return
+    yield from alone(decoder, first)
 
 
 def controlled_rule(target, sampling: tuple, logits_processors, kv: dict, min_tokens_to_keep=1, xtc_probability=0.0,
@@ -303,6 +296,20 @@ def generation(target, draft, cache: PromptCache, stream):
                 target.rollback(cache.target, 0)
             cache.drop_unreadable()  # at rest, the cache holds only what a drafter may read
             mx.clear_cache()
+
+
+def alone(decoder: Decoder, first: Optional[BatchResponse]):
+    """A lone request's tokens from its decoder: its first cycle is queued
+    before the prefill's token (``first``; None: out already) goes out,
+    then cycle after cycle to its end."""
+    decoder.queue()
+    if first is not None:
+        yield from yielded(first)
+    while True:
+        for response in decoder.step():
+            yield from yielded(response)
+            if response.finish_reason is not None:
+                return
 
 
 def yielded(response: BatchResponse):
