@@ -39,7 +39,7 @@ from .targets.rows import check_joinable
 
 DEFAULT_COMPLETION_BATCH_SIZE = 32  # mlx-lm's --decode-concurrency default
 DEFAULT_PREFILL_BATCH_SIZE = 8  # mlx-lm's --prompt-concurrency default
-CONTROL_KEYS = ("logits_processors", "min_tokens_to_keep", "xtc_probability", "xtc_threshold", "xtc_special_tokens")
+CONTROL_KEYS = ("logits_processors", "min_tokens_to_keep", "xtc_probability", "xtc_threshold", "xtc_special_tokens", "all_tokens")
 
 
 def per_prompt(name: str, value, n: int) -> list:
@@ -151,6 +151,7 @@ class BatchGenerator:
         kv_group_size=None,
         quantized_kv_start=None,
         max_kv_size=None,
+        all_tokens=None,
     ) -> List[int]:
         """Queue requests; returns their uids. ``prompts``: token lists (only
         the part new to a request's prompt cache, as in
@@ -168,9 +169,10 @@ class BatchGenerator:
         (one value or one per prompt), ``xtc_special_tokens`` (ids for all,
         or a list per prompt); mlx-lm's KV cache keywords (``kv_bits``,
         ``kv_group_size``, ``quantized_kv_start``, ``max_kv_size``) for the
-        requests' caches (a quantized or
-        rotating cache cannot join a batch: it is refused, see
-        :func:`~dflash_mlx.targets.rows.check_joinable`)."""
+        requests' caches (a quantized or rotating cache cannot join a batch:
+        it is refused, see :func:`~dflash_mlx.targets.rows.check_joinable`);
+        ``all_tokens``: per prompt, the tokens before it that its processors
+        see (None: see :func:`~dflash_mlx.generate.processors_for`)."""
         n = len(prompts)
 
         def each(name, value, many=(list, tuple)):
@@ -191,7 +193,7 @@ class BatchGenerator:
         controls = zip(
             per_prompt("logits_processors", logits_processors, n), each("min_tokens_to_keep", min_tokens_to_keep),
             each("xtc_probability", xtc_probability), each("xtc_threshold", xtc_threshold),
-            per_prompt("xtc_special_tokens", xtc_special_tokens, n),
+            per_prompt("xtc_special_tokens", xtc_special_tokens, n), each("all_tokens", all_tokens or [None] * n),
         )
         kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
         requests = [
@@ -206,7 +208,7 @@ class BatchGenerator:
         """One inserted request, checked before any work."""
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ArgumentError(f"max_tokens must be a whole number of at least 1, got {limit!r}")
-        processors = controls.pop("logits_processors")
+        processors, before = controls.pop("logits_processors"), controls.pop("all_tokens")
         rule = controlled_rule(self.target, (temp, tp, tk, mp, None, acceptance), processors, kv, **controls)
         cache = prompt_cache_for(self.model, self.draft, cache, self.draft_window, self.draft_sink, **kv)
         tokens = checked_prompt(self.target, cache, prompt)
@@ -217,7 +219,7 @@ class BatchGenerator:
             max_block_size(self.draft, cap, None)
         key = None if seed is None else mx.random.key(int(seed))
         return Request(uid, cache, rule, limit, frozenset(eos), bool(want), key, cap, tokens, len(tokens), hear,
-                       controls=processors_for(processors, cache, tokens))
+                       controls=processors_for(processors, cache, tokens, before))
 
     def remove(self, uids: Iterable[int]) -> Dict[int, PromptCache]:
         """Drop requests between cycles; returns their prompt caches, each

@@ -183,7 +183,7 @@ def generate_step(
     logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None, min_tokens_to_keep: int = 1,
     xtc_probability: float = 0.0, xtc_threshold: float = 0.1, xtc_special_tokens: Optional[List[int]] = None,
     kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None, quantized_kv_start: Optional[int] = None,
-    max_kv_size: Optional[int] = None,
+    max_kv_size: Optional[int] = None, all_tokens: Optional[List[int]] = None,
 ) -> Generator[Tuple[int, Optional[mx.array], bool, int, int], None, None]:
     """Yield each committed token as ``(token, logprobs, from_draft, block,
     tree)``, like mlx-lm's ``speculative_generate_step`` plus the rows its
@@ -220,8 +220,8 @@ def generate_step(
     the choices instead): a seeded sampled run repeats only when they are fixed.
 
     mlx-lm's controls are exact through speculation: ``logits_processors``
-    (:mod:`dflash_mlx.processors`), make_sampler's ``min_tokens_to_keep`` and
-    XTC, the KV cache keywords (None: mlx-lm's default; :mod:`~dflash_mlx.targets.kv`).
+    (:mod:`dflash_mlx.processors`; see :func:`processors_for` for ``all_tokens``),
+    make_sampler's ``min_tokens_to_keep`` and XTC, the KV cache keywords.
     """
     target = bound_target(model, draft)
     kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
@@ -234,7 +234,7 @@ def generate_step(
     cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink, **kv)
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
-        controls = processors_for(logits_processors, cache, prompt)
+        controls = processors_for(logits_processors, cache, prompt, all_tokens)
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
         request = Request(0, cache, rule, max_tokens, frozenset(eos_token_ids), logprobs, controls=controls)
         yield from decode_alone(target, draft, request, logits, max_block, (block_size is not None, sizer, *trees))
@@ -274,13 +274,17 @@ def controlled_rule(target, sampling: tuple, logits_processors, kv: dict, min_to
     return acceptance_rule(*sampling, **more)
 
 
-def processors_for(logits_processors, cache: PromptCache, prompt: List[int]) -> list:
-    """A request's controls for its logits processors: their history starts
+def processors_for(logits_processors, cache: PromptCache, prompt: List[int], all_tokens=None) -> list:
+    """A request's controls for its logits processors. Their history starts
     with what mlx-lm's ``generate_step`` would be given as its prompt (the
-    tokens this generation feeds: the cache's pending ones, then ``prompt``)."""
+    tokens this generation feeds: the cache's pending ones, then
+    ``prompt``), or, given ``all_tokens`` (the tokens before ``prompt``, the
+    pending ones included: mlx-lm's ``BatchGenerator.insert`` keyword, by
+    which its server shows the processors a cached prefix), with those."""
     if not logits_processors:
         return []
-    return [Processors(logits_processors, list(cache.pending) + list(prompt))]
+    before = list(cache.pending) if all_tokens is None else list(all_tokens)
+    return [Processors(logits_processors, before + list(prompt))]
 
 
 @contextmanager

@@ -330,6 +330,7 @@ class Served:
     def __init__(self, generator, responses, prepared: Prepared, args, ctx, matcher, cache, todo, progress):
         self.responses, self.prepared, self.args, self.ctx, self.matcher = responses, prepared, args, ctx, matcher
         self.cache, self.todo, self.progress = cache, todo, progress
+        self.before = prepared.tokens[: len(prepared.tokens) - len(todo)]  # what its cache holds: its processors see it first, as mlx-lm's server shows them
         self.tokenizer = generator.tokenizer
         self.eos = set(self.tokenizer.eos_token_ids)
         self.want = args.logprobs or args.top_logprobs > 0
@@ -583,7 +584,7 @@ class DFlashResponseGenerator:
                 block_size=block_size, tree_budget=tree_budget, temperature=args.sampling.temperature,
                 top_p=args.sampling.top_p, top_k=args.sampling.top_k, min_p=args.sampling.min_p,
                 eos_token_ids=served.eos, logprobs=served.want, prefill_step_size=self.cli_args.prefill_step_size,
-                prompt_progress_callback=served.progress, **self.controls, **prepared.controls,
+                prompt_progress_callback=served.progress, all_tokens=served.before, **self.controls, **prepared.controls,
             )
             with wired_limit(self.model, [generation_stream]), closing(steps):
                 for token, logprobs, from_draft, block, tree in steps:
@@ -672,7 +673,7 @@ class DFlashResponseGenerator:
                     [served.todo], args.max_tokens, prompt_caches=[served.cache], temperature=s.temperature,
                     top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=args.seed, eos_token_ids=served.eos,
                     logprobs=served.want, block_size=prepared.block_size, progress=served.progress,
-                    **self.controls, **prepared.controls,
+                    all_tokens=[served.before], **self.controls, **prepared.controls,
                 )
                 self.serving[uid] = served
                 if self.adaptation is not None:  # adapting waits while any request runs

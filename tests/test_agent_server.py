@@ -25,7 +25,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.server import process_message_content
 from prometheus_client.parser import text_string_to_metric_families
-from tiny import reference_text
+from tiny import reference_steps, reference_text
 from tiny_chat import ASK, CALLED, RESULT, THINK, WEATHER_TOOL, make_chat_draft, make_chat_target
 
 import dflash_mlx
@@ -97,13 +97,14 @@ def claude(served):
     return anthropic.Anthropic(base_url=served[0], api_key="not-needed", max_retries=0, timeout=300)
 
 
-def reference(served, messages, tools=None, **template):
-    """mlx-lm's greedy text for a chat conversation, templated as the server does."""
+def reference(served, messages, tools=None, logits_processors=None, **template):
+    """mlx-lm's greedy text for a chat conversation, templated as the server
+    does (``logits_processors``: mlx-lm's, as its server builds them from a request's fields)."""
     _, model, tokenizer = served
     messages = copy.deepcopy(messages)
     process_message_content(messages)
     ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **template)
-    return reference_text(model, tokenizer, ids, MAX_TOKENS), len(ids)
+    return reference_text(model, tokenizer, ids, MAX_TOKENS, logits_processors=logits_processors), len(ids)
 
 
 def split_tool_call(raw: str) -> dict:
@@ -634,6 +635,36 @@ def test_controls_are_parsed_for_the_loop(served):
     assert prepared.controls == {"xtc_probability": 0.25, "xtc_threshold": 0.1,
                                  "xtc_special_tokens": tokenizer.encode("\n") + list(tokenizer.eos_token_ids)}
     assert prepare(tokenizer, target, {"messages": USER}, "chat", None, {}, text_format(tokenizer)).controls == {}
+
+
+def test_penalty_fields_end_to_end_are_mlx_lms_decode(served, oai):
+    """An openai-client request with repetition_penalty (a frequency penalty
+    and a logit bias too) answers mlx-lm's decode with the processors
+    mlx-lm's server builds from those fields, logprobs included (1e-4)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    _, model, tokenizer = served
+    messages = ASK + [CALLED, RESULT]
+    templated = copy.deepcopy(messages)
+    process_message_content(templated)  # as the server and reference() template them
+    ids = tokenizer.apply_chat_template(templated, tools=[WEATHER_TOOL], add_generation_prompt=True)
+    plain, plain_lps = reference_steps(model, tokenizer, ids, MAX_TOKENS)
+    for fields, processors in (
+        ({"repetition_penalty": 1.3}, make_logits_processors(None, 1.3, 20)),
+        ({"repetition_penalty": 1.2, "frequency_penalty": 0.3, "logit_bias": {str(plain[0]): -50}},
+         make_logits_processors({plain[0]: -50.0}, 1.2, 20, None, 20, 0.3, 20)),
+    ):
+        want, _ = reference(served, messages, [WEATHER_TOOL], logits_processors=processors)
+        r = oai.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS,
+                                        logprobs=True, extra_body=fields)
+        assert r.choices[0].message.content == want
+        tokens, lps = reference_steps(model, tokenizer, ids, MAX_TOKENS, logits_processors=processors)
+        got = [c.logprob for c in r.choices[0].logprobs.content]
+        assert len(got) >= 2
+        assert max(abs(g - lps[i, t].item()) for i, (g, t) in enumerate(zip(got, tokens))) < 1e-4
+        # the check can fail: the fields change the logprobs (and the bias the answer)
+        assert max(abs(g - plain_lps[i, t].item()) for i, (g, t) in enumerate(zip(got[: len(plain)], tokens))) > 1e-3
+    assert tokens != plain
 
 
 @pytest.mark.parametrize("host, key, warned", [("0.0.0.0", None, True), ("0.0.0.0", KEY, False), ("127.0.0.1", None, False)])

@@ -311,7 +311,7 @@ def test_argument_parser_rejects_bad_values_in_one_line(capsys):
         (["--kv-bits", "7"], ["--kv-bits", "kv_bits must be one of 1, 2, 3, 4, 5, 6, 8"]),
         (["--kv-group-size", "100"], ["--kv-group-size", "32, 64, 128"]),
         (["--quantized-kv-start", "-4"], ["--quantized-kv-start", "at least 0"]),
-        (["--max-kv-size", "0"], ["--max-kv-size", "at least 1"]),
+        (["--max-kv-size", "0"], ["--max-kv-size", "at least 5"]),
     ],
 )
 def test_mlx_lm_cache_flags_refuse_bad_values_in_one_line(run_here, command, args, needles):
