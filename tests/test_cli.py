@@ -304,7 +304,7 @@ def test_argument_parser_rejects_bad_values_in_one_line(capsys):
     assert stop.value.code == 1 and capsys.readouterr().err.startswith("error: unrecognized arguments")
 
 
-@pytest.mark.parametrize("command", ["chat", "server"])
+@pytest.mark.parametrize("command", ["generate", "chat", "server"])
 @pytest.mark.parametrize(
     "args, needles",
     [
@@ -327,3 +327,25 @@ def test_chat_takes_mlx_lms_flags(tiny_dirs, capsys):
     assert chat.main(["--model", model, "--draft-model", draft, "-m", "8", *flags], input_fn=lambda _: next(answers)) == 0
     assert capsys.readouterr().out.count("tokens/cycle]") == 1
     assert_one_error_line(run_module("dflash_mlx.chat", "--model", model, "--chat-template-config", "[1]"), "must be a JSON object")
+
+
+def test_generate_takes_mlx_lms_control_flags(qwen3_5_pair, tiny_dirs, tmp_path, capsys):
+    """generate's mlx-lm flags reach the loop: a rotating KV cache and a
+    prompt cache file give the library's text with the same settings."""
+    import dflash_mlx
+
+    model, draft_dir = tiny_dirs
+    pair = qwen3_5_pair
+    draft = dflash_mlx.load_draft(draft_dir, pair.model)
+    flags = ["--model", model, "--draft-model", draft_dir, "-m", "16", "--block-size", "2"]
+    assert generate.main([*flags, "--prompt", "abc", "--max-kv-size", "8", "--xtc-threshold", "0.2"]) == 0
+    want = dflash_mlx.generate(pair.model, draft, pair.tokenizer, "abc", max_tokens=16, block_size=2, max_kv_size=8)
+    assert capsys.readouterr().out.startswith("abc" + want)
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft)
+    dflash_mlx.generate(pair.model, draft, pair.tokenizer, "abc", max_tokens=4, prompt_cache=cache)
+    path = str(tmp_path / "cache.safetensors")
+    dflash_mlx.save_prompt_cache(path, cache)
+    assert generate.main([*flags, "--prompt", "def", "--prompt-cache-file", path]) == 0
+    saved = dflash_mlx.load_prompt_cache(path, draft)
+    want = dflash_mlx.generate(pair.model, draft, pair.tokenizer, "def", max_tokens=16, block_size=2, prompt_cache=saved)
+    assert capsys.readouterr().out.startswith("def" + want)
