@@ -93,10 +93,6 @@ class KVSettings:
         )
         return None if settings == cls() else settings
 
-    @property
-    def plain(self) -> bool:
-        return self.bits is None and self.max_size is None
-
     def as_json(self) -> list:
         return [self.bits, self.group_size, self.quantized_start, self.max_size]
 
@@ -149,7 +145,7 @@ def quantize_due(cache) -> bool:
 
 def rows_before_quantizing(cache) -> Optional[int]:
     """How many more positions run on float caches (None: no conversion
-    is ahead)."""
+    is ahead; at least 1: the forward at offset 0 runs float, as mlx-lm's first)."""
     settings, floats = cache.kv, float_caches(cache)
     if settings is None or settings.bits is None or not floats:
         return None
@@ -182,10 +178,10 @@ def forward_kv(adapter, tokens, cache, *, taps=None, last_logits_only=False, rec
         # The tree's rows past quantized_kv_start would need their float
         # ancestors' keys quantized first.
         raise DFlashError(
-            f"a draft tree crosses quantized_kv_start ({cache.kv.quantized_start}): verify at most "
-            f"{split} rows here (rows_before_quantizing), or a chain"
+            f"a draft tree crosses quantized_kv_start ({cache.kv.quantized_start}): build it at most "
+            f"{split - 1} deep here (TargetCache.rows_before_quantizing), or verify a chain"
         )
-    first_logits, first_taps = adapter.forward_block(tokens[:, :split], cache, **dict(kw, last_logits_only=False))
+    first_logits, first_taps = adapter.forward_block(tokens[:, :split], cache, **kw)
     first, floats = cache.undo, {i: cache[i] for i in float_caches(cache)}
     quantize_due(cache)
     logits, taps_out = adapter.forward_block(tokens[:, split:], cache, **kw)
