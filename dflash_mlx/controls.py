@@ -27,7 +27,6 @@ from .targets.kv import DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KVSet
 # mlx-lm's own defaults (make_sampler, its commands).
 DEFAULT_XTC_THRESHOLD = 0.1
 DEFAULT_MIN_TOKENS_TO_KEEP = 1
-DEFAULT_PENALTY_CONTEXT_SIZE = PROCESSOR_DEFAULTS["repetition_context_size"]
 XTC_MAX_THRESHOLD = 0.5  # mlx_lm.sample_utils.apply_xtc refuses a larger threshold
 TOP_LOGPROBS_LIMIT = 11  # mlx-lm's server: top_logprobs at most 11
 

@@ -147,9 +147,6 @@ class Processors:
         self.callables = list(processors)
         self.history = as_tokens(history)
 
-    def __bool__(self) -> bool:
-        return bool(self.callables)
-
     def commit(self, tokens) -> None:
         """Commit ``tokens`` (a list, a scalar or an array, possibly lazy) to the history."""
         self.history = mx.concatenate([self.history, as_tokens(tokens)])

@@ -167,16 +167,11 @@ class AcceptanceRule:
     speculative: bool = False  # rejection sampling (else the target's samples are matched exactly)
 
     @property
-    def sampling(self) -> Optional[dict]:
-        """processed_probs' arguments when rejection sampling, else None."""
-        return self.settings if self.speculative else None
-
-    @property
     def drafting(self) -> Optional[dict]:
         """What the drafter samples its block with when rejection sampling
-        (temperature and the truncations; any q is exact, so XTC and
-        ``min_tokens_to_keep`` stay the target's), else None."""
-        return None if self.sampling is None else {k: self.settings[k] for k in DRAFTING}
+        (processed_probs' temperature and truncations; any q is exact, so XTC
+        and ``min_tokens_to_keep`` stay the target's), else None: it proposes greedily."""
+        return {k: self.settings[k] for k in DRAFTING} if self.speculative else None
 
     def choose(self, logits, key=None):
         """The target's token(s) for logits ``[..., V]``, one independent draw
