@@ -667,6 +667,32 @@ def test_penalty_fields_end_to_end_are_mlx_lms_decode(served, oai):
     assert tokens != plain
 
 
+def test_kv_cache_flags_serve_mlx_lms_decode(chat_pair):
+    """--max-kv-size: every request's caches are mlx-lm's rotating ones
+    (served one at a time: a batch's rows share plain caches); its answer and
+    a second turn that reuses the cached prefix are mlx-lm's decode with the
+    same setting."""
+    _, _, model, tokenizer, _ = chat_pair
+    messages = ASK + [CALLED, RESULT]
+    templated = copy.deepcopy(messages)
+    process_message_content(templated)
+    ids = tokenizer.apply_chat_template(templated, tools=[WEATHER_TOOL], add_generation_prompt=True)
+    size = len(ids) - 8  # the prompt alone fills the ring
+    want = reference_text(model, tokenizer, ids, MAX_TOKENS, max_kv_size=size)
+    tokens, lps = reference_steps(model, tokenizer, ids, MAX_TOKENS, max_kv_size=size)
+    plain, plain_lps = reference_steps(model, tokenizer, ids, MAX_TOKENS)
+    with live_server(chat_pair, "--max-kv-size", str(size)) as base:
+        oai = openai.OpenAI(base_url=base + "/v1", api_key="not-needed", max_retries=0, timeout=300)
+        for _ in range(2):  # the second from the prompt cache
+            r = oai.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS,
+                                            logprobs=True)
+            assert r.choices[0].message.content == want
+            got = [c.logprob for c in r.choices[0].logprobs.content]
+            assert max(abs(g - lps[i, t].item()) for i, (g, t) in enumerate(zip(got, tokens))) < 1e-4
+    # the check can fail: the ring changes the logprobs
+    assert tokens != plain or max(abs(g - plain_lps[i, t].item()) for i, (g, t) in enumerate(zip(got, tokens))) > 1e-3
+
+
 @pytest.mark.parametrize("host, key, warned", [("0.0.0.0", None, True), ("0.0.0.0", KEY, False), ("127.0.0.1", None, False)])
 def test_listening_beyond_loopback_without_a_key_warns(capsys, monkeypatch, host, key, warned):
     from dflash_mlx.server import listen
