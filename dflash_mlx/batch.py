@@ -29,17 +29,29 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 from .adaptive import BatchCosts, BatchSizer, BlockSizer
 from .cache import PromptCache, bound_target, prompt_cache_for
 from .calibration import calibrate
+from .controls import KV_KEYWORDS
 from .decode import BatchResponse, Decoder, Request, Sizing, Stats
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
-from .generate import checked_prompt, encode_prompt, max_block_size, one_thread_per_pair, tree_plan
+from .generate import checked_prompt, controlled_rule, encode_prompt, max_block_size, one_thread_per_pair, processors_for, tree_plan
 from .prefill import feed, prefill, prefill_together
-from .sampling import acceptance_rule
 from .structured import constraint_for
 from .targets.rows import check_joinable
 
 DEFAULT_COMPLETION_BATCH_SIZE = 32  # mlx-lm's --decode-concurrency default
 DEFAULT_PREFILL_BATCH_SIZE = 8  # mlx-lm's --prompt-concurrency default
+CONTROL_KEYS = ("logits_processors", "min_tokens_to_keep", "xtc_probability", "xtc_threshold", "xtc_special_tokens", "all_tokens")
+
+
+def per_prompt(name: str, value, n: int) -> list:
+    """A list-valued setting (processors, token ids) for each of ``n``
+    prompts: None or one list for all, or one list (or None) per prompt."""
+    value = list(value or [])
+    if value and all(v is None or isinstance(v, (list, tuple)) for v in value):
+        if len(value) != n:
+            raise ArgumentError(f"{name} has {len(value)} lists for {n} prompts: pass one list for all, or one per prompt")
+        return [list(v or []) for v in value]
+    return [value] * n
 
 
 class BatchGenerator:
@@ -134,6 +146,16 @@ class BatchGenerator:
         block_size=None,
         progress=None,
         response_format=None,
+        logits_processors=None,
+        min_tokens_to_keep=1,
+        xtc_probability=0.0,
+        xtc_threshold=0.1,
+        xtc_special_tokens=None,
+        kv_bits=None,
+        kv_group_size=None,
+        quantized_kv_start=None,
+        max_kv_size=None,
+        all_tokens=None,
     ) -> List[int]:
         """Queue requests; returns their uids. ``prompts``: token lists (only
         the part new to a request's prompt cache, as in
@@ -146,7 +168,18 @@ class BatchGenerator:
         hears how far its prompt's prefill is. ``response_format`` (one for
         all, or a list: one per prompt) holds a request's answer to a JSON
         schema, a regular expression or a grammar (:mod:`dflash_mlx.structured`;
-        built with the generator's ``tokenizer``, checked here)."""
+        built with the generator's ``tokenizer``, checked here). mlx-lm's
+        controls, exact per row as in :func:`~dflash_mlx.generate.generate_step`:
+        ``logits_processors`` (one list of callables for all, or one list
+        per prompt, as mlx-lm's ``BatchGenerator.insert`` takes them),
+        ``min_tokens_to_keep``, ``xtc_probability`` and ``xtc_threshold``
+        (one value or one per prompt), ``xtc_special_tokens`` (ids for all,
+        or a list per prompt); mlx-lm's KV cache keywords (``kv_bits``,
+        ``kv_group_size``, ``quantized_kv_start``, ``max_kv_size``) for the
+        requests' caches (a quantized or rotating cache cannot join a batch:
+        it is refused, see :func:`~dflash_mlx.targets.rows.check_joinable`);
+        ``all_tokens``: per prompt, the tokens before it that its processors
+        see (None: see :func:`~dflash_mlx.generate.processors_for`)."""
         n = len(prompts)
 
         def each(name, value, many=(list, tuple)):
@@ -164,7 +197,16 @@ class BatchGenerator:
             each("seed", seed), each("block_size", block_size), each("progress", progress),
             each("eos_token_ids", eos), each("logprobs", logprobs), each("response_format", response_format, (list,)),
         )
-        requests = [self.request(self.uid + i, *row, acceptance) for i, row in enumerate(settings)]
+        controls = zip(
+            per_prompt("logits_processors", logits_processors, n), each("min_tokens_to_keep", min_tokens_to_keep),
+            each("xtc_probability", xtc_probability), each("xtc_threshold", xtc_threshold),
+            per_prompt("xtc_special_tokens", xtc_special_tokens, n), each("all_tokens", all_tokens or [None] * n),
+        )
+        kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
+        requests = [
+            self.request(self.uid + i, *row, acceptance, dict(zip(CONTROL_KEYS, c)), kv)
+            for i, (row, c) in enumerate(zip(settings, controls))
+        ]
         held = [id(c) for r in requests for c in r.controls]
         if len(set(held)) < len(held):
             raise ArgumentError("each request needs a Constraint of its own: pass response formats (or one fresh Constraint per prompt)")
@@ -172,13 +214,14 @@ class BatchGenerator:
         self.waiting.extend(requests)
         return [r.uid for r in requests]
 
-    def request(self, uid, prompt, limit, cache, temp, tp, tk, mp, seed, cap, hear, eos, want, form, acceptance) -> Request:
+    def request(self, uid, prompt, limit, cache, temp, tp, tk, mp, seed, cap, hear, eos, want, form, acceptance, controls, kv) -> Request:
         """One inserted request, checked before any work."""
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ArgumentError(f"max_tokens must be a whole number of at least 1, got {limit!r}")
-        rule = acceptance_rule(temp, tp, tk, mp, None, acceptance)
+        processors, before = controls.pop("logits_processors"), controls.pop("all_tokens")
+        rule = controlled_rule(self.target, (temp, tp, tk, mp, None, acceptance), processors, kv, **controls)
         constraint = constraint_for(form, self.tokenizer)
-        cache = prompt_cache_for(self.model, self.draft, cache, self.draft_window, self.draft_sink)
+        cache = prompt_cache_for(self.model, self.draft, cache, self.draft_window, self.draft_sink, **kv)
         tokens = checked_prompt(self.target, cache, prompt)
         if cache.target.undo is not None:
             raise ArgumentError("a prompt cache is in the middle of a generation: close that generation first")
@@ -186,7 +229,7 @@ class BatchGenerator:
         if cap is not None:
             max_block_size(self.draft, cap, None)
         key = None if seed is None else mx.random.key(int(seed))
-        controls = [constraint] if constraint else []
+        controls = processors_for(processors, cache, tokens, before) + ([constraint] if constraint else [])  # the mask last
         eos = frozenset(eos) | frozenset(constraint.eos if constraint else ())  # (a complete answer ends there)
         return Request(uid, cache, rule, limit, eos, bool(want), key, cap, tokens, len(tokens), hear, controls=controls)
 
@@ -340,7 +383,7 @@ def batch_generate(
     :func:`~dflash_mlx.generate.stream_generate`'s does."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    insert_keys = ("temperature", "top_p", "top_k", "min_p", "seed", "acceptance", "logprobs", "response_format")
+    insert_keys = ("temperature", "top_p", "top_k", "min_p", "seed", "acceptance", "logprobs", "response_format") + CONTROL_KEYS + KV_KEYWORDS
     insert = {k: kwargs.pop(k) for k in insert_keys if k in kwargs}
     gen = BatchGenerator(model, draft, tokenizer=tokenizer, **kwargs)
     encoded = [encode_prompt(tokenizer, p).tolist() for p in prompts]

@@ -42,6 +42,7 @@ from .defaults import DEFAULT_DRAFT_SINK, DEFAULT_DRAFT_WINDOW
 from .errors import ArgumentError
 from .models.dflash import ContextCache
 from .targets.base import TargetCache
+from .targets.kv import KVSettings
 
 
 def bound_target(model, draft):
@@ -278,7 +279,11 @@ def check_draft_window(draft_window: Optional[int], draft_sink: Optional[int]) -
     return (None, 0) if draft_window == 0 else (draft_window, draft_sink)
 
 
-def make_prompt_cache(model, draft, draft_window: Optional[int] = None, draft_sink: Optional[int] = None) -> PromptCache:
+def make_prompt_cache(
+    model, draft, draft_window: Optional[int] = None, draft_sink: Optional[int] = None, *,
+    kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
+    quantized_kv_start: Optional[int] = None, max_kv_size: Optional[int] = None,
+) -> PromptCache:
     """An empty prompt cache for ``model`` decoded with ``draft`` (mlx-lm's
     ``make_prompt_cache``, for a target and its drafter).
 
@@ -288,18 +293,28 @@ def make_prompt_cache(model, draft, draft_window: Optional[int] = None, draft_si
     (None: ``DEFAULT_DRAFT_WINDOW`` and ``DEFAULT_DRAFT_SINK``; a window of
     0: the whole context). Output is the same whatever the window: the
     target verifies every token.
+
+    ``kv_bits``, ``kv_group_size``, ``quantized_kv_start`` and
+    ``max_kv_size`` are mlx-lm's ``generate_step`` cache settings (None
+    each: mlx-lm's default); the target's caches follow them as mlx-lm's
+    decode does (see :mod:`dflash_mlx.targets.kv`).
     """
     draft_window, draft_sink = check_draft_window(draft_window, draft_sink)
+    kv = KVSettings.of(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
     draft_cache = draft.make_cache() if draft_window is None else draft.make_cache(draft_window, draft_sink)
-    return PromptCache(bound_target(model, draft).make_cache(), draft_cache, draft_window, draft_sink)
+    return PromptCache(bound_target(model, draft).make_cache(kv), draft_cache, draft_window, draft_sink)
 
 
-def prompt_cache_for(model, draft, prompt_cache: Optional[PromptCache], draft_window=None, draft_sink=None) -> PromptCache:
-    """A generation's prompt cache: ``prompt_cache``, whose draft window must
-    be the one asked for (None: not asked), or a new one with that window
-    (None: the default)."""
+def prompt_cache_for(
+    model, draft, prompt_cache: Optional[PromptCache], draft_window=None, draft_sink=None, **kv_settings
+) -> PromptCache:
+    """A generation's prompt cache: ``prompt_cache``, whose draft window and
+    KV cache settings (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``,
+    ``max_kv_size``) must be the ones asked for (None: not asked), or a new
+    one with them (None: the defaults)."""
     if prompt_cache is None:
-        return make_prompt_cache(model, draft, draft_window, draft_sink)
+        return make_prompt_cache(model, draft, draft_window, draft_sink, **kv_settings)
+    check_kv_settings(prompt_cache, kv_settings)
     have = (prompt_cache.draft_window, prompt_cache.draft_sink)
     if draft_window is None and draft_sink is None:
         return prompt_cache
@@ -313,6 +328,26 @@ def prompt_cache_for(model, draft, prompt_cache: Optional[PromptCache], draft_wi
             "draft_window=..., draft_sink=...) and leave them out here, or pass the cache's"
         )
     return prompt_cache
+
+
+def check_kv_settings(prompt_cache: PromptCache, asked: Dict[str, Optional[int]]) -> None:
+    """Refuse KV cache settings (mlx-lm's keywords, None: not asked) other
+    than those ``prompt_cache`` was made with: its caches are already made."""
+    asked = {k: v for k, v in asked.items() if v is not None}
+    if not asked:
+        return
+    have = prompt_cache.target.kv or KVSettings()
+    names = dict(kv_bits="bits", kv_group_size="group_size", quantized_kv_start="quantized_start", max_kv_size="max_size")
+    unknown = set(asked) - set(names)
+    if unknown:
+        raise ArgumentError(f"unknown KV cache setting {sorted(unknown)[0]!r}: the settings are {', '.join(names)}")
+    differ = {k: v for k, v in asked.items() if getattr(have, names[k]) != v}
+    if differ:
+        k, v = next(iter(differ.items()))
+        raise ArgumentError(
+            f"the prompt cache was made with {k}={getattr(have, names[k])}, but this call asks for {k}={v}: pass the "
+            f"setting to make_prompt_cache(model, draft, {k}=...) and leave it out here, or pass the cache's"
+        )
 
 
 # The version of the prompt cache file layout (save_prompt_cache): a file of
@@ -336,6 +371,7 @@ def cache_contents(cache: PromptCache, metadata: Optional[Dict[str, str]] = None
         "draft_window": [cache.draft_window, cache.draft_sink],
         "hole": cache.hole,
         "trimmable": cache.is_trimmable(),
+        "kv": None if cache.target.kv is None else cache.target.kv.as_json(),
     }
     return arrays, {**(metadata or {}), "dflash_mlx": json.dumps(info), "dflash_mlx_format": CACHE_FORMAT}
 
@@ -430,6 +466,12 @@ def read_cache_metadata(file_name: str, verify: bool = False) -> Dict[str, str]:
             size = os.fstat(f.fileno()).st_size
             if size != start + data_length(header):
                 raise ValueError(f"{size} bytes where the header describes {start + data_length(header)}")
+            if isinstance(metadata, dict) and "dflash_mlx" not in metadata and "1.0" in metadata:  # its cache classes
+                raise ArgumentError(
+                    f"{file_name} is mlx-lm's prompt cache (mlx_lm.cache_prompt): it holds the target's cache "
+                    "without the drafter's context, which DFlash decodes from; save one with "
+                    "dflash_mlx.save_prompt_cache after a generation with make_prompt_cache(model, draft)"
+                )
             if not isinstance(metadata, dict) or "dflash_mlx" not in metadata:
                 raise ArgumentError(f"{file_name} is not a dflash_mlx prompt cache (save it with save_prompt_cache)")
             if metadata.get("dflash_mlx_format") != CACHE_FORMAT:
@@ -462,6 +504,7 @@ def load_prompt_cache(file_name: str, draft, return_metadata: bool = False):
     target = TargetCache(
         getattr(lm_cache, name).from_state(s) for name, s in zip(info["target_classes"], target_states)
     )
+    target.kv = KVSettings(*info["kv"]) if info.get("kv") else None
     draft_cache = draft.make_cache()
     if len(draft_cache) != len(draft_states):
         raise ArgumentError(

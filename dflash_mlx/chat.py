@@ -15,6 +15,7 @@ import mlx.core as mx
 from . import cli
 from .adapt import add_learn_arguments
 from .cache import make_prompt_cache
+from .controls import add_extra_eos_tokens, kv_keywords, template_prompt
 from .defaults import DEFAULT_MAX_TOKENS
 from .generate import cycle_lengths, mean_tokens_per_cycle, stream_generate
 
@@ -24,6 +25,10 @@ def setup_arg_parser() -> cli.ArgumentParser:
     cli.add_pair_arguments(p)
     p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS)
     cli.add_sampling_arguments(p)
+    cli.add_xtc_arguments(p)
+    cli.add_kv_cache_arguments(p)
+    cli.add_load_arguments(p)
+    cli.add_template_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="PRNG seed")
     cli.add_block_size_argument(p)
     cli.add_tree_budget_argument(p)
@@ -35,15 +40,13 @@ def setup_arg_parser() -> cli.ArgumentParser:
     return p
 
 
-def turn_prompt(tokenizer, query: str, system_prompt=None):
+def turn_prompt(tokenizer, query: str, system_prompt=None, template_kwargs=None):
     """The new message alone, templated as mlx_lm.chat templates it (the
-    earlier turns are in the cache); plain text plus a newline without a
-    chat template."""
+    earlier turns are in the cache; ``template_kwargs``: --chat-template-config);
+    plain text plus a newline without a chat template."""
     if not getattr(tokenizer, "chat_template", None):
         return query + "\n"
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": query})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return template_prompt(tokenizer, query, system_prompt, template_kwargs)
 
 
 def main(argv=None, input_fn=input):
@@ -59,12 +62,14 @@ def main(argv=None, input_fn=input):
         model, tokenizer, draft = load_for_command(args.model, args.draft_model, seed=args.seed)
         input_fn = rank0_repl(input_fn, mx.distributed.init())  # every rank gets rank 0's lines; only rank 0 prints
     else:
-        model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
+        model, tokenizer, draft, _ = load_pair(args.model, args.draft_model, args.adapter_path, args.trust_remote_code)
+    add_extra_eos_tokens(tokenizer, args.extra_eos_token)
+    controls = cli.generation_keywords(args, tokenizer)
     warn_if_reference()  # loaded: about to decode
     mx.random.seed(args.seed)
     templated = bool(getattr(tokenizer, "chat_template", None))
     print("[q quits, r resets]" + ("" if templated else " [no chat template: text continuation]"))
-    cache = make_prompt_cache(model, draft, args.draft_window, args.draft_sink)
+    cache = make_prompt_cache(model, draft, args.draft_window, args.draft_sink, **kv_keywords(controls))
     while True:
         try:
             query = input_fn(">> ")
@@ -73,15 +78,15 @@ def main(argv=None, input_fn=input):
         if query.strip() == "q":
             break
         if query.strip() == "r":
-            cache = make_prompt_cache(model, draft, args.draft_window, args.draft_sink)
+            cache = make_prompt_cache(model, draft, args.draft_window, args.draft_sink, **kv_keywords(controls))
             print("[conversation reset]")
             continue
         reused, responses = cache.offset, []
         for r in stream_generate(
-            model, draft, tokenizer, turn_prompt(tokenizer, query, args.system_prompt),
+            model, draft, tokenizer, turn_prompt(tokenizer, query, args.system_prompt, args.chat_template_config),
             prompt_cache=cache, block_size=args.block_size, tree_budget=args.tree_budget, max_tokens=args.max_tokens,
             temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-            prefill_step_size=args.prefill_step_size, record=recorder,
+            prefill_step_size=args.prefill_step_size, record=recorder, **controls,
         ):
             print(r.text, end="", flush=True)
             responses.append(r)

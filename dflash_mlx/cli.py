@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from . import controls
 from .defaults import DEFAULT_DRAFT_SINK, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_STEP_SIZE, DEFAULT_TARGET
 from .errors import ArgumentError, DFlashError
+from .targets import kv
 
 COMMANDS = {
     "generate": ("dflash_mlx.generate", "stream text from a target with a DFlash drafter"),
@@ -152,6 +154,73 @@ def response_format(args) -> Optional[dict]:
         return None
     grammar_of(form)
     return form
+def checked(check: Callable, kind: Callable = int) -> Callable[[str], object]:
+    """argparse ``type``: ``kind(text)`` passed to ``check``, whose
+    :class:`ArgumentError` becomes argparse's (one ``error:`` line, exit 1)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        try:
+            check(value)
+        except ArgumentError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+def template_config(text: str) -> dict:
+    """argparse ``type`` for ``--chat-template-config``."""
+    try:
+        return controls.template_config(text)
+    except ArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's loader flags: LoRA adapters on the target, remote code."""
+    parser.add_argument("--adapter-path", type=str, default=None, help="LoRA adapters (mlx_lm.lora's folder) applied to the target; the drafter stays the target's, output stays exact")
+    parser.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run code from its repository (mlx-lm's flag)")
+
+
+def add_xtc_arguments(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's XTC and min-p flags, its defaults."""
+    parser.add_argument("--xtc-probability", type=checked(lambda v: controls.check_sampling(xtc_probability=v), float), default=0.0, help="probability of XTC sampling at each token (0 = off)")
+    parser.add_argument("--xtc-threshold", type=checked(lambda v: controls.check_sampling(xtc_threshold=v), float), default=controls.DEFAULT_XTC_THRESHOLD, help="with XTC: tokens above this probability are excluded, the least likely of them kept")
+    parser.add_argument("--min-tokens-to-keep", type=checked(lambda v: controls.check_sampling(min_tokens_to_keep=v)), default=controls.DEFAULT_MIN_TOKENS_TO_KEEP, help="tokens min-p never removes")
+
+
+def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's KV-cache flags: a quantized cache, a rotating one."""
+    parser.add_argument("--kv-bits", type=checked(lambda v: controls.check_kv_cache(kv_bits=v)), default=None, help=f"quantize the target's KV cache to this many bits ({', '.join(map(str, kv.KV_BITS))}; default: not quantized)")
+    parser.add_argument("--kv-group-size", type=checked(lambda v: controls.check_kv_cache(kv_group_size=v)), default=kv.DEFAULT_KV_GROUP_SIZE, help="group size of the KV cache's quantization")
+    parser.add_argument("--quantized-kv-start", type=checked(lambda v: controls.check_kv_cache(quantized_kv_start=v)), default=kv.DEFAULT_QUANTIZED_KV_START, help="with --kv-bits: quantize once the cache holds this many tokens")
+    parser.add_argument("--max-kv-size", type=checked(lambda v: controls.check_kv_cache(max_kv_size=v)), default=None, help="keep at most this many tokens in the target's KV cache (a rotating cache; default: no limit)")
+
+
+def add_template_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--chat-template-config`` and ``--extra-eos-token``, as mlx_lm.generate spells them."""
+    parser.add_argument("--chat-template-config", type=template_config, default=None, help="JSON object of extra variables for the chat template, e.g. '{\"enable_thinking\": false}'")
+    parser.add_argument("--extra-eos-token", type=str, default=(), nargs="+", help="more tokens that end the generation")
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """``generate``'s prompt flags from mlx_lm.generate: a prefilled answer, a saved prompt cache."""
+    parser.add_argument("--prefill-response", default=None, help="the start of the assistant's answer; the model continues it")
+    parser.add_argument("--prompt-cache-file", type=str, default=None, help="a prompt cache saved with dflash_mlx.save_prompt_cache; the prompt is what follows it")
+    parser.add_argument("--use-default-chat-template", action="store_true", help="use the tokenizer's default template when it has none")
+
+
+def generation_keywords(args: argparse.Namespace, tokenizer) -> dict:
+    """The control keywords for ``stream_generate`` from a command's parsed
+    flags (those it lacks take mlx-lm's defaults): only those that change
+    something, so plain decoding passes none."""
+    given = {k: getattr(args, k) for k in ("xtc_probability", "xtc_threshold", "min_tokens_to_keep", "kv_bits", "kv_group_size", "quantized_kv_start", "max_kv_size") if hasattr(args, k)}
+    return controls.control_keywords(tokenizer, **given)
 
 
 def main(argv=None):

@@ -30,6 +30,7 @@ import mlx.core as mx
 from .adaptive import BatchSizer, BlockSizer, SlotAcceptance, TreeChoice, TreeWalk
 from .cache import PromptCache
 from .models.dflash import masked_blocks
+from .processors import logprobs as log_probs
 from .sampling import AcceptanceRule, accept_rows
 from .targets.rows import BatchCache
 from .tree import build_tree, candidates, walked_ranks
@@ -80,7 +81,7 @@ class Request:
         forced = sum(c.commit([token]) or 0 for c in self.controls)
         self.cache.commit([token], pending=[token])
         self.anchor, self.n = token, 1
-        lp = [logits[0] - mx.logsumexp(logits[0])] if self.logprobs else None
+        lp = [log_probs(logits)[0]] if self.logprobs else None
         return BatchResponse(self.uid, [token], [False], lp, self.finish(token in self.eos), 0, 0, forced=forced)
 
 
@@ -381,7 +382,10 @@ class Decoder:
         ``anchors`` may be the last plain step's lazy tokens)."""
         choice = self.forced_choice(rows, choice)
         if isinstance(choice, TreeChoice):
-            return self.tree_cycle(rows[0], choice, min(rows[0].room, self.max_block))
+            room = min(rows[0].room, self.max_block, self.cache.rows_before_quantizing() or self.max_block)
+            if room > 1:  # (a tree may not cross quantized_kv_start: it stops short of it, or is a plain step)
+                return self.tree_cycle(rows[0], choice, room)
+            choice = 1
         if anchors is None:
             anchors = mx.array([[r.anchor] for r in rows], dtype=mx.int32)
         proposal, qs = mx.zeros((len(rows), 0), mx.int32), [None] * len(rows)
@@ -417,17 +421,17 @@ class Decoder:
         blocks = masked_blocks(self.draft, [r.anchor for r in rows], self.max_block)
         if len(rows) == 1:
             r = rows[0]
-            if r.rule.sampling is None:
+            if r.rule.drafting is None:
                 proposal, qs = self.draft.propose(blocks, r.cache.target_hidden, r.cache.draft, slots=slots), [None]
             else:
                 proposal, q = self.draft.propose_with_probs(
-                    blocks, r.cache.target_hidden, r.cache.draft, **r.rule.sampling, slots=slots, key=r.next_key()
+                    blocks, r.cache.target_hidden, r.cache.draft, **r.rule.drafting, slots=slots, key=r.next_key()
                 )
                 qs = [q[0]]
         else:
             proposal, qs = self.draft.draft_rows(
                 blocks, [r.cache.target_hidden for r in rows], [r.cache.draft for r in rows], slots,
-                [r.rule.sampling for r in rows], [r.next_key() for r in rows],
+                [r.rule.drafting for r in rows], [r.next_key() for r in rows],
             )
         for r in rows:
             r.cache.target_hidden = None  # injected into its drafter context
@@ -454,7 +458,7 @@ class Decoder:
                     r.cache.target_hidden = None  # injected into its drafter context
                     return out[0]
 
-                drafted, qs[b] = drafting(r).draft_block(slots, logits, self.target.vocab_size, r.rule.sampling, r.next_key())
+                drafted, qs[b] = drafting(r).draft_block(slots, logits, self.target.vocab_size, r.rule.drafting, r.next_key())
                 tokens[b] = mx.array(drafted, mx.int32)
         return mx.stack(tokens).astype(mx.int32), qs
 
@@ -529,7 +533,7 @@ class Decoder:
             r.cache.commit(new, pending=new[-1:])
             lp = None
             if r.logprobs:
-                lps = cycle.logits[b] - mx.logsumexp(cycle.logits[b], axis=-1, keepdims=True)
+                lps = log_probs(cycle.logits[b])
                 lp = [lps[i] for i in rows]
             finish = r.finish(stopped)
             out.append(BatchResponse(r.uid, new, [i < accepted for i in range(len(new))], lp, finish, cycle.block, len(cycle.rows), tree, forced=forced))

@@ -73,14 +73,22 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
+def cache_layout(classes: List[str]) -> List[str]:
+    """A target's cache class names, a quantized KV cache counted as the
+    float one it was converted from (kv_bits converts caches mid-conversation)."""
+    return ["KVCache" if name == "QuantizedKVCache" else name for name in classes]
+
+
 class DiskPromptCache:
     """Prompt cache files in ``folder`` for one pair, at most ``max_bytes``
-    of them; ``draft`` rebuilds the drafter's side of a file and
-    ``target_classes`` are the class names of the target's caches."""
+    of them; ``draft`` rebuilds the drafter's side of a file,
+    ``target_classes`` are the class names of the target's caches and
+    ``kv`` the KV cache settings they were made with (a file made with
+    other settings is skipped)."""
 
-    def __init__(self, folder: str, max_bytes: int, identity: str, draft, target_classes: List[str]):
+    def __init__(self, folder: str, max_bytes: int, identity: str, draft, target_classes: List[str], kv=None):
         self.folder, self.max_bytes, self.identity = folder, max_bytes, identity
-        self.draft, self.target_classes = draft, target_classes
+        self.draft, self.target_classes, self.kv = draft, cache_layout(target_classes), kv
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
@@ -143,9 +151,11 @@ class DiskPromptCache:
         the file out of the index) if it cannot be used."""
         try:
             cache = load_prompt_cache(entry.path, self.draft)
-            classes = [type(c).__name__ for c in cache.target]
+            classes = cache_layout([type(c).__name__ for c in cache.target])
             if classes != self.target_classes or cache.tokens != entry.tokens.tolist():
                 raise ArgumentError(f"{entry.path} does not hold caches of this target")
+            if cache.target.kv != self.kv:
+                raise ArgumentError(f"{entry.path} holds caches made with other KV cache settings ({cache.target.kv})")
             now = time.time()
             os.utime(entry.path, (now, now))
         except Exception as e:  # a file on disk is input: whatever is wrong with it, skip it

@@ -17,14 +17,16 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import cli
 from .adaptive import BlockSizer
-from .cache import PromptCache, bound_target, prompt_cache_for
+from .cache import PromptCache, bound_target, load_prompt_cache, prompt_cache_for
 from .calibration import calibrated, plan
+from .controls import add_extra_eos_tokens, check_controls, template_prompt
 from .decode import BatchResponse, Decoder, Request, Sizing
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
 from .errors import ArgumentError
 from .ops.threads import release_at_thread_exit
 from .prefill import prefill
-from .sampling import ACCEPTANCE_RULES, acceptance_rule
+from .processors import Processors
+from .sampling import ACCEPTANCE_RULES, AcceptanceRule, acceptance_rule
 from .structured import constraint_for
 
 
@@ -183,7 +185,10 @@ def generate_step(
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stream=generation_stream, draft_window: Optional[int] = None, draft_sink: Optional[int] = None,
-    response_format=None, tokenizer=None,
+    logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None, min_tokens_to_keep: int = 1,
+    xtc_probability: float = 0.0, xtc_threshold: float = 0.1, xtc_special_tokens: Optional[List[int]] = None,
+    kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None, quantized_kv_start: Optional[int] = None,
+    max_kv_size: Optional[int] = None, all_tokens: Optional[List[int]] = None, response_format=None, tokenizer=None,
 ) -> Generator[Tuple[int, Optional[mx.array], bool, int, int], None, None]:
     """Yield each committed token as ``(token, logprobs, from_draft, block,
     tree)``, like mlx-lm's ``speculative_generate_step`` plus the rows its
@@ -200,9 +205,8 @@ def generate_step(
 
     Greedy (``temperature == 0`` and no ``sampler``) output is token-identical
     to the target's own greedy decode. With ``temperature > 0`` every committed
-    token is distributed exactly as mlx-lm's ``make_sampler(temperature,
-    top_p, min_p, top_k=top_k)`` samples the target, under either
-    ``acceptance`` rule:
+    token is distributed exactly as mlx-lm's ``make_sampler`` samples the
+    target, under either ``acceptance`` rule:
 
     - ``"speculative"`` (default): the drafter samples its block from its own
       processed distribution q; each draft token survives with probability
@@ -210,12 +214,9 @@ def generate_step(
       is resampled from max(0, p - q) (speculative sampling, see
       :mod:`dflash_mlx.sampling`).
     - ``"exact-match"``: the drafter proposes greedily, the target samples
-      every slot, and a draft token survives only if it equals that sample.
-      Simpler, accepts less; kept for comparison.
-
-    A custom ``sampler`` (mlx-lm style, fed log-probabilities; it overrides
-    ``temperature`` and the truncation arguments) only yields tokens, not the
-    p that rejection sampling needs, so it always uses exact match.
+      every slot, and a draft token survives only if it equals that sample
+      (simpler, accepts less). A custom ``sampler`` (mlx-lm style, fed
+      log-probabilities) yields no p, so it always uses exact match.
 
     By default each cycle verifies the length (up to the drafter's trained
     size; 1: plain decoding) or the draft tree (:mod:`dflash_mlx.tree`;
@@ -223,23 +224,62 @@ def generate_step(
     tokens per second, as measured (:mod:`dflash_mlx.adaptive`; a ``sizer`` makes
     the choices instead): a seeded sampled run repeats only when they are fixed.
 
+    mlx-lm's controls are exact through speculation: ``logits_processors``
+    (:mod:`dflash_mlx.processors`; see :func:`processors_for` for ``all_tokens``),
+    make_sampler's ``min_tokens_to_keep`` and XTC, the KV cache keywords.
     ``response_format`` (:mod:`dflash_mlx.structured`, with the target's
     ``tokenizer``) holds the answer to a grammar as mlx-lm's masked decode
     does, to the tokenizer's eos once complete (docs/structured.md).
     """
-    rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
+    target = bound_target(model, draft)
+    kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
+    rule = controlled_rule(target, (temperature, top_p, top_k, min_p, sampler, acceptance), logits_processors, kv,
+                           min_tokens_to_keep, xtc_probability, xtc_threshold, xtc_special_tokens)
     constraint = constraint_for(response_format, tokenizer)
     if max_tokens < 1:
         raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
-    max_block, target = max_block_size(draft, block_size, sizer), bound_target(model, draft)
+    max_block = max_block_size(draft, block_size, sizer)
     trees = tree_plan(target, draft, tree_budget, sizer)
-    cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink)
+    cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink, **kv)
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
+        controls = processors_for(logits_processors, cache, prompt, all_tokens)
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
         eos = frozenset(eos_token_ids) | frozenset(constraint.eos if constraint else ())
-        request = Request(0, cache, rule, max_tokens, eos, logprobs, controls=[constraint] if constraint else [])
+        controls += [constraint] if constraint else []  # the mask last, as mlx-lm's logits processors would apply it
+        request = Request(0, cache, rule, max_tokens, eos, logprobs, controls=controls)
         yield from alone(target, draft, request, request.start(logits), max_block, trees, block_size is not None, sizer)
+
+
+
+
+def controlled_rule(target, sampling: tuple, logits_processors, kv: dict, min_tokens_to_keep=1, xtc_probability=0.0,
+                    xtc_threshold=0.1, xtc_special_tokens=None) -> AcceptanceRule:
+    """A request's acceptance rule from ``sampling`` (acceptance_rule's
+    arguments) and make_sampler's other keywords (those that change
+    something), every control checked first: one error before any work."""
+    check_controls(
+        logits_processors=logits_processors, xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+        xtc_special_tokens=xtc_special_tokens, min_tokens_to_keep=min_tokens_to_keep, vocab_size=target.vocab_size, **kv,
+    )
+    more = {} if min_tokens_to_keep == 1 else dict(min_tokens_to_keep=min_tokens_to_keep)
+    if xtc_probability > 0:
+        more.update(xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                    xtc_special_tokens=list(xtc_special_tokens) if xtc_special_tokens else None)
+    return acceptance_rule(*sampling, **more)
+
+
+def processors_for(logits_processors, cache: PromptCache, prompt: List[int], all_tokens=None) -> list:
+    """A request's controls for its logits processors. Their history starts
+    with what mlx-lm's ``generate_step`` would be given as its prompt (the
+    tokens this generation feeds: the cache's pending ones, then
+    ``prompt``), or, given ``all_tokens`` (the tokens before ``prompt``, the
+    pending ones included: mlx-lm's ``BatchGenerator.insert`` keyword, by
+    which its server shows the processors a cached prefix), with those."""
+    if not logits_processors:
+        return []
+    before = list(cache.pending) if all_tokens is None else list(all_tokens)
+    return [Processors(logits_processors, before + list(prompt))]
 
 
 @contextmanager
@@ -381,6 +421,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin; default: a bundled held-out prompt)")
     p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS)
     cli.add_sampling_arguments(p)
+    cli.add_xtc_arguments(p)
     p.add_argument("--seed", type=int, default=None, help="seed mx.random; a sampled run repeats exactly only with a fixed --block-size (the adaptive default follows measured speed)")
     p.add_argument(
         "--acceptance",
@@ -392,6 +433,10 @@ def setup_arg_parser() -> cli.ArgumentParser:
     cli.add_tree_budget_argument(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is")
     p.add_argument("--system-prompt", default=None)
+    cli.add_template_arguments(p)
+    cli.add_prompt_arguments(p)
+    cli.add_kv_cache_arguments(p)
+    cli.add_load_arguments(p)
     cli.add_prefill_step_size_argument(p)
     cli.add_draft_window_arguments(p)
     cli.add_structured_arguments(p)
@@ -400,28 +445,50 @@ def setup_arg_parser() -> cli.ArgumentParser:
     return p
 
 
-def build_prompt(tokenizer, prompt: str, system_prompt=None, use_chat_template=True):
-    """Apply the tokenizer's chat template when it has one (mlx_lm.generate's rule)."""
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": prompt})
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return prompt
+def build_prompt(tokenizer, prompt: str, system_prompt=None, use_chat_template=True, template_kwargs=None,
+                 prefill_response=None, after_cache: bool = False):
+    """The prompt as mlx_lm.generate builds it: the tokenizer's chat template
+    applied when it has one (:func:`~dflash_mlx.controls.template_prompt`;
+    tokens), else the text as is. ``after_cache``: only what follows a
+    saved prompt cache's conversation (the template's text from the user's
+    message on, as mlx_lm.generate cuts it)."""
+    if not (use_chat_template and getattr(tokenizer, "chat_template", None)):
+        return prompt
+    if not after_cache:
+        return template_prompt(tokenizer, prompt, system_prompt, template_kwargs, prefill_response)
+    text = template_prompt(tokenizer, prompt, system_prompt, template_kwargs, prefill_response, tokenize=False)
+    probe = template_prompt(tokenizer, "<query>", system_prompt, template_kwargs, prefill_response, tokenize=False)
+    return tokenizer.encode(text[probe.index("<query>") :], add_special_tokens=False)
+
+
+def load_for_main(args):
+    """The pair, tokenizer and prompt cache (``--prompt-cache-file``; None) a command line asks for."""
+    from .pair import load_pair
+
+    if args.pipeline:
+        from .pipeline import load_for_command
+
+        if args.adapter_path is not None:
+            raise ArgumentError("--adapter-path does not work with --pipeline yet: leave one of them out")
+        model, tokenizer, draft = load_for_command(args.model, args.draft_model, seed=args.seed)
+    else:
+        model, tokenizer, draft, _ = load_pair(args.model, args.draft_model, args.adapter_path, args.trust_remote_code)
+    add_extra_eos_tokens(tokenizer, args.extra_eos_token)
+    if args.use_default_chat_template and getattr(tokenizer, "chat_template", None) is None:
+        tokenizer.chat_template = tokenizer.default_chat_template
+    cache = None if args.prompt_cache_file is None else load_prompt_cache(args.prompt_cache_file, draft)
+    return model, tokenizer, draft, cache
 
 
 def main(argv=None):
     from .blas import warn_if_reference
-    from .pair import DEFAULT_TARGET, default_prompt, load_pair
+    from .pair import DEFAULT_TARGET, default_prompt
 
     args = setup_arg_parser().parse_args(argv)
     response_format = cli.response_format(args)  # (checked before loading)
     rank = mx.distributed.init().rank() if args.pipeline else 0
-    if args.pipeline:
-        from .pipeline import load_for_command
-
-        model, tokenizer, draft = load_for_command(args.model, args.draft_model, seed=args.seed)
-    else:
-        model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
+    model, tokenizer, draft, prompt_cache = load_for_main(args)
+    controls = cli.generation_keywords(args, tokenizer)
     warn_if_reference()  # loaded: about to decode
     args.verbose = args.verbose and rank == 0  # only rank 0 prints
     if rank == 0 and str(args.model) == str(DEFAULT_TARGET):
@@ -429,7 +496,10 @@ def main(argv=None):
     prompt = args.prompt if args.prompt is not None else default_prompt(args.model)
     if prompt == "-":
         prompt = sys.stdin.read()
-    prompt = build_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
+    prompt = build_prompt(
+        tokenizer, prompt, args.system_prompt, not args.ignore_chat_template, args.chat_template_config,
+        args.prefill_response, after_cache=prompt_cache is not None,
+    )
     if args.verbose and isinstance(prompt, str):
         print(prompt, end="", flush=True)
     if args.seed is not None:
@@ -440,6 +510,7 @@ def main(argv=None):
         draft,
         tokenizer,
         prompt,
+        prompt_cache=prompt_cache,
         block_size=args.block_size,
         tree_budget=args.tree_budget,
         max_tokens=args.max_tokens,
@@ -452,27 +523,33 @@ def main(argv=None):
         draft_window=args.draft_window,
         draft_sink=args.draft_sink,
         response_format=response_format,
+        **controls,
     ):
         if args.verbose:
             print(r.text, end="", flush=True)
         responses.append(r)
     if args.verbose and responses:
-        last, cycles = responses[-1], cycle_lengths(responses)
-        print("\n" + "=" * 10)
-        print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
-        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
-        if cycles:
-            print(f"Mean tokens per cycle: {mean_tokens_per_cycle(cycles):.2f} over {len(cycles)} cycles")
-            sizes = Counter(r.block_size for r in responses[1:] if not r.tree_size)
-            print("Block sizes (size:cycles): " + " ".join(f"{b}:{k}" for b, k in sorted(sizes.items())))
-            trees = Counter(r.tree_size for r in responses[1:] if r.tree_size)
-            if trees:
-                print("Draft trees (nodes:cycles): " + " ".join(f"{n}:{k}" for n, k in sorted(trees.items())))
-        forced = sum(r.forced for r in responses)
-        if forced:
-            print(f"Forced by the response format: {forced} tokens (no drafting needed)")
-        print(f"Peak memory: {last.peak_memory:.3f} GB")
+        print_statistics(responses)
     return 0
+
+
+def print_statistics(responses: Sequence[GenerationResponse]) -> None:
+    """What ``generate --verbose`` prints after the text."""
+    last, cycles = responses[-1], cycle_lengths(responses)
+    print("\n" + "=" * 10)
+    print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+    if cycles:
+        print(f"Mean tokens per cycle: {mean_tokens_per_cycle(cycles):.2f} over {len(cycles)} cycles")
+        sizes = Counter(r.block_size for r in responses[1:] if not r.tree_size)
+        print("Block sizes (size:cycles): " + " ".join(f"{b}:{k}" for b, k in sorted(sizes.items())))
+        trees = Counter(r.tree_size for r in responses[1:] if r.tree_size)
+        if trees:
+            print("Draft trees (nodes:cycles): " + " ".join(f"{n}:{k}" for n, k in sorted(trees.items())))
+    forced = sum(r.forced for r in responses)
+    if forced:
+        print(f"Forced by the response format: {forced} tokens (no drafting needed)")
+    print(f"Peak memory: {last.peak_memory:.3f} GB")
 
 
 if __name__ == "__main__":

@@ -196,16 +196,19 @@ def float_dtype(model):
     return sizes.most_common(1)[0][0]
 
 
-def load_pair(model_path, draft_path=None):
+def load_pair(model_path, draft_path=None, adapter_path=None, trust_remote_code: bool = False):
     """Target, tokenizer and bound drafter for the CLIs; ``model_path`` may be
-    a pair name (``smollm2``), and the drafter defaults to the pair's. The
+    a pair name (``smollm2``), and the drafter defaults to the pair's (the
+    target's, with ``adapter_path``'s LoRA adapters applied by mlx-lm's
+    loader: the drafter then proposes for the base target, which may lower
+    acceptance but never changes the output). The
     drafter computes in the target's float dtype, whose hidden states it
     reads: a bfloat16 drafter (half the download) runs in float32 beside a
     float32 CPU target, where bfloat16 matmuls are slow."""
     from .loading import load, load_draft
 
     model_path, draft_path = resolve_pair(model_path, draft_path)
-    model, tokenizer = load(model_path)
+    model, tokenizer = load(model_path, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
     return model, tokenizer, load_draft(draft_path, model, dtype=float_dtype(model)), draft_path
 
 

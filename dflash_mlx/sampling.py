@@ -4,9 +4,18 @@
 Rejection sampling needs the target's and the drafter's *processed*
 distributions as explicit vectors, not just a sampled token, so
 :func:`processed_probs` re-expresses mlx-lm's ``make_sampler`` chain
-(top-p, then min-p, then top-k on the log-probabilities, then the
-temperature) as probabilities. It calls mlx-lm's own filters, so sampling
-from it is sampling what ``make_sampler`` samples, rule for rule.
+(top-p, then min-p, then XTC, then top-k on the log-probabilities, then
+the temperature) as probabilities. It calls mlx-lm's own filters, so
+sampling from it is sampling what ``make_sampler`` samples, rule for rule.
+XTC ("exclude top choices", proposed in text-generation-webui PR 6335, as
+mlx-lm's ``apply_xtc`` draws it) is random per step: with probability
+``xtc_probability`` every token above ``xtc_threshold`` but the least likely
+of them is removed. Its distribution is therefore the two-part mixture
+``(1 - xtc_probability) * plain + xtc_probability * filtered``, written out
+exactly so the acceptance rule can use it. mlx-lm's sampler draws that coin
+once per call, so rows sampled by one call of it share one coin where plain
+decoding flips one per token: a verify's rows are drawn from
+:func:`processed_probs`, one independent draw per row (:func:`sample`).
 
 :func:`speculative_accept` is the verification rule: a drafted token ``x``
 survives with probability ``min(1, p(x) / q(x))``; at the first rejection the
@@ -34,14 +43,22 @@ def processed_probs(
     top_p: float = 0.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    xtc_special_tokens: Optional[Sequence[int]] = None,
 ) -> mx.array:
-    """The distribution ``make_sampler(temperature, top_p, min_p, top_k=top_k)``
-    samples from, as float32 probabilities ``[..., V]``.
+    """The distribution ``make_sampler(temperature, top_p, min_p,
+    min_tokens_to_keep, top_k, xtc_probability, xtc_threshold,
+    xtc_special_tokens)`` samples from, as float32 probabilities ``[..., V]``.
 
     Same rules as mlx-lm: the filters see the untempered log-probabilities in
     make_sampler's order, ``0 < top_p < 1`` and ``top_k > 0`` enable theirs,
-    min-p is relative to the most likely token (keeping at least one), and
-    the temperature divides what survives.
+    min-p is relative to the most likely token (keeping at least
+    ``min_tokens_to_keep``), XTC (``xtc_probability > 0``) sees what top-p and
+    min-p kept and top-k sees what XTC kept, and the temperature divides what
+    survives. Under XTC the result is the mixture of the step with and
+    without XTC's filter (see the module docstring).
     """
     if temperature <= 0:
         raise ArgumentError("processed_probs needs temperature > 0 (temperature 0 is argmax)")
@@ -50,10 +67,32 @@ def processed_probs(
     if 0 < top_p < 1.0:
         logprobs = apply_top_p(logprobs, top_p)
     if min_p != 0.0:
-        logprobs = apply_min_p(logprobs, min_p)
-    if top_k > 0:
-        logprobs = apply_top_k(logprobs, top_k)
-    return mx.softmax(logprobs / temperature, axis=-1)
+        logprobs = apply_min_p(logprobs, min_p, min_tokens_to_keep)
+
+    def rest(x):  # top-k and the temperature
+        x = apply_top_k(x, top_k) if top_k > 0 else x
+        return mx.softmax(x / temperature, axis=-1)
+
+    plain = rest(logprobs)
+    if xtc_probability <= 0.0:
+        return plain
+    removed = xtc_removed(logprobs, xtc_threshold, xtc_special_tokens)
+    filtered = rest(mx.where(removed, -mx.inf, logprobs))
+    return (1.0 - xtc_probability) * plain + xtc_probability * filtered
+
+
+def xtc_removed(logprobs: mx.array, threshold: float, special_tokens: Optional[Sequence[int]] = None) -> mx.array:
+    """XTC's filter, where it applies: which tokens of ``logprobs [..., V]``
+    (bool) it removes. Every token whose probability (renormalised over what
+    earlier filters kept) exceeds ``threshold`` is removed, except the least
+    likely of those, and the ``special_tokens``, which it never removes;
+    nothing is removed where no token exceeds it."""
+    probs = mx.softmax(logprobs, axis=-1)
+    least_above = mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    removed = probs > least_above
+    if special_tokens:
+        removed[..., mx.array(list(special_tokens))] = False
+    return removed
 
 
 def sample(probs: mx.array, key=None) -> mx.array:
@@ -114,6 +153,9 @@ def accept_greedy(draft_tokens: mx.array, target_tokens: mx.array) -> Tuple[mx.a
     return accepted, mx.take_along_axis(target_tokens, accepted[..., None], axis=-1)[..., 0]
 
 
+DRAFTING = ("temperature", "top_p", "top_k", "min_p")  # what a drafter samples its block with
+
+
 @dataclass
 class AcceptanceRule:
     """How a request accepts a verified block: greedy, rejection sampling
@@ -125,16 +167,20 @@ class AcceptanceRule:
     speculative: bool = False  # rejection sampling (else the target's samples are matched exactly)
 
     @property
-    def sampling(self) -> Optional[dict]:
-        """processed_probs' arguments when rejection sampling, else None."""
-        return self.settings if self.speculative else None
+    def drafting(self) -> Optional[dict]:
+        """What the drafter samples its block with when rejection sampling
+        (processed_probs' temperature and truncations; any q is exact, so XTC
+        and ``min_tokens_to_keep`` stay the target's), else None: it proposes greedily."""
+        return {k: self.settings[k] for k in DRAFTING} if self.speculative else None
 
     def choose(self, logits, key=None):
-        """The target's token(s) for logits ``[..., V]``; ``key``: a request's
-        own random key (None: ``mx.random``'s state, through the sampler)."""
+        """The target's token(s) for logits ``[..., V]``, one independent draw
+        per row; ``key``: a request's own random key (None: ``mx.random``'s
+        state). mlx-lm's sampler flips one XTC coin per call, so under XTC
+        the rows are drawn from :func:`processed_probs`, never by one call."""
         if self.sampler is None:
             return mx.argmax(logits, axis=-1)
-        if key is None or self.settings is None:
+        if self.settings is None or (key is None and not self.settings.get("xtc_probability")):
             return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         return sample(processed_probs(logits, **self.settings), key)
 
@@ -147,14 +193,18 @@ class AcceptanceRule:
         return speculative_accept(proposal, processed_probs(logits, **self.settings), q, key)
 
 
-def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance) -> AcceptanceRule:
-    """A request's :class:`AcceptanceRule` from its sampling arguments."""
+def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance, **sampler_settings) -> AcceptanceRule:
+    """A request's :class:`AcceptanceRule` from its sampling arguments
+    (``sampler_settings``: make_sampler's ``min_tokens_to_keep`` and XTC
+    keywords, checked by :func:`dflash_mlx.controls.check_sampling`)."""
     if acceptance not in ACCEPTANCE_RULES:
         raise ArgumentError(f"acceptance must be one of {ACCEPTANCE_RULES}, not {acceptance!r}")
+    if sampler is not None and sampler_settings.get("xtc_probability"):
+        raise ArgumentError("pass xtc_probability or a sampler, not both (a sampler makes every choice itself)")
     if sampler is not None or temperature <= 0:
         return AcceptanceRule(sampler)
-    settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-    return AcceptanceRule(make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k), settings, acceptance == "speculative")
+    settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, **sampler_settings)
+    return AcceptanceRule(make_sampler(temperature, **{k: v for k, v in settings.items() if k != "temperature"}), settings, acceptance == "speculative")
 
 
 def accept_rows(rules: Sequence[AcceptanceRule], logits: mx.array, proposal: mx.array, qs: List, keys: List) -> mx.array:

@@ -39,6 +39,7 @@ import logging
 import math
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -59,8 +60,9 @@ from .adapt import add_learn_arguments, learning
 from .api import ENDPOINTS, Metrics, ResponseStore, read_json_body
 from .api.formats import request_format
 from .api.harmony import text_format
-from .api.turn import openai_tool_choice, tool_choice_rule
+from .api.turn import check_chat_tools, openai_tool_choice, tool_choice_rule
 from .cache import make_prompt_cache
+from .controls import TOP_LOGPROBS_LIMIT, control_keywords, kv_keywords, penalty_processors
 from .disk_cache import DiskPromptCache, TieredPromptCache, pair_identity
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BLOCK_SIZE
 from .errors import ArgumentError, RequestError
@@ -84,17 +86,6 @@ API_KEY_VARIABLE = "MLX_DFLASH_API_KEY"  # --api-key's default, kept out of the 
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # an agent's whole conversation, with room to spare
 DEFAULT_DISK_BYTES = 32 << 30
 
-# mlx-lm request fields the lossless loop cannot honour, with their "off" values.
-UNSUPPORTED = {
-    "repetition_penalty": (0.0, 1.0),
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "xtc_probability": (0.0,),
-    "logit_bias": (None, {}),
-    "n": (1,),
-}
-
-
 @dataclass
 class Prepared:
     """A checked request: its prompt tokens and where its messages end."""
@@ -104,6 +95,7 @@ class Prepared:
     initial_state: str
     block_size: Optional[int] = None  # fixed by the request's num_draft_tokens
     response_format: Optional[dict] = None  # structured outputs (dflash_mlx.structured's shape); None: free text
+    controls: Dict[str, Any] = field(default_factory=dict)  # its generate_step keywords (penalties, XTC)
 
 
 @dataclass
@@ -143,7 +135,8 @@ def check_fields(body: dict) -> None:
     number("min_p", 0, 1)
     number("seed", 0, 2**64 - 1, int)  # what mx.random.seed takes
     number("num_draft_tokens", 0, MAX_BLOCK_SIZE - 1, int)
-    number("top_logprobs", 0, 11, int)
+    number("top_logprobs", -1, TOP_LOGPROBS_LIMIT, int)  # -1: mlx-lm's "not given"
+    # (penalties, logit bias and XTC: dflash_mlx.controls checks them, in request_controls)
     for name in ("stream", "logprobs"):
         if name in body and not isinstance(body[name], bool):
             raise RequestError(f"{name} must be true or false", name)
@@ -152,9 +145,43 @@ def check_fields(body: dict) -> None:
         isinstance(stop, list) and all(isinstance(s, str) for s in stop)
     ):
         raise RequestError("stop must be a string or a list of strings", "stop")
-    for name, off in UNSUPPORTED.items():
-        if body.get(name, off[0]) not in off:
-            raise RequestError(f"{name} is not supported by the DFlash server (it decodes losslessly)", name)
+    if body.get("n", 1) != 1:
+        raise RequestError("n must be 1: the DFlash server answers with one choice; send one request per choice", "n")
+
+
+def logit_bias(body: dict) -> Optional[dict]:
+    """The request's ``logit_bias`` with its token ids (JSON's string keys)
+    as ints, as mlx-lm's server reads it (the values and the ids' range:
+    :func:`~dflash_mlx.controls.check_processor_settings`)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias must be an object of token id -> bias", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise RequestError(f"logit_bias: {key!r} is not a token id", "logit_bias") from None
+    return out
+
+
+def request_controls(body: dict, tokenizer, vocab_size: int) -> Dict[str, Any]:
+    """The ``generate_step`` keywords of a request's penalties, logit bias
+    and XTC, built as mlx-lm's server builds them (``make_logits_processors``;
+    XTC sparing newline and eos), checked by :mod:`dflash_mlx.controls`: a
+    bad value is a 400 naming its field."""
+    given = {k: body[k] for k in (
+        "repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
+        "frequency_penalty", "frequency_context_size",
+    ) if body.get(k) is not None}
+    xtc = {k: body[k] for k in ("xtc_probability", "xtc_threshold") if body.get(k) is not None}
+    try:
+        processors = penalty_processors(vocab_size, logit_bias=logit_bias(body), **given)
+        return control_keywords(tokenizer, processors, **xtc)
+    except ArgumentError as e:  # its message starts with the setting's name
+        raise RequestError(str(e), re.match(r"\w+", str(e)).group()) from None
 
 
 def chat_tokens(tokenizer, body: dict, template_args: dict):
@@ -165,6 +192,7 @@ def chat_tokens(tokenizer, body: dict, template_args: dict):
         isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
     ):
         raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
+    check_chat_tools(body.get("tools"))
     try:
         process_message_content(messages)
     except (ValueError, KeyError, TypeError) as e:
@@ -188,27 +216,79 @@ def chat_tokens(tokenizer, body: dict, template_args: dict):
     return prompt, boundaries
 
 
-def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int], template_args: dict, answers) -> Prepared:
-    """Check a request and tokenize it, before it is queued: its prompt
-    within the target's vocabulary, the server's ``max_prompt`` tokens and,
-    with its ``max_tokens``, the target's context; ``answers``: how the
-    tokenizer's answers split (:func:`~dflash_mlx.api.harmony.text_format`)."""
-    check_fields(body)
+def text_chars(value) -> int:
+    """Characters in every string of a JSON value (messages, their parts)."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
+
+
+def longest_token(tokenizer) -> int:
+    """Characters in the vocabulary's longest token: no token covers more of
+    a text (byte-level and SentencePiece pieces spell at least the
+    characters they stand for), so a text of C characters is at least
+    C / this many tokens."""
+    return max(1, max(map(len, tokenizer.get_vocab())))
+
+
+def check_prompt_chars(body: dict, kind: str, max_prompt: Optional[int], context: Optional[int], token_chars: Optional[int]) -> None:
+    """Refuse a prompt whose characters alone, at the longest token's length
+    each, are more tokens than ``max_prompt`` or the ``context`` holds: a
+    prompt far past them is refused before it is tokenized whole."""
+    if token_chars is None:
+        return
     param = "messages" if kind == "chat" else "prompt"
-    if kind == "text":
-        prompt = body.get("prompt")
-        if isinstance(prompt, str) and prompt:
-            tokens, boundaries = tokenizer.encode(prompt), []
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            tokens, boundaries = list(prompt), []
-            try:
-                target.check_tokens(tokens)
-            except ArgumentError as e:
-                raise RequestError(str(e), "prompt") from None
-        else:
-            raise RequestError("prompt must be a non-empty string or list of token ids", "prompt")
+    value = body.get(param)
+    if isinstance(value, list) and kind == "text":  # token ids: counted as they are
+        least = len(value)
     else:
-        tokens, boundaries = chat_tokens(tokenizer, body, template_args)
+        least = -(-text_chars(value) // token_chars)
+    if max_prompt is not None and least > max_prompt:
+        raise RequestError(
+            f"the prompt has at least {least} tokens, more than this server's limit of {max_prompt} (--max-prompt-tokens): shorten it",
+            param,
+        )
+    if context is not None and least >= context:
+        raise RequestError(f"the prompt has at least {least} tokens but the model's context is {context}: shorten it", param)
+
+
+def prompt_tokens(tokenizer, target, body: dict, kind: str, template_args: dict):
+    """A request's prompt tokens and message boundaries, token ids checked."""
+    if kind != "text":
+        return chat_tokens(tokenizer, body, template_args)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return tokenizer.encode(prompt), []
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        try:
+            target.check_tokens(prompt)
+        except ArgumentError as e:
+            raise RequestError(str(e), "prompt") from None
+        return list(prompt), []
+    raise RequestError("prompt must be a non-empty string or list of token ids", "prompt")
+
+
+def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int], template_args: dict, answers,
+            token_chars: Optional[int] = None) -> Prepared:
+    """Check a request and tokenize it, before it is queued: its fields, its
+    prompt within the target's vocabulary, the server's ``max_prompt``
+    tokens and, with its ``max_tokens``, the target's context (a prompt far
+    past them is refused before tokenizing, by :func:`check_prompt_chars`
+    with ``token_chars``); ``answers``: how the tokenizer's answers split
+    (:func:`~dflash_mlx.api.harmony.text_format`)."""
+    check_fields(body)
+    controls = request_controls(body, tokenizer, target.vocab_size)
+    param = "messages" if kind == "chat" else "prompt"
+    context = getattr(target.args, "max_position_embeddings", None)
+    check_prompt_chars(body, kind, max_prompt, context, token_chars)
+    tokens, boundaries = prompt_tokens(tokenizer, target, body, kind, template_args)
     if not tokens:
         raise RequestError("the prompt is empty", "prompt")
     if max_prompt is not None and len(tokens) > max_prompt:
@@ -216,7 +296,6 @@ def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int],
             f"the prompt has {len(tokens)} tokens, more than this server's limit of {max_prompt} (--max-prompt-tokens): shorten it",
             param,
         )
-    context = getattr(target.args, "max_position_embeddings", None)
     if context is not None and len(tokens) >= context:
         raise RequestError(f"the prompt has {len(tokens)} tokens but the model's context is {context}: shorten it", param)
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
@@ -233,7 +312,7 @@ def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int],
         state = answers.response_initial_state or state
     draft_tokens = body.get("num_draft_tokens")
     response_format = request_format(body, tokenizer, answers, state)
-    return Prepared(tokens, boundaries, state, None if draft_tokens is None else draft_tokens + 1, response_format)
+    return Prepared(tokens, boundaries, state, None if draft_tokens is None else draft_tokens + 1, response_format, controls)
 
 
 def top_logprobs(logprobs: mx.array, n: int, tokenizer) -> tuple:
@@ -255,6 +334,7 @@ class Served:
     def __init__(self, generator, responses, prepared: Prepared, args, ctx, matcher, cache, todo, progress):
         self.responses, self.prepared, self.args, self.ctx, self.matcher = responses, prepared, args, ctx, matcher
         self.cache, self.todo, self.progress = cache, todo, progress
+        self.before = prepared.tokens[: len(prepared.tokens) - len(todo)]  # what its cache holds: its processors see it first, as mlx-lm's server shows them
         self.tokenizer = generator.tokenizer
         self.eos = set(self.tokenizer.eos_token_ids)
         self.want = args.logprobs or args.top_logprobs > 0
@@ -300,6 +380,8 @@ class DFlashResponseGenerator:
     def __init__(self, model, tokenizer, draft, cli_args, model_id: str, draft_id: str, learn=(None, None)):
         self.model, self.tokenizer, self.draft, self.cli_args = model, tokenizer, draft, cli_args
         self.answers = text_format(tokenizer)  # how answers split into reasoning, text and tool calls
+        self.token_chars = longest_token(tokenizer)  # bounds a prompt's tokens before tokenizing it
+        self.controls = cli.generation_keywords(cli_args, tokenizer)  # --kv-bits, --max-kv-size: every request's
         self.key = (model_id, draft_id)  # cache entries never cross target/drafter pairs
         self.recorder, self.adaptation = learn  # --learn, --adapt
         self.metrics = Metrics()
@@ -322,8 +404,9 @@ class DFlashResponseGenerator:
         # --pipeline: every rank generates what rank 0 receives (pipeline.share_request).
         self.group = mx.distributed.init() if cli_args.pipeline else None
         # Requests decode together in batched cycles, except on a pipelined
-        # target or with forced draft trees: those serve one at a time.
-        self.batch = None if cli_args.pipeline or cli_args.tree_budget else self.new_batch()
+        # target, with forced draft trees or with quantized or rotating KV
+        # caches (a batch's rows share plain ones): those serve one at a time.
+        self.batch = None if cli_args.pipeline or cli_args.tree_budget or kv_keywords(self.controls) else self.new_batch()
         self.serving: Dict[int, "Served"] = {}  # batched requests in flight, by uid
         # Weights still lazy (a model trained in this process) belong to this
         # thread's streams: evaluated here, the generation thread only reads them.
@@ -400,7 +483,7 @@ class DFlashResponseGenerator:
         with self.tokenizer_lock:
             return prepare(
                 self.tokenizer, self.draft.target, body, kind, self.cli_args.max_prompt_tokens,
-                self.cli_args.chat_template_args, self.answers,
+                self.cli_args.chat_template_args, self.answers, self.token_chars,
             )
 
     def generate(self, request, args, progress_callback=None, prepared: Prepared = None):
@@ -438,8 +521,10 @@ class DFlashResponseGenerator:
         the tokens it already holds."""
         entry, rest = self.prompt_cache.fetch_nearest_cache(self.key, tokens)
         args = self.cli_args
-        cache = entry[0] if entry is not None else make_prompt_cache(self.model, self.draft, args.draft_window, args.draft_sink)
-        return cache, len(tokens) - len(rest)
+        if entry is not None:
+            return entry[0], len(tokens) - len(rest)
+        return make_prompt_cache(self.model, self.draft, args.draft_window, args.draft_sink, **kv_keywords(self.controls)), 0
+
 
     def snapshot(self, cache, tokens, start, boundaries, progress):
         """Prefill up to each boundary past ``start`` and keep a copy there
@@ -506,6 +591,7 @@ class DFlashResponseGenerator:
                 top_p=args.sampling.top_p, top_k=args.sampling.top_k, min_p=args.sampling.min_p,
                 eos_token_ids=served.eos, logprobs=served.want, prefill_step_size=self.cli_args.prefill_step_size,
                 prompt_progress_callback=served.progress, response_format=constraint,
+                all_tokens=served.before, **self.controls, **prepared.controls,
             )
             with wired_limit(self.model, [generation_stream]), closing(steps):
                 for token, logprobs, from_draft, block, tree in steps:
@@ -597,6 +683,7 @@ class DFlashResponseGenerator:
                     top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=args.seed, eos_token_ids=served.eos,
                     logprobs=served.want, block_size=prepared.block_size, progress=served.progress,
                     response_format=prepared.response_format,
+                    all_tokens=[served.before], **self.controls, **prepared.controls,
                 )
                 self.serving[uid] = served
                 if self.adaptation is not None:  # adapting waits while any request runs
@@ -829,6 +916,8 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=cli.positive_int, default=None, help="longest prompt accepted, in tokens (default: the model's context)")
     cli.add_prefill_step_size_argument(p)
     cli.add_draft_window_arguments(p)
+    cli.add_kv_cache_arguments(p)  # every request's
+    cli.add_load_arguments(p)
     p.add_argument("--chat-template", default=None, help="a chat template to use instead of the tokenizer's")
     p.add_argument("--use-default-chat-template", action="store_true", help="use the tokenizer's default template when it has none")
     p.add_argument("--chat-template-args", type=json.loads, default={}, help="JSON arguments for the chat template")
@@ -877,7 +966,8 @@ def make_generator(args, model, tokenizer, draft, draft_id: str, learn=(None, No
         raise ArgumentError(draft.target.no_trees)
     if args.pipeline and args.prompt_cache_dir:  # every rank must restore the same cache, and the writes are not agreed
         raise ArgumentError("--prompt-cache-dir does not work with --pipeline yet: leave one of them out")
-    return DFlashResponseGenerator(model, tokenizer, draft, args, str(args.model), str(draft_id), learn)
+    model_id = str(args.model) if args.adapter_path is None else f"{args.model}+{args.adapter_path}"  # cache entries per adapter
+    return DFlashResponseGenerator(model, tokenizer, draft, args, model_id, str(draft_id), learn)
 
 
 def add_generator(server: ThreadingHTTPServer, args, model, tokenizer, draft, draft_id: str, learn=(None, None)) -> ThreadingHTTPServer:
@@ -907,6 +997,8 @@ def main(argv=None):
 
             if args.learn is not None:
                 raise ArgumentError("--learn and --adapt serve from one process: they do not combine with --pipeline")
+            if args.adapter_path is not None:
+                raise ArgumentError("--adapter-path does not work with --pipeline yet: leave one of them out")
             learn = (None, None)
             model, tokenizer, draft = load_for_command(args.model, args.draft_model)
             draft_id = args.draft_model or default_draft_for(args.model)
@@ -915,7 +1007,9 @@ def main(argv=None):
         else:
             learn = learning(args)  # --learn, --adapt
             # --adapt continues from the last drafter it accepted
-            model, tokenizer, draft, draft_id = load_pair(args.model, learn[1].path if learn[1] else args.draft_model)
+            model, tokenizer, draft, draft_id = load_pair(
+                args.model, learn[1].path if learn[1] else args.draft_model, args.adapter_path, args.trust_remote_code
+            )
         add_generator(server, args, model, tokenizer, draft, draft_id, learn)
         if learn[1] is not None:
             learn[1].start()

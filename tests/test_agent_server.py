@@ -19,16 +19,19 @@ import urllib.error
 import urllib.request
 
 import anthropic
+import mlx.core as mx
 import openai
 import pytest
 from mlx_lm import load
 from mlx_lm.server import process_message_content
 from prometheus_client.parser import text_string_to_metric_families
-from tiny import reference_text
+from tiny import reference_steps, reference_text
 from tiny_chat import ASK, CALLED, RESULT, THINK, WEATHER_TOOL, make_chat_draft, make_chat_target
 
 import dflash_mlx
-from dflash_mlx.server import make_server, setup_arg_parser
+from dflash_mlx.api.harmony import text_format
+from dflash_mlx.server import make_server, prepare, setup_arg_parser
+from dflash_mlx.targets import adapter_for
 
 MAX_TOKENS = 96
 # The Anthropic and Responses forms of the weather tool.
@@ -94,13 +97,14 @@ def claude(served):
     return anthropic.Anthropic(base_url=served[0], api_key="not-needed", max_retries=0, timeout=300)
 
 
-def reference(served, messages, tools=None, **template):
-    """mlx-lm's greedy text for a chat conversation, templated as the server does."""
+def reference(served, messages, tools=None, logits_processors=None, **template):
+    """mlx-lm's greedy text for a chat conversation, templated as the server
+    does (``logits_processors``: mlx-lm's, as its server builds them from a request's fields)."""
     _, model, tokenizer = served
     messages = copy.deepcopy(messages)
     process_message_content(messages)
     ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **template)
-    return reference_text(model, tokenizer, ids, MAX_TOKENS), len(ids)
+    return reference_text(model, tokenizer, ids, MAX_TOKENS, logits_processors=logits_processors), len(ids)
 
 
 def split_tool_call(raw: str) -> dict:
@@ -392,6 +396,29 @@ BAD = [
                       "output_config": {"format": {"type": "json_schema", "schema": {"type": "strin"}}}}, "JSON schema is invalid"),
     ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER, "output_config": {"format": {"type": "xml"}}},
      "output_config"),
+    # tool definitions, checked before the template reads them
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [{"type": "function", "function": {"name": 5}}]},
+     "tools.0.function needs a name (a non-empty string), not 5"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": "city"}}]}, "schema must be a JSON object"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [{"name": "f"}]}, "tools.0 must be"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER, "tools": [{"name": 7, "input_schema": {}}]},
+     "needs a name"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": USER, "tools": [{"name": "f", "input_schema": [1]}]},
+     "schema must be a JSON object"),
+    ("/v1/responses", {"model": "m", "input": "hi", "tools": [{"type": "bogus", "name": "f"}]}, "type 'bogus'"),
+    ("/v1/responses", {"model": "m", "input": "hi", "tools": [{"type": "function", "name": 3}]}, "needs a name"),
+    # mlx-lm's controls, out of range
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "repetition_context_size": -1}, "repetition_context_size"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "presence_context_size": 1.5}, "presence_context_size"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "repetition_penalty": -1}, "repetition_penalty"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "logit_bias": {"100000": 1}}, "outside the vocabulary"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "logit_bias": {"x": 1}}, "not a token id"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "logit_bias": {"3": "up"}}, "logit_bias[3] must be a finite number"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "top_logprobs": 12}, "top_logprobs must be at most 11"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "xtc_threshold": 0.7}, "xtc_threshold must be a finite number in [0.0, 0.5]"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "xtc_probability": 2}, "xtc_probability"),
+    ("/v1/chat/completions", {"model": "m", "messages": USER, "n": 2}, "n must be 1"),
 ]
 
 
@@ -561,6 +588,122 @@ def test_limits_get_413_and_400_in_the_dialect_and_the_server_goes_on(keyed, pat
     assert_error_shape(answer, dialect, "invalid_request_error")
     short = {"messages": ASK, "input": "hi", "max_tokens": 4}
     assert raw_request(keyed[0], "POST", path, json.dumps(short).encode(), auth)[0] == 200
+
+
+def urllib_post(base, body: bytes, headers):
+    """(status, JSON answer) of a POST sent with Python's urllib, which sends its whole body before reading."""
+    req = urllib.request.Request(base + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("size", [4001, 16 << 20])
+def test_a_body_over_the_limit_gets_a_413_the_client_reads(keyed, size):
+    """The refused body is read (and dropped) before the answer: a client
+    still sending meets the 413, not a reset connection."""
+    body = json.dumps({"messages": [{"role": "user", "content": ""}], "max_tokens": 4}).encode()
+    body = body[:-1] + b" " * (size - len(body)) + b"}"
+    assert len(body) == size
+    status, answer = urllib_post(keyed[0], body, {"x-api-key": KEY})
+    assert status == 413 and "--max-request-bytes" in answer["error"]["message"]
+    assert urllib_post(keyed[0], json.dumps({"messages": ASK, "max_tokens": 2}).encode(), {"x-api-key": KEY})[0] == 200
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(served, oai):
+    """A message of many megabytes: refused from its length in characters
+    (its tokens bounded below by the longest token's length), never
+    tokenized whole; the message says "at least", the bound's word."""
+    from dflash_mlx.server import longest_token
+
+    _, model, tokenizer = served
+    context = model.args.max_position_embeddings
+    content = "x" * max(8 << 20, (context + 1) * longest_token(tokenizer))
+    status, answer = urllib_post(served[0], json.dumps({"messages": [{"role": "user", "content": content}]}).encode(), {})
+    assert status == 400 and answer["error"]["param"] == "messages"
+    least = int(answer["error"]["message"].split("at least ")[1].split()[0])
+    assert least >= len(content) // longest_token(tokenizer) > context
+    assert f"context is {context}" in answer["error"]["message"]
+    assert oai.chat.completions.create(model="m", messages=USER, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_controls_are_parsed_for_the_loop(served):
+    """A request's penalties, logit bias and XTC become mlx-lm's processors
+    and XTC keywords on the prepared request, as mlx-lm's server builds them."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    tokenizer, target = served[2], adapter_for(served[1])
+    body = {"messages": USER, "repetition_penalty": 1.5, "logit_bias": {"5": 3}, "frequency_penalty": 0.5,
+            "frequency_context_size": 4, "xtc_probability": 0.25}
+    prepared = prepare(tokenizer, target, body, "chat", None, {}, text_format(tokenizer))
+    (processors,) = prepared.controls.pop("logits_processors")
+    want = make_logits_processors({5: 3.0}, 1.5, 20, None, 20, 0.5, 4)
+    tokens, logits = mx.array(prepared.tokens), mx.random.normal((1, target.vocab_size), key=mx.random.key(2))
+    a, b = processors(tokens, logits), mx.array(logits.tolist())
+    for q in want:
+        b = q(tokens, b)
+    assert mx.array_equal(a, b)
+    assert prepared.controls == {"xtc_probability": 0.25, "xtc_threshold": 0.1,
+                                 "xtc_special_tokens": tokenizer.encode("\n") + list(tokenizer.eos_token_ids)}
+    assert prepare(tokenizer, target, {"messages": USER}, "chat", None, {}, text_format(tokenizer)).controls == {}
+
+
+def test_penalty_fields_end_to_end_are_mlx_lms_decode(served, oai):
+    """An openai-client request with repetition_penalty (a frequency penalty
+    and a logit bias too) answers mlx-lm's decode with the processors
+    mlx-lm's server builds from those fields, logprobs included (1e-4)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    _, model, tokenizer = served
+    messages = ASK + [CALLED, RESULT]
+    templated = copy.deepcopy(messages)
+    process_message_content(templated)  # as the server and reference() template them
+    ids = tokenizer.apply_chat_template(templated, tools=[WEATHER_TOOL], add_generation_prompt=True)
+    plain, plain_lps = reference_steps(model, tokenizer, ids, MAX_TOKENS)
+    for fields, processors in (
+        ({"repetition_penalty": 1.3}, make_logits_processors(None, 1.3, 20)),
+        ({"repetition_penalty": 1.2, "frequency_penalty": 0.3, "logit_bias": {str(plain[0]): -50}},
+         make_logits_processors({plain[0]: -50.0}, 1.2, 20, None, 20, 0.3, 20)),
+    ):
+        want, _ = reference(served, messages, [WEATHER_TOOL], logits_processors=processors)
+        r = oai.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS,
+                                        logprobs=True, extra_body=fields)
+        assert r.choices[0].message.content == want
+        tokens, lps = reference_steps(model, tokenizer, ids, MAX_TOKENS, logits_processors=processors)
+        got = [c.logprob for c in r.choices[0].logprobs.content]
+        assert len(got) >= 2
+        assert max(abs(g - lps[i, t].item()) for i, (g, t) in enumerate(zip(got, tokens))) < 1e-4
+        # the check can fail: the fields change the logprobs (and the bias the answer)
+        assert max(abs(g - plain_lps[i, t].item()) for i, (g, t) in enumerate(zip(got[: len(plain)], tokens))) > 1e-3
+    assert tokens != plain
+
+
+def test_kv_cache_flags_serve_mlx_lms_decode(chat_pair):
+    """--max-kv-size: every request's caches are mlx-lm's rotating ones
+    (served one at a time: a batch's rows share plain caches); its answer and
+    a second turn that reuses the cached prefix are mlx-lm's decode with the
+    same setting."""
+    _, _, model, tokenizer, _ = chat_pair
+    messages = ASK + [CALLED, RESULT]
+    templated = copy.deepcopy(messages)
+    process_message_content(templated)
+    ids = tokenizer.apply_chat_template(templated, tools=[WEATHER_TOOL], add_generation_prompt=True)
+    size = len(ids) - 8  # the prompt alone fills the ring
+    want = reference_text(model, tokenizer, ids, MAX_TOKENS, max_kv_size=size)
+    tokens, lps = reference_steps(model, tokenizer, ids, MAX_TOKENS, max_kv_size=size)
+    plain, plain_lps = reference_steps(model, tokenizer, ids, MAX_TOKENS)
+    with live_server(chat_pair, "--max-kv-size", str(size)) as base:
+        oai = openai.OpenAI(base_url=base + "/v1", api_key="not-needed", max_retries=0, timeout=300)
+        for _ in range(2):  # the second from the prompt cache
+            r = oai.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS,
+                                            logprobs=True)
+            assert r.choices[0].message.content == want
+            got = [c.logprob for c in r.choices[0].logprobs.content]
+            assert max(abs(g - lps[i, t].item()) for i, (g, t) in enumerate(zip(got, tokens))) < 1e-4
+    # the check can fail: the ring changes the logprobs
+    assert tokens != plain or max(abs(g - plain_lps[i, t].item()) for i, (g, t) in enumerate(zip(got, tokens))) > 1e-3
 
 
 @pytest.mark.parametrize("host, key, warned", [("0.0.0.0", None, True), ("0.0.0.0", KEY, False), ("127.0.0.1", None, False)])

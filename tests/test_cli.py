@@ -318,3 +318,50 @@ def test_argument_parser_rejects_bad_values_in_one_line(capsys):
     with pytest.raises(SystemExit) as stop:
         p.parse_args(["--unknown"])
     assert stop.value.code == 1 and capsys.readouterr().err.startswith("error: unrecognized arguments")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "server"])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--kv-bits", "7"], ["--kv-bits", "kv_bits must be one of 1, 2, 3, 4, 5, 6, 8"]),
+        (["--kv-group-size", "100"], ["--kv-group-size", "32, 64, 128"]),
+        (["--quantized-kv-start", "-4"], ["--quantized-kv-start", "at least 0"]),
+        (["--max-kv-size", "0"], ["--max-kv-size", "at least 5"]),
+    ],
+)
+def test_mlx_lm_cache_flags_refuse_bad_values_in_one_line(run_here, command, args, needles):
+    """mlx-lm's KV-cache flags are refused by the parser, before any model loads."""
+    assert_one_error_line(run_here(f"dflash_mlx.{command}", *args), *needles)
+
+
+def test_chat_takes_mlx_lms_flags(tiny_dirs, capsys):
+    """chat with mlx-lm's XTC, template and eos flags runs (the greedy default leaves XTC aside)."""
+    model, draft = tiny_dirs
+    answers = iter(["hello", "q"])
+    flags = ["--xtc-threshold", "0.2", "--chat-template-config", '{"x": 1}', "--extra-eos-token", "7"]
+    assert chat.main(["--model", model, "--draft-model", draft, "-m", "8", *flags], input_fn=lambda _: next(answers)) == 0
+    assert capsys.readouterr().out.count("tokens/cycle]") == 1
+    assert_one_error_line(run_module("dflash_mlx.chat", "--model", model, "--chat-template-config", "[1]"), "must be a JSON object")
+
+
+def test_generate_takes_mlx_lms_control_flags(qwen3_5_pair, tiny_dirs, tmp_path, capsys):
+    """generate's mlx-lm flags reach the loop: a rotating KV cache and a
+    prompt cache file give the library's text with the same settings."""
+    import dflash_mlx
+
+    model, draft_dir = tiny_dirs
+    pair = qwen3_5_pair
+    draft = dflash_mlx.load_draft(draft_dir, pair.model)
+    flags = ["--model", model, "--draft-model", draft_dir, "-m", "16", "--block-size", "2"]
+    assert generate.main([*flags, "--prompt", "abc", "--max-kv-size", "8", "--xtc-threshold", "0.2"]) == 0
+    want = dflash_mlx.generate(pair.model, draft, pair.tokenizer, "abc", max_tokens=16, block_size=2, max_kv_size=8)
+    assert capsys.readouterr().out.startswith("abc" + want)
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft)
+    dflash_mlx.generate(pair.model, draft, pair.tokenizer, "abc", max_tokens=4, prompt_cache=cache)
+    path = str(tmp_path / "cache.safetensors")
+    dflash_mlx.save_prompt_cache(path, cache)
+    assert generate.main([*flags, "--prompt", "def", "--prompt-cache-file", path]) == 0
+    saved = dflash_mlx.load_prompt_cache(path, draft)
+    want = dflash_mlx.generate(pair.model, draft, pair.tokenizer, "def", max_tokens=16, block_size=2, prompt_cache=saved)
+    assert capsys.readouterr().out.startswith("def" + want)

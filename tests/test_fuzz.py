@@ -650,7 +650,7 @@ def test_target_config_values_are_named(qwen3_pair, tmp_path, key, value, match)
         ("/v1/completions", {"num_draft_tokens": 2**31}, "num_draft_tokens"),
         ("/v1/completions", {"seed": -1}, "seed"),
         ("/v1/chat/completions", {"chat_template_kwargs": []}, "chat_template_kwargs"),
-        ("/v1/chat/completions", {"tools": [None]}, "messages"),
+        ("/v1/chat/completions", {"tools": [None]}, "tools"),
         ("/v1/chat/completions", {"temperature": 2**63}, "temperature"),  # std::bad_cast in MLX's sampler
         ("/v1/chat/completions", {"temperature": float("nan")}, "temperature"),  # sampled from NaN probabilities
         ("/v1/completions", {"top_p": float("inf")}, "top_p"),

@@ -24,7 +24,6 @@ Power: the same checks must reject deliberately broken acceptance rules.
 """
 
 import importlib
-import itertools
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -32,8 +31,8 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
 from tiny import (
-    PROMPT, TRUNCATED, V, DoubleDrafter, EchoDFlash2, generated_tokens, pit_check, small_pair,
-    reference_tokens, sampled_runs, tv, tv_bound,
+    ANCHOR, PROMPT, TRUNCATED, V, DoubleDrafter, EchoDFlash2, continuation_logits, draft_noise, generated_tokens,
+    pit_check, small_pair, reference_tokens, sampled_runs, tv, tv_bound,
 )
 
 import dflash_mlx
@@ -49,11 +48,6 @@ SETTINGS = [dict(temperature=1.0), TRUNCATED, dict(temperature=0.7, min_p=0.05)]
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     return small_pair(tmp_path_factory.mktemp("small_qwen3"), tiny.QWEN3)
-
-
-def draft_noise():
-    """Fixed logit noise that keeps the double drafter's q close to, not equal to, p."""
-    return mx.random.normal((V,), key=mx.random.key(7)) * 0.6
 
 
 # ---------------------------------------------------------------------------
@@ -124,17 +118,6 @@ def _broken(tokens, p, q, keep_rule, residual):
         q_row = mx.take_along_axis(mx.concatenate([q, mx.zeros_like(p[..., :1, :])], -2), at, axis=-2)
         row = mx.maximum(row - q_row[..., 0, :], 0) + 1e-30  # never an all-zero row
     return accepted, sample(row)
-
-
-ANCHOR = 6  # the prefill token: the target's own sample, so the check conditions on it
-
-
-def continuation_logits(model, depth: int):
-    """Target logits after PROMPT + ANCHOR + every continuation of ``depth``
-    tokens: [V**depth, V], continuations in lexicographic order."""
-    conts = np.array(list(itertools.product(range(V), repeat=depth)), dtype=np.int32).reshape(V**depth, depth)
-    seqs = np.concatenate([np.tile(PROMPT + [ANCHOR], (V**depth, 1)), conts], axis=1)
-    return model(mx.array(seqs))[:, -1].astype(mx.float32)
 
 
 @pytest.fixture(scope="module")

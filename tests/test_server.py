@@ -154,7 +154,9 @@ def post(server, path, body: bytes):
         ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),
         ("/v1/completions", b'{"prompt": "x", "temperature": -1}', "temperature"),
         ("/v1/completions", b'{"prompt": "x", "top_p": 2}', "top_p"),
-        ("/v1/completions", b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty"),
+        ("/v1/completions", b'{"prompt": "x", "presence_context_size": -1}', "presence_context_size"),
+        ("/v1/completions", b'{"prompt": "x", "logit_bias": {"99999999": 1}}', "logit_bias"),
+        ("/v1/completions", b'{"prompt": "x", "top_logprobs": 12}', "top_logprobs"),
         ("/v1/completions", json.dumps({"prompt": "def f():\n    pass\n" * 1200}).encode(), "prompt"),
     ],
 )

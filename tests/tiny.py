@@ -226,6 +226,9 @@ class Pair:
     def reference(self, prompt, max_tokens, eos_ids=None, **kw):
         return reference_tokens(self.model, self.tokenizer, prompt, max_tokens, eos_ids, **kw)
 
+    def reference_steps(self, prompt, max_tokens, eos_ids=None, **kw):
+        return reference_steps(self.model, self.tokenizer, prompt, max_tokens, eos_ids, **kw)
+
     def dflash(self, draft, prompt, eos_ids=None, **kw):
         return dflash_tokens(self.model, draft, self.tokenizer, prompt, eos_ids, **kw)
 
@@ -353,6 +356,14 @@ def reference_tokens(model, tokenizer, prompt, max_tokens, eos_ids=None, **kw):
     return [r.token for r in responses if r.finish_reason != "stop"]
 
 
+def reference_steps(model, tokenizer, prompt, max_tokens, eos_ids=None, **kw):
+    """mlx-lm's own tokens and the logprobs it yields with each ``[n, V]``
+    (eos excluded); ``kw`` as :func:`reference_responses` takes them, a
+    ``logits_processors`` list and a ``sampler`` included."""
+    responses = [r for r in reference_responses(model, tokenizer, prompt, max_tokens, eos_ids, **kw) if r.finish_reason != "stop"]
+    return [r.token for r in responses], mx.stack([r.logprobs for r in responses])
+
+
 def reference_text(model, tokenizer, prompt, max_tokens, **kw):
     """mlx-lm's own text."""
     return "".join(r.text for r in reference_responses(model, tokenizer, prompt, max_tokens, **kw))
@@ -451,6 +462,22 @@ TRUNCATED = dict(temperature=0.8, top_p=0.9, top_k=8)
 REAL_TOKENS = 64
 
 
+def draft_noise():
+    """Fixed logit noise that keeps the double drafter's q close to, not equal to, p."""
+    return mx.random.normal((V,), key=mx.random.key(7)) * 0.6
+
+
+ANCHOR = 6  # the prefill token: the target's own sample, so the check conditions on it
+
+
+def continuation_logits(model, depth: int):
+    """Target logits after PROMPT + ANCHOR + every continuation of ``depth``
+    tokens: [V**depth, V], continuations in lexicographic order."""
+    conts = np.array(list(itertools.product(range(V), repeat=depth)), dtype=np.int32).reshape(V**depth, depth)
+    seqs = np.concatenate([np.tile(PROMPT + [ANCHOR], (V**depth, 1)), conts], axis=1)
+    return model(mx.array(seqs))[:, -1].astype(mx.float32)
+
+
 def small_pair(root, base):
     """A tiny target with a 16-token vocabulary and a random DFlash drafter
     for it (block size 4). The byte tokenizer stays: ids 0..15 decode fine,
@@ -466,11 +493,13 @@ def generated_tokens(model, draft, tokenizer, seed, max_tokens, **kw):
     return dflash_tokens(model, draft, tokenizer, PROMPT, max_tokens=max_tokens, **kw)
 
 
-def pit_check(model, runs, setting, rng, allow=None):
+def pit_check(model, runs, setting, rng, allow=None, logits_processors=None):
     """Randomised PIT of every generated token under the target's exact
     processed p given its actual prefix (one plain mlx-lm forward per run;
     ``allow(tokens)``: the tokens allowed at each position ``[n, V]``, the
-    others' logits -inf, as a grammar's mask leaves them).
+    others' logits -inf, as a grammar's mask leaves them;
+    ``logits_processors()``: mlx-lm processors applied to each position with
+    its own history first, as mlx-lm's decode applies them).
 
     Returns (KS distance of the PIT values from U(0, 1), its DKW bound,
     number of tokens committed outside the processed support).
@@ -478,6 +507,14 @@ def pit_check(model, runs, setting, rng, allow=None):
     us, outside = [], 0
     for tokens in runs:
         logits = model(mx.array([PROMPT + tokens]))[0, len(PROMPT) - 1 : -1]
+        if logits_processors is not None:
+            rows = []
+            for i in range(len(tokens)):
+                row = logits[i : i + 1]
+                for f in logits_processors():
+                    row = f(mx.array(PROMPT + tokens[:i]), row)
+                rows.append(row)
+            logits = mx.concatenate(rows)
         if allow is not None:
             logits = mx.where(allow(tokens), logits, -mx.inf)
         p = np.array(processed_probs(logits, **setting), dtype=np.float64)

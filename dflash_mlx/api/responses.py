@@ -120,11 +120,24 @@ def chat_messages(items) -> list:
     return out
 
 
+# Tool types of the Responses API that OpenAI hosts (or that need a runtime
+# this server is not): left out of the prompt, as Codex sends some by default.
+HOSTED_TOOLS = (
+    "web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search", "code_interpreter",
+    "computer_use_preview", "image_generation", "mcp", "local_shell", "shell", "custom", "apply_patch",
+)
+
+
 def function_tool(t: dict, where: str) -> Optional[dict]:
-    """A function tool as a chat tool; None for the others (``web_search``,
-    ``custom``, ...), which Codex sends by default and only OpenAI runs."""
-    if t.get("type") != "function":
+    """A function tool as a chat tool; None for a hosted one
+    (:data:`HOSTED_TOOLS`); a type neither names is refused."""
+    kind = t.get("type")
+    if kind in HOSTED_TOOLS:
         return None
+    if kind != "function":
+        raise RequestError(
+            f"{where} has the type {kind!r}: use \"function\" (hosted types such as web_search are left out)", "tools"
+        )
     return chat_tool(t.get("name"), t.get("description"), t.get("parameters"), where, t.get("strict"))
 
 

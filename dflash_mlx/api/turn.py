@@ -82,9 +82,11 @@ def openai_tool_choice(choice) -> Optional[str]:
 def chat_tool(name, description, parameters, where: str, strict=None) -> dict:
     """A chat-completions function tool, checked (``strict``: its arguments held to its schema)."""
     if not isinstance(name, str) or not name:
-        raise RequestError(f"{where} needs a name", "tools")
+        raise RequestError(f"{where} needs a name (a non-empty string), not {name!r}", "tools")
     if parameters is not None and not isinstance(parameters, dict):
-        raise RequestError(f"{where}'s schema must be a JSON object", "tools")
+        raise RequestError(f"{where}'s schema must be a JSON object, not {type(parameters).__name__}", "tools")
+    if description is not None and not isinstance(description, str):
+        raise RequestError(f"{where}'s description must be a string", "tools")
     if strict is not None and not isinstance(strict, bool):
         raise RequestError(f"{where}'s strict must be true or false", "tools")
     function = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
@@ -93,6 +95,16 @@ def chat_tool(name, description, parameters, where: str, strict=None) -> dict:
     if strict:
         function["strict"] = True
     return {"type": "function", "function": function}
+
+
+def check_chat_tools(tools) -> None:
+    """Chat completions' own ``tools``, checked before the template reads
+    them: each ``{type: function, function: {name, description?, parameters?}}``."""
+    for i, t in enumerate(tools or ()):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise RequestError(f"tools.{i} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
+        f = t["function"]
+        chat_tool(f.get("name"), f.get("description"), f.get("parameters"), f"tools.{i}.function")
 
 
 def chat_tools(tools, convert) -> Optional[list]:
@@ -328,6 +340,23 @@ def check_field_types(body: dict) -> None:
             raise RequestError(f"{name} must be {TYPE_NAMES[kind]}", name)
 
 
+# The most bytes of a refused body read (and dropped) so that its client,
+# still sending, hears the refusal; past this the connection is just closed.
+DRAIN_BYTES = 1 << 30
+
+
+def drain(rfile, length: int, chunk: int = 1 << 20) -> None:
+    """Read and drop up to ``length`` bytes of a refused body: a client that
+    sends its whole body before reading (Python's urllib, curl) would
+    otherwise meet a reset connection instead of the answer."""
+    left = min(length, DRAIN_BYTES)
+    while left > 0:
+        data = rfile.read(min(chunk, left))
+        if not data:
+            return
+        left -= len(data)
+
+
 def read_json_body(handler) -> Tuple[dict, bytes]:
     """The request's JSON object body and its bytes, its shared fields'
     types checked (a :class:`RequestError` if there is none or one is wrong)."""
@@ -339,7 +368,8 @@ def read_json_body(handler) -> Tuple[dict, bytes]:
         raise RequestError("a valid Content-Length header is required", status=411) from None
     limit = handler.generator.cli_args.max_request_bytes
     if length > limit:
-        handler.close_connection = True  # the body is left unread
+        handler.close_connection = True
+        drain(handler.rfile, length)
         raise RequestError(
             f"the request body has {length} bytes, more than this server's limit of {limit} (--max-request-bytes)",
             status=413,

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 
 def sliding_window(cache) -> Optional[int]:
@@ -38,15 +38,38 @@ def sliding_window(cache) -> Optional[int]:
     return getattr(cache, "window", None)
 
 
-def layer_masks(h: mx.array, caches: Sequence, windows: Sequence[Optional[int]], return_array: bool = False) -> List:
+def ring_keep(cache) -> int:
+    """The first positions a rotating cache never evicts (mlx-lm's ``keep``; 0 for any other cache)."""
+    return cache.keep if isinstance(cache, RotatingKVCache) else 0
+
+
+def ring_mask(n: int, cache: RotatingKVCache) -> mx.array:
+    """``[n, context + n]`` bool: what ``n`` one-token steps would see of
+    a rotating cache that keeps its first ``keep`` positions: those, and
+    the newest ``max_size - keep`` up to each step's own (mlx-lm's mask
+    for a block slides the whole window over the kept positions)."""
+    held = context_rows(cache)
+    rows = held + mx.arange(n)[:, None]
+    cols = mx.arange(held + n)[None]
+    return (cols <= rows) & ((cols < cache.keep) | (rows - cols < cache.max_size - cache.keep))
+
+
+def layer_masks(h: mx.array, caches: Sequence, windows: Sequence[Optional[int]], return_array: bool = False, decode: bool = False) -> List:
     """One attention mask per layer, built from the first cache with that
     layer's window (``None``: full attention), as mlx-lm's models build them
-    (``return_array``: as arrays, never mlx-lm's "causal" shorthand)."""
+    (``return_array``: as arrays, never mlx-lm's "causal" shorthand).
+    ``decode``: the block stands for one-token steps, so a rotating cache
+    that keeps its first positions is masked as those steps see it
+    (:func:`ring_mask`)."""
     built = {}
-    for c, window in zip(caches, windows):
-        if window not in built:
-            built[window] = create_attention_mask(h, c, window_size=window, return_array=return_array)
-    return [built[w] for w in windows]
+    keys = [(w, ring_keep(c)) for c, w in zip(caches, windows)]
+    for c, key in zip(caches, keys):
+        if key not in built:
+            if decode and key[1] and h.shape[1] > 1:
+                built[key] = ring_mask(h.shape[1], c)
+            else:
+                built[key] = create_attention_mask(h, c, window_size=key[0], return_array=return_array)
+    return [built[k] for k in keys]
 
 
 def rewind_rotating(cache: RotatingKVCache, length: int, keep: int) -> None:
@@ -69,9 +92,9 @@ def hold_in_time_order(cache: RotatingKVCache, keys, values, offset: int, sink: 
     if rows < max_size <= offset:
         # window - 1 rows after a wrap are all a next query needs; mlx-lm's
         # one-token path expects a full ring, so put back one placeholder row
-        # in front, which either update path evicts first.
-        keys = mx.concatenate([keys[..., :1, :], keys], axis=2)
-        values = mx.concatenate([values[..., :1, :], values], axis=2)
+        # right after the ``sink`` rows it keeps, which either update path
+        # evicts first.
+        keys, values = [mx.concatenate([v[..., : sink + 1, :], v[..., sink:, :]], axis=2) for v in (keys, values)]
         rows += 1
     cache.state = (keys, values, offset, sink, max_size, rows)
 
@@ -90,13 +113,13 @@ def keep_rows(cache, length: int, rows: Sequence[int]) -> None:
     """Move ``rows`` of the last forward's ``length`` rows to the front of
     them, in order (their keys and values only: positions were applied
     before caching); the rows after them are then cut off as a chain's."""
-    keys, values = cache.keys, cache.values
-    start = (cache.offset if isinstance(cache, KVCache) else keys.shape[2]) - length
+    quantized = isinstance(cache, QuantizedKVCache)  # keys and values: (data, scales, biases) each
+    arrays = [*cache.keys, *cache.values] if quantized else [cache.keys, cache.values]
+    start = (cache.offset if isinstance(cache, (KVCache, QuantizedKVCache)) else arrays[0].shape[2]) - length
     idx = mx.array(np.asarray(rows, dtype=np.int32) + start)
     end = start + len(rows)
-    keys[..., start:end, :] = keys[..., idx, :]
-    values[..., start:end, :] = values[..., idx, :]
-    cache.keys, cache.values = keys, values
+    for a in arrays:
+        a[..., start:end, :] = a[..., idx, :]
 
 
 def rewind_caches(caches: Sequence, length: int, keep: Keep) -> None:
@@ -128,26 +151,28 @@ def context_rows(cache) -> int:
     return min(held, max_size - 1)
 
 
-def tree_mask(tree, context: int, window: Optional[int]) -> mx.array:
+def tree_mask(tree, context: int, window: Optional[int], keep: int = 0) -> mx.array:
     """``[rows, context + rows]`` bool: each tree row sees the ``context``
     keys before the block (the most recent last) and its own ancestors,
-    only those less than ``window`` positions back (``None``: all)."""
+    only those less than ``window - keep`` positions back (``None``: all)
+    and the first ``keep`` context keys (see :func:`ring_mask`)."""
     depths = np.asarray(tree.depths)
     seen = tree.ancestors()
     if window is None:  # built on the device: the context may be long
         return mx.concatenate([mx.ones((tree.rows, context), dtype=mx.bool_), mx.array(seen)], axis=1)
     back = context - np.arange(context)[None, :] + depths[:, None]  # distance to each context key
-    seen = seen & (depths[:, None] - depths[None, :] < window)
-    return mx.array(np.concatenate([back < window, seen], axis=1))
+    seen = seen & (depths[:, None] - depths[None, :] < window - keep)
+    return mx.array(np.concatenate([(back < window - keep) | (np.arange(context)[None, :] < keep), seen], axis=1))
 
 
 def tree_masks(tree, caches: Sequence, windows: Sequence[Optional[int]]) -> List[mx.array]:
     """:func:`tree_mask` per layer, from the first cache with that layer's window."""
     built = {}
-    for c, window in zip(caches, windows):
-        if window not in built:
-            built[window] = tree_mask(tree, context_rows(c), window)
-    return [built[w] for w in windows]
+    keys = [(w, ring_keep(c)) for c, w in zip(caches, windows)]
+    for c, key in zip(caches, keys):
+        if key not in built:
+            built[key] = tree_mask(tree, context_rows(c), *key)
+    return [built[k] for k in keys]
 
 
 class TreeRope(nn.Module):

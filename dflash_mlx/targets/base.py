@@ -5,10 +5,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
-
 from ..errors import ArgumentError, DFlashError
 from .attention import tree_positions
+from .kv import KVSettings, forward_kv, make_kv_caches, rollback_kv, rows_before_quantizing
 
 
 class TargetError(DFlashError, ValueError):
@@ -20,11 +19,21 @@ class TargetCache(list):
     ``undo``: what the last recorded forward needs to be rolled back.
 
     The record lives on the cache, not on the adapter, so two caches over one
-    model (two conversations, two requests) never share it.
+    model (two conversations, two requests) never share it. ``kv``: the
+    :class:`~.kv.KVSettings` it was made with (None: mlx-lm's plain caches).
     """
 
     undo = None
     batched = False  # a batch's rows (:class:`~.rows.BatchCache`), not one request's
+    kv: Optional[KVSettings] = None
+
+    def rows_before_quantizing(self) -> Optional[int]:
+        """Positions that still run on float KV caches before mlx-lm's decode
+        would quantize them (None: no conversion ahead). A chain may cross
+        that point (the forward splits there); a draft tree may not: its
+        rows must lie within this many positions (a tree at most this many
+        rows deep, the anchor's row included)."""
+        return rows_before_quantizing(self)
 
 
 class TargetAdapter:
@@ -150,10 +159,17 @@ class TargetAdapter:
             return lambda h: mx.quantized_matmul(h, weight, scales, biases, **kw) + bias
         return lambda h: h @ weight.T + bias
 
-    def make_cache(self) -> TargetCache:
-        return TargetCache(make_prompt_cache(self.model))
+    def kv_head_dims(self) -> List[int]:
+        """The widths of the attention layers' keys and values (what a KV
+        quantization group must divide)."""
+        return [int(getattr(self.args, "head_dim", None) or self.hidden_size // self.args.num_attention_heads)]
 
-    # Forward with taps and rollback: implemented per family.
+    def make_cache(self, kv: Optional[KVSettings] = None) -> TargetCache:
+        """Empty caches, as mlx-lm makes them for ``kv`` (see :mod:`.kv`)."""
+        cache = TargetCache(make_kv_caches(self.model, kv, self.kv_head_dims() if kv else []))
+        cache.kv = kv
+        return cache
+
     def forward(
         self,
         tokens: mx.array,
@@ -164,9 +180,19 @@ class TargetAdapter:
         record: bool = True,
         tree=None,
     ) -> Tuple[mx.array, Optional[mx.array]]:
-        raise NotImplementedError
+        """The family's :meth:`forward_block` on caches quantized when mlx-lm's
+        decode would have quantized them (:func:`~.kv.forward_kv`)."""
+        return forward_kv(self, tokens, cache, taps=taps, last_logits_only=last_logits_only, record=record, tree=tree)
 
     def rollback(self, cache: Sequence, keep) -> None:
+        """Keep ``keep`` of the last recorded forward (:func:`~.kv.rollback_kv`)."""
+        rollback_kv(self, cache, keep)
+
+    # Forward with taps and rollback of one forward: implemented per family.
+    def forward_block(self, tokens, cache, *, taps=None, last_logits_only=False, record=True, tree=None):
+        raise NotImplementedError
+
+    def rewind(self, cache: Sequence, keep) -> None:
         raise NotImplementedError
 
     def keep(self, cache, kept: Sequence) -> None:

@@ -13,7 +13,7 @@ logits through the tied head, soft-capped. Rollback is the transformer one
 
 from mlx_lm.models.gemma4_text import logit_softcap
 
-from .attention import layer_masks, tree_masks
+from .attention import layer_masks, sliding_window, tree_masks
 from .transformer import TransformerTarget
 
 SLIDING = "sliding_attention"
@@ -46,15 +46,20 @@ class Gemma4Target(TransformerTarget):
         inputs = (projected + from_ids.reshape(*h.shape[:2], *shape)) * bb.per_layer_input_scale
         return [inputs[:, :, i, :] for i in range(n)]
 
-    def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True, tree=None):
+    def forward_block(self, tokens, cache, *, taps=None, last_logits_only=False, record=True, tree=None):
         taps = self.tap_ids if taps is None else taps
         bb = self.backbone
         h = self.embed(tokens)
         per_layer = self.per_layer_inputs(tokens, h)
         # KV-shared layers have no cache of their own.
         caches = list(cache) + [None] * (len(bb.layers) - len(cache))
-        windows = [bb.window_size if layer.layer_type == SLIDING else None for layer in bb.layers]
-        masks = layer_masks(h, caches, windows) if tree is None else tree_masks(tree, caches, windows)
+        # A KV-shared layer is masked as the layer whose keys it reads; a
+        # full-attention layer on a rotating cache (max_kv_size) by its size.
+        owners = [caches[bb.previous_kvs[i]] for i in range(len(bb.layers))]
+        windows = [
+            bb.window_size if layer.layer_type == SLIDING else sliding_window(c) for layer, c in zip(bb.layers, owners)
+        ]
+        masks = layer_masks(h, owners, windows, decode=record) if tree is None else tree_masks(tree, owners, windows)
         shared = [(None, None)] * len(bb.layers)  # per layer: its keys/values and RoPE offset
         captured = {}
         with self.tree_scope(tree, cache):

@@ -25,7 +25,7 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.base import create_ssm_mask
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextRMSNormGated
 
@@ -33,7 +33,7 @@ from ..errors import ArgumentError
 from ..ops import fast_math
 from ..ops.gated_delta import DeltaChunk, chunked_gated_delta, log_decay, state_after_rows
 from ..ops.threads import compiled
-from .attention import context_rows, kept_rows, rewind_caches, tree_mask
+from .attention import kept_rows, layer_masks, rewind_caches, sliding_window, tree_masks
 from .base import TargetAdapter
 
 
@@ -339,13 +339,14 @@ class HybridTarget(TargetAdapter):
         records[i] = DeltaRecord(conv_input, state0, DeltaChunk(u, L, k, state0))
         return h
 
-    def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True, tree=None):
+    def forward_block(self, tokens, cache, *, taps=None, last_logits_only=False, record=True, tree=None):
         if tree is not None:
             return self.tree_forward(tokens, cache, tree, taps, last_logits_only)
         taps = self.tap_ids if taps is None else taps
         bb = self.backbone
         h = bb.embed_tokens(tokens)
-        fa_mask = create_attention_mask(h, cache[bb.fa_idx])
+        fa = cache[bb.fa_idx]
+        fa_mask = layer_masks(h, [fa], [sliding_window(fa)], decode=record)[0]
         ssm_mask = create_ssm_mask(h, cache[bb.ssm_idx])
         records = {}
         captured = {}
@@ -374,7 +375,8 @@ class HybridTarget(TargetAdapter):
         taps = self.tap_ids if taps is None else taps
         bb = self.backbone
         h = bb.embed_tokens(tokens)
-        fa_mask = tree_mask(tree, context_rows(cache[bb.fa_idx]), None)
+        fa = cache[bb.fa_idx]
+        fa_mask = tree_masks(tree, [fa], [sliding_window(fa)])[0]
         records, captured = {}, {}
         with self.tree_scope(tree, cache):
             for i, (layer, c) in enumerate(zip(bb.layers, cache)):
@@ -388,7 +390,7 @@ class HybridTarget(TargetAdapter):
         cache.undo = (tree, records)
         return self._finish(h, [captured[t] for t in taps], last_logits_only)
 
-    def rollback(self, cache, keep):
+    def rewind(self, cache, keep):
         length, records = cache.undo
         cache.undo = None
         if not isinstance(length, int):  # a tree: keep its walked rows
@@ -406,7 +408,7 @@ class HybridTarget(TargetAdapter):
             if layer.is_linear:
                 rewind_gated_delta(layer.linear_attn, c, records[i], keep)
             else:
-                c.trim(drop)
+                rewind_caches([c], length, keep)
 
     def rollback_rows(self, cache, kept):
         length, records = cache.undo

@@ -18,6 +18,7 @@ disagree is refused at its rollback, before its tokens are committed.
 
 import mlx.core as mx
 
+from ..errors import ArgumentError
 from . import adapter_for
 from .base import TargetAdapter, TargetError
 
@@ -98,6 +99,17 @@ class PipelineTarget(TargetAdapter):
     @property
     def num_layers(self) -> int:
         return int(self.args.num_hidden_layers)
+
+    def make_cache(self, kv=None):
+        """This rank's caches; mlx-lm's plain ones only: ranks that hold
+        other layers would see other offsets and split a block that crosses
+        quantized_kv_start differently (and max_kv_size's rings are untested here)."""
+        if kv is not None:
+            raise ArgumentError(
+                "kv_bits, kv_group_size, quantized_kv_start and max_kv_size are not supported on a pipelined "
+                "target: leave them out, or run the target on one machine"
+            )
+        return super().make_cache()
 
     def agreed(self, values):
         """Rank 0's ``values`` on every rank: each rank times its own cycles,

@@ -154,10 +154,20 @@ class RaggedKVCache:
 
 def check_joinable(caches) -> None:
     """Refuse, before any work, a request whose target caches (one per
-    layer) cannot join a batch."""
+    layer) cannot join a batch: a batch's rows share one cache per layer,
+    and a cache quantizing at its own position (kv_bits) cannot."""
+    kv = getattr(caches, "kv", None)
+    if kv is not None and kv.bits is not None:
+        raise ArgumentError(
+            "a prompt cache made with kv_bits cannot join a batch (its rows would quantize at different "
+            "positions): decode it alone (stream_generate), or batch caches made without kv_bits"
+        )
     for c in caches:
         if isinstance(c, RotatingKVCache) and c.keep:
-            raise ArgumentError("a rotating cache that keeps its first tokens cannot join a batch")
+            raise ArgumentError(
+                "a prompt cache made with max_kv_size (rotating caches that keep their first tokens) cannot join "
+                "a batch: decode it alone (stream_generate), or batch caches made without max_kv_size"
+            )
         if not isinstance(c, (KVCache, RotatingKVCache, ArraysCache, RaggedKVCache)):
             raise ArgumentError(
                 f"a {type(c).__name__} cannot join a batch (quantized KV caches are not batched): "

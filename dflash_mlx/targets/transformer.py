@@ -21,11 +21,11 @@ class TransformerTarget(TargetAdapter):
         text = getattr(model, "language_model", model)
         super().__init__(model, text, text.model)
 
-    def forward(self, tokens, cache, *, taps=None, last_logits_only=False, record=True, tree=None):
+    def forward_block(self, tokens, cache, *, taps=None, last_logits_only=False, record=True, tree=None):
         taps = self.tap_ids if taps is None else taps
         h = self.backbone.embed_tokens(tokens)
         windows = [sliding_window(c) for c in cache]
-        masks = layer_masks(h, cache, windows, self.array_masks) if tree is None else tree_masks(tree, cache, windows)
+        masks = layer_masks(h, cache, windows, self.array_masks, record) if tree is None else tree_masks(tree, cache, windows)
         captured = {}
         with self.tree_scope(tree, cache):
             for i, (layer, c, mask) in enumerate(zip(self.backbone.layers, cache, masks)):
@@ -35,6 +35,6 @@ class TransformerTarget(TargetAdapter):
             cache.undo = tokens.shape[1]
         return self._finish(h, [captured[t] for t in taps], last_logits_only)
 
-    def rollback(self, cache, keep):
+    def rewind(self, cache, keep):
         rewind_caches(cache, cache.undo, keep)
         cache.undo = None
