@@ -33,7 +33,9 @@ from .controls import KV_KEYWORDS
 from .decode import BatchResponse, Decoder, Request, Sizing, Stats
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
-from .generate import checked_prompt, controlled_rule, encode_prompt, max_block_size, one_thread_per_pair, processors_for, tree_plan
+from .generate import (
+    checked_prompt, controlled_rule, encode_prompt, max_block_size, one_thread_per_pair, row_controls, stop_tokens, tree_plan,
+)
 from .prefill import feed, prefill, prefill_together
 from .structured import constraint_for
 from .targets.rows import check_joinable
@@ -43,11 +45,19 @@ DEFAULT_PREFILL_BATCH_SIZE = 8  # mlx-lm's --prompt-concurrency default
 CONTROL_KEYS = ("logits_processors", "min_tokens_to_keep", "xtc_probability", "xtc_threshold", "xtc_special_tokens", "all_tokens")
 
 
+def one_each(name: str, value, n: int, many=(list, tuple)) -> list:
+    """A setting for each of ``n`` prompts: one value for all, or one per prompt (a ``many``)."""
+    values = list(value) if isinstance(value, many) else [value] * n
+    if len(values) != n:
+        raise ArgumentError(f"{name} has {len(values)} values for {n} prompts")
+    return values
+
+
 def per_prompt(name: str, value, n: int) -> list:
     """A list-valued setting (processors, token ids) for each of ``n``
     prompts: None or one list for all, or one list (or None) per prompt."""
     value = list(value or [])
-    if value and all(v is None or isinstance(v, (list, tuple)) for v in value):
+    if value and all(v is None or isinstance(v, (list, tuple, set, frozenset)) for v in value):
         if len(value) != n:
             raise ArgumentError(f"{name} has {len(value)} lists for {n} prompts: pass one list for all, or one per prompt")
         return [list(v or []) for v in value]
@@ -181,21 +191,12 @@ class BatchGenerator:
         ``all_tokens``: per prompt, the tokens before it that its processors
         see (None: see :func:`~dflash_mlx.generate.processors_for`)."""
         n = len(prompts)
-
-        def each(name, value, many=(list, tuple)):
-            values = list(value) if isinstance(value, many) else [value] * n
-            if len(values) != n:
-                raise ArgumentError(f"{name} has {len(values)} values for {n} prompts")
-            return values
-
-        eos = list(eos_token_ids)
-        if not eos or not all(isinstance(e, (list, tuple, set, frozenset)) for e in eos):
-            eos = [eos] * n  # one stop set for every prompt
+        each = lambda name, value, many=(list, tuple): one_each(name, value, n, many)  # noqa: E731
         settings = zip(
             prompts, each("max_tokens", max_tokens), each("prompt_caches", prompt_caches or [None] * n),
             each("temperature", temperature), each("top_p", top_p), each("top_k", top_k), each("min_p", min_p),
             each("seed", seed), each("block_size", block_size), each("progress", progress),
-            each("eos_token_ids", eos), each("logprobs", logprobs), each("response_format", response_format, (list,)),
+            per_prompt("eos_token_ids", eos_token_ids, n), each("logprobs", logprobs), each("response_format", response_format, (list,)),
         )
         controls = zip(
             per_prompt("logits_processors", logits_processors, n), each("min_tokens_to_keep", min_tokens_to_keep),
@@ -229,9 +230,8 @@ class BatchGenerator:
         if cap is not None:
             max_block_size(self.draft, cap, None)
         key = None if seed is None else mx.random.key(int(seed))
-        controls = processors_for(processors, cache, tokens, before) + ([constraint] if constraint else [])  # the mask last
-        eos = frozenset(eos) | frozenset(constraint.eos if constraint else ())  # (a complete answer ends there)
-        return Request(uid, cache, rule, limit, eos, bool(want), key, cap, tokens, len(tokens), hear, controls=controls)
+        controls = row_controls(processors, constraint, cache, tokens, before)
+        return Request(uid, cache, rule, limit, stop_tokens(eos, constraint), bool(want), key, cap, tokens, len(tokens), hear, controls=controls)
 
     def remove(self, uids: Iterable[int]) -> Dict[int, PromptCache]:
         """Drop requests between cycles; returns their prompt caches, each

@@ -223,13 +223,10 @@ def generate_step(
     ``tree_budget`` 0: none, ``n``: n nodes every cycle) that maximises expected
     tokens per second, as measured (:mod:`dflash_mlx.adaptive`; a ``sizer`` makes
     the choices instead): a seeded sampled run repeats only when they are fixed.
-
     mlx-lm's controls are exact through speculation: ``logits_processors``
-    (:mod:`dflash_mlx.processors`; see :func:`processors_for` for ``all_tokens``),
-    make_sampler's ``min_tokens_to_keep`` and XTC, the KV cache keywords.
-    ``response_format`` (:mod:`dflash_mlx.structured`, with the target's
-    ``tokenizer``) holds the answer to a grammar as mlx-lm's masked decode
-    does, to the tokenizer's eos once complete (docs/structured.md).
+    (see :func:`processors_for` for ``all_tokens``), ``min_tokens_to_keep``,
+    XTC, the KV cache keywords; ``response_format`` (with the target's
+    ``tokenizer``; docs/structured.md) as mlx-lm's masked decode.
     """
     target = bound_target(model, draft)
     kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
@@ -243,11 +240,9 @@ def generate_step(
     cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink, **kv)
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
-        controls = processors_for(logits_processors, cache, prompt, all_tokens)
+        controls = row_controls(logits_processors, constraint, cache, prompt, all_tokens)
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-        eos = frozenset(eos_token_ids) | frozenset(constraint.eos if constraint else ())
-        controls += [constraint] if constraint else []  # the mask last, as mlx-lm's logits processors would apply it
-        request = Request(0, cache, rule, max_tokens, eos, logprobs, controls=controls)
+        request = Request(0, cache, rule, max_tokens, stop_tokens(eos_token_ids, constraint), logprobs, controls=controls)
         yield from alone(target, draft, request, request.start(logits), max_block, trees, block_size is not None, sizer)
 
 
@@ -280,6 +275,18 @@ def processors_for(logits_processors, cache: PromptCache, prompt: List[int], all
         return []
     before = list(cache.pending) if all_tokens is None else list(all_tokens)
     return [Processors(logits_processors, before + list(prompt))]
+
+
+def row_controls(logits_processors, constraint, cache: PromptCache, prompt: List[int], all_tokens=None) -> list:
+    """A request's controls (:attr:`~dflash_mlx.decode.Request.controls`):
+    its logits processors, then its grammar's mask, applied last as a
+    masking processor after mlx-lm's own would be."""
+    return processors_for(logits_processors, cache, prompt, all_tokens) + ([constraint] if constraint else [])
+
+
+def stop_tokens(eos_token_ids, constraint) -> frozenset:
+    """A request's stop tokens: its own, and its grammar's (where a complete answer ends)."""
+    return frozenset(eos_token_ids) | frozenset(constraint.eos if constraint else ())
 
 
 @contextmanager
