@@ -40,6 +40,9 @@ from .errors import ArgumentError
 DEFAULT_MAX_NGRAM = 12
 # Shortest match proposed from: a single token recurs everywhere.
 DEFAULT_MIN_MATCH = 2
+# How far from a broken-off copy, and for how many tokens, its source is
+# searched for the answer's last token (an edit, see CopyIndex.resynced).
+RESYNC = 8
 # Extends of at least this many tokens are hashed with numpy.
 BULK = 64
 
@@ -70,6 +73,7 @@ class CopyIndex:
         self.table: Dict[int, int] = {}
         self.suffix: List[int] = []  # hashes of the n-grams ending at the last token (n = 1, 2, ...)
         self.copy: Optional[Tuple[int, int, int]] = None  # (length then, source end, match length) being followed
+        self.broken: Optional[Tuple[int, int]] = None  # (length then, source end) of the last copy that broke off
         self.work = 0
         self.extend(tokens)
 
@@ -137,7 +141,7 @@ class CopyIndex:
         older ones."""
         if length < len(self.tokens):
             kept = self.tokens[:length]
-            self.tokens, self.table, self.suffix, self.copy = [], {}, [], None
+            self.tokens, self.table, self.suffix, self.copy, self.broken = [], {}, [], None, None
             self.extend(kept)
 
     def lookup(self, tail: Sequence[int], hashes: List[int]) -> Tuple[int, int]:
@@ -166,9 +170,29 @@ class CopyIndex:
             if self.tokens[end + 1 : end + 1 + n - at] == self.tokens[at:n]:
                 self.copy = (n, end + n - at, length + n - at)
                 return self.copy[1:]
+            self.broken = (at, end)
         end, length = self.lookup(self.tokens[-self.max_ngram :], self.suffix)
+        if not length:
+            end, length = self.resynced()
         self.copy = (n, end, length) if length else None
         return end, length
+
+    def resynced(self) -> Tuple[int, int]:
+        """(end, 1): the last token found within ``RESYNC`` positions of
+        where a copy that broke off in the last ``RESYNC`` tokens would be
+        now, the nearest first (an edit: the answer went on with its source
+        after a token or a few replaced, inserted or left out); (-1, 0) if
+        not found."""
+        n = len(self.tokens)
+        if self.broken is None or n - self.broken[0] > RESYNC:
+            return -1, 0
+        expected = self.broken[1] + n - self.broken[0]
+        last = self.tokens[-1]
+        for q in sorted(range(max(expected - RESYNC, 0), min(expected + RESYNC + 1, n - 1)), key=lambda q: abs(q - expected)):
+            self.work += 1
+            if self.tokens[q] == last:
+                return q, 1
+        return -1, 0
 
     def continued(self, end: int, length: int, after: List[int]) -> Tuple[int, int]:
         """:meth:`match` as if ``after`` were committed too (not recorded):
