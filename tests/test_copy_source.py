@@ -248,3 +248,28 @@ def test_point_mass_acceptance_follows_the_target():
     second = np.where(accepted[kept] > 1, 1, nxt[kept])
     exact = np.array(p[1])
     assert tv(second, exact) < tv_bound(exact, int(kept.sum()))
+
+
+def test_the_bench_runs_the_edit_set(tmp_path):
+    """``--prompt-set edit``: the set's requests as chat turns where the
+    tokenizer has a template, as they are where it has none; not with --prompts."""
+    import json
+
+    from dflash_mlx import benchmark
+    from dflash_mlx.pair import PROMPT_SETS, benchmark_prompts
+
+    requests = json.loads(PROMPT_SETS["edit"].read_text())
+    assert len(requests) >= 12 and all(isinstance(r, str) and r for r in requests)
+
+    class Chat:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return f"<user>{messages[0]['content']}</user>"
+
+    assert benchmark_prompts("any", object(), "edit") == requests
+    assert benchmark_prompts("any", Chat(), "edit") == [f"<user>{r}</user>" for r in requests]
+    prompts = tmp_path / "p.json"
+    prompts.write_text('["a"]')
+    with pytest.raises(ArgumentError, match="--prompt-set"):
+        benchmark.main(["--prompts", str(prompts), "--prompt-set", "edit"])
