@@ -13,13 +13,17 @@ the output is the target's whatever the index proposes.
 
 The index is a hash table from every n-gram (``min_match <= n <=
 max_ngram``) to the last position it ended at; committing a token adds its
-n-grams, ``max_ngram`` table writes whatever the context's length, and a
-lookup reads at most ``max_ngram - min_match + 1`` entries. Hashes are
+n-grams, ``max_ngram - min_match + 1`` table writes whatever the context's
+length, and a lookup reads at most as many entries (longest first; among
+matches as long, up to ``max_ngram``, the most recent). Hashes are
 polynomial (mod 2**64) and every hit is checked against the tokens, so a
 collision can cost a proposal, never propose tokens that did not follow the
 suffix. A proposal that the committed tokens then follow is continued from
 where it left off (one slice comparison, no lookup), so a long copy stays
-aligned with its source even where its n-grams recur elsewhere.
+aligned with its source even where its n-grams recur elsewhere; one that
+broke off a few tokens ago (an edit) is picked up again where the answer's
+last token appears near where the copy would be. ``propose(k, after=block)``
+proposes what would follow a drafter's block, without committing it.
 
 :func:`index_for` keeps a :class:`~dflash_mlx.cache.PromptCache`'s index in
 step with the cache's tokens (built on first use, extended with what was
