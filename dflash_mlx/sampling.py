@@ -97,11 +97,11 @@ def speculative_accept(
     at = accepted[..., None, None]
     p_row = mx.take_along_axis(p, at, axis=-2)[..., 0, :]
     residual = mx.maximum(p_row - mx.take_along_axis(q, mx.minimum(at, m), axis=-2)[..., 0, :], 0.0)
-    # A point mass rejected at slot a leaves p without the token it proposed.
-    proposed = mx.concatenate([draft_tokens.astype(mx.int32), mx.full(draft_tokens.shape[:-1] + (1,), -1, mx.int32)], axis=-1)
-    point = mx.take_along_axis(proposed, accepted[..., None], axis=-1)
-    point = mx.where((accepted >= m)[..., None], point, -1)
-    residual = mx.where(mx.arange(p.shape[-1]) == point, 0.0, residual)
+    if m < n:  # a point mass rejected at slot a leaves p without the token it proposed
+        proposed = mx.concatenate([draft_tokens.astype(mx.int32), mx.full(draft_tokens.shape[:-1] + (1,), -1, mx.int32)], axis=-1)
+        point = mx.take_along_axis(proposed, accepted[..., None], axis=-1)
+        point = mx.where((accepted >= m)[..., None], point, -1)
+        residual = mx.where(mx.arange(p.shape[-1]) == point, 0.0, residual)
     # Rounding can empty the residual when p == q; p itself is then exact.
     residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p_row)
     return accepted, sample(residual, keys[1])
