@@ -2,6 +2,7 @@
 
     mlx-dflash bench                      # the bundled pair, its held-out prompts
     mlx-dflash bench --model smollm2      # a named pair: its held-out chat requests, at its lengths
+    mlx-dflash bench --model smollm2 --prompt-set edit   # requests whose answers repeat their prompt
     mlx-dflash bench --model T --draft-model D --prompts prompts.json --json out.json --plot out.png
     mlx-dflash bench --model smollm2 --prompt-lengths 512 2048 4096 7168 --draft-window 1024 --draft-sink 64
 
@@ -51,6 +52,7 @@ from .defaults import (
 from .errors import ArgumentError
 from .generate import cycle_lengths, encode_prompt, mean_tokens_per_cycle, stream_generate
 from .models.dflash import masked_block
+from .pair import PROMPT_SETS
 from .sampling import ACCEPTANCE_RULES
 from .timing import conv_selector_share, median_ms
 
@@ -1027,6 +1029,10 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(description="Benchmark DFlash against autoregressive decoding of the same target.")
     cli.add_pair_arguments(p)
     p.add_argument("--prompts", default=None, help="JSON list of prompts (default: the bundled held-out prompts)")
+    p.add_argument(
+        "--prompt-set", choices=sorted(PROMPT_SETS), default=None,
+        help="a prompt set of the package instead, as chat turns (edit: requests whose answer repeats the prompt)",
+    )
     p.add_argument("--num-prompts", type=cli.positive_int, default=None)
     p.add_argument(
         "--max-tokens", "-m", type=cli.positive_int, nargs="+", default=None,
@@ -1075,7 +1081,9 @@ def main(argv=None):
             raise ArgumentError(f"{flag} {path}: its directory does not exist")
     if args.prompt_lengths is None and (args.draft_window is not None or args.draft_sink is not None):
         raise ArgumentError("--draft-window is measured with --prompt-lengths (long prompts); add it")
-    for flag, value in (("--prompts", args.prompts), ("--plot", args.plot)):
+    if args.prompts and args.prompt_set:
+        raise ArgumentError("--prompts and --prompt-set both name the prompts: pass one")
+    for flag, value in (("--prompts", args.prompts), ("--prompt-set", args.prompt_set), ("--plot", args.plot)):
         if args.prompt_lengths and value:
             raise ArgumentError(f"{flag} does not apply to --prompt-lengths (its prompts are documentation text)")
     prompts = read_prompts(args.prompts) if args.prompts else None
@@ -1094,7 +1102,7 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
         return 0
-    prompts = prompts or benchmark_prompts(args.model, tokenizer)
+    prompts = prompts or benchmark_prompts(args.model, tokenizer, args.prompt_set)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     ar_draft = None
     if args.ar_draft_model:  # loaded once for every length

@@ -11,7 +11,8 @@ from it is sampling what ``make_sampler`` samples, rule for rule.
 :func:`speculative_accept` is the verification rule: a drafted token ``x``
 survives with probability ``min(1, p(x) / q(x))``; at the first rejection the
 replacement comes from ``normalize(max(0, p - q))``; after a fully accepted
-block the bonus comes from ``p`` at the last slot. Every committed token is
+block the bonus comes from ``p`` at the last slot. A token copied from the
+context is a draft with a point-mass ``q`` (:func:`accept_point_mass`). Every committed token is
 then distributed exactly as the target samples it. All randomness is drawn
 from ``mx.random``, so ``mx.random.seed(n)`` reproduces a run.
 """
@@ -72,7 +73,10 @@ def speculative_accept(
         p: ``[..., n + 1, V]`` target distribution at every verified slot
             (row ``i`` is the target's choice for draft slot ``i``; row ``n``
             is the bonus slot).
-        q: ``[..., n, V]`` drafter distribution the tokens were drawn from.
+        q: ``[..., m, V]``, ``m <= n``: the drafter distribution the first
+            ``m`` tokens were drawn from; the tokens after them were
+            proposed with certainty (a copied span, a point mass each),
+            with no ``[n - m, V]`` one-hot rows built for them.
 
         key: a request's own random key (None: ``mx.random``'s state).
 
@@ -81,10 +85,11 @@ def speculative_accept(
         and the token committed after it (the residual sample at the first
         rejection, or the bonus from ``p[n]``).
     """
-    n = draft_tokens.shape[-1]
+    n, m = draft_tokens.shape[-1], q.shape[-2]
     idx = draft_tokens.astype(mx.int32)[..., None]
     p_x = mx.take_along_axis(p[..., :n, :], idx, axis=-1)[..., 0]
-    q_x = mx.take_along_axis(q, idx, axis=-1)[..., 0]
+    q_x = mx.take_along_axis(q, idx[..., :m, :], axis=-1)[..., 0]
+    q_x = mx.concatenate([q_x, mx.ones_like(p_x[..., m:])], axis=-1)
     # u < p/q, written without dividing (q_x > 0 for a token sampled from q).
     keys = (None, None) if key is None else mx.random.split(key)
     keep = mx.random.uniform(shape=p_x.shape, key=keys[0]) * q_x < p_x
@@ -93,7 +98,12 @@ def speculative_accept(
     q = mx.concatenate([q, mx.zeros_like(p[..., :1, :])], axis=-2)
     at = accepted[..., None, None]
     p_row = mx.take_along_axis(p, at, axis=-2)[..., 0, :]
-    residual = mx.maximum(p_row - mx.take_along_axis(q, at, axis=-2)[..., 0, :], 0.0)
+    residual = mx.maximum(p_row - mx.take_along_axis(q, mx.minimum(at, m), axis=-2)[..., 0, :], 0.0)
+    if m < n:  # a point mass rejected at slot a leaves p without the token it proposed
+        proposed = mx.concatenate([draft_tokens.astype(mx.int32), mx.full(draft_tokens.shape[:-1] + (1,), -1, mx.int32)], axis=-1)
+        point = mx.take_along_axis(proposed, accepted[..., None], axis=-1)
+        point = mx.where((accepted >= m)[..., None], point, -1)
+        residual = mx.where(mx.arange(p.shape[-1]) == point, 0.0, residual)
     # Rounding can empty the residual when p == q; p itself is then exact.
     residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p_row)
     return accepted, sample(residual, keys[1])
@@ -179,3 +189,12 @@ def accept_rows(rules: Sequence[AcceptanceRule], logits: mx.array, proposal: mx.
             accepted[b], token[b] = rule.outcome(logits[b], proposal[b], qs[b], keys[b])
     head = mx.stack([mx.stack([a.astype(mx.int32), t.astype(mx.int32)]) for a, t in zip(accepted, token)])
     return mx.concatenate([head, proposal], axis=1)
+
+
+def accept_point_mass(draft_tokens: mx.array, p: mx.array, key=None) -> Tuple[mx.array, mx.array]:
+    """:func:`speculative_accept` for tokens proposed with certainty (copied
+    from the context): token ``x`` is kept with probability ``p(x)``; at the
+    first rejection the next token is drawn from ``p`` without ``x``,
+    renormalised; after a fully accepted span the bonus is drawn from the
+    last row of ``p`` (shapes as there)."""
+    return speculative_accept(draft_tokens, p, p[..., :0, :], key)
