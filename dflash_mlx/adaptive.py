@@ -532,6 +532,12 @@ class CycleCosts:
         draft = max(draft, plain)  # a draft and a verify of the anchor: never less than a plain step
         return [plain] + [draft + slope * (b - 1) for b in range(2, n + 1)]
 
+    def verify(self, n: int) -> float:
+        """Seconds a cycle verifying ``n`` rows it did not draft costs (a
+        span copied from the context): a chain of ``n`` rows without the
+        draft, at the current context."""
+        return self.upto(1)[0] + self.slope_at(self.context) * (n - 1)
+
     def cost(self, choice) -> float:
         """Seconds a cycle at ``choice`` (a block length or a
         :class:`TreeChoice`) costs by the table, at the current context."""
@@ -859,6 +865,12 @@ class BatchCosts:
         if not seen:
             return fit
         return (sum(seen) + fit) / (len(seen) + 1)
+
+    def verify(self, rows: int, block: int) -> float:
+        """Seconds a cycle of ``rows`` rows verifying ``block`` tokens each
+        costs without a draft (spans copied from the context): a plain step
+        and the drafting line's verified rows."""
+        return self.cost(rows, 1) + float(self.theta[True][2]) * rows * (block - 1)
 
     def observe(self, rows: int, block: int, seconds: float) -> None:
         """A cycle of ``rows`` rows at ``block`` took ``seconds``; the first

@@ -29,6 +29,7 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 from .adaptive import BatchCosts, BatchSizer, BlockSizer
 from .cache import PromptCache, bound_target, prompt_cache_for
 from .calibration import calibrate
+from .copy_source import CopyDrafts
 from .decode import BatchResponse, Decoder, Request, Sizing
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
@@ -51,6 +52,9 @@ class BatchGenerator:
     disconnected client) between cycles. At most ``completion_batch_size``
     requests decode at once; the others wait for a slot before their
     prefill. ``block_size`` fixes every cycle's block (None: adaptive).
+    ``copy_drafts``: whether requests may verify spans copied from their
+    context (:mod:`dflash_mlx.copy_source`; :meth:`insert` may set it per
+    request).
     """
 
     def __init__(
@@ -65,6 +69,7 @@ class BatchGenerator:
         draft_window: Optional[int] = None,
         draft_sink: Optional[int] = None,
         stream=generation_stream,
+        copy_drafts: bool = True,
     ):
         self.old_wired_limit = self.decoder = None  # (close() may run on a generator refused below)
         for name, value in (("completion_batch_size", completion_batch_size), ("prefill_batch_size", prefill_batch_size), ("prefill_step_size", prefill_step_size)):
@@ -77,6 +82,7 @@ class BatchGenerator:
         self.completion_batch_size, self.prefill_batch_size = completion_batch_size, prefill_batch_size
         self.prefill_step_size = prefill_step_size
         self.draft_window, self.draft_sink = draft_window, draft_sink
+        self.copy_drafts = bool(copy_drafts)
         self.waiting: List[Request] = []  # queued: not prefilled, or partly
         self.joining: List[Request] = []  # prefilled, first token out, joining at the next cycle
         self.uid = 0
@@ -130,6 +136,7 @@ class BatchGenerator:
         logprobs: bool = False,
         block_size=None,
         progress=None,
+        copy_drafts=None,
     ) -> List[int]:
         """Queue requests; returns their uids. ``prompts``: token lists (only
         the part new to a request's prompt cache, as in
@@ -139,7 +146,8 @@ class BatchGenerator:
         stop tokens (``eos_token_ids``: ids, or a collection of ids per prompt); a request's seed gives it its own random key (None:
         ``mx.random``'s state). A request's ``block_size`` caps the batch's
         blocks while it decodes (None: no cap); its ``progress(done, total)``
-        hears how far its prompt's prefill is."""
+        hears how far its prompt's prefill is; ``copy_drafts`` (None: the
+        generator's) whether it may verify spans copied from its context."""
         n = len(prompts)
 
         def each(name, value, many=(list, tuple)):
@@ -155,14 +163,14 @@ class BatchGenerator:
             prompts, each("max_tokens", max_tokens), each("prompt_caches", prompt_caches or [None] * n),
             each("temperature", temperature), each("top_p", top_p), each("top_k", top_k), each("min_p", min_p),
             each("seed", seed), each("block_size", block_size), each("progress", progress),
-            each("eos_token_ids", eos), each("logprobs", logprobs),
+            each("eos_token_ids", eos), each("logprobs", logprobs), each("copy_drafts", copy_drafts),
         )
         requests = [self.request(self.uid + i, *row, acceptance) for i, row in enumerate(settings)]
         self.uid += len(requests)
         self.waiting.extend(requests)
         return [r.uid for r in requests]
 
-    def request(self, uid, prompt, limit, cache, temp, tp, tk, mp, seed, cap, hear, eos, want, acceptance) -> Request:
+    def request(self, uid, prompt, limit, cache, temp, tp, tk, mp, seed, cap, hear, eos, want, copies, acceptance) -> Request:
         """One inserted request, checked before any work."""
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ArgumentError(f"max_tokens must be a whole number of at least 1, got {limit!r}")
@@ -175,7 +183,9 @@ class BatchGenerator:
         if cap is not None:
             max_block_size(self.draft, cap, None)
         key = None if seed is None else mx.random.key(int(seed))
-        return Request(uid, cache, rule, limit, frozenset(eos), bool(want), key, cap, tokens, len(tokens), hear)
+        r = Request(uid, cache, rule, limit, frozenset(eos), bool(want), key, cap, tokens, len(tokens), hear)
+        r.copies = CopyDrafts(cache) if (self.copy_drafts if copies is None else copies) else None
+        return r
 
     def remove(self, uids: Iterable[int]) -> Dict[int, PromptCache]:
         """Drop requests between cycles; returns their prompt caches, each
@@ -321,7 +331,8 @@ def batch_generate(
     :func:`~dflash_mlx.generate.generate` gives for its prompt alone:
     token-identical when greedy, identically distributed when sampled.
     ``stats[i]``: its prompt and generated tokens, cycles, accepted draft
-    tokens and tokens per cycle. ``record`` (a :class:`dflash_mlx.traffic.Recorder`)
+    tokens (``copied``: those copied from the context) and tokens per
+    cycle. ``record`` (a :class:`dflash_mlx.traffic.Recorder`)
     stores each finished conversation as drafter training data, as
     :func:`~dflash_mlx.generate.stream_generate`'s does."""
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -337,7 +348,7 @@ def batch_generate(
     index = {u: i for i, u in enumerate(uids)}
     n = len(uids)
     tokens, finish = [[] for _ in range(n)], [None] * n
-    stats = [dict(prompt_tokens=len(e), generation_tokens=0, cycles=0, accepted=0) for e in encoded]
+    stats = [dict(prompt_tokens=len(e), generation_tokens=0, cycles=0, accepted=0, copied=0) for e in encoded]
     caches = [None] * n
     tic = time.perf_counter()
     while gen.busy:
@@ -346,6 +357,7 @@ def batch_generate(
             tokens[i] += r.tokens
             stats[i]["cycles"] += r.block > 0
             stats[i]["accepted"] += sum(r.from_draft)
+            stats[i]["copied"] += sum(r.copied)
             if r.finish_reason is not None:
                 finish[i], caches[i] = r.finish_reason, r.prompt_cache
                 if record is not None:

@@ -28,7 +28,10 @@ proposes what would follow a drafter's block, without committing it.
 :func:`index_for` keeps a :class:`~dflash_mlx.cache.PromptCache`'s index in
 step with the cache's tokens (built on first use, extended with what was
 committed since, rebuilt after a trim), so it follows a conversation from
-turn to turn and a cache copied for another request.
+turn to turn and a cache copied for another request. :class:`CopyDrafts` is
+a request's copy source in the decode loop: its index and how far into
+copied spans the target accepts, which the loop prices against the
+drafter's block each cycle (:meth:`dflash_mlx.decode.Sizing.copies`).
 """
 
 import copy
@@ -36,6 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .adaptive import SlotAcceptance
 from .errors import ArgumentError
 
 # Longest n-gram hashed. A match of 12 tokens rarely recurs by chance in
@@ -49,6 +53,15 @@ DEFAULT_MIN_MATCH = 2
 RESYNC = 8
 # Extends of at least this many tokens are hashed with numpy.
 BULK = 64
+
+# Longest span one cycle verifies from a copy.
+MAX_COPY = 32
+# The match lengths each class of copies starts at (see CopyDrafts): a
+# resynced copy (1), short matches, longer ones, long ones.
+MATCH_CLASSES = (1, 2, 4, 8)
+# A copied slot's prior chance of being accepted, before a request shows
+# whether its answer repeats its context.
+COPY_PRIOR = 0.5
 
 MASK = (1 << 64) - 1
 BASE = 0x9E3779B97F4A7C15  # odd, so every power is a unit mod 2**64
@@ -246,3 +259,37 @@ def index_for(cache) -> CopyIndex:
     elif len(index) < len(tokens):
         index.extend(tokens[len(index) :])
     return index
+
+
+class CopyDrafts:
+    """A request's copy source in the decode loop: its prompt cache's index
+    (:func:`index_for`, so only committed tokens enter it) and, per class of
+    match length (``MATCH_CLASSES``), how far into copied spans the target
+    accepts (a :class:`~dflash_mlx.adaptive.SlotAcceptance` each): a short
+    match recurs by chance where a long one is a copy under way, and a
+    request whose answer does not repeat its context soon shows, class by
+    class, that its copies are not worth verifying."""
+
+    def __init__(self, cache, max_copy: int = MAX_COPY):
+        self.cache, self.max_copy = cache, max_copy
+        self.acceptance = [SlotAcceptance(max_copy + 1, prior=COPY_PRIOR) for _ in MATCH_CLASSES]
+        self.live = False  # whether its last verified copy had a token accepted
+
+    def propose(self, most: int, after: Sequence[int] = ()) -> Tuple[List[int], int]:
+        """Up to ``most`` tokens copied after the committed ones (and
+        ``after``, drafted past them), and the class of their match."""
+        if most < 1:
+            return [], 0
+        index = index_for(self.cache)
+        tokens = index.propose(min(most, self.max_copy), after)
+        return tokens, sum(index.match_length >= m for m in MATCH_CLASSES[1:])
+
+    def expected(self, klass: int) -> List[float]:
+        """Expected tokens a cycle commits verifying the anchor and ``n - 1``
+        copied tokens of class ``klass`` (index ``n - 1``), at the shares as seen."""
+        return self.acceptance[klass].expected_as_seen
+
+    def observe(self, klass: int, proposed: int, accepted: int) -> None:
+        """The target reached a copied span of ``proposed`` tokens and accepted ``accepted``."""
+        self.acceptance[klass].observe(proposed, accepted)
+        self.live = accepted > 0

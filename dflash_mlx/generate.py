@@ -18,6 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import cli
 from .adaptive import BlockSizer
 from .cache import PromptCache, bound_target, prompt_cache_for
+from .copy_source import CopyDrafts
 from .calibration import calibrated, plan
 from .decode import BatchResponse, Decoder, Request, Sizing
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
@@ -48,6 +49,8 @@ class GenerationResponse:
         tree_size: nodes of the draft tree this cycle verified (0: a chain
             or plain decoding); ``committed`` is then the walked path's
             length plus the target's token after it.
+        copied: of the ``accepted`` tokens, those copied from the context
+            (:mod:`dflash_mlx.copy_source`); the rest came from the drafter.
     """
 
     text: str
@@ -62,6 +65,7 @@ class GenerationResponse:
     finish_reason: Optional[str] = None
     block_size: int = 0
     tree_size: int = 0
+    copied: int = 0
 
 
 def cycle_lengths(responses: Sequence[GenerationResponse]) -> List[int]:
@@ -178,10 +182,12 @@ def generate_step(
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stream=generation_stream, draft_window: Optional[int] = None, draft_sink: Optional[int] = None,
-) -> Generator[Tuple[int, Optional[mx.array], bool, int, int], None, None]:
+    copy_drafts: bool = True,
+) -> Generator[Tuple[int, Optional[mx.array], bool, int, int, bool], None, None]:
     """Yield each committed token as ``(token, logprobs, from_draft, block,
-    tree)``, like mlx-lm's ``speculative_generate_step`` plus the rows its
-    cycle verified (0 for the prefill's token) and its draft tree's nodes.
+    tree, copied)``, like mlx-lm's ``speculative_generate_step`` plus the
+    rows its cycle verified (0 for the prefill's token), its draft tree's
+    nodes and whether it was a drafted token copied from the context.
 
     ``prompt`` holds only the tokens new to ``prompt_cache`` (it may be empty
     when the cache has a pending token; an id outside the target's
@@ -216,6 +222,12 @@ def generate_step(
     ``tree_budget`` 0: none, ``n``: n nodes every cycle) that maximises expected
     tokens per second, as measured (:mod:`dflash_mlx.adaptive`; a ``sizer`` makes
     the choices instead): a seeded sampled run repeats only when they are fixed.
+
+    With ``copy_drafts`` a cycle may verify, in place of the drafter's block
+    or after it, the tokens that followed the longest earlier occurrence of
+    the context's end (:mod:`dflash_mlx.copy_source`), where that request's
+    acceptance of its copies says it is faster; exact as any draft (a copied
+    token is a point-mass proposal).
     """
     rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
     if max_tokens < 1:
@@ -228,6 +240,7 @@ def generate_step(
     with generation(target, draft, cache, stream):
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
         request = Request(0, cache, rule, max_tokens, frozenset(eos_token_ids), logprobs)
+        request.copies = CopyDrafts(cache) if copy_drafts else None
         first = request.start(logits)
         if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
             yield from yielded(first)  # before the cycles' costs are measured, not after
@@ -266,7 +279,7 @@ def yielded(response: BatchResponse):
     """A request's tokens from one cycle as :func:`generate_step` yields them."""
     for i, token in enumerate(response.tokens):
         lp = None if response.logprobs is None else response.logprobs[i]
-        yield token, lp, response.from_draft[i], response.block, response.tree
+        yield token, lp, response.from_draft[i], response.block, response.tree, response.copied[i]
 
 
 def stream_generate(
@@ -304,14 +317,15 @@ def stream_generate(
     )
     with wired_limit(model, [stream]), closing(steps):
         tic = time.perf_counter()
-        n_out, prompt_tps, cycle, accepted, answer = 0, None, [], 0, []
-        for token, _, from_draft, block, tree in steps:
+        n_out, prompt_tps, cycle, accepted, copied, answer = 0, None, [], 0, 0, []
+        for token, _, from_draft, block, tree, was_copied in steps:
             if prompt_tps is None:
                 prompt_tps = prompt.size / (time.perf_counter() - tic)
                 tic = time.perf_counter()
             cycle.append(token)
             answer.append(token)
             accepted += from_draft
+            copied += was_copied
             finish = "stop" if token in eos else None
             if finish is None:
                 detok.add_token(token)
@@ -336,10 +350,11 @@ def stream_generate(
                 finish_reason=finish,
                 block_size=block,
                 tree_size=tree,
+                copied=copied,
             )
             if finish:
                 return
-            cycle, accepted = [], 0
+            cycle, accepted, copied = [], 0, 0
 
 
 def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
@@ -369,6 +384,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     )
     cli.add_block_size_argument(p)
     cli.add_tree_budget_argument(p)
+    cli.add_copy_drafts_argument(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is")
     p.add_argument("--system-prompt", default=None)
     cli.add_prefill_step_size_argument(p)
@@ -428,6 +444,7 @@ def main(argv=None):
         prefill_step_size=args.prefill_step_size,
         draft_window=args.draft_window,
         draft_sink=args.draft_sink,
+        copy_drafts=args.copy_drafts,
     ):
         if args.verbose:
             print(r.text, end="", flush=True)
@@ -439,6 +456,8 @@ def main(argv=None):
         print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
         if cycles:
             print(f"Mean tokens per cycle: {mean_tokens_per_cycle(cycles):.2f} over {len(cycles)} cycles")
+            copied = sum(r.copied for r in responses)
+            print(f"Accepted drafted tokens: {sum(r.accepted for r in responses) - copied} from the drafter, {copied} copied from the context")
             sizes = Counter(r.block_size for r in responses[1:] if not r.tree_size)
             print("Block sizes (size:cycles): " + " ".join(f"{b}:{k}" for b, k in sorted(sizes.items())))
             trees = Counter(r.tree_size for r in responses[1:] if r.tree_size)

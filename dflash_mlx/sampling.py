@@ -151,10 +151,13 @@ class AcceptanceRule:
     def outcome(self, logits, proposal, q, key=None) -> Tuple[mx.array, mx.array]:
         """``(accepted count, the token after them)`` for one request's
         verified ``logits [n + 1, V]`` of its ``proposal [n]`` (``q``: the
-        distribution it was sampled from; None: proposed greedily)."""
-        if q is None:
+        distribution its first ``m <= n`` tokens were sampled from, the rest
+        copied from the context, point masses; None: proposed greedily, or
+        all copied when rejection sampling)."""
+        if q is None and not self.speculative:
             return accept_greedy(proposal, self.choose(logits, key))
-        return speculative_accept(proposal, processed_probs(logits, **self.settings), q, key)
+        p = processed_probs(logits, **self.settings)
+        return speculative_accept(proposal, p, p[:0] if q is None else q, key)
 
 
 def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance) -> AcceptanceRule:
@@ -167,26 +170,39 @@ def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance) -> Ac
     return AcceptanceRule(make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k), settings, acceptance == "speculative")
 
 
-def accept_rows(rules: Sequence[AcceptanceRule], logits: mx.array, proposal: mx.array, qs: List, keys: List) -> mx.array:
+def accept_rows(
+    rules: Sequence[AcceptanceRule], logits: mx.array, proposal: mx.array, qs: List, keys: List,
+    lengths: Optional[List[int]] = None,
+) -> mx.array:
     """A verified cycle's outcome for every row as one lazy ``[B, 2 + n]``
     int32 array, read with one host sync: per row its accepted count, the
     token after them and its ``proposal [B, n]`` (``n`` 0: a plain step).
     Greedy rows are decided together; each other row by its own rule, with
-    its own key (``qs[b]``: the q its tokens were sampled from)."""
-    B = logits.shape[0]
+    its own key (``qs[b]``: the q its drafted tokens were sampled from, see
+    :meth:`AcceptanceRule.outcome`). ``lengths[b]``: how many of row ``b``'s
+    slots it proposed (None: all); the slots after them are padding, never
+    accepted, and the token after its accepted ones is chosen as if they
+    were not there."""
+    B, n = proposal.shape
+    capped = lengths is not None and any(k < n for k in lengths)
     greedy = [b for b, rule in enumerate(rules) if rule.sampler is None]
     accepted, token = [None] * B, [None] * B
     if greedy:
         idx = mx.array(greedy, dtype=mx.int32) if len(greedy) < B else None
         sub = (lambda a: a) if idx is None else (lambda a: a[idx])  # noqa: E731
-        acc, tok = accept_greedy(sub(proposal), mx.argmax(sub(logits), axis=-1))
+        drafted = sub(proposal)
+        if capped:  # a padded slot proposes no token (-1), so it is never accepted
+            drafted = mx.where(mx.arange(n) < sub(mx.array(lengths))[:, None], drafted, -1)
+        acc, tok = accept_greedy(drafted, mx.argmax(sub(logits), axis=-1))
         if len(greedy) == B:  # every row greedy: decided in one go
             return mx.concatenate([mx.stack([acc, tok], axis=1).astype(mx.int32), proposal], axis=1)
         for i, b in enumerate(greedy):
             accepted[b], token[b] = acc[i], tok[i]
     for b, rule in enumerate(rules):
         if rule.sampler is not None:
-            accepted[b], token[b] = rule.outcome(logits[b], proposal[b], qs[b], keys[b])
+            k = n if lengths is None else lengths[b]
+            q = qs[b] if qs[b] is None or qs[b].shape[0] <= k else qs[b][:k]
+            accepted[b], token[b] = rule.outcome(logits[b, : k + 1], proposal[b, :k], q, keys[b])
     head = mx.stack([mx.stack([a.astype(mx.int32), t.astype(mx.int32)]) for a, t in zip(accepted, token)])
     return mx.concatenate([head, proposal], axis=1)
 
