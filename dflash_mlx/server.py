@@ -255,15 +255,17 @@ class Served:
         self.eos = set(self.tokenizer.eos_token_ids)
         self.want = args.logprobs or args.top_logprobs > 0
         self.detok = self.tokenizer.detokenizer
-        self.n = self.accepted = 0
+        self.n = self.accepted = self.copied = 0
         self.answer: List[int] = []  # every token out, eos included (what --learn records)
         self.sizes, self.trees, self.cycle_starts = Counter(), Counter(), False
         self.alive = time.monotonic()
 
-    def add(self, token: int, logprobs, from_draft: bool, block: int, tree: int) -> bool:
-        """One committed token out to the client; True when the request is done."""
+    def add(self, token: int, logprobs, from_draft: bool, block: int, tree: int, copied: bool = False) -> bool:
+        """One committed token out to the client (``copied``: a drafted token
+        copied from the context); True when the request is done."""
         self.answer.append(token)
         self.accepted += from_draft
+        self.copied += copied
         self.sizes[block] += self.cycle_starts and not tree
         self.trees[tree] += self.cycle_starts and tree > 0
         self.cycle_starts = not from_draft  # each cycle ends with the target's own token
@@ -285,7 +287,7 @@ class Served:
             logging.info("request stopped by the client after %d tokens", self.n)
         cycles = sum(self.sizes.values()) + sum(self.trees.values())
         self.ctx.dflash.update(
-            cycles=cycles, accepted_draft_tokens=self.accepted,
+            cycles=cycles, accepted_draft_tokens=self.accepted, accepted_copied_tokens=self.copied,
             block_sizes={b: k for b, k in sorted(self.sizes.items()) if k},
             tree_sizes={n: k for n, k in sorted(self.trees.items()) if k},
             tokens_per_cycle=round((len(self.answer) - 1) / max(1, cycles), 3),
@@ -356,6 +358,7 @@ class DFlashResponseGenerator:
             self.model, self.draft, block_size=args.block_size, completion_batch_size=args.decode_concurrency,
             prefill_batch_size=args.prompt_concurrency, prefill_step_size=args.prefill_step_size,
             draft_window=args.draft_window, draft_sink=args.draft_sink, stream=generation_stream,
+            copy_drafts=args.copy_drafts,
         )
 
     def warm_up(self) -> None:
@@ -503,11 +506,11 @@ class DFlashResponseGenerator:
                 block_size=block_size, tree_budget=tree_budget, temperature=args.sampling.temperature,
                 top_p=args.sampling.top_p, top_k=args.sampling.top_k, min_p=args.sampling.min_p,
                 eos_token_ids=served.eos, logprobs=served.want, prefill_step_size=self.cli_args.prefill_step_size,
-                prompt_progress_callback=served.progress,
+                prompt_progress_callback=served.progress, copy_drafts=self.cli_args.copy_drafts,
             )
             with wired_limit(self.model, [generation_stream]), closing(steps):
-                for token, logprobs, from_draft, block, tree in steps:
-                    if served.add(token, logprobs, from_draft, block, tree) or self.client_gone(served.ctx, from_draft):
+                for token, logprobs, from_draft, block, tree, copied in steps:
+                    if served.add(token, logprobs, from_draft, block, tree, copied) or self.client_gone(served.ctx, from_draft):
                         break
             self.finish(served)
         except Exception as e:
@@ -562,7 +565,7 @@ class DFlashResponseGenerator:
                 ended = False
                 for i, token in enumerate(r.tokens):
                     lp = None if r.logprobs is None else r.logprobs[i]
-                    if served.add(token, lp, r.from_draft[i], r.block, 0):
+                    if served.add(token, lp, r.from_draft[i], r.block, 0, r.copied[i]):
                         ended = True
                         break
                 if ended or r.finish_reason is not None or served.ctx.stopped:
@@ -811,6 +814,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=["*"], help="comma-separated CORS origins")
     p.add_argument("--block-size", type=cli.positive_int, default=None, help="fix the verify width (default: adaptive, up to the drafter's trained size; a request's num_draft_tokens fixes block_size - 1)")
     cli.add_tree_budget_argument(p)  # a request's num_draft_tokens fixes a chain
+    cli.add_copy_drafts_argument(p)
     p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS, help="default max_tokens of a request")
     cli.add_sampling_arguments(p)  # a request's defaults
     p.add_argument("--decode-concurrency", type=cli.positive_int, default=DEFAULT_COMPLETION_BATCH_SIZE, help="most requests decoded together in one batch (mlx-lm's flag)")
