@@ -560,6 +560,19 @@ def phase_timings(model, draft, tokenizer, prompts, max_tokens, block_size, tree
     return {k: 1e3 * v / max(1, timer.cycles) for k, v in timer.seconds.items() if k != "prefill"}
 
 
+def bench_configurations(block_size, max_block, tree_budget, tree_budgets, copy_drafts) -> Dict[str, tuple]:
+    """:func:`benchmark`'s configurations, by name: ``(block_size, tree_budget, copy_drafts)``."""
+    configs = {"dflash": (block_size, tree_budget, copy_drafts)}
+    if copy_drafts:
+        configs["no_copy"] = (block_size, tree_budget, False)
+    if not block_size:
+        configs["fixed"] = (max_block, 0, copy_drafts)
+    if tree_budgets:
+        configs["chain"] = (block_size, 0, copy_drafts)
+        configs.update({f"tree_{n}": (max_block, n, copy_drafts) for n in tree_budgets})
+    return configs
+
+
 def benchmark(
     model, draft, tokenizer, prompts: List[str], max_tokens=DEFAULT_BENCH_MAX_TOKENS, block_size=None,
     repeats=DEFAULT_BENCH_REPEATS, tree_budget=None, tree_budgets=(), copy_drafts=True,
@@ -578,14 +591,7 @@ def benchmark(
     run of each.
     """
     max_block = block_size or draft.block_size
-    configs = {"dflash": (block_size, tree_budget, copy_drafts)}
-    if copy_drafts:
-        configs["no_copy"] = (block_size, tree_budget, False)
-    if not block_size:
-        configs["fixed"] = (max_block, 0, copy_drafts)
-    if tree_budgets:
-        configs["chain"] = (block_size, 0, copy_drafts)
-        configs.update({f"tree_{n}": (max_block, n, copy_drafts) for n in tree_budgets})
+    configs = bench_configurations(block_size, max_block, tree_budget, tree_budgets, copy_drafts)
     draft.bind(model)
     warm = prompts[0]
     run_autoregressive(model, tokenizer, warm, 16)

@@ -223,11 +223,9 @@ def generate_step(
     tokens per second, as measured (:mod:`dflash_mlx.adaptive`; a ``sizer`` makes
     the choices instead): a seeded sampled run repeats only when they are fixed.
 
-    With ``copy_drafts`` a cycle may verify, in place of the drafter's block
-    or after it, the tokens that followed the longest earlier occurrence of
-    the context's end (:mod:`dflash_mlx.copy_source`), where that request's
-    acceptance of its copies says it is faster; exact as any draft (a copied
-    token is a point-mass proposal).
+    With ``copy_drafts`` a cycle may verify what followed an earlier
+    occurrence of the context's end (:mod:`dflash_mlx.copy_source`) where
+    the request's acceptance of such copies says it is faster; exact.
     """
     rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
     if max_tokens < 1:
@@ -241,23 +239,30 @@ def generate_step(
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
         request = Request(0, cache, rule, max_tokens, frozenset(eos_token_ids), logprobs)
         request.copies = CopyDrafts(cache) if copy_drafts else None
-        first = request.start(logits)
-        if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
-            yield from yielded(first)  # before the cycles' costs are measured, not after
-            if first.finish_reason is not None:
+        yield from decoded(target, draft, request, logits, max_block, (block_size is not None, sizer, *trees))
+
+
+def decoded(target, draft, request: Request, logits: mx.array, max_block: int, sizing: tuple):
+    """A prefilled request decoded alone, its tokens as :func:`generate_step`
+    yields them (``sizing``: whether the block is fixed, the sizer, the tree plan)."""
+    cache = request.cache
+    first = request.start(logits)
+    if first.finish_reason is not None or not calibrated(target, draft, max_block, sizing[3]):
+        yield from yielded(first)  # before the cycles' costs are measured, not after
+        if first.finish_reason is not None:
+            return
+        first = None
+    sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, *sizing)
+    decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
+    decoder.join([request])
+    decoder.queue()  # the first cycle runs while the first token goes out
+    if first is not None:
+        yield from yielded(first)
+    while True:
+        for response in decoder.step():
+            yield from yielded(response)
+            if response.finish_reason is not None:
                 return
-            first = None
-        sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)
-        decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
-        decoder.join([request])
-        decoder.queue()  # the first cycle runs while the first token goes out
-        if first is not None:
-            yield from yielded(first)
-        while True:
-            for response in decoder.step():
-                yield from yielded(response)
-                if response.finish_reason is not None:
-                    return
 
 
 @contextmanager

@@ -14,6 +14,7 @@ from tiny import PROMPT, REAL_TOKENS, TRUNCATED, generated_tokens, pit_check, pr
 
 import dflash_mlx
 from dflash_mlx.adaptive import BlockSizer, CycleCosts
+from dflash_mlx import copy_source
 from dflash_mlx.batch import BatchGenerator
 from dflash_mlx.copy_source import CopyDrafts
 from dflash_mlx.decode import Request, Sizing
@@ -40,6 +41,13 @@ def spans(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def eager(monkeypatch):
+    """Copies proposed wherever the index has one, until they are seen to fail
+    (on random targets they mostly are: the check is that they stay exact)."""
+    monkeypatch.setattr(copy_source, "COPY_PRIOR", 0.99)
+
+
 def repeating_prompt(pair, n=20):
     """A prompt whose end occurred earlier, followed by the target's own answer to it."""
     head = prompt_of(n)
@@ -56,7 +64,7 @@ def counts_add_up(responses, tokens):
     assert sum(r.committed for r in responses) == len(tokens) + (responses[-1].finish_reason == "stop")
 
 
-def test_every_family_is_lossless_with_copies(family_pair, tmp_path, spans):
+def test_every_family_is_lossless_with_copies(family_pair, tmp_path, spans, eager):
     """Each family, a prompt built to repeat: adaptive (chains, trees,
     copies) and a fixed block against mlx-lm's greedy decode; copies were
     verified."""
@@ -104,7 +112,7 @@ def test_cli_flags():
         assert parser.parse_args(["--no-copy-drafts"]).copy_drafts is False
 
 
-def test_dflash2_drafter_with_copies(qwen3_pair, tmp_path, spans):
+def test_dflash2_drafter_with_copies(qwen3_pair, tmp_path, spans, eager):
     pair = qwen3_pair
     draft = dflash_mlx.load_draft(tiny.make_draft(tmp_path / "d2", pair.dflash2_config(), seed=3), pair.model)
     prompt = repeating_prompt(pair)
@@ -148,7 +156,7 @@ def test_a_broken_point_mass_rule_is_caught(small, monkeypatch):
     assert ks > bound
 
 
-def test_batched_rows_mixing_copies_each_equal_their_lone_run(small, qwen3_pair, tmp_path, spans):
+def test_batched_rows_mixing_copies_each_equal_their_lone_run(small, qwen3_pair, tmp_path, spans, eager):
     """Rows that copy beside rows that do not (the switch per request), in
     one batch, adaptive and fixed: each is its lone run, token for token."""
     draft = dflash_mlx.load_draft(qwen3_pair.make_draft(tmp_path / "d"), qwen3_pair.model)
