@@ -54,6 +54,17 @@ def repeating_prompt(pair, n=20):
     return head + pair.reference(head, 40) + head
 
 
+def copies_possible(prompt, tokens) -> bool:
+    """Whether a copy could be proposed: after some committed token (the
+    last few left out, no room to verify one) the last two occurred before."""
+    seq, seen = list(prompt) + list(tokens), set()
+    for j in range(1, len(seq) - 3):
+        if j >= len(prompt) and (seq[j - 1], seq[j]) in seen:
+            return True
+        seen.add((seq[j - 1], seq[j]))
+    return False
+
+
 def counts_add_up(responses, tokens):
     """Every cycle commits its accepted tokens and the target's one (the
     last may stop short), the copied ones among the accepted; together the
@@ -76,7 +87,7 @@ def test_every_family_is_lossless_with_copies(family_pair, tmp_path, spans, eage
         got, responses = pair.dflash(draft, prompt, max_tokens=48, **kw)
         assert got == ref, kw
         counts_add_up(responses, got)
-    assert spans
+    assert spans or not copies_possible(prompt, ref)  # (random targets seldom repeat: the small one below does)
 
 
 def test_accepted_copies_are_lossless_and_counted(small, spans):
