@@ -30,7 +30,7 @@ from .adaptive import BatchCosts, BatchSizer, BlockSizer
 from .cache import PromptCache, bound_target, prompt_cache_for
 from .calibration import calibrate
 from .copy_source import CopyDrafts
-from .decode import BatchResponse, Decoder, Request, Sizing
+from .decode import BatchResponse, Decoder, Request, Sizing, Stats
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
 from .generate import checked_prompt, encode_prompt, max_block_size, one_thread_per_pair, tree_plan
@@ -348,16 +348,15 @@ def batch_generate(
     index = {u: i for i, u in enumerate(uids)}
     n = len(uids)
     tokens, finish = [[] for _ in range(n)], [None] * n
-    stats = [dict(prompt_tokens=len(e), generation_tokens=0, cycles=0, accepted=0, copied=0) for e in encoded]
+    counts = [Stats() for _ in encoded]
     caches = [None] * n
     tic = time.perf_counter()
     while gen.busy:
         for r in gen.next():
             i = index[r.uid]
             tokens[i] += r.tokens
-            stats[i]["cycles"] += r.block > 0
-            stats[i]["accepted"] += sum(r.from_draft)
-            stats[i]["copied"] += sum(r.copied)
+            for from_draft, copied in zip(r.from_draft, r.copied):
+                counts[i].count(from_draft, r.block, copied=copied)
             if r.finish_reason is not None:
                 finish[i], caches[i] = r.finish_reason, r.prompt_cache
                 if record is not None:
@@ -367,15 +366,12 @@ def batch_generate(
     elapsed = time.perf_counter() - tic
     gen.close()
     eos = set(tokenizer.eos_token_ids)
-    texts, bodies = [], []
-    for i, t in enumerate(tokens):
-        body = [x for x in t if x not in eos]  # as stream_generate reports them
-        bodies.append(body)
-        texts.append(tokenizer.decode(body))
-        s = stats[i]
-        s["generation_tokens"] = len(body)
-        s["tokens_per_cycle"] = round((len(t) - 1) / max(1, s["cycles"]), 3)
-    total = sum(s["generation_tokens"] for s in stats)
-    for s in stats:
-        s["batch_tps"] = total / max(elapsed, 1e-9)
+    bodies = [[x for x in t if x not in eos] for t in tokens]  # as stream_generate reports them
+    texts = [tokenizer.decode(body) for body in bodies]
+    total = sum(map(len, bodies))
+    stats = [
+        dict(prompt_tokens=len(e), generation_tokens=len(body), cycles=c.cycles, accepted=c.accepted, copied=c.copied,
+             tokens_per_cycle=c.tokens_per_cycle, batch_tps=total / max(elapsed, 1e-9))
+        for e, body, c in zip(encoded, bodies, counts)
+    ]
     return BatchResult(texts, bodies, finish, stats, caches)

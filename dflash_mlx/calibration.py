@@ -1,5 +1,5 @@
 """The cost table a generation's block sizer starts from, measured by the
-loop's own forwards: mock cycles on the live cache, once per process for
+loop's own cycles on the live cache (rolled back), once per process for
 each drafter, target, device and largest block (the costs are properties
 of the models and the backend; the cycles' own timings rescale them to the
 current context). The sizer (:mod:`dflash_mlx.adaptive`) only ever sees
@@ -18,9 +18,8 @@ from typing import Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .adaptive import BatchSizer, BlockSizer, CycleCosts
-from .models.dflash import masked_block
-from .tree import build_tree, candidates
+from .adaptive import BatchSizer, BlockSizer, CycleCosts, TreeChoice
+from .decode import cycle_timer
 
 
 @dataclass
@@ -42,46 +41,6 @@ class Calibration:
     def settle(self) -> Callable:
         """How the loop evaluates each phase."""
         return mx.async_eval if self.overlap else mx.eval
-
-
-def cycle_seconds(target, draft, cache, context: mx.array, block: int, settle: Callable, max_block: int = 0) -> float:
-    """Seconds of a mock decoding cycle at ``block``: draft a whole block of
-    ``max_block`` (for ``block > 1``; as the loop does, the drafter fills
-    its whole block whatever length is verified), verify ``block`` tokens,
-    one host read of the outcome, roll back; on the live ``cache`` (left as
-    it was) and a fresh scratch drafter cache fed one context position."""
-    max_block = max(block, max_block)
-    scratch = draft.make_cache()
-    verify_in = mx.zeros((1, 1), dtype=mx.int32)
-    tic = time.perf_counter()
-    if block > 1:
-        masks = masked_block(draft, 0, max_block)
-        drafted = draft.propose(masks, context, scratch, slots=block - 1)
-        settle(drafted)
-        verify_in = mx.concatenate([verify_in, drafted.astype(mx.int32)], axis=1)
-    logits, taps = target.forward(verify_in, cache)
-    mx.argmax(logits[0], axis=-1).tolist()
-    target.rollback(cache, 0)
-    settle([c.state for c in cache], taps)
-    mx.eval([c.state for c in cache])
-    return time.perf_counter() - tic
-
-
-def tree_cycle_seconds(target, draft, cache, context: mx.array, nodes: int, max_block: int) -> float:
-    """Seconds of a mock draft-tree cycle of ``nodes`` nodes (as the loop
-    runs one, :meth:`dflash_mlx.decode.Decoder.tree_cycle`): the whole block's
-    slot logits, their best candidates read to the host, the tree built
-    there and verified in one forward, the outcome read, rolled back."""
-    masks = masked_block(draft, 0, max_block)
-    tic = time.perf_counter()
-    head = draft.slot_head_logits(masks, context, draft.make_cache(), slots=max_block - 1)
-    ids, logprobs = candidates(head[0], nodes, draft.vocab_ids)
-    tree = build_tree(0, ids, logprobs, nodes)
-    logits, taps = target.forward(mx.array([tree.tokens]), cache, tree=tree)
-    mx.argmax(logits[0], axis=-1).tolist()
-    target.rollback(cache, [])
-    mx.eval([c.state for c in cache], taps)
-    return time.perf_counter() - tic
 
 
 def context_length(cache) -> int:
@@ -117,7 +76,7 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int, trees: bo
     drafting cycle and the whole block: the two drafting ones give the
     table its slope, what each verified row adds (with the whole block
     alone, a short block would look as dear as a long one until the loop
-    happened to try short ones). About twenty mock cycles in all: on a slow
+    happened to try short ones). About twenty engine cycles in all (:func:`~dflash_mlx.decode.cycle_timer`, each rolled back): on a slow
     pair they delay a process's first generation by as many cycles' time.
 
     Runs on the live cache (each verify is rolled back), once per process
@@ -126,7 +85,7 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int, trees: bo
     rescale them to the current context. The pair's sizer is made here too,
     once, and kept with the costs. What is measured goes through the
     target's ``agreed``, so the ranks of a pipelined target (which run
-    these mock cycles together) all take rank 0's costs and strategy; its
+    these cycles together) all take rank 0's costs and strategy; its
     sizer then keeps that table (``local_timings`` false): following each
     cycle's timings would need one more collective per cycle to agree on
     them.
@@ -138,7 +97,7 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int, trees: bo
         weakref.finalize(draft, _calibrations.pop, id(draft), None)
     # What is queued (the prefill) runs first: it is not part of the cycles'
     # cost, and a pipelined target's ranks must run their collectives in one
-    # order, which a mock cycle evaluated before the prefill's would break.
+    # order, which a timed cycle evaluated before the prefill's would break.
     calibration = saved.get(key)
     if calibration is None:
         mx.eval(context, [c.state for c in cache])
@@ -148,7 +107,8 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int, trees: bo
         # than that chain's (a host read between draft and verify, the mask).
         nodes = max_block - 1
         mx.eval(context, [c.state for c in cache])
-        seconds = median_seconds(lambda: tree_cycle_seconds(target, draft, cache, context[:, -1:], nodes, max_block))
+        timed = cycle_timer(target, draft, cache, context[:, -1:], max_block)
+        seconds = median_seconds(lambda: timed(TreeChoice(nodes), mx.eval))
         calibration.tree = (nodes, target.agreed([seconds])[0])
         calibration.sizer.costs.seed_tree(*calibration.tree, context=context_length(cache))
     return calibration
@@ -157,17 +117,15 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int, trees: bo
 def chain_calibration(target, draft, cache, context: mx.array, max_block: int) -> Calibration:
     """:func:`calibrate`'s plain and chain cycles, on the last ``context`` position."""
     grid = sorted({1, min(2, max_block), max_block})
-    measured = [
-        median_seconds(lambda: cycle_seconds(target, draft, cache, context, b, mx.eval, max_block=max_block))
-        for b in grid[:-1]
-    ]
+    timed = cycle_timer(target, draft, cache, context, max_block)
+    measured = [median_seconds(lambda: timed(b, mx.eval)) for b in grid[:-1]]
     # The whole block under each strategy in turn, after an untimed cycle
     # that compiles: its cost is the faster strategy's, the one the loop takes.
-    cycle_seconds(target, draft, cache, context, max_block, mx.eval)
+    timed(max_block, mx.eval)
     timings = {mx.eval: [], mx.async_eval: []}
     for _ in range(3):
         for settle in timings:
-            timings[settle].append(cycle_seconds(target, draft, cache, context, max_block, settle))
+            timings[settle].append(timed(max_block, settle))
     medians = {settle: float(np.median(seconds)) for settle, seconds in timings.items()}
     faster = medians[mx.async_eval] < medians[mx.eval]
     measured.append(min(medians.values()))

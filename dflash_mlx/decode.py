@@ -21,6 +21,7 @@ prefill, draft, verify, accept, yield, trim).
 
 import copy
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -118,6 +119,38 @@ class BatchResponse:
     copied: List[bool] = field(default_factory=list)
 
 
+@dataclass
+class Stats:
+    """One request's decode statistics, token by token as it goes out:
+    cycles by block size and by tree size, drafted tokens the target
+    accepted (``copied``: those copied from the context), tokens (eos
+    included, the prefill's first too). What ``batch_generate`` and the
+    server report."""
+
+    tokens: int = 0
+    accepted: int = 0
+    copied: int = 0
+    blocks: Counter = field(default_factory=Counter)
+    trees: Counter = field(default_factory=Counter)
+    starts: bool = False  # the next token starts a cycle (the last one was the target's own)
+
+    def count(self, from_draft: bool, block: int, tree: int = 0, copied: bool = False) -> None:
+        self.tokens += 1
+        self.accepted += from_draft
+        self.copied += copied
+        if self.starts and block:
+            (self.trees if tree else self.blocks)[tree or block] += 1
+        self.starts = not from_draft  # each cycle ends with the target's own token
+
+    @property
+    def cycles(self) -> int:
+        return sum(self.blocks.values()) + sum(self.trees.values())
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        return round((self.tokens - 1) / max(1, self.cycles), 3)
+
+
 def cycle_tokens(proposed: List[int], accepted: int, bonus: int, eos, room: int) -> Tuple[List[int], bool]:
     """What a verified cycle commits: the ``accepted`` drafted tokens and
     the target's own after them, cut after an eos (kept, as mlx-lm keeps
@@ -149,7 +182,6 @@ class Cycle:
     ids: Optional[mx.array] = None
     queued_ahead: bool = False
     kept: bool = False
-    then: Optional[Union[int, TreeChoice]] = None  # the choice made for the cycle after it, before its read
     spans: Optional[List[Tuple[int, int, int]]] = None  # per row (drafted slots, proposed slots, copy class)
     drafted: bool = True
 
@@ -332,6 +364,7 @@ class Decoder:
         self.rows: List[Request] = []
         self.cache = None  # the rows' target caches: a lone row's own, or a BatchCache
         self.queued: Optional[Cycle] = None
+        self.then = None  # the next cycle's choice, made before the last read (see plain_ahead)
         self.clock = self.returned = 0.0  # when the last cycle was read; when the caller got its tokens
         self.cycles_read: List[int] = []  # the rows of each cycle the last step read
         self.committed = 0  # tokens committed, all rows
@@ -341,6 +374,7 @@ class Decoder:
     def join(self, requests: Sequence[Request]) -> None:
         """Requests whose prefill is done (their anchor pending) join."""
         self.drop_queued()
+        self.then = None
         rows = self.rows + list(requests)
         if len(rows) > 1:
             for r in rows:
@@ -367,7 +401,7 @@ class Decoder:
         left alone gets its own too, to decode alone). Returns them."""
         if not indices:
             return []
-        gone = set(indices)
+        gone, self.then = set(indices), None
         stay = [b for b in range(len(self.rows)) if b not in gone]
         leaving = [self.rows[b] for b in indices]
         if isinstance(self.cache, BatchCache):
@@ -393,10 +427,16 @@ class Decoder:
 
     # -- one cycle -----------------------------------------------------------
 
+    def choice(self):
+        """The next cycle's choice: one made before the last read, if the
+        rows are the same, else the sizer's now."""
+        choice, self.then = self.then, None
+        return self.sizing.choose(self.rows) if choice is None else choice
+
     def queue(self) -> None:
         """Queue the rows' next cycle (before the caller's work on the last one's tokens)."""
         self.clock = time.perf_counter()
-        self.queued = self.launch(self.rows, self.sizing.choose(self.rows))
+        self.queued = self.launch(self.rows, self.choice())
         self.returned = time.perf_counter()
 
     def step(self, run_ahead: bool = True) -> List[BatchResponse]:
@@ -406,7 +446,7 @@ class Decoder:
         self.cycles_read = []
         now = time.perf_counter()
         if self.queued is None:
-            cycle, self.clock = self.launch(self.rows, self.sizing.choose(self.rows)), now
+            cycle, self.clock = self.launch(self.rows, self.choice()), now
         else:
             cycle, self.queued = self.queued, None
             self.clock += now - self.returned  # the caller's time between cycles is no cycle's
@@ -423,7 +463,7 @@ class Decoder:
         if ahead is not None:
             self.queued = ahead
         elif run_ahead and self.rows:
-            self.queued = self.launch(self.rows, cycle.then if cycle.then is not None else self.sizing.choose(self.rows))
+            self.queued = self.launch(self.rows, self.choice())
         self.returned = time.perf_counter()
         return out
 
@@ -434,9 +474,10 @@ class Decoder:
         cycles before this one; it stands for the cycle after the read)."""
         if cycle.block != 1 or any(r.room <= 1 or r.controls for r in cycle.rows):
             return None  # (a row's controls see its committed tokens: none run ahead of a read)
-        cycle.then = self.sizing.choose(cycle.rows, ahead=1)
-        if cycle.then != 1 or (any(r.copies for r in cycle.rows) and self.sizing.copies(cycle.rows, 1)[0] != 1):
+        self.then = self.sizing.choose(cycle.rows, ahead=1)
+        if self.then != 1 or (any(r.copies for r in cycle.rows) and self.sizing.copies(cycle.rows, 1)[0] != 1):
             return None  # (copies are chosen after the read: one looked worth it a token ago)
+        self.then = None
         self.keep(cycle, [1] * len(cycle.rows))
         return self.launch(cycle.rows, 1, anchors=cycle.outcome[:, 1:2], queued_ahead=True)
 
@@ -604,3 +645,26 @@ class Decoder:
             mx.clear_cache()  # as mlx-lm's generate_step does every 256 tokens
         self.committed += committed
         return out, ended
+
+
+def cycle_timer(target, draft, cache, context: mx.array, max_block: int) -> Callable:
+    """``seconds(choice, settle)``: one engine cycle at ``choice`` (a block
+    length or a :class:`~dflash_mlx.adaptive.TreeChoice`) on the live target
+    ``cache`` (a request's own), drafting from a scratch drafter context fed
+    ``context``; read, then rolled back. What calibration times: the cycle
+    the loop runs, not a copy of it."""
+
+    def seconds(choice, settle: Callable) -> float:
+        scratch = PromptCache(cache, draft.make_cache())
+        scratch.target_hidden = context
+        probe = Request(-1, scratch, AcceptanceRule(None), max_block + 1, frozenset(), anchor=0)
+        decoder = Decoder(target, draft, max_block, settle, None)
+        decoder.join([probe])
+        tic = time.perf_counter()
+        cycle = decoder.launch([probe], choice)
+        cycle.outcome.tolist()
+        target.keep(cache, [[] if cycle.tree is not None else 0])
+        mx.eval([c.state for c in cache])
+        return time.perf_counter() - tic
+
+    return seconds

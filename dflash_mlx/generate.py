@@ -230,8 +230,7 @@ def generate_step(
     rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
     if max_tokens < 1:
         raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
-    max_block = max_block_size(draft, block_size, sizer)
-    target = bound_target(model, draft)
+    max_block, target = max_block_size(draft, block_size, sizer), bound_target(model, draft)
     trees = tree_plan(target, draft, tree_budget, sizer)
     cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink)
     prompt = checked_prompt(target, cache, prompt)
@@ -239,30 +238,16 @@ def generate_step(
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
         request = Request(0, cache, rule, max_tokens, frozenset(eos_token_ids), logprobs)
         request.copies = CopyDrafts(cache) if copy_drafts else None
-        yield from decoded(target, draft, request, logits, max_block, (block_size is not None, sizer, *trees))
-
-
-def decoded(target, draft, request: Request, logits: mx.array, max_block: int, sizing: tuple):
-    """A prefilled request decoded alone, its tokens as :func:`generate_step`
-    yields them (``sizing``: whether the block is fixed, the sizer, the tree plan)."""
-    cache = request.cache
-    first = request.start(logits)
-    if first.finish_reason is not None or not calibrated(target, draft, max_block, sizing[3]):
-        yield from yielded(first)  # before the cycles' costs are measured, not after
-        if first.finish_reason is not None:
-            return
-        first = None
-    sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, *sizing)
-    decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
-    decoder.join([request])
-    decoder.queue()  # the first cycle runs while the first token goes out
-    if first is not None:
-        yield from yielded(first)
-    while True:
-        for response in decoder.step():
-            yield from yielded(response)
-            if response.finish_reason is not None:
+        first = request.start(logits)
+        if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
+            yield from yielded(first)  # before the cycles' costs are measured, not after
+            if first.finish_reason is not None:
                 return
+            first = None
+        sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, block_size is not None, sizer, *trees)
+        decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
+        decoder.join([request])
+        yield from alone(decoder, first)
 
 
 @contextmanager
@@ -278,6 +263,20 @@ def generation(target, draft, cache: PromptCache, stream):
                 target.rollback(cache.target, 0)
             cache.drop_unreadable()  # at rest, the cache holds only what a drafter may read
             mx.clear_cache()
+
+
+def alone(decoder: Decoder, first: Optional[BatchResponse]):
+    """A lone request's tokens from its decoder: its first cycle is queued
+    before the prefill's token (``first``; None: out already) goes out,
+    then cycle after cycle to its end."""
+    decoder.queue()
+    if first is not None:
+        yield from yielded(first)
+    while True:
+        for response in decoder.step():
+            yield from yielded(response)
+            if response.finish_reason is not None:
+                return
 
 
 def yielded(response: BatchResponse):

@@ -43,7 +43,6 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter
 from contextlib import closing
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
@@ -65,6 +64,7 @@ from .disk_cache import DiskPromptCache, TieredPromptCache, pair_identity
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BLOCK_SIZE
 from .errors import ArgumentError, RequestError
 from .batch import DEFAULT_COMPLETION_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, BatchGenerator
+from .decode import Stats
 from .generate import generate_step
 from .prefill import feed
 from .pipeline import STOP, agree_flag, share_request
@@ -255,20 +255,16 @@ class Served:
         self.eos = set(self.tokenizer.eos_token_ids)
         self.want = args.logprobs or args.top_logprobs > 0
         self.detok = self.tokenizer.detokenizer
-        self.n = self.accepted = self.copied = 0
+        self.n = 0
         self.answer: List[int] = []  # every token out, eos included (what --learn records)
-        self.sizes, self.trees, self.cycle_starts = Counter(), Counter(), False
+        self.stats = Stats()
         self.alive = time.monotonic()
 
     def add(self, token: int, logprobs, from_draft: bool, block: int, tree: int, copied: bool = False) -> bool:
         """One committed token out to the client (``copied``: a drafted token
         copied from the context); True when the request is done."""
         self.answer.append(token)
-        self.accepted += from_draft
-        self.copied += copied
-        self.sizes[block] += self.cycle_starts and not tree
-        self.trees[tree] += self.cycle_starts and tree > 0
-        self.cycle_starts = not from_draft  # each cycle ends with the target's own token
+        self.stats.count(from_draft, block, tree, copied)
         finish = "stop" if token in self.eos else None
         if finish is None:
             self.detok.add_token(token)
@@ -285,12 +281,11 @@ class Served:
         """The request's DFlash statistics, into its context."""
         if self.ctx.stopped:
             logging.info("request stopped by the client after %d tokens", self.n)
-        cycles = sum(self.sizes.values()) + sum(self.trees.values())
+        stats = self.stats
         self.ctx.dflash.update(
-            cycles=cycles, accepted_draft_tokens=self.accepted, accepted_copied_tokens=self.copied,
-            block_sizes={b: k for b, k in sorted(self.sizes.items()) if k},
-            tree_sizes={n: k for n, k in sorted(self.trees.items()) if k},
-            tokens_per_cycle=round((len(self.answer) - 1) / max(1, cycles), 3),
+            cycles=stats.cycles, accepted_draft_tokens=stats.accepted, accepted_copied_tokens=stats.copied,
+            block_sizes=dict(sorted(stats.blocks.items())), tree_sizes=dict(sorted(stats.trees.items())),
+            tokens_per_cycle=stats.tokens_per_cycle,
         )
 
 

@@ -305,8 +305,7 @@ def test_dflash2_drafter_samples_the_target(sharp, setting):
 
 def test_stream_generate_check_rejects_a_broken_rule(small, monkeypatch):
     """Power through the real loop (subtler broken rules: the joint check)."""
-    generate_module = importlib.import_module("dflash_mlx.sampling")  # where every acceptance rule calls it
-    monkeypatch.setattr(generate_module, "speculative_accept", accept_always)
+    monkeypatch.setattr(importlib.import_module("dflash_mlx.sampling"), "speculative_accept", accept_always)
     setting = dict(temperature=1.0)  # no truncation: the PIT check alone must catch it
     tokens, _ = sampled_runs(small, small.draft, 3, setting, block_size=4)
     ks, bound, outside = pit_check(small.model, tokens, setting, np.random.default_rng(0))
