@@ -515,7 +515,7 @@ class Decoder:
         if drafting:
             proposal, qs = self.draft_chains(rows, slots)
             self.settle(proposal)
-            if len(rows) == 1 and plans[0] is None:
+            if len(rows) == 1 and plans[0] is None and rows[0].copies is not None:
                 extra, klass = self.sizing.continuation(rows[0], slots + 1, proposal[0].tolist())
                 if not extra:
                     return proposal, qs, None

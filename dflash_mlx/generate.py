@@ -181,13 +181,11 @@ def generate_step(
     logprobs: bool = False,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
-    stream=generation_stream, draft_window: Optional[int] = None, draft_sink: Optional[int] = None,
-    copy_drafts: bool = True,
+    stream=generation_stream, draft_window: Optional[int] = None, draft_sink: Optional[int] = None, copy_drafts: bool = True,
 ) -> Generator[Tuple[int, Optional[mx.array], bool, int, int, bool], None, None]:
     """Yield each committed token as ``(token, logprobs, from_draft, block,
-    tree, copied)``, like mlx-lm's ``speculative_generate_step`` plus the
-    rows its cycle verified (0 for the prefill's token), its draft tree's
-    nodes and whether it was a drafted token copied from the context.
+    tree, copied)``, like mlx-lm's ``speculative_generate_step`` plus the rows its cycle verified
+    (0 for the prefill's token), its draft tree's nodes and whether it was copied (``copy_drafts``).
 
     ``prompt`` holds only the tokens new to ``prompt_cache`` (it may be empty
     when the cache has a pending token; an id outside the target's
@@ -222,10 +220,6 @@ def generate_step(
     ``tree_budget`` 0: none, ``n``: n nodes every cycle) that maximises expected
     tokens per second, as measured (:mod:`dflash_mlx.adaptive`; a ``sizer`` makes
     the choices instead): a seeded sampled run repeats only when they are fixed.
-
-    With ``copy_drafts`` a cycle may verify what followed an earlier
-    occurrence of the context's end (:mod:`dflash_mlx.copy_source`) where
-    the request's acceptance of such copies says it is faster; exact.
     """
     rule = acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance)
     if max_tokens < 1:
@@ -236,8 +230,7 @@ def generate_step(
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-        request = Request(0, cache, rule, max_tokens, frozenset(eos_token_ids), logprobs)
-        request.copies = CopyDrafts(cache) if copy_drafts else None
+        request = Request(0, cache, rule, max_tokens, frozenset(eos_token_ids), logprobs, copies=CopyDrafts(cache) if copy_drafts else None)
         first = request.start(logits)
         if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
             yield from yielded(first)  # before the cycles' costs are measured, not after
@@ -307,6 +300,10 @@ def stream_generate(
     only the new part of the conversation, as in mlx-lm. ``record``
     (a :class:`dflash_mlx.traffic.Recorder`) stores the conversation when
     the generation finishes, as training data for the drafter.
+    ``copy_drafts`` (on by default): cycles may also verify what followed
+    an earlier occurrence of the context's end (:mod:`dflash_mlx.copy_source`)
+    where the request's acceptance of such copies says that is faster;
+    exact as any draft (a copied token is a point-mass proposal).
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
