@@ -328,8 +328,12 @@ class Sizing:
         for r, span, (_, _, accepted, _, _) in zip(rows, spans, read):
             if span is not None and span[1] > span[0] <= accepted:  # its copy reached
                 r.copies.observe(span[2], span[1] - span[0], accepted - span[0])
-        if not cycle.drafted and cycle.block > 1:
-            return  # copies alone: nothing of the drafter, and no cycle of the drafting line
+        if not cycle.drafted and cycle.block > 1:  # copies alone: nothing of the drafter, a line of their own
+            if len(rows) > 1 and not self.batch.fixed:
+                self.batch.costs.observe_verify(len(rows), cycle.block, seconds)
+            elif len(rows) == 1 and not self.fixed(rows):
+                self.lone.costs.observe_verify(cycle.block, seconds, context)
+            return
         if len(rows) == 1 and not rows[0].block_limit:
             accepted = read[0][2] if spans[0] is None else min(read[0][2], spans[0][0])
             self.lone.observe(cycle.choice, accepted, seconds, read[0][4], context=context)

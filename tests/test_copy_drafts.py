@@ -13,7 +13,7 @@ import tiny
 from tiny import PROMPT, REAL_TOKENS, TRUNCATED, generated_tokens, pit_check, prompt_of, reference_tokens, small_pair
 
 import dflash_mlx
-from dflash_mlx.adaptive import BlockSizer, CycleCosts
+from dflash_mlx.adaptive import BatchCosts, BlockSizer, CycleCosts
 from dflash_mlx import copy_source
 from dflash_mlx.batch import BatchGenerator
 from dflash_mlx.copy_source import CopyDrafts
@@ -246,3 +246,20 @@ def test_copies_are_priced_and_stop_where_they_fail():
         r.copies.observe(klass, 32, 0)
     assert sizing.copies([r], 1) == (1, [None], True)
     assert sizing.copies([r], 4) == (4, [None], True)
+
+
+def test_copy_cycles_are_priced_by_their_own_cycles_once_measured():
+    """Before any, a cycle of copies costs a chain's verify without the
+    draft; after some, what they took (here dearer per row than the table's
+    slope: a verify the draft does not hide)."""
+    costs = CycleCosts({1: 1.0, 2: 1.6, 8: 2.2})
+    assert costs.verify(9) == pytest.approx(1.0 + 0.1 * 8)
+    for n in (3, 9, 17, 33) * 8:
+        costs.observe_verify(n, 1.0 + 0.3 * (n - 1))
+    assert costs.verify(21) == pytest.approx(1.0 + 0.3 * 20, rel=0.05)
+    assert costs.upto(8)[-1] == pytest.approx(2.2)  # the drafting line as it was
+    batch = BatchCosts.from_table(CycleCosts({1: 1.0, 2: 1.6, 8: 2.2}))
+    line = batch.verify(2, 9)
+    for _ in range(9):
+        batch.observe_verify(2, 9, 3 * line)
+    assert batch.verify(2, 9) > 2.5 * line and batch.cost(2, 9) == BatchCosts.from_table(CycleCosts({1: 1.0, 2: 1.6, 8: 2.2})).cost(2, 9)
