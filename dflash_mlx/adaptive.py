@@ -409,6 +409,10 @@ class CycleCosts:
         self.switch = self.entry = 0.0
         self.drafted, self.held = False, None  # whether the last cycle drafted; a plain step not yet counted
         self.tree_draft, self.tree_slope = None, None  # None: as the chain of as many rows
+        # Cycles verifying copies alone (rows - 1, seconds, context), and their
+        # line (intercept, slope, context; None: a chain's without the draft).
+        self.copy_recent = deque(maxlen=window)
+        self.copy_line: Optional[Tuple[float, float, int]] = None
         # Contexts each line was measured at, the current one, and the growth fit.
         self.table_context = self.plain_context = self.draft_context = self.context = context
         self.tree_context = None
@@ -531,6 +535,32 @@ class CycleCosts:
         draft, slope = self.draft + one * (self.context - self.draft_context), self.slope_at(self.context)
         draft = max(draft, plain)  # a draft and a verify of the anchor: never less than a plain step
         return [plain] + [draft + slope * (b - 1) for b in range(2, n + 1)]
+
+    def verify(self, n: int) -> float:
+        """Seconds a cycle verifying ``n`` rows it did not draft costs (a
+        span copied from the context), at the current context: the line of
+        such cycles measured (:meth:`observe_verify`), else a chain of ``n``
+        rows without the draft."""
+        plain = self.upto(1)[0]
+        if self.copy_line is None:
+            return plain + self.slope_at(self.context) * (n - 1)
+        anchor, slope, context = self.copy_line
+        grown = self.context - context
+        return max(anchor + self.growth.at(1) * grown, plain) + max(0.0, slope + self.growth.per_row * grown) * (n - 1)
+
+    def observe_verify(self, n: int, seconds: float, context: Optional[int] = None) -> None:
+        """A cycle verifying ``n`` rows copied, not drafted, took ``seconds``
+        (the first one not counted: it may compile); its line is fitted as
+        the drafting line is, the chain's slope its prior."""
+        if not self.follow:
+            return
+        if context is not None:
+            self.context = context
+        if "copy" not in self.warm:
+            self.warm.add("copy")
+            return
+        self.copy_recent.append((n - 1, seconds, self.context))
+        self.copy_line = (*self.fit(self.moved(self.copy_recent), self.slope_at(self.context)), self.context)
 
     def cost(self, choice) -> float:
         """Seconds a cycle at ``choice`` (a block length or a
@@ -834,6 +864,7 @@ class BatchCosts:
         self.theta = {k: v.copy() for k, v in self.prior.items()}
         self.per_shape = per_shape
         self.shapes: Dict[Tuple[int, int], deque] = {}  # (rows, block): the last seconds of that shape
+        self.verified: Dict[Tuple[int, int], deque] = {}  # the same, of cycles verifying copies alone
         self.anchors = {(1, b): float(np.dot(self.prior[b > 1], self.features(1, b))) for b in blocks}
         self.prior_weight = prior_weight
         self.warm = set()
@@ -859,6 +890,22 @@ class BatchCosts:
         if not seen:
             return fit
         return (sum(seen) + fit) / (len(seen) + 1)
+
+    def verify(self, rows: int, block: int) -> float:
+        """Seconds a cycle of ``rows`` rows verifying ``block`` tokens each
+        costs without a draft (spans copied from the context): a plain step
+        and the drafting line's verified rows, and once that shape has run,
+        its own last cycles with that figure counted as one more."""
+        fit = self.cost(rows, 1) + float(self.theta[True][2]) * rows * (block - 1)
+        seen = self.verified.get((rows, block))
+        return fit if not seen else (sum(seen) + fit) / (len(seen) + 1)
+
+    def observe_verify(self, rows: int, block: int, seconds: float) -> None:
+        """A cycle of ``rows`` rows verifying ``block`` copied tokens each took ``seconds``."""
+        if (rows, -block) not in self.warm:
+            self.warm.add((rows, -block))
+            return
+        self.verified.setdefault((rows, block), deque(maxlen=self.per_shape)).append(seconds)
 
     def observe(self, rows: int, block: int, seconds: float) -> None:
         """A cycle of ``rows`` rows at ``block`` took ``seconds``; the first

@@ -30,6 +30,7 @@ from .adaptive import BatchCosts, BatchSizer, BlockSizer
 from .cache import PromptCache, bound_target, prompt_cache_for
 from .calibration import calibrate
 from .controls import KV_KEYWORDS
+from .copy_source import CopyDrafts
 from .decode import BatchResponse, Decoder, Request, Sizing, Stats
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
@@ -75,6 +76,9 @@ class BatchGenerator:
     requests decode at once; the others wait for a slot before their
     prefill. ``block_size`` fixes every cycle's block (None: adaptive).
     ``tokenizer`` (the target's) is what requests' response formats need.
+    ``copy_drafts``: whether requests may verify spans copied from their
+    context (:mod:`dflash_mlx.copy_source`; :meth:`insert` may set it per
+    request).
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class BatchGenerator:
         draft_sink: Optional[int] = None,
         stream=generation_stream,
         tokenizer=None,
+        copy_drafts: bool = True,
     ):
         self.old_wired_limit = self.decoder = None  # (close() may run on a generator refused below)
         for name, value in (("completion_batch_size", completion_batch_size), ("prefill_batch_size", prefill_batch_size), ("prefill_step_size", prefill_step_size)):
@@ -102,6 +107,7 @@ class BatchGenerator:
         self.completion_batch_size, self.prefill_batch_size = completion_batch_size, prefill_batch_size
         self.prefill_step_size = prefill_step_size
         self.draft_window, self.draft_sink = draft_window, draft_sink
+        self.copy_drafts = bool(copy_drafts)
         self.waiting: List[Request] = []  # queued: not prefilled, or partly
         self.joining: List[Request] = []  # prefilled, first token out, joining at the next cycle
         self.uid = 0
@@ -166,6 +172,7 @@ class BatchGenerator:
         quantized_kv_start=None,
         max_kv_size=None,
         all_tokens=None,
+        copy_drafts=None,
     ) -> List[int]:
         """Queue requests; returns their uids. ``prompts``: token lists (only
         the part new to a request's prompt cache, as in
@@ -175,28 +182,31 @@ class BatchGenerator:
         stop tokens (``eos_token_ids``: ids, or a collection of ids per prompt); a request's seed gives it its own random key (None:
         ``mx.random``'s state). A request's ``block_size`` caps the batch's
         blocks while it decodes (None: no cap); its ``progress(done, total)``
-        hears how far its prompt's prefill is. ``response_format`` (one for
-        all, or a list: one per prompt) holds a request's answer to a JSON
-        schema, a regular expression or a grammar (:mod:`dflash_mlx.structured`;
-        built with the generator's ``tokenizer``, checked here). mlx-lm's
-        controls, exact per row as in :func:`~dflash_mlx.generate.generate_step`:
-        ``logits_processors`` (one list of callables for all, or one list
-        per prompt, as mlx-lm's ``BatchGenerator.insert`` takes them),
-        ``min_tokens_to_keep``, ``xtc_probability`` and ``xtc_threshold``
-        (one value or one per prompt), ``xtc_special_tokens`` (ids for all,
-        or a list per prompt); mlx-lm's KV cache keywords (``kv_bits``,
-        ``kv_group_size``, ``quantized_kv_start``, ``max_kv_size``) for the
-        requests' caches (a quantized or rotating cache cannot join a batch:
-        it is refused, see :func:`~dflash_mlx.targets.rows.check_joinable`);
-        ``all_tokens``: per prompt, the tokens before it that its processors
-        see (None: see :func:`~dflash_mlx.generate.processors_for`)."""
+        hears how far its prompt's prefill is; ``copy_drafts`` (None: the
+        generator's) whether it may verify spans copied from its context.
+        ``response_format`` (one for all, or a list: one per prompt) holds a
+        request's answer to a JSON schema, a regular expression or a grammar
+        (:mod:`dflash_mlx.structured`; built with the generator's
+        ``tokenizer``, checked here). mlx-lm's controls, exact per row as in
+        :func:`~dflash_mlx.generate.generate_step`: ``logits_processors`` (one
+        list of callables for all, or one list per prompt, as mlx-lm's
+        ``BatchGenerator.insert`` takes them), ``min_tokens_to_keep``,
+        ``xtc_probability`` and ``xtc_threshold`` (one value or one per
+        prompt), ``xtc_special_tokens`` (ids for all, or a list per prompt);
+        mlx-lm's KV cache keywords (``kv_bits``, ``kv_group_size``,
+        ``quantized_kv_start``, ``max_kv_size``) for the requests' caches (a
+        quantized or rotating cache cannot join a batch: it is refused, see
+        :func:`~dflash_mlx.targets.rows.check_joinable`); ``all_tokens``: per
+        prompt, the tokens before it that its processors see (None: see
+        :func:`~dflash_mlx.generate.processors_for`)."""
         n = len(prompts)
         each = lambda name, value, many=(list, tuple): one_each(name, value, n, many)  # noqa: E731
         settings = zip(
             prompts, each("max_tokens", max_tokens), each("prompt_caches", prompt_caches or [None] * n),
             each("temperature", temperature), each("top_p", top_p), each("top_k", top_k), each("min_p", min_p),
             each("seed", seed), each("block_size", block_size), each("progress", progress),
-            per_prompt("eos_token_ids", eos_token_ids, n), each("logprobs", logprobs), each("response_format", response_format, (list,)),
+            per_prompt("eos_token_ids", eos_token_ids, n), each("logprobs", logprobs),
+            each("response_format", response_format, (list,)), each("copy_drafts", copy_drafts),
         )
         controls = zip(
             per_prompt("logits_processors", logits_processors, n), each("min_tokens_to_keep", min_tokens_to_keep),
@@ -215,7 +225,7 @@ class BatchGenerator:
         self.waiting.extend(requests)
         return [r.uid for r in requests]
 
-    def request(self, uid, prompt, limit, cache, temp, tp, tk, mp, seed, cap, hear, eos, want, form, acceptance, controls, kv) -> Request:
+    def request(self, uid, prompt, limit, cache, temp, tp, tk, mp, seed, cap, hear, eos, want, form, copies, acceptance, controls, kv) -> Request:
         """One inserted request, checked before any work."""
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ArgumentError(f"max_tokens must be a whole number of at least 1, got {limit!r}")
@@ -231,7 +241,9 @@ class BatchGenerator:
             max_block_size(self.draft, cap, None)
         key = None if seed is None else mx.random.key(int(seed))
         controls = row_controls(processors, constraint, cache, tokens, before)
-        return Request(uid, cache, rule, limit, stop_tokens(eos, constraint), bool(want), key, cap, tokens, len(tokens), hear, controls=controls)
+        r = Request(uid, cache, rule, limit, stop_tokens(eos, constraint), bool(want), key, cap, tokens, len(tokens), hear, controls=controls)
+        r.copies = CopyDrafts(cache) if (self.copy_drafts if copies is None else copies) else None
+        return r
 
     def remove(self, uids: Iterable[int]) -> Dict[int, PromptCache]:
         """Drop requests between cycles; returns their prompt caches, each
@@ -377,8 +389,9 @@ def batch_generate(
     :func:`~dflash_mlx.generate.generate` gives for its prompt alone:
     token-identical when greedy, identically distributed when sampled.
     ``stats[i]``: its prompt and generated tokens, cycles, accepted draft
-    tokens (``forced``: of them, those its ``response_format`` forced) and
-    tokens per cycle. ``record`` (a :class:`dflash_mlx.traffic.Recorder`)
+    tokens (``forced``: of them, those its ``response_format`` forced;
+    ``copied``: those copied from the context) and tokens per cycle.
+    ``record`` (a :class:`dflash_mlx.traffic.Recorder`)
     stores each finished conversation as drafter training data, as
     :func:`~dflash_mlx.generate.stream_generate`'s does."""
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -401,8 +414,8 @@ def batch_generate(
         for r in gen.next():
             i = index[r.uid]
             tokens[i] += r.tokens
-            for from_draft in r.from_draft:
-                counts[i].count(from_draft, r.block)
+            for from_draft, copied in zip(r.from_draft, r.copied):
+                counts[i].count(from_draft, r.block, copied=copied)
             counts[i].forced += r.forced
             if r.finish_reason is not None:
                 finish[i], caches[i] = r.finish_reason, r.prompt_cache
@@ -417,7 +430,7 @@ def batch_generate(
     texts = [tokenizer.decode(body) for body in bodies]
     total = sum(map(len, bodies))
     stats = [
-        dict(prompt_tokens=len(e), generation_tokens=len(body), cycles=c.cycles, accepted=c.accepted, forced=c.forced,
+        dict(prompt_tokens=len(e), generation_tokens=len(body), cycles=c.cycles, accepted=c.accepted, forced=c.forced, copied=c.copied,
              tokens_per_cycle=c.tokens_per_cycle, batch_tps=total / max(elapsed, 1e-9))
         for e, body, c in zip(encoded, bodies, counts)
     ]

@@ -2,6 +2,7 @@
 
     mlx-dflash bench                      # the bundled pair, its held-out prompts
     mlx-dflash bench --model smollm2      # a named pair: its held-out chat requests, at its lengths
+    mlx-dflash bench --model smollm2 --prompt-set edit   # requests whose answers repeat their prompt
     mlx-dflash bench --model T --draft-model D --prompts prompts.json --json out.json --plot out.png
     mlx-dflash bench --model smollm2 --prompt-lengths 512 2048 4096 7168 --draft-window 1024 --draft-sink 64
 
@@ -51,6 +52,7 @@ from .defaults import (
 from .errors import ArgumentError
 from .generate import cycle_lengths, encode_prompt, mean_tokens_per_cycle, stream_generate
 from .models.dflash import masked_block
+from .pair import PROMPT_SETS
 from .sampling import ACCEPTANCE_RULES
 from .timing import conv_selector_share, median_ms
 
@@ -193,6 +195,7 @@ def cycle_record(responses) -> dict:
     prefill's token)."""
     return {
         "accepted": [r.accepted for r in responses[1:]],
+        "copied": [r.copied for r in responses[1:]],
         "committed": cycle_lengths(responses),
         "block_sizes": [r.block_size for r in responses[1:]],
         "tree_sizes": [r.tree_size for r in responses[1:]],
@@ -474,15 +477,21 @@ def tokens_per_cycle_by_position(runs: List[dict], max_tokens: int) -> Dict[str,
 
 
 def cycle_summary(runs: List[dict], max_block: int) -> dict:
-    """Tokens per cycle, the chosen block sizes and draft-tree sizes of DFlash ``runs``."""
+    """Tokens per cycle, the chosen block sizes and draft-tree sizes of
+    DFlash ``runs``, and the drafted tokens accepted from each source (a
+    cycle of copies may verify more than ``max_block`` tokens)."""
     committed = [c for r in runs for c in r["committed"]]
     blocks = [b for r in runs for b, t in zip(r["block_sizes"], r["tree_sizes"]) if not t]
     trees = Counter(t for r in runs for t in r["tree_sizes"] if t)
     hist, chosen = Counter(committed), Counter(blocks)
+    longest = max([max_block, *committed, *blocks])
+    copied = sum(sum(r["copied"]) for r in runs)
     return {
         "mean_tokens_per_cycle": mean_tokens_per_cycle(committed),
-        "acceptance_histogram": {str(k): hist.get(k, 0) for k in range(1, max_block + 1)},
-        "block_size_histogram": {str(k): chosen.get(k, 0) for k in range(1, max_block + 1)},
+        "accepted_from_drafter": sum(sum(r["accepted"]) for r in runs) - copied,
+        "accepted_from_copies": copied,
+        "acceptance_histogram": {str(k): hist.get(k, 0) for k in range(1, longest + 1) if k <= max_block or hist.get(k)},
+        "block_size_histogram": {str(k): chosen.get(k, 0) for k in range(1, longest + 1) if k <= max_block or chosen.get(k)},
         "tree_size_histogram": {str(k): v for k, v in sorted(trees.items())},
         "mean_block_size": statistics.mean(blocks) if blocks else 1.0,
     }
@@ -510,11 +519,12 @@ def configuration_summary(runs: List[dict], ar_tps: float, max_block: int) -> di
 
 def timed_runs(model, draft, tokenizer, prompts, max_tokens, configs: Dict[str, tuple], repeats):
     """Per prompt: ``{"autoregressive": [...], name: [...]}`` over ``repeats``
-    rounds in which every configuration (``(block_size, tree_budget)``) runs
+    rounds in which every configuration (``(block_size, tree_budget,
+    copy_drafts)``) runs
     once, alternating (mlx-lm first, then the others in turn); and the
     forward timings taken right after each prompt's runs."""
     per_prompt, timings = [], []
-    max_block = max(b or draft.block_size for b, _ in configs.values())
+    max_block = max(b or draft.block_size for b, _, _ in configs.values())
     names = list(configs)
     for i, prompt in enumerate(prompts):
         runs = {"autoregressive": [], **{name: [] for name in configs}}
@@ -524,8 +534,8 @@ def timed_runs(model, draft, tokenizer, prompts, max_tokens, configs: Dict[str, 
             # in BENCHMARKS.md), so the configurations take turns to be it.
             turn = (i * repeats + r) % len(names)
             for name in names[turn:] + names[:turn]:
-                block_size, tree_budget = configs[name]
-                runs[name].append(run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, tree_budget=tree_budget))
+                block_size, tree_budget, copies = configs[name]
+                runs[name].append(run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, tree_budget=tree_budget, copy_drafts=copies))
         per_prompt.append(runs)
         # The forwards that bound the speedup, timed right after the runs they
         # bound and at this prompt's context, so that drift on a shared
@@ -537,22 +547,35 @@ def timed_runs(model, draft, tokenizer, prompts, max_tokens, configs: Dict[str, 
     return per_prompt, timings
 
 
-def phase_timings(model, draft, tokenizer, prompts, max_tokens, block_size, tree_budget=None) -> Dict[str, float]:
+def phase_timings(model, draft, tokenizer, prompts, max_tokens, block_size, tree_budget=None, copy_drafts=True) -> Dict[str, float]:
     """ms per cycle of each phase over ``prompts``, in runs of their own
     (every phase syncs). A warm-up run first, not counted: the timed drafter
     is calibrated anew."""
     timer = PhaseTimer()
     timed = TimedDraft(draft, timer)
-    run_dflash(model, timed, tokenizer, prompts[0], 16, block_size, tree_budget=tree_budget)
+    run_dflash(model, timed, tokenizer, prompts[0], 16, block_size, tree_budget=tree_budget, copy_drafts=copy_drafts)
     timer.reset()
     for prompt in prompts:
-        run_dflash(model, timed, tokenizer, prompt, max_tokens, block_size, timer=timer, tree_budget=tree_budget)
+        run_dflash(model, timed, tokenizer, prompt, max_tokens, block_size, timer=timer, tree_budget=tree_budget, copy_drafts=copy_drafts)
     return {k: 1e3 * v / max(1, timer.cycles) for k, v in timer.seconds.items() if k != "prefill"}
+
+
+def bench_configurations(block_size, max_block, tree_budget, tree_budgets, copy_drafts) -> Dict[str, tuple]:
+    """:func:`benchmark`'s configurations, by name: ``(block_size, tree_budget, copy_drafts)``."""
+    configs = {"dflash": (block_size, tree_budget, copy_drafts)}
+    if copy_drafts:
+        configs["no_copy"] = (block_size, tree_budget, False)
+    if not block_size:
+        configs["fixed"] = (max_block, 0, copy_drafts)
+    if tree_budgets:
+        configs["chain"] = (block_size, 0, copy_drafts)
+        configs.update({f"tree_{n}": (max_block, n, copy_drafts) for n in tree_budgets})
+    return configs
 
 
 def benchmark(
     model, draft, tokenizer, prompts: List[str], max_tokens=DEFAULT_BENCH_MAX_TOKENS, block_size=None,
-    repeats=DEFAULT_BENCH_REPEATS, tree_budget=None, tree_budgets=(),
+    repeats=DEFAULT_BENCH_REPEATS, tree_budget=None, tree_budgets=(), copy_drafts=True,
 ):
     """The report, and mlx-lm's run of each prompt (the reference outputs).
 
@@ -560,23 +583,20 @@ def benchmark(
     the fixed trained block size (a chain). ``tree_budgets`` adds, side by
     side, the chain-only adaptive loop and a draft tree of each budget every
     cycle (``report["configurations"]``); ``tree_budget`` is the main
-    configuration's (None: the sizer chooses). Each prompt's runs alternate
+    configuration's (None: the sizer chooses). With ``copy_drafts`` every
+    configuration may verify spans copied from the context, and the main
+    one also runs without them (``no_copy_tps``, ``copy_speedup``). Each prompt's runs alternate
     ``repeats`` times; tok/s pools every timed run, which steadies the
     speedup on a shared machine. Outputs and acceptance come from the first
     run of each.
     """
     max_block = block_size or draft.block_size
-    configs = {"dflash": (block_size, tree_budget)}
-    if not block_size:
-        configs["fixed"] = (max_block, 0)
-    if tree_budgets:
-        configs["chain"] = (block_size, 0)
-        configs.update({f"tree_{n}": (max_block, n) for n in tree_budgets})
+    configs = bench_configurations(block_size, max_block, tree_budget, tree_budgets, copy_drafts)
     draft.bind(model)
     warm = prompts[0]
     run_autoregressive(model, tokenizer, warm, 16)
-    for b, t in configs.values():
-        run_dflash(model, draft, tokenizer, warm, 16, b, tree_budget=t)
+    for b, t, c in configs.values():
+        run_dflash(model, draft, tokenizer, warm, 16, b, tree_budget=t, copy_drafts=c)
     compile_block_lengths(draft, encode_prompt(tokenizer, warm), max_block)
     timed, timings = timed_runs(model, draft, tokenizer, prompts, max_tokens, configs, repeats)
 
@@ -606,7 +626,7 @@ def benchmark(
         "tokens_per_cycle_by_position": tokens_per_cycle_by_position(first["dflash"], max_tokens),
         # On the first prompt: the split is the pair's and the length's, and
         # every prompt would cost the bench another whole decode.
-        "phase_ms_per_cycle": phase_timings(model, draft, tokenizer, prompts[:1], max_tokens, block_size, tree_budget),
+        "phase_ms_per_cycle": phase_timings(model, draft, tokenizer, prompts[:1], max_tokens, block_size, tree_budget, copy_drafts),
         "forward_ms": forwards,
         "ideal_speedup": ideal,
         "fraction_of_ideal": speedup / ideal,
@@ -616,6 +636,9 @@ def benchmark(
         "mismatched_prompts": mismatches,
         "peak_memory_gb": max(r["peak_memory"] for runs in timed for rs in runs.values() for r in rs),
     }
+    if "no_copy" in pooled:
+        report["no_copy_tps"] = pooled["no_copy"]
+        report["copy_speedup"] = pooled["dflash"] / pooled["no_copy"]
     if "fixed" in pooled:
         report["fixed_block_tps"] = pooled["fixed"]
         report["fixed_block_speedup"] = pooled["fixed"] / pooled["autoregressive"]
@@ -917,7 +940,10 @@ def print_report(r: dict) -> None:
             f"DFlash, fixed block {B:<4} {r['fixed_block_tps']:8.1f} tok/s   speedup {r['fixed_block_speedup']:.2f}x"
             f"   ({r['fixed_block_tokens_per_cycle']:.2f} tokens per cycle)"
         )
+    if "no_copy_tps" in r:
+        print(f"DFlash, no copy drafts   {r['no_copy_tps']:8.1f} tok/s   (copy drafts {r['copy_speedup']:.2f}x it)")
     print(f"mean tokens per cycle    {r['mean_tokens_per_cycle']:.2f}")
+    print(f"accepted drafted tokens  {r['accepted_from_drafter']} from the drafter, {r['accepted_from_copies']} copied from the context")
     if len(r["tokens_per_cycle_by_position"]) > 1:
         fixed = r.get("fixed_block_tokens_per_cycle_by_position")
         by_pos = "  ".join(
@@ -1027,6 +1053,10 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(description="Benchmark DFlash against autoregressive decoding of the same target.")
     cli.add_pair_arguments(p)
     p.add_argument("--prompts", default=None, help="JSON list of prompts (default: the bundled held-out prompts)")
+    p.add_argument(
+        "--prompt-set", choices=sorted(PROMPT_SETS), default=None,
+        help="a prompt set of the package instead, as chat turns (edit: requests whose answer repeats the prompt)",
+    )
     p.add_argument("--num-prompts", type=cli.positive_int, default=None)
     p.add_argument(
         "--max-tokens", "-m", type=cli.positive_int, nargs="+", default=None,
@@ -1035,6 +1065,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     )
     cli.add_block_size_argument(p)
     cli.add_tree_budget_argument(p)
+    cli.add_copy_drafts_argument(p)
     p.add_argument(
         "--tree-budgets", type=cli.positive_int, nargs="*", default=[8, 16, 32, 64],
         help="also run the chain-only adaptive loop and a draft tree of each of these node budgets every cycle, "
@@ -1075,7 +1106,9 @@ def main(argv=None):
             raise ArgumentError(f"{flag} {path}: its directory does not exist")
     if args.prompt_lengths is None and (args.draft_window is not None or args.draft_sink is not None):
         raise ArgumentError("--draft-window is measured with --prompt-lengths (long prompts); add it")
-    for flag, value in (("--prompts", args.prompts), ("--plot", args.plot)):
+    if args.prompts and args.prompt_set:
+        raise ArgumentError("--prompts and --prompt-set both name the prompts: pass one")
+    for flag, value in (("--prompts", args.prompts), ("--prompt-set", args.prompt_set), ("--plot", args.plot)):
         if args.prompt_lengths and value:
             raise ArgumentError(f"{flag} does not apply to --prompt-lengths (its prompts are documentation text)")
     prompts = read_prompts(args.prompts) if args.prompts else None
@@ -1094,7 +1127,7 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
         return 0
-    prompts = prompts or benchmark_prompts(args.model, tokenizer)
+    prompts = prompts or benchmark_prompts(args.model, tokenizer, args.prompt_set)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     ar_draft = None
     if args.ar_draft_model:  # loaded once for every length
@@ -1119,7 +1152,8 @@ def full_report(args, model, tokenizer, draft, ar_draft, prompts, max_tokens) ->
     """:func:`benchmark` at ``max_tokens`` and the comparisons the flags ask
     for (``ar_draft``: the ``--ar-draft-model``, or None)."""
     report, ar_runs = benchmark(
-        model, draft, tokenizer, prompts, max_tokens, args.block_size, args.repeats, args.tree_budget, args.tree_budgets
+        model, draft, tokenizer, prompts, max_tokens, args.block_size, args.repeats, args.tree_budget, args.tree_budgets,
+        args.copy_drafts,
     )
     if ar_draft is not None:
         report.update(speculative_baseline(model, ar_draft, tokenizer, prompts, max_tokens, ar_runs, args.num_draft_tokens))

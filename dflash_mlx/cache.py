@@ -17,6 +17,9 @@ keeps more, and :class:`PromptCache` holds all of it in one object:
   drafter layer would read (``hole``, see :meth:`PromptCache.add_hidden`);
 - ``tokens``: the token ids the cache holds, pending ones included (the
   key a server stores it under);
+- ``copy_index``: the :class:`~dflash_mlx.copy_source.CopyIndex` of those
+  tokens, kept up to them by :func:`~dflash_mlx.copy_source.index_for`
+  (None until first used; not saved, rebuilt from the tokens);
 - ``draft_window``/``draft_sink``: the draft window the drafter's context
   was made with (``draft_window`` None: the whole context).
 
@@ -84,6 +87,7 @@ class PromptCache:
         self.added = 0  # tap chunks added (see add_hidden)
         self.hole: Optional[Tuple[int, int]] = None
         self.tokens: List[int] = []
+        self.copy_index = None
 
     def commit(self, tokens: Sequence[int], taps: Optional[mx.array] = None, pending: Optional[Sequence[int]] = None) -> None:
         """``tokens`` join the sequence; ``taps``: the tap states of the
@@ -260,6 +264,8 @@ class PromptCache:
                 self.set_hole(None)
             self.pending = []
         del self.tokens[keep:]
+        if self.copy_index is not None:
+            self.copy_index.truncate(keep)
         return n
 
 

@@ -32,6 +32,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="PRNG seed")
     cli.add_block_size_argument(p)
     cli.add_tree_budget_argument(p)
+    cli.add_copy_drafts_argument(p)
     p.add_argument("--system-prompt", default=None)
     cli.add_prefill_step_size_argument(p)
     cli.add_draft_window_arguments(p)
@@ -86,7 +87,7 @@ def main(argv=None, input_fn=input):
             model, draft, tokenizer, turn_prompt(tokenizer, query, args.system_prompt, args.chat_template_config),
             prompt_cache=cache, block_size=args.block_size, tree_budget=args.tree_budget, max_tokens=args.max_tokens,
             temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-            prefill_step_size=args.prefill_step_size, record=recorder, **controls,
+            prefill_step_size=args.prefill_step_size, record=recorder, copy_drafts=args.copy_drafts, **controls,
         ):
             print(r.text, end="", flush=True)
             responses.append(r)

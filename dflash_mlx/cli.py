@@ -101,6 +101,14 @@ def add_tree_budget_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_copy_drafts_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--copy-drafts", action=argparse.BooleanOptionalAction, default=True,
+        help="let cycles verify spans copied from the context where that is faster (default: on; "
+        "--no-copy-drafts: the drafter's blocks only)",
+    )
+
+
 def add_prefill_step_size_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-step-size", type=positive_int, default=DEFAULT_PREFILL_STEP_SIZE, help="prompt tokens per prefill forward")
 

@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from .adaptive import BatchSizer, BlockSizer, SlotAcceptance, TreeChoice, TreeWalk
 from .cache import PromptCache
+from .copy_source import CopyDrafts
 from .models.dflash import masked_blocks
 from .processors import logprobs as log_probs
 from .sampling import AcceptanceRule, accept_rows
@@ -56,6 +57,7 @@ class Request:
     progress: Optional[Callable[[int, int], None]] = None  # hears its prefill's progress
     acceptance: Optional[SlotAcceptance] = None  # how far into a batch's blocks it accepts
     controls: List = field(default_factory=list)  # what shapes its target's logits (see Decoder.controlled)
+    copies: Optional[CopyDrafts] = None  # its copy source (None: copy drafts off)
     n: int = 0  # tokens generated
     anchor: int = -1  # the last committed token, not yet run by the target
 
@@ -82,7 +84,7 @@ class Request:
         self.cache.commit([token], pending=[token])
         self.anchor, self.n = token, 1
         lp = [log_probs(logits)[0]] if self.logprobs else None
-        return BatchResponse(self.uid, [token], [False], lp, self.finish(token in self.eos), 0, 0, forced=forced)
+        return BatchResponse(self.uid, [token], [False], lp, self.finish(token in self.eos), 0, 0, forced=forced, copied=[False])
 
 
 @dataclass
@@ -102,6 +104,9 @@ class BatchResponse:
         prompt_cache: the request's prompt cache, once it has finished.
         forced: of ``tokens``, those its grammar forced (the only token its
             mask allowed; see :mod:`dflash_mlx.structured`).
+        copied: per token, whether it was a token copied from the context
+            (:mod:`dflash_mlx.copy_source`) the target accepted (the others
+            ``from_draft`` came from the drafter).
     """
 
     uid: int
@@ -114,6 +119,7 @@ class BatchResponse:
     tree: int = 0
     prompt_cache: Optional[PromptCache] = None
     forced: int = 0
+    copied: List[bool] = field(default_factory=list)
 
 
 def drafting(r: Request):
@@ -126,20 +132,23 @@ def drafting(r: Request):
 class Stats:
     """One request's decode statistics, token by token as it goes out:
     cycles by block size and by tree size, drafted tokens the target
-    accepted, tokens (eos included, the prefill's first too), and those a
-    response format forced (:attr:`BatchResponse.forced`). What
-    ``batch_generate`` and the server report."""
+    accepted (``copied``: those copied from the context), tokens (eos
+    included, the prefill's first too), and those a response format
+    forced (:attr:`BatchResponse.forced`). What ``batch_generate`` and the
+    server report."""
 
     tokens: int = 0
     accepted: int = 0
+    copied: int = 0
     forced: int = 0
     blocks: Counter = field(default_factory=Counter)
     trees: Counter = field(default_factory=Counter)
     starts: bool = False  # the next token starts a cycle (the last one was the target's own)
 
-    def count(self, from_draft: bool, block: int, tree: int = 0) -> None:
+    def count(self, from_draft: bool, block: int, tree: int = 0, copied: bool = False) -> None:
         self.tokens += 1
         self.accepted += from_draft
+        self.copied += copied
         if self.starts and block:
             (self.trees if tree else self.blocks)[tree or block] += 1
         self.starts = not from_draft  # each cycle ends with the target's own token
@@ -171,7 +180,9 @@ class Cycle:
     (:func:`~dflash_mlx.sampling.accept_rows`' ``[B, 2 + L - 1]``, or a
     tree's target choice at every row), logits and tap states; a tree and
     its candidates; whether it was queued before the last cycle was read,
-    and whether its rows' kept tokens are in the caches yet."""
+    and whether its rows' kept tokens are in the caches yet; per row where
+    its proposal came from (``spans``, see :meth:`Decoder.proposals`; None:
+    the drafter's block, every slot) and whether the drafter ran."""
 
     rows: List[Request]
     choice: Union[int, TreeChoice]
@@ -182,10 +193,17 @@ class Cycle:
     ids: Optional[mx.array] = None
     queued_ahead: bool = False
     kept: bool = False
+    spans: Optional[List[Tuple[int, int, int]]] = None  # per row (drafted slots, proposed slots, copy class)
+    drafted: bool = True
 
     @property
     def block(self) -> int:
-        return self.tree.rows if self.tree is not None else self.choice
+        return self.tree.rows if self.tree is not None else self.outcome.shape[1] - 1
+
+    def copied(self, b: int, accepted: int) -> List[bool]:
+        """Per committed token of row ``b``, whether it was an accepted copied one."""
+        start = self.spans[b][0] if self.spans is not None else accepted
+        return [start <= i < accepted for i in range(accepted + 1)]
 
     def read(self) -> List[Tuple[List[int], List[int], int, int, Optional[TreeWalk]]]:
         """Per row ``(rows kept, proposed tokens along them, accepted count,
@@ -210,8 +228,9 @@ class Sizing:
         self.lone, self.batch = lone, batch
 
     def new_row(self, r: Request) -> None:
-        """A row joins a batch: it starts from what the lone sizer has seen of the pair."""
-        r.acceptance = copy.deepcopy(self.lone.acceptance)
+        """A row joins a batch (or chooses copies in a fixed block): it starts
+        from what the lone sizer has seen of the pair."""
+        r.acceptance = copy.deepcopy(getattr(self.lone, "acceptance", None)) or SlotAcceptance(self.lone.max_block)
 
     def choose(self, rows: List[Request], ahead: int = 0):
         """The next cycle, from the cycles before it (``ahead``: chosen before
@@ -224,15 +243,116 @@ class Sizing:
             return self.lone.choose(remaining[0])
         return min([self.batch.choose([r.acceptance for r in rows], remaining)] + limits)
 
+    def fixed(self, rows: List[Request]) -> bool:
+        """Whether the rows' block is fixed, by the sizer or every row's cap."""
+        if all(r.block_limit for r in rows):
+            return True
+        return getattr(self.lone, "fixed", True) if len(rows) == 1 else self.batch.fixed
+
+    def drafter_expected(self, r: Request, rows: List[Request], fixed: bool) -> List[float]:
+        """A row's expected tokens from the drafter's block, by block length
+        (shares as seen): the lone sizer's, or the row's own in a batch or
+        a fixed block (a lone fixed sizer learns none)."""
+        if len(rows) > 1 or fixed:
+            if r.acceptance is None:
+                self.new_row(r)
+            return r.acceptance.expected_as_seen
+        return self.lone.acceptance.expected_as_seen
+
+    def copies(self, rows: List[Request], choice) -> Tuple[object, List, bool]:
+        """What the cycle at ``choice`` verifies from the rows' copy sources:
+        ``(choice, per row its copied span (tokens, class) or None, whether
+        the drafter drafts for the rows without one)``. Each row proposes
+        what its index copies after its committed tokens; a cycle of copies
+        alone (no draft: priced as a chain's verify without the draft, and
+        a switch out of a plain spell) replaces the sizer's choice where it
+        commits more tokens per second at each row's own acceptance of its
+        copies and of the drafter; otherwise a row verifies its copy in
+        place of the drafter's block where it expects more tokens of it. A
+        fixed block keeps its length, rows choosing within it."""
+        plans = [None] * len(rows)
+        spans = [r.copies.propose(r.room - 1) if r.copies is not None else ([], 0) for r in rows]
+        if not any(tokens for tokens, _ in spans):
+            return choice, plans, True
+        fixed = self.fixed(rows)
+        if not fixed:
+            best, rate = self.copy_cycle(rows, spans, choice)
+            if best:
+                return best, [(t[: best - 1], k) if t else None for t, k in spans], False
+        if isinstance(choice, int) and choice > 1:
+            for b, (r, (tokens, klass)) in enumerate(zip(rows, spans)):
+                if tokens and r.copies.expected(klass)[min(len(tokens) + 1, choice) - 1] >= self.drafter_expected(r, rows, fixed)[choice - 1]:
+                    plans[b] = (tokens[: choice - 1], klass)
+        return choice, plans, not all(plans)
+
+    def copy_cycle(self, rows: List[Request], spans, choice) -> Tuple[int, float]:
+        """The best cycle of copies alone, ``(rows verified, tokens per
+        second)``, if it beats ``choice`` as each row would verify it (its
+        copy where it expects more of it than of the drafter's block); ``(0, rate)`` if not."""
+        limit = min([r.block_limit for r in rows if r.block_limit] + [max(len(t) for t, _ in spans) + 1])
+        expect = [r.copies.expected(k) if t else None for r, (t, k) in zip(rows, spans)]
+
+        def copied(n):  # expected tokens, all rows, of a copy cycle verifying n rows
+            return sum(e[min(len(t) + 1, n) - 1] if t else 1.0 for e, (t, _) in zip(expect, spans))
+
+        if len(rows) == 1:
+            costs, lone = self.lone.costs, self.lone
+            if isinstance(choice, TreeChoice):
+                rate = max(lone.rates(lone.max_block, optimistic=False))
+            else:
+                rate = lone.acceptance.expected_as_seen[choice - 1] / costs.cost(choice)
+            switch = costs.switch if choice == 1 else 0.0
+            price = lambda n: costs.verify(n) + switch  # noqa: E731
+        else:
+            costs, rate = self.batch.costs, len(rows) / self.batch.costs.cost(len(rows), 1)
+            if choice > 1:
+                mine = [max(self.drafter_expected(r, rows, False)[choice - 1], e[min(len(t) + 1, choice) - 1] if t else 0.0) for r, e, (t, _) in zip(rows, expect, spans)]
+                rate = sum(mine) / costs.cost(len(rows), choice)
+            price = lambda n: costs.verify(len(rows), n)  # noqa: E731
+        best = max(range(2, limit + 1), key=lambda n: copied(n) / price(n), default=0)
+        if best and copied(best) / price(best) > rate:
+            return best, rate
+        return 0, rate
+
+    def continuation(self, r: Request, block: int, drafted: mx.array) -> Tuple[List[int], int]:
+        """A lone row's drafted block continued by its copy source, where a
+        copy has lately been accepted: the tokens its index copies after the
+        committed ones and ``drafted`` (an edit's new tokens drafted, the
+        copy taken up after them), as many as raise the expected tokens per
+        second; ``([], 0)`` where none do."""
+        if r.copies is None or not r.copies.live or self.fixed([r]):
+            return [], 0
+        tokens, klass = r.copies.propose(r.room - block, after=drafted.tolist())  # (a host read, only here)
+        if not tokens:
+            return [], 0
+        costs, expected = self.lone.costs, self.lone.acceptance.expected_as_seen
+        reach = expected[block - 1] - expected[block - 2]  # every drafted slot accepted
+        copied, slope = r.copies.expected(klass), costs.slope_at(costs.context)
+        rate = lambda k: (expected[block - 1] + reach * (copied[k] - 1)) / (costs.cost(block) + slope * k)  # noqa: E731
+        k = max(range(len(tokens) + 1), key=rate)
+        return tokens[:k], klass
+
     def observe(self, cycle: Cycle, read, seconds: float, context: int) -> None:
         """A cycle read ``seconds`` after the one before it."""
         rows = cycle.rows
+        spans = cycle.spans or [None] * len(rows)
+        for r, span, (_, _, accepted, _, _) in zip(rows, spans, read):
+            if span is not None and span[1] > span[0] <= accepted:  # its copy reached
+                r.copies.observe(span[2], span[1] - span[0], accepted - span[0])
+        if not cycle.drafted and cycle.block > 1:  # copies alone: nothing of the drafter, a line of their own
+            if len(rows) > 1 and not self.batch.fixed:
+                self.batch.costs.observe_verify(len(rows), cycle.block, seconds)
+            elif len(rows) == 1 and not self.fixed(rows):
+                self.lone.costs.observe_verify(cycle.block, seconds, context)
+            return
         if len(rows) == 1 and not rows[0].block_limit:
-            self.lone.observe(cycle.choice, read[0][2], seconds, read[0][4], context=context)
-        elif len(rows) > 1:
-            for r, (_, _, accepted, _, _) in zip(rows, read):
-                if cycle.block > 1:
-                    r.acceptance.observe(cycle.block - 1, accepted)
+            accepted = read[0][2] if spans[0] is None else min(read[0][2], spans[0][0])
+            self.lone.observe(cycle.choice, accepted, seconds, read[0][4], context=context)
+        for r, span, (_, _, accepted, _, _) in zip(rows, spans, read):  # each row's own, where it keeps one
+            drafted = cycle.block - 1 if span is None else span[0]
+            if r.acceptance is not None and drafted and cycle.tree is None:
+                r.acceptance.observe(drafted, min(accepted, drafted))
+        if len(rows) > 1:
             if cycle.block > 1 or cycle.queued_ahead:
                 # A plain step is priced as in a plain spell, queued ahead of
                 # the last one's read: one launched after a drafting cycle
@@ -370,8 +490,8 @@ class Decoder:
         if cycle.block != 1 or any(r.room <= 1 or r.controls for r in cycle.rows):
             return None  # (a row's controls see its committed tokens: none run ahead of a read)
         self.then = self.sizing.choose(cycle.rows, ahead=1)
-        if self.then != 1:
-            return None
+        if self.then != 1 or (any(r.copies for r in cycle.rows) and self.sizing.copies(cycle.rows, 1)[0] != 1):
+            return None  # (copies are chosen after the read: one looked worth it a token ago)
         self.then = None
         self.keep(cycle, [1] * len(cycle.rows))
         return self.launch(cycle.rows, 1, anchors=cycle.outcome[:, 1:2], queued_ahead=True)
@@ -381,6 +501,9 @@ class Decoder:
         first ``choice - 1`` drafted tokens (1: a plain step, whose
         ``anchors`` may be the last plain step's lazy tokens)."""
         choice = self.forced_choice(rows, choice)
+        plans, drafts = [None] * len(rows), True
+        if anchors is None and any(r.copies for r in rows):
+            choice, plans, drafts = self.sizing.copies(rows, choice)
         if isinstance(choice, TreeChoice):
             room = min(rows[0].room, self.max_block, self.cache.rows_before_quantizing() or self.max_block)
             if room > 1:  # (a tree may not cross quantized_kv_start: it stops short of it, or is a plain step)
@@ -388,15 +511,48 @@ class Decoder:
             choice = 1
         if anchors is None:
             anchors = mx.array([[r.anchor] for r in rows], dtype=mx.int32)
-        proposal, qs = mx.zeros((len(rows), 0), mx.int32), [None] * len(rows)
+        proposal, qs, spans = mx.zeros((len(rows), 0), mx.int32), [None] * len(rows), None
         if choice > 1:
-            proposal, qs = self.draft_chains(rows, choice - 1)
-            self.settle(proposal)
+            proposal, qs, spans = self.proposals(rows, choice - 1, plans, drafts)
         logits, taps = self.target.forward(mx.concatenate([anchors, proposal], axis=1), self.cache)
         logits = self.controlled(rows, logits, proposal)
-        outcome = accept_rows([r.rule for r in rows], logits, proposal, qs, [r.next_key() for r in rows])
+        lengths = None if spans is None else [n for _, n, _ in spans]
+        outcome = accept_rows([r.rule for r in rows], logits, proposal, qs, [r.next_key() for r in rows], lengths)
         mx.async_eval(outcome, taps)
-        return Cycle(list(rows), choice, outcome, logits, taps, queued_ahead=queued_ahead)
+        return Cycle(list(rows), choice, outcome, logits, taps, queued_ahead=queued_ahead, spans=spans, drafted=drafts)
+
+    def proposals(self, rows: List[Request], slots: int, plans: List, drafting: bool) -> Tuple[mx.array, list, Optional[list]]:
+        """Every row's proposal ``[B, slots]`` (more where a lone row's block
+        is continued by its copy), the q its drafted tokens were sampled
+        from, and per row ``(drafted slots, proposed slots, copy class)``
+        (None: the drafter's block in every row): a row with a copied span
+        (``plans[b]``: tokens, class) verifies it in place of the drafter's
+        block, padded to the others' length (its acceptance capped at its
+        span); without one, the drafter's block where the drafter drafts
+        (``drafting``), else nothing (a plain step's row)."""
+        proposal, qs = None, [None] * len(rows)
+        if drafting:
+            proposal, qs = self.draft_chains(rows, slots)
+            self.settle(proposal)
+            if len(rows) == 1 and plans[0] is None and rows[0].copies is not None:
+                extra, klass = self.sizing.continuation(rows[0], slots + 1, proposal[0])
+                if not extra:
+                    return proposal, qs, None
+                proposal = mx.concatenate([proposal, mx.array([extra], dtype=mx.int32)], axis=1)
+                return proposal, qs, [(slots, slots + len(extra), klass)]
+            if not any(plans):
+                return proposal, qs, None
+        spans, copied = [], []
+        for b, (r, plan) in enumerate(zip(rows, plans)):
+            tokens, klass = plan if plan is not None else ([], 0)
+            copied.append((tokens + [r.anchor] * slots)[:slots])  # padding: never accepted
+            if plan is not None:
+                qs[b] = None  # point masses
+            spans.append((0, len(tokens), klass) if plan is not None or not drafting else (slots, slots, 0))
+        copied = mx.array(copied, dtype=mx.int32)
+        if drafting:
+            copied = mx.where(mx.array([p is not None for p in plans])[:, None], copied, proposal)
+        return copied, qs, spans
 
     def forced_choice(self, rows: List[Request], choice):
         """``choice``, or a longer chain where every row's grammar forces the
@@ -536,7 +692,11 @@ class Decoder:
                 lps = log_probs(cycle.logits[b])
                 lp = [lps[i] for i in rows]
             finish = r.finish(stopped)
-            out.append(BatchResponse(r.uid, new, [i < accepted for i in range(len(new))], lp, finish, cycle.block, len(cycle.rows), tree, forced=forced))
+            copied = cycle.copied(b, accepted)[: len(new)]
+            out.append(BatchResponse(
+                r.uid, new, [i < accepted for i in range(len(new))], lp, finish, cycle.block, len(cycle.rows), tree,
+                forced=forced, copied=copied,
+            ))
             if finish is not None:
                 ended.append(b)
         if not cycle.kept:

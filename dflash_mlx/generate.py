@@ -18,6 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import cli
 from .adaptive import BlockSizer
 from .cache import PromptCache, bound_target, load_prompt_cache, prompt_cache_for
+from .copy_source import CopyDrafts
 from .calibration import calibrated, plan
 from .controls import add_extra_eos_tokens, check_controls, template_prompt
 from .decode import BatchResponse, Decoder, Request, Sizing
@@ -54,6 +55,8 @@ class GenerationResponse:
         forced: of the tokens committed this cycle, those the
             ``response_format`` forced (the only token its grammar allowed:
             no drafting needed, see docs/structured.md).
+        copied: of the ``accepted`` tokens, those copied from the context
+            (:mod:`dflash_mlx.copy_source`); the rest came from the drafter.
     """
 
     text: str
@@ -69,6 +72,7 @@ class GenerationResponse:
     block_size: int = 0
     tree_size: int = 0
     forced: int = 0
+    copied: int = 0
 
 
 def cycle_lengths(responses: Sequence[GenerationResponse]) -> List[int]:
@@ -189,10 +193,11 @@ def generate_step(
     xtc_probability: float = 0.0, xtc_threshold: float = 0.1, xtc_special_tokens: Optional[List[int]] = None,
     kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None, quantized_kv_start: Optional[int] = None,
     max_kv_size: Optional[int] = None, all_tokens: Optional[List[int]] = None, response_format=None, tokenizer=None,
-) -> Generator[Tuple[int, Optional[mx.array], bool, int, int], None, None]:
+    copy_drafts: bool = True,
+) -> Generator[Tuple[int, Optional[mx.array], bool, int, int, bool], None, None]:
     """Yield each committed token as ``(token, logprobs, from_draft, block,
-    tree)``, like mlx-lm's ``speculative_generate_step`` plus the rows its
-    cycle verified (0 for the prefill's token) and its draft tree's nodes.
+    tree, copied)``, like mlx-lm's ``speculative_generate_step`` plus the rows its cycle verified
+    (0 for the prefill's token), its draft tree's nodes and whether it was copied (``copy_drafts``).
 
     ``prompt`` holds only the tokens new to ``prompt_cache`` (it may be empty
     when the cache has a pending token; an id outside the target's
@@ -224,9 +229,8 @@ def generate_step(
     tokens per second, as measured (:mod:`dflash_mlx.adaptive`; a ``sizer`` makes
     the choices instead): a seeded sampled run repeats only when they are fixed.
     mlx-lm's controls are exact through speculation: ``logits_processors``
-    (see :func:`processors_for` for ``all_tokens``), ``min_tokens_to_keep``,
-    XTC, the KV cache keywords; ``response_format`` (with the target's
-    ``tokenizer``; docs/structured.md) as mlx-lm's masked decode.
+    (:func:`processors_for`), ``min_tokens_to_keep``, XTC, the KV cache keywords;
+    ``response_format`` (with ``tokenizer``; docs/structured.md) as mlx-lm's masked decode.
     """
     target = bound_target(model, draft)
     kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
@@ -242,10 +246,9 @@ def generate_step(
     with generation(target, draft, cache, stream):
         controls = row_controls(logits_processors, constraint, cache, prompt, all_tokens)
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-        request = Request(0, cache, rule, max_tokens, stop_tokens(eos_token_ids, constraint), logprobs, controls=controls)
+        request = Request(0, cache, rule, max_tokens, stop_tokens(eos_token_ids, constraint), logprobs, controls=controls,
+                          copies=CopyDrafts(cache) if copy_drafts else None)
         yield from alone(target, draft, request, request.start(logits), max_block, trees, block_size is not None, sizer)
-
-
 
 
 def controlled_rule(target, sampling: tuple, logits_processors, kv: dict, min_tokens_to_keep=1, xtc_probability=0.0,
@@ -332,7 +335,7 @@ def yielded(response: BatchResponse):
     """A request's tokens from one cycle as :func:`generate_step` yields them."""
     for i, token in enumerate(response.tokens):
         lp = None if response.logprobs is None else response.logprobs[i]
-        yield token, lp, response.from_draft[i], response.block, response.tree
+        yield token, lp, response.from_draft[i], response.block, response.tree, response.copied[i]
 
 
 def stream_generate(
@@ -356,6 +359,10 @@ def stream_generate(
     only the new part of the conversation, as in mlx-lm. ``record``
     (a :class:`dflash_mlx.traffic.Recorder`) stores the conversation when
     the generation finishes, as training data for the drafter.
+    ``copy_drafts`` (on by default): cycles may also verify what followed
+    an earlier occurrence of the context's end (:mod:`dflash_mlx.copy_source`)
+    where the request's acceptance of such copies says that is faster;
+    exact as any draft (a copied token is a point-mass proposal).
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -371,14 +378,15 @@ def stream_generate(
     )
     with wired_limit(model, [stream]), closing(steps):
         tic = time.perf_counter()
-        n_out, prompt_tps, cycle, accepted, answer, forced = 0, None, [], 0, [], 0
-        for token, _, from_draft, block, tree in steps:
+        n_out, prompt_tps, cycle, accepted, copied, answer, forced = 0, None, [], 0, 0, [], 0
+        for token, _, from_draft, block, tree, was_copied in steps:
             if prompt_tps is None:
                 prompt_tps = prompt.size / (time.perf_counter() - tic)
                 tic = time.perf_counter()
             cycle.append(token)
             answer.append(token)
             accepted += from_draft
+            copied += was_copied
             finish = "stop" if token in eos else None
             if finish is None:
                 detok.add_token(token)
@@ -404,10 +412,11 @@ def stream_generate(
                 block_size=block,
                 tree_size=tree,
                 forced=constraint.forced_count - forced if constraint else 0,
+                copied=copied,
             )
             if finish:
                 return
-            cycle, accepted, forced = [], 0, constraint.forced_count if constraint else 0
+            cycle, accepted, copied, forced = [], 0, 0, constraint.forced_count if constraint else 0
 
 
 def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
@@ -438,6 +447,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     )
     cli.add_block_size_argument(p)
     cli.add_tree_budget_argument(p)
+    cli.add_copy_drafts_argument(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is")
     p.add_argument("--system-prompt", default=None)
     cli.add_template_arguments(p)
@@ -530,6 +540,7 @@ def main(argv=None):
         draft_window=args.draft_window,
         draft_sink=args.draft_sink,
         response_format=response_format,
+        copy_drafts=args.copy_drafts,
         **controls,
     ):
         if args.verbose:
@@ -548,6 +559,8 @@ def print_statistics(responses: Sequence[GenerationResponse]) -> None:
     print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
     if cycles:
         print(f"Mean tokens per cycle: {mean_tokens_per_cycle(cycles):.2f} over {len(cycles)} cycles")
+        copied = sum(r.copied for r in responses)
+        print(f"Accepted drafted tokens: {sum(r.accepted for r in responses) - copied} from the drafter, {copied} copied from the context")
         sizes = Counter(r.block_size for r in responses[1:] if not r.tree_size)
         print("Block sizes (size:cycles): " + " ".join(f"{b}:{k}" for b, k in sorted(sizes.items())))
         trees = Counter(r.tree_size for r in responses[1:] if r.tree_size)

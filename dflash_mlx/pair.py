@@ -118,15 +118,33 @@ def named_prompts(name: str) -> List[str]:
     return json.loads((NAMED_PAIRS[name]["dir"] / "prompts.json").read_text())
 
 
-def benchmark_prompts(model_path, tokenizer) -> List[str]:
-    """The benchmark's default prompts: a named pair's held-out requests with
-    the chat template applied, else the bundled pair's held-out code prompts."""
-    if str(model_path) not in NAMED_PAIRS:
-        return default_prompts()
+# Prompt sets the bench can run on any target (``--prompt-set``): JSON lists
+# of requests. ``edit``: rewrite a given function with one change, fix a typo
+# in a given paragraph and return it whole, answer by quoting the given text
+# (the answer repeats its context: what copy drafts are for); not tuned on.
+PROMPT_SETS = {"edit": Path(__file__).parent / "prompt_sets" / "edit.json"}
+
+
+def as_chat(tokenizer, requests: List[str]) -> List[str]:
+    """Each request as a user turn in the tokenizer's chat template (as it is
+    where the tokenizer has none)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(requests)
     return [
         tokenizer.apply_chat_template([{"role": "user", "content": r}], add_generation_prompt=True, tokenize=False)
-        for r in named_prompts(str(model_path))
+        for r in requests
     ]
+
+
+def benchmark_prompts(model_path, tokenizer, prompt_set=None) -> List[str]:
+    """The benchmark's prompts: ``prompt_set``'s requests (a name in
+    :data:`PROMPT_SETS`) as chat turns; else a named pair's held-out
+    requests as chat turns, else the bundled pair's held-out code prompts."""
+    if prompt_set is not None:
+        return as_chat(tokenizer, json.loads(PROMPT_SETS[prompt_set].read_text()))
+    if str(model_path) not in NAMED_PAIRS:
+        return default_prompts()
+    return as_chat(tokenizer, named_prompts(str(model_path)))
 
 
 def benchmark_lengths(model_path) -> Tuple[int, ...]:

@@ -20,7 +20,8 @@ decoding flips one per token: a verify's rows are drawn from
 :func:`speculative_accept` is the verification rule: a drafted token ``x``
 survives with probability ``min(1, p(x) / q(x))``; at the first rejection the
 replacement comes from ``normalize(max(0, p - q))``; after a fully accepted
-block the bonus comes from ``p`` at the last slot. Every committed token is
+block the bonus comes from ``p`` at the last slot. A token copied from the
+context is a draft with a point-mass ``q`` (:func:`accept_point_mass`). Every committed token is
 then distributed exactly as the target samples it. All randomness is drawn
 from ``mx.random``, so ``mx.random.seed(n)`` reproduces a run.
 """
@@ -111,7 +112,10 @@ def speculative_accept(
         p: ``[..., n + 1, V]`` target distribution at every verified slot
             (row ``i`` is the target's choice for draft slot ``i``; row ``n``
             is the bonus slot).
-        q: ``[..., n, V]`` drafter distribution the tokens were drawn from.
+        q: ``[..., m, V]``, ``m <= n``: the drafter distribution the first
+            ``m`` tokens were drawn from; the tokens after them were
+            proposed with certainty (a copied span, a point mass each),
+            with no ``[n - m, V]`` one-hot rows built for them.
 
         key: a request's own random key (None: ``mx.random``'s state).
 
@@ -120,10 +124,11 @@ def speculative_accept(
         and the token committed after it (the residual sample at the first
         rejection, or the bonus from ``p[n]``).
     """
-    n = draft_tokens.shape[-1]
+    n, m = draft_tokens.shape[-1], q.shape[-2]
     idx = draft_tokens.astype(mx.int32)[..., None]
     p_x = mx.take_along_axis(p[..., :n, :], idx, axis=-1)[..., 0]
-    q_x = mx.take_along_axis(q, idx, axis=-1)[..., 0]
+    q_x = mx.take_along_axis(q, idx[..., :m, :], axis=-1)[..., 0]
+    q_x = mx.concatenate([q_x, mx.ones_like(p_x[..., m:])], axis=-1)
     # u < p/q, written without dividing (q_x > 0 for a token sampled from q).
     keys = (None, None) if key is None else mx.random.split(key)
     keep = mx.random.uniform(shape=p_x.shape, key=keys[0]) * q_x < p_x
@@ -132,7 +137,12 @@ def speculative_accept(
     q = mx.concatenate([q, mx.zeros_like(p[..., :1, :])], axis=-2)
     at = accepted[..., None, None]
     p_row = mx.take_along_axis(p, at, axis=-2)[..., 0, :]
-    residual = mx.maximum(p_row - mx.take_along_axis(q, at, axis=-2)[..., 0, :], 0.0)
+    residual = mx.maximum(p_row - mx.take_along_axis(q, mx.minimum(at, m), axis=-2)[..., 0, :], 0.0)
+    if m < n:  # a point mass rejected at slot a leaves p without the token it proposed
+        proposed = mx.concatenate([draft_tokens.astype(mx.int32), mx.full(draft_tokens.shape[:-1] + (1,), -1, mx.int32)], axis=-1)
+        point = mx.take_along_axis(proposed, accepted[..., None], axis=-1)
+        point = mx.where((accepted >= m)[..., None], point, -1)
+        residual = mx.where(mx.arange(p.shape[-1]) == point, 0.0, residual)
     # Rounding can empty the residual when p == q; p itself is then exact.
     residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p_row)
     return accepted, sample(residual, keys[1])
@@ -187,10 +197,13 @@ class AcceptanceRule:
     def outcome(self, logits, proposal, q, key=None) -> Tuple[mx.array, mx.array]:
         """``(accepted count, the token after them)`` for one request's
         verified ``logits [n + 1, V]`` of its ``proposal [n]`` (``q``: the
-        distribution it was sampled from; None: proposed greedily)."""
-        if q is None:
+        distribution its first ``m <= n`` tokens were sampled from, the rest
+        copied from the context, point masses; None: proposed greedily, or
+        all copied when rejection sampling)."""
+        if q is None and not self.speculative:
             return accept_greedy(proposal, self.choose(logits, key))
-        return speculative_accept(proposal, processed_probs(logits, **self.settings), q, key)
+        p = processed_probs(logits, **self.settings)
+        return speculative_accept(proposal, p, p[:0] if q is None else q, key)
 
 
 def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance, **sampler_settings) -> AcceptanceRule:
@@ -207,25 +220,47 @@ def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance, **sam
     return AcceptanceRule(make_sampler(temperature, **{k: v for k, v in settings.items() if k != "temperature"}), settings, acceptance == "speculative")
 
 
-def accept_rows(rules: Sequence[AcceptanceRule], logits: mx.array, proposal: mx.array, qs: List, keys: List) -> mx.array:
+def accept_rows(
+    rules: Sequence[AcceptanceRule], logits: mx.array, proposal: mx.array, qs: List, keys: List,
+    lengths: Optional[List[int]] = None,
+) -> mx.array:
     """A verified cycle's outcome for every row as one lazy ``[B, 2 + n]``
     int32 array, read with one host sync: per row its accepted count, the
     token after them and its ``proposal [B, n]`` (``n`` 0: a plain step).
     Greedy rows are decided together; each other row by its own rule, with
-    its own key (``qs[b]``: the q its tokens were sampled from)."""
-    B = logits.shape[0]
+    its own key (``qs[b]``: the q its drafted tokens were sampled from, see
+    :meth:`AcceptanceRule.outcome`). ``lengths[b]``: how many of row ``b``'s
+    slots it proposed (None: all); the slots after them are padding, never
+    accepted, and the token after its accepted ones is chosen as if they
+    were not there."""
+    B, n = proposal.shape
+    capped = lengths is not None and any(k < n for k in lengths)
     greedy = [b for b, rule in enumerate(rules) if rule.sampler is None]
     accepted, token = [None] * B, [None] * B
     if greedy:
         idx = mx.array(greedy, dtype=mx.int32) if len(greedy) < B else None
         sub = (lambda a: a) if idx is None else (lambda a: a[idx])  # noqa: E731
-        acc, tok = accept_greedy(sub(proposal), mx.argmax(sub(logits), axis=-1))
+        drafted = sub(proposal)
+        if capped:  # a padded slot proposes no token (-1), so it is never accepted
+            drafted = mx.where(mx.arange(n) < sub(mx.array(lengths))[:, None], drafted, -1)
+        acc, tok = accept_greedy(drafted, mx.argmax(sub(logits), axis=-1))
         if len(greedy) == B:  # every row greedy: decided in one go
             return mx.concatenate([mx.stack([acc, tok], axis=1).astype(mx.int32), proposal], axis=1)
         for i, b in enumerate(greedy):
             accepted[b], token[b] = acc[i], tok[i]
     for b, rule in enumerate(rules):
         if rule.sampler is not None:
-            accepted[b], token[b] = rule.outcome(logits[b], proposal[b], qs[b], keys[b])
+            k = n if lengths is None else lengths[b]
+            q = qs[b] if qs[b] is None or qs[b].shape[0] <= k else qs[b][:k]
+            accepted[b], token[b] = rule.outcome(logits[b, : k + 1], proposal[b, :k], q, keys[b])
     head = mx.stack([mx.stack([a.astype(mx.int32), t.astype(mx.int32)]) for a, t in zip(accepted, token)])
     return mx.concatenate([head, proposal], axis=1)
+
+
+def accept_point_mass(draft_tokens: mx.array, p: mx.array, key=None) -> Tuple[mx.array, mx.array]:
+    """:func:`speculative_accept` for tokens proposed with certainty (copied
+    from the context): token ``x`` is kept with probability ``p(x)``; at the
+    first rejection the next token is drawn from ``p`` without ``x``,
+    renormalised; after a fully accepted span the bonus is drawn from the
+    last row of ``p`` (shapes as there)."""
+    return speculative_accept(draft_tokens, p, p[..., :0, :], key)

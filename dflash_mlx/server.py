@@ -344,10 +344,11 @@ class Served:
         self.stats = Stats()
         self.alive = time.monotonic()
 
-    def add(self, token: int, logprobs, from_draft: bool, block: int, tree: int) -> bool:
-        """One committed token out to the client; True when the request is done."""
+    def add(self, token: int, logprobs, from_draft: bool, block: int, tree: int, copied: bool = False) -> bool:
+        """One committed token out to the client (``copied``: a drafted token
+        copied from the context); True when the request is done."""
         self.answer.append(token)
-        self.stats.count(from_draft, block, tree)
+        self.stats.count(from_draft, block, tree, copied)
         finish = "stop" if token in self.eos else None
         if finish is None:
             self.detok.add_token(token)
@@ -366,7 +367,8 @@ class Served:
             logging.info("request stopped by the client after %d tokens", self.n)
         stats = self.stats
         self.ctx.dflash.update(
-            cycles=stats.cycles, accepted_draft_tokens=stats.accepted, forced_tokens=stats.forced,
+            cycles=stats.cycles, accepted_draft_tokens=stats.accepted, accepted_copied_tokens=stats.copied,
+            forced_tokens=stats.forced,
             block_sizes=dict(sorted(stats.blocks.items())), tree_sizes=dict(sorted(stats.trees.items())),
             tokens_per_cycle=stats.tokens_per_cycle,
         )
@@ -440,6 +442,7 @@ class DFlashResponseGenerator:
             prefill_batch_size=args.prompt_concurrency, prefill_step_size=args.prefill_step_size,
             draft_window=args.draft_window, draft_sink=args.draft_sink, stream=generation_stream,
             tokenizer=self.tokenizer,
+            copy_drafts=args.copy_drafts,
         )
 
     def warm_up(self) -> None:
@@ -591,11 +594,11 @@ class DFlashResponseGenerator:
                 top_p=args.sampling.top_p, top_k=args.sampling.top_k, min_p=args.sampling.min_p,
                 eos_token_ids=served.eos, logprobs=served.want, prefill_step_size=self.cli_args.prefill_step_size,
                 prompt_progress_callback=served.progress, response_format=constraint,
-                all_tokens=served.before, **self.controls, **prepared.controls,
+                all_tokens=served.before, copy_drafts=self.cli_args.copy_drafts, **self.controls, **prepared.controls,
             )
             with wired_limit(self.model, [generation_stream]), closing(steps):
-                for token, logprobs, from_draft, block, tree in steps:
-                    if served.add(token, logprobs, from_draft, block, tree) or self.client_gone(served.ctx, from_draft):
+                for token, logprobs, from_draft, block, tree, copied in steps:
+                    if served.add(token, logprobs, from_draft, block, tree, copied) or self.client_gone(served.ctx, from_draft):
                         break
             served.stats.forced = constraint.forced_count if constraint else 0
             self.finish(served)
@@ -652,7 +655,7 @@ class DFlashResponseGenerator:
                 ended = False
                 for i, token in enumerate(r.tokens):
                     lp = None if r.logprobs is None else r.logprobs[i]
-                    if served.add(token, lp, r.from_draft[i], r.block, 0):
+                    if served.add(token, lp, r.from_draft[i], r.block, 0, r.copied[i]):
                         ended = True
                         break
                 if ended or r.finish_reason is not None or served.ctx.stopped:
@@ -903,6 +906,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=["*"], help="comma-separated CORS origins")
     p.add_argument("--block-size", type=cli.positive_int, default=None, help="fix the verify width (default: adaptive, up to the drafter's trained size; a request's num_draft_tokens fixes block_size - 1)")
     cli.add_tree_budget_argument(p)  # a request's num_draft_tokens fixes a chain
+    cli.add_copy_drafts_argument(p)
     p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS, help="default max_tokens of a request")
     cli.add_sampling_arguments(p)  # a request's defaults
     p.add_argument("--decode-concurrency", type=cli.positive_int, default=DEFAULT_COMPLETION_BATCH_SIZE, help="most requests decoded together in one batch (mlx-lm's flag)")

@@ -298,7 +298,7 @@ def test_the_block_shrinks_when_acceptance_collapses_and_grows_when_it_recovers(
     ref = pair.reference(prompt, 516)
     drafter = CollapsingDrafter(ref, prompt, range(150, 250), pair.vocab)
     sizer = BlockSizer(16, CycleCosts(LINEAR, follow=False))  # costs fixed: no timing noise
-    got, responses = pair.dflash(drafter, prompt, sizer=sizer, max_tokens=500)
+    got, responses = pair.dflash(drafter, prompt, sizer=sizer, max_tokens=500, copy_drafts=False)  # the drafter's blocks alone
     assert got == ref[:500]
     starts = np.cumsum([0] + [len(r.tokens) for r in responses])[1:-1]  # tokens before each cycle
     phase = lambda lo, hi: [r.block_size for s, r in zip(starts, responses[1:]) if lo <= s < hi]  # noqa: E731
@@ -345,7 +345,7 @@ def test_plain_cycles_queue_the_next_step_and_closing_undoes_it(qwen3_pair, tmp_
     for stop_after in range(1, 7):
         cache = dflash_mlx.make_prompt_cache(pair.model, draft)
         steps = dflash_mlx.generate_step(prompt_of(5), pair.model, draft, prompt_cache=cache, block_size=1, max_tokens=6)
-        for i, (token, _, from_draft, block, _) in enumerate(steps, 1):
+        for i, (token, _, from_draft, block, _, _) in enumerate(steps, 1):
             assert not from_draft and block in (0, 1)
             assert (cache.target.undo is not None) == (i < 6)  # the last token queues nothing
             if i == stop_after:

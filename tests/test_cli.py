@@ -117,13 +117,17 @@ def test_bench_json_and_plot(tiny_dirs, tmp_path, capsys):
     assert "trimmable" in report["speculative_unavailable"]  # mlx-lm cannot for hybrid targets
     assert set(report["sampled_tokens_per_cycle"]) == {"speculative", "exact-match"}
     configs = report["configurations"]  # chains, trees and the adaptive loop side by side
-    assert list(configs) == ["dflash", "fixed", "chain", "tree_3", "tree_6"]
+    assert list(configs) == ["dflash", "no_copy", "fixed", "chain", "tree_3", "tree_6"]
+    assert report["no_copy_tps"] > 0 and report["copy_speedup"] > 0  # copy drafts on and off, in one run
+    committed = sum(int(k) * v for k, v in report["acceptance_histogram"].items())
+    assert report["accepted_from_drafter"] >= 0 <= report["accepted_from_copies"]
+    assert report["accepted_from_drafter"] + report["accepted_from_copies"] < committed
     assert configs["tree_6"]["mean_tree_size"] == pytest.approx(6, abs=3) and configs["chain"]["mean_tree_size"] == 0
     for c in configs.values():
         assert c["tps"] > 0 and c["ms_per_cycle"] > 0 and 1 <= c["tokens_per_cycle"] <= 4
         assert sum(c["path_length_histogram"].values()) > 0
     out = capsys.readouterr().out
-    assert "speedup" in out and "tree 6" in out and "chain, adaptive" in out
+    assert "speedup" in out and "tree 6" in out and "chain, adaptive" in out and "from the drafter" in out
 
 
 def test_repeated_4gram_share():

@@ -228,7 +228,8 @@ def test_accept_edge_cases():
 )
 def test_stream_generate_samples_the_target(small, tables, drafter, acceptance, setting, runs):
     draft = small.draft if drafter == "random" else DoubleDrafter(PROMPT, tables.noise)
-    tokens, accepted = sampled_runs(small, draft, runs, setting, acceptance=acceptance, block_size=4)
+    only = {} if drafter == "random" else dict(copy_drafts=False)  # (a double follows its own blocks only)
+    tokens, accepted = sampled_runs(small, draft, runs, setting, acceptance=acceptance, block_size=4, **only)
     ks, bound, outside = pit_check(small.model, tokens, setting, np.random.default_rng(0))
     assert outside == 0 and ks < bound
     assert min(accepted) == 0 and max(accepted) >= 2  # rejections and accepted drafts both occurred
@@ -240,7 +241,7 @@ def test_hybrid_target_samples_the_target(tmp_path):
     """Qwen3.5: rejections roll GatedDeltaNet state back mid-block."""
     hybrid = small_pair(tmp_path, tiny.QWEN3_5)
     draft = DoubleDrafter(PROMPT, draft_noise())
-    tokens, accepted = sampled_runs(hybrid, draft, 2, TRUNCATED, block_size=4)
+    tokens, accepted = sampled_runs(hybrid, draft, 2, TRUNCATED, block_size=4, copy_drafts=False)
     ks, bound, outside = pit_check(hybrid.model, tokens, TRUNCATED, np.random.default_rng(0))
     assert outside == 0 and ks < bound
     assert len(set(accepted)) == draft.block_size  # every acceptance length 0..3
@@ -279,7 +280,7 @@ def sharp(tmp_path_factory):
 def test_dflash2_drafter_samples_the_target(sharp, setting):
     """DFlash2's selector walk through the real loop, at T != 1, its drafts
     mostly accepted (with q computed without the temperature this fails)."""
-    tokens, accepted = sampled_runs(sharp, sharp.draft, 8, setting, block_size=4)
+    tokens, accepted = sampled_runs(sharp, sharp.draft, 8, setting, block_size=4, copy_drafts=False)
     ks, bound, outside = pit_check(sharp.model, tokens, setting, np.random.default_rng(0))
     assert outside == 0 and ks < bound
     assert np.mean(accepted) > 1.5  # the candidates overlap the target's likely tokens
@@ -359,7 +360,7 @@ def tree_runs(pair, setting, budget, runs, **kw):
     for seed in range(runs):
         cache = drafter.follow(dflash_mlx.make_prompt_cache(pair.model, drafter))
         tokens, rs = generated_tokens(pair.model, drafter, pair.tokenizer, seed, tiny.REAL_TOKENS, prompt_cache=cache,
-                                      tree_budget=budget, block_size=4, **setting, **kw)
+                                      tree_budget=budget, block_size=4, copy_drafts=False, **setting, **kw)
         out.append(tokens)
         accepted += [r.accepted for r in rs[1:]]
     return out, accepted

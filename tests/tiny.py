@@ -678,7 +678,10 @@ def committed_sequence(prompt, block, context, cache, reference=None) -> list:
 
 class FakeDrafter:
     """Base of the test doubles behind the drafter interface: binds the
-    target's adapter (one tap) and tracks the committed tokens."""
+    target's adapter (one tap) and tracks the committed tokens (without a
+    greedy ``reference``, from its own blocks: run it with
+    ``copy_drafts=False``, since a cycle of copies commits tokens it did
+    not propose)."""
 
     mask_token_id = 0
     vocab_ids = None  # head columns are target ids

@@ -49,6 +49,7 @@ class Metrics:
                 generations=1, prompt_tokens=prompt_tokens, cached_tokens=max(0, cached_tokens),
                 generated_tokens=generated_tokens, cycles=dflash.get("cycles", 0),
                 accepted_draft_tokens=dflash.get("accepted_draft_tokens", 0),
+                accepted_copied_tokens=dflash.get("accepted_copied_tokens", 0),
             )
             self.blocks.update(dflash.get("block_sizes", {}))
             self.trees.update(dflash.get("tree_sizes", {}))
@@ -79,6 +80,10 @@ class Metrics:
             metric("dflash_cycles_total", "counter", "DFlash draft-and-verify cycles.", [({}, t["cycles"])])
             metric("dflash_accepted_draft_tokens_total", "counter", "Drafted tokens the target accepted.",
                    [({}, t["accepted_draft_tokens"])])
+            metric("dflash_accepted_draft_tokens_by_source_total", "counter",
+                   "Drafted tokens the target accepted, by where they came from (the drafter, or copied from the context).",
+                   [({"source": "drafter"}, t["accepted_draft_tokens"] - t["accepted_copied_tokens"]),
+                    ({"source": "copy"}, t["accepted_copied_tokens"])])
             metric("dflash_verify_blocks_total", "counter", "Verify cycles by the block size chosen.",
                    [({"block_size": str(b)}, n) for b, n in sorted(self.blocks.items())])
             metric("dflash_verify_trees_total", "counter", "Verify cycles that checked a draft tree, by its node count.",

@@ -1,0 +1,265 @@
+"""Copy drafts in the decode loop: spans copied from the context verified in
+place of the drafter's block or after it, exact (greedy token for token
+against mlx-lm, sampled in distribution), batched rows each on their own
+acceptance, the switch that turns them off, and the per-source counts."""
+
+import importlib
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+from tiny import PROMPT, REAL_TOKENS, TRUNCATED, generated_tokens, pit_check, prompt_of, reference_tokens, small_pair
+
+import dflash_mlx
+from dflash_mlx.adaptive import BatchCosts, BlockSizer, CycleCosts
+from dflash_mlx import copy_source
+from dflash_mlx.batch import BatchGenerator
+from dflash_mlx.copy_source import CopyDrafts
+from dflash_mlx.decode import Request, Sizing
+from dflash_mlx.sampling import accept_greedy, accept_point_mass, accept_rows, acceptance_rule, processed_probs
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A 16-token target: its answers repeat, so copies are accepted."""
+    return small_pair(tmp_path_factory.mktemp("small"), tiny.QWEN3)
+
+
+@pytest.fixture
+def spans(monkeypatch):
+    """Counts the copied spans the target reached (each verified and observed)."""
+    seen = []
+    real = CopyDrafts.observe
+
+    def observe(self, klass, proposed, accepted):
+        seen.append((proposed, accepted))
+        real(self, klass, proposed, accepted)
+
+    monkeypatch.setattr(CopyDrafts, "observe", observe)
+    return seen
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """Copies proposed wherever the index has one, until they are seen to fail
+    (on random targets they mostly are: the check is that they stay exact)."""
+    monkeypatch.setattr(copy_source, "COPY_PRIOR", 0.99)
+
+
+def repeating_prompt(pair, n=20):
+    """A prompt whose end occurred earlier, followed by the target's own answer to it."""
+    head = prompt_of(n)
+    return head + pair.reference(head, 40) + head
+
+
+def copies_possible(prompt, tokens) -> bool:
+    """Whether a copy could be proposed: after some committed token (the
+    last few left out, no room to verify one) the last two occurred before."""
+    seq, seen = list(prompt) + list(tokens), set()
+    for j in range(1, len(seq) - 3):
+        if j >= len(prompt) and (seq[j - 1], seq[j]) in seen:
+            return True
+        seen.add((seq[j - 1], seq[j]))
+    return False
+
+
+def counts_add_up(responses, tokens):
+    """Every cycle commits its accepted tokens and the target's one (the
+    last may stop short), the copied ones among the accepted; together the
+    tokens out (and an eos)."""
+    for r in responses[1:-1]:
+        assert r.committed == r.accepted + 1
+    assert all(0 <= r.copied <= r.accepted for r in responses)
+    assert sum(r.committed for r in responses) == len(tokens) + (responses[-1].finish_reason == "stop")
+
+
+def test_every_family_is_lossless_with_copies(family_pair, tmp_path, spans, eager):
+    """Each family, a prompt built to repeat: adaptive (chains, trees,
+    copies) and a fixed block against mlx-lm's greedy decode; copies were
+    verified."""
+    pair = family_pair
+    prompt = repeating_prompt(pair)
+    ref = pair.reference(prompt, 48)
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    for kw in (dict(), dict(block_size=8)):
+        got, responses = pair.dflash(draft, prompt, max_tokens=48, **kw)
+        assert got == ref, kw
+        counts_add_up(responses, got)
+    assert spans or not copies_possible(prompt, ref)  # (random targets seldom repeat: the small one below does)
+
+
+def test_accepted_copies_are_lossless_and_counted(small, spans):
+    """Greedy answers that repeat: copies accepted, alone and after the
+    drafter's block, adaptive, fixed and with trees; every run mlx-lm's."""
+    ref = reference_tokens(small.model, small.tokenizer, PROMPT, 64)
+    copied = 0
+    for kw in (dict(), dict(block_size=4), dict(tree_budget=3)):
+        got, responses = tiny.dflash_tokens(small.model, small.draft, small.tokenizer, PROMPT, max_tokens=64, **kw)
+        assert got == ref, kw
+        counts_add_up(responses, got)
+        copied += sum(r.copied for r in responses)
+    assert copied > 0 and any(a for _, a in spans)
+
+
+def test_the_switch_turns_copies_off(small, spans):
+    ref = reference_tokens(small.model, small.tokenizer, PROMPT, 40)
+    got, responses = tiny.dflash_tokens(small.model, small.draft, small.tokenizer, PROMPT, max_tokens=40, copy_drafts=False)
+    assert got == ref
+    assert not spans and sum(r.copied for r in responses) == 0
+    gen = BatchGenerator(small.model, small.draft, copy_drafts=False)
+    gen.insert([PROMPT], 40)
+    out = []
+    while gen.busy:
+        out += gen.next()
+    assert [t for r in out for t in r.tokens] == ref and not spans
+
+
+def test_cli_flags():
+    for name in ("generate", "chat", "benchmark", "server"):  # (the package exports a function named generate)
+        parser = importlib.import_module(f"dflash_mlx.{name}").setup_arg_parser()
+        assert parser.parse_args([]).copy_drafts is True
+        assert parser.parse_args(["--no-copy-drafts"]).copy_drafts is False
+
+
+def test_dflash2_drafter_with_copies(qwen3_pair, tmp_path, spans, eager):
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(tiny.make_draft(tmp_path / "d2", pair.dflash2_config(), seed=3), pair.model)
+    prompt = repeating_prompt(pair)
+    ref = pair.reference(prompt, 40)
+    for kw in (dict(), dict(block_size=8), dict(temperature=0.0, draft_window=8, draft_sink=2)):
+        assert pair.dflash(draft, prompt, max_tokens=40, **kw)[0] == ref, kw
+    assert spans
+
+
+@pytest.mark.parametrize("acceptance", ["speculative", "exact-match"])
+@pytest.mark.parametrize("setting", [dict(temperature=1.0), TRUNCATED], ids=["plain", "truncated"])
+def test_sampled_copies_follow_the_target(small, setting, acceptance):
+    """Seeded sampled runs with copied tokens accepted (point masses): a
+    randomised PIT of every token under the target's processed p."""
+    runs, copied = [], 0
+    for seed in range(8):
+        tokens, responses = generated_tokens(small.model, small.draft, small.tokenizer, seed, REAL_TOKENS, block_size=4, acceptance=acceptance, **setting)
+        runs.append(tokens)
+        copied += sum(r.copied for r in responses)
+    assert copied > 10
+    ks, bound, outside = pit_check(small.model, runs, setting, np.random.default_rng(0))
+    assert outside == 0 and ks < bound
+
+
+def test_a_broken_point_mass_rule_is_caught(small, monkeypatch):
+    """Copied tokens kept whatever the target's p: the same check fails."""
+    import dflash_mlx.sampling as sampling
+
+    real = sampling.speculative_accept
+
+    def keep_copies(draft_tokens, p, q, key=None):
+        if q.shape[-2] == 0:  # all copied: keep them all, then the bonus
+            n = draft_tokens.shape[-1]
+            return mx.array(n), sampling.sample(p[n], key)
+        return real(draft_tokens, p, q, key)
+
+    monkeypatch.setattr(sampling, "speculative_accept", keep_copies)
+    setting = dict(temperature=1.0)
+    runs = [generated_tokens(small.model, small.draft, small.tokenizer, seed, REAL_TOKENS, block_size=4, **setting)[0] for seed in range(16)]
+    ks, bound, _ = pit_check(small.model, runs, setting, np.random.default_rng(0))
+    assert ks > bound
+
+
+def test_batched_rows_mixing_copies_each_equal_their_lone_run(small, qwen3_pair, tmp_path, spans, eager):
+    """Rows that copy beside rows that do not (the switch per request), in
+    one batch, adaptive and fixed: each is its lone run, token for token."""
+    draft = dflash_mlx.load_draft(qwen3_pair.make_draft(tmp_path / "d"), qwen3_pair.model)
+    for pair, model, prompts in ((small, small.model, [PROMPT, [2, 9, 4], PROMPT]), (qwen3_pair, qwen3_pair.model, None)):
+        d = small.draft if pair is small else draft
+        prompts = prompts or [repeating_prompt(qwen3_pair), prompt_of(9), repeating_prompt(qwen3_pair, 12)]
+        refs = [reference_tokens(model, pair.tokenizer, p, 40) for p in prompts]
+        for block_size in (None, 4):
+            gen = BatchGenerator(model, d, block_size=block_size)
+            uids = gen.insert(prompts, 40, copy_drafts=[True, True, False])
+            got = {u: [] for u in uids}
+            batches = []
+            while gen.busy:
+                for r in gen.next():
+                    got[r.uid] += r.tokens
+                    batches.append(r.batch)
+                    assert sum(r.copied) <= sum(r.from_draft)
+                    assert r.uid != uids[2] or not any(r.copied)
+            assert [got[u] for u in uids] == refs, (pair is small, block_size)
+            assert max(batches) == 3
+    assert spans
+
+
+def test_batch_generate_counts_copies(small):
+    result = dflash_mlx.batch_generate(small.model, small.draft, small.tokenizer, [PROMPT, PROMPT], max_tokens=40, block_size=4)
+    off = dflash_mlx.batch_generate(small.model, small.draft, small.tokenizer, [PROMPT], max_tokens=40, block_size=4, copy_drafts=False)
+    assert result.tokens[0] == result.tokens[1] == off.tokens[0]
+    assert all(0 < s["copied"] <= s["accepted"] for s in result.stats)
+    assert off.stats[0]["copied"] == 0
+
+
+def test_accept_rows_caps_padded_rows():
+    """A row's proposal shorter than the batch's block: its acceptance stops
+    at its own length, greedy rows as accept_greedy on the row cut short,
+    a sampled row's copied tokens as accept_point_mass."""
+    mx.random.seed(0)
+    V, n = 12, 5
+    logits = mx.random.normal((3, n + 1, V)) * 3
+    target = mx.argmax(logits, axis=-1)
+    proposal = target[:, :n].astype(mx.int32)  # every slot the target's choice
+    greedy, sampled = acceptance_rule(0, 0, 0, 0, None, "speculative"), acceptance_rule(1.0, 0, 0, 0, None, "speculative")
+    lengths = [2, 5, 3]
+    out = accept_rows([greedy, greedy, sampled], logits, proposal, [None] * 3, [None, None, mx.random.key(3)], lengths)
+    for b in (0, 1):
+        acc, tok = accept_greedy(proposal[b, : lengths[b]], target[b, : lengths[b] + 1])
+        assert out[b, :2].tolist() == [acc.item(), tok.item()] == [lengths[b], target[b, lengths[b]].item()]
+    p = processed_probs(logits[2, :4], temperature=1.0)
+    acc, tok = accept_point_mass(proposal[2, :3], p, mx.random.key(3))
+    assert out[2, :2].tolist() == [acc.item(), tok.item()]
+
+
+def pricing_row(tokens):
+    """A request whose context ends with a repeat of its start, its copy source on."""
+    cache = SimpleNamespace(tokens=list(tokens), copy_index=None)
+    r = Request(0, cache, acceptance_rule(0, 0, 0, 0, None, "speculative"), 200, frozenset())
+    r.copies = CopyDrafts(cache)
+    return r
+
+
+def test_copies_are_priced_and_stop_where_they_fail():
+    """A cycle of copies alone where they pay (no draft, the verify's rows
+    priced by the drafting line's slope), longer as they are accepted, and
+    none once a request's copies keep failing: it decodes as it would
+    without them."""
+    text = list(range(100, 160))
+    sizing = Sizing(BlockSizer(8, CycleCosts({1: 1.0, 2: 1.6, 8: 2.2}, follow=False)))
+    r = pricing_row(text + text[:10])
+    choice, plans, drafting = sizing.copies([r], 1)
+    assert choice > 1 and not drafting and plans[0][0] == text[10 : 10 + choice - 1]
+    klass = plans[0][1]
+    for _ in range(30):
+        r.copies.observe(klass, 32, 32)
+    long, plans, _ = sizing.copies([r], 1)
+    assert long > choice and plans[0][0] == text[10 : 10 + long - 1]
+    for _ in range(60):
+        r.copies.observe(klass, 32, 0)
+    assert sizing.copies([r], 1) == (1, [None], True)
+    assert sizing.copies([r], 4) == (4, [None], True)
+
+
+def test_copy_cycles_are_priced_by_their_own_cycles_once_measured():
+    """Before any, a cycle of copies costs a chain's verify without the
+    draft; after some, what they took (here dearer per row than the table's
+    slope: a verify the draft does not hide)."""
+    costs = CycleCosts({1: 1.0, 2: 1.6, 8: 2.2})
+    assert costs.verify(9) == pytest.approx(1.0 + 0.1 * 8)
+    for n in (3, 9, 17, 33) * 8:
+        costs.observe_verify(n, 1.0 + 0.3 * (n - 1))
+    assert costs.verify(21) == pytest.approx(1.0 + 0.3 * 20, rel=0.05)
+    assert costs.upto(8)[-1] == pytest.approx(2.2)  # the drafting line as it was
+    batch = BatchCosts.from_table(CycleCosts({1: 1.0, 2: 1.6, 8: 2.2}))
+    line = batch.verify(2, 9)
+    for _ in range(9):
+        batch.observe_verify(2, 9, 3 * line)
+    assert batch.verify(2, 9) > 2.5 * line and batch.cost(2, 9) == BatchCosts.from_table(CycleCosts({1: 1.0, 2: 1.6, 8: 2.2})).cost(2, 9)
