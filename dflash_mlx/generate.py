@@ -239,8 +239,7 @@ def generate_step(
     constraint = constraint_for(response_format, tokenizer)
     if max_tokens < 1:
         raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
-    max_block = max_block_size(draft, block_size, sizer)
-    trees = tree_plan(target, draft, tree_budget, sizer)
+    max_block, trees = max_block_size(draft, block_size, sizer), tree_plan(target, draft, tree_budget, sizer)
     cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink, **kv)
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
