@@ -73,9 +73,9 @@ def launch(*args, input=None) -> subprocess.CompletedProcess:
 
 def text_of(stdout: str, adaptive: bool = False) -> str:
     """What generate prints, without the lines that follow timings, which
-    differ run to run: the rates, and (adaptive) the block lengths and
-    draft trees chosen."""
-    timed = ["tokens-per-sec", "Peak memory"] + (["Block sizes", "Draft trees", "Mean tokens per cycle"] if adaptive else [])
+    differ run to run: the rates, and (adaptive) the block lengths, draft
+    trees and sources of the drafted tokens chosen."""
+    timed = ["tokens-per-sec", "Peak memory"] + (["Block sizes", "Draft trees", "Mean tokens per cycle", "Accepted drafted tokens"] if adaptive else [])
     return "\n".join(line for line in stdout.splitlines() if not any(t in line for t in timed))
 
 
