@@ -334,6 +334,51 @@ def test_sampled_and_greedy_rows_share_a_batch(tmp_path):
         assert got[a] == got[b], acceptance
 
 
+@pytest.mark.parametrize("order", list(itertools.permutations("GgS")))
+def test_mixed_rows_in_every_order_keep_their_own_decisions(qwen3_pair, tmp_path, order):
+    """Two greedy rows (different prompts, so different decisions) and a
+    sampled row in every order: each greedy row ends with its own lone
+    run's tokens, whichever row comes first (a greedy row that read another
+    greedy row's decision, or a sampled row's, would not)."""
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    prompts = {"G": prompt_of(9, seed=31), "g": prompt_of(17, seed=32), "S": prompt_of(12, seed=33)}
+    refs = {k: pair.reference(prompts[k], 24, eos_ids=[]) for k in "Gg"}
+    assert refs["G"] != refs["g"]
+    gen = BatchGenerator(pair.model, draft, block_size=4)
+    uids = {}
+    for k in order:
+        sampling = dict(temperature=1.0, seed=5) if k == "S" else {}
+        uids[k] = gen.insert([prompts[k]], 24, **sampling)[0]
+    got = run_all(gen).tokens
+    assert got[uids["G"]] == refs["G"] and got[uids["g"]] == refs["g"]
+    assert len(got[uids["S"]]) == 24
+
+
+def test_rows_stop_at_their_own_stop_tokens_and_limits(qwen3_pair, tmp_path):
+    """Rows with different stop tokens and token limits in one batch: each
+    ends where its lone run ends (at its own stop token, or its own limit),
+    never at another row's."""
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    prompts = [prompt_of(9, seed=41), prompt_of(15, seed=42), prompt_of(6, seed=43)]
+    free = [pair.reference(p, 40, eos_ids=[]) for p in prompts]
+    stop = free[1][4]  # a token the second row writes early: only the first row stops at it
+    limits, eos = [40, 30, 11], [[stop], [], [free[2][20]]]
+    want, finish = [], []
+    for ref, limit, ids in zip(free, limits, eos):
+        end = next((i + 1 for i, t in enumerate(ref) if t in ids), None)  # just past its first stop token
+        stops = end is not None and end <= limit
+        want.append(ref[:end] if stops else ref[:limit])
+        finish.append("stop" if stops else "length")
+    assert len(want[1]) == 30 and stop in want[1]  # the second row writes the first row's stop token, and goes on
+    gen = BatchGenerator(pair.model, draft, block_size=4)
+    uids = gen.insert(prompts, limits, eos_token_ids=eos)
+    seen = run_all(gen)
+    assert [seen.tokens[u] for u in uids] == want
+    assert [seen.finish[u] for u in uids] == finish
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma4_text"])
 def test_batch_caches_round_trip(make_pair, family):
     """Requests' caches joined into a batch and taken back out hold what they
