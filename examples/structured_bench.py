@@ -30,6 +30,7 @@ device's.
 """
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import time
@@ -137,7 +138,7 @@ def validator():
         error = jsonschema.exceptions.best_match(checker(schema)(schema).iter_errors(instance))
         return None if error is None else error.message
 
-    return f"jsonschema {jsonschema.__version__}", validate
+    return f"jsonschema {importlib.metadata.version('jsonschema')}", validate
 
 
 def schema_error(text: str, finish, schema: dict, validate) -> str:
