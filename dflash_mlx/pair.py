@@ -140,8 +140,9 @@ def set_request(entry) -> str:
 
 def structured_set(name: str) -> List[dict]:
     """A prompt set's structured entries: ``{"name", "request", "schema"}``
-    each, ``request`` as :func:`set_request` writes it (``json_extract``)."""
-    return [{**e, "request": set_request(e)} for e in json.loads(PROMPT_SETS[name].read_text())]
+    each, and ``prompt``: the request as :func:`set_request` writes it, its
+    schema shown (``json_extract``)."""
+    return [{**e, "prompt": set_request(e)} for e in json.loads(PROMPT_SETS[name].read_text())]
 
 
 def as_chat(tokenizer, requests: List[str]) -> List[str]:

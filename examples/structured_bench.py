@@ -5,8 +5,9 @@ against DFlash without a schema, in one process (issue 60's measurements).
     python examples/structured_bench.py --model smollm2 --json structured.json
     python examples/structured_bench.py --num-prompts 2 --max-tokens 16   # the bundled pair, a quick look
 
-Each request of the ``json_extract`` prompt set (its schema given in the
-request, as a chat turn) runs, greedy, with the order rotating per round:
+Each request of the ``json_extract`` prompt set (a chat turn, its schema
+shown in it unless ``--no-schema-in-prompt``) runs, greedy, with the order
+rotating per round:
 
 - ``mlx-lm``: mlx-lm's ``stream_generate`` with the schema's llguidance mask as
   a logits processor (``Constraint.processor()``, a fresh constraint per run);
@@ -191,7 +192,7 @@ def request_row(entry, runs, validate) -> dict:
         "finish": b["finish"],
         "schema_error": schema_error(b["text"], b["finish"], entry["schema"], validate),
         "free_schema_error": schema_error(c["text"].strip(), c["finish"], entry["schema"], validate),
-        "answer": b["text"],
+        "answer": b["text"], "free_answer": c["text"], "free_finish": c["finish"],
     }
 
 
@@ -261,6 +262,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=256, help="new tokens per answer at most")
     p.add_argument("--repeats", type=cli.positive_int, default=1, help="timed rounds per request (the order rotates)")
     cli.add_block_size_argument(p)
+    p.add_argument(
+        "--schema-in-prompt", action=argparse.BooleanOptionalAction, default=True,
+        help="show each request's schema in its prompt (default; without it only the grammar knows the fields, "
+        "and the unconstrained answers cannot echo the schema)",
+    )
     p.add_argument("--json", default=None, help="write the report here")
     return p
 
@@ -271,7 +277,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: --json {args.json}: its directory does not exist")
     model, tokenizer, draft, draft_path = load_pair(args.model, args.draft_model)
     entries = structured_set("json_extract")[: args.num_prompts]
-    prompts = [encode_prompt(tokenizer, p) for p in as_chat(tokenizer, [e["request"] for e in entries])]
+    requests = [e["prompt"] if args.schema_in_prompt else e["request"] for e in entries]
+    prompts = [encode_prompt(tokenizer, p) for p in as_chat(tokenizer, requests)]
     name, validate = validator()
     draft.bind(model)
     warm_up(model, draft, tokenizer, entries[0], prompts[0], args)
@@ -281,7 +288,7 @@ def main(argv=None) -> int:
     total = {**summary(rows), "validator": name}
     print_table(rows, total)
     report = {**total, "model": str(args.model), "draft_model": str(draft_path), "max_tokens": args.max_tokens,
-              "repeats": args.repeats, "block_size": args.block_size, "mlx": mx.__version__,
+              "repeats": args.repeats, "block_size": args.block_size, "schema_in_prompt": args.schema_in_prompt, "mlx": mx.__version__,
               "device": str(mx.default_device()), "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

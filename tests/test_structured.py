@@ -618,13 +618,13 @@ def test_the_json_extract_set_loads_and_every_schema_compiles(tokenizer):
     assert 10 <= len(entries) <= 12 and len({e["name"] for e in entries}) == len(entries)
     found = set()
     for e in entries:
-        assert json.dumps(e["schema"], separators=(",", ":")) in e["request"]  # the request shows its schema
+        assert e["prompt"].startswith(e["request"]) and e["prompt"].endswith(json.dumps(e["schema"], separators=(",", ":")))
         grammar = grammar_of(json_schema(e["schema"]))
         assert LLMatcher.validate_grammar(grammar, bridge(tokenizer)) == ""
         assert e["schema"]["additionalProperties"] is False
         found |= schema_features(e["schema"], set())
     assert {"nested", "array", "enum", "bounds", "optional", "closed"} <= found
-    assert benchmark_prompts(DEFAULT_TARGET, tokenizer, "json_extract") == [e["request"] for e in entries]  # (no chat template)
+    assert benchmark_prompts(DEFAULT_TARGET, tokenizer, "json_extract") == [e["prompt"] for e in entries]  # (no chat template)
 
 
 def test_the_bench_validates_by_jsonschema_where_installed_else_by_completion():
@@ -649,7 +649,10 @@ def test_the_structured_bench_runs_on_the_bundled_pair_and_reports(tmp_path, cap
     import runpy
 
     out = tmp_path / "structured.json"
-    assert runpy.run_path(str(BENCH))["main"](["--num-prompts", "2", "--max-tokens", "10", "--json", str(out)]) == 0
+    main = runpy.run_path(str(BENCH))["main"]
+    assert main(["--num-prompts", "1", "--max-tokens", "6", "--no-schema-in-prompt", "--json", str(out)]) == 0
+    assert not json.loads(out.read_text())["schema_in_prompt"]
+    assert main(["--num-prompts", "2", "--max-tokens", "10", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["requests"] == 2 and report["outputs_identical"]
     for key in ("tokens_per_cycle", "free_tokens_per_cycle", "tokens_per_cycle_ratio", "wall_speedup", "decode_speedup",
