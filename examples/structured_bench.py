@@ -27,7 +27,7 @@ cycle: the host seconds of the constraint's calls in the loop (its
 ``block`` / ``tree`` / ``draft_block`` / ``forced`` / ``commit``, the
 drafter's forward inside ``draft_block`` left out) over the decode's
 seconds. That share is an upper bound: the host work may overlap the
-device's.
+device's. Exits 1 where a held answer is not mlx-lm's.
 """
 
 import argparse
