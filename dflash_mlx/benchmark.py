@@ -1055,7 +1055,8 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--prompts", default=None, help="JSON list of prompts (default: the bundled held-out prompts)")
     p.add_argument(
         "--prompt-set", choices=sorted(PROMPT_SETS), default=None,
-        help="a prompt set of the package instead, as chat turns (edit: requests whose answer repeats the prompt)",
+        help="a prompt set of the package instead, as chat turns (edit: requests whose answer repeats the prompt; "
+        "json_extract: JSON extraction requests, unconstrained here: examples/structured_bench.py holds them to their schemas)",
     )
     p.add_argument("--num-prompts", type=cli.positive_int, default=None)
     p.add_argument(

@@ -122,7 +122,27 @@ def named_prompts(name: str) -> List[str]:
 # of requests. ``edit``: rewrite a given function with one change, fix a typo
 # in a given paragraph and return it whole, answer by quoting the given text
 # (the answer repeats its context: what copy drafts are for); not tuned on.
-PROMPT_SETS = {"edit": Path(__file__).parent / "prompt_sets" / "edit.json"}
+# ``json_extract``: fields of a sentence as JSON, each request with its JSON
+# schema (objects of ``{"name", "request", "schema"}``; the structured-output
+# bench, examples/structured_bench.py, holds each answer to its schema).
+PROMPT_SETS = {name: Path(__file__).parent / "prompt_sets" / f"{name}.json" for name in ("edit", "json_extract")}
+
+
+def set_request(entry) -> str:
+    """A prompt set's entry as the request the model reads: a string as it
+    is; a structured entry's request followed by its schema (the request
+    names what to extract, the schema the answer's shape)."""
+    if isinstance(entry, str):
+        return entry
+    schema = json.dumps(entry["schema"], separators=(",", ":"))
+    return f"{entry['request']}\n\nAnswer with a JSON object only, following this JSON schema: {schema}"
+
+
+def structured_set(name: str) -> List[dict]:
+    """A prompt set's structured entries: ``{"name", "request", "schema"}``
+    each, and ``prompt``: the request as :func:`set_request` writes it, its
+    schema shown (``json_extract``)."""
+    return [{**e, "prompt": set_request(e)} for e in json.loads(PROMPT_SETS[name].read_text())]
 
 
 def as_chat(tokenizer, requests: List[str]) -> List[str]:
@@ -141,7 +161,7 @@ def benchmark_prompts(model_path, tokenizer, prompt_set=None) -> List[str]:
     :data:`PROMPT_SETS`) as chat turns; else a named pair's held-out
     requests as chat turns, else the bundled pair's held-out code prompts."""
     if prompt_set is not None:
-        return as_chat(tokenizer, json.loads(PROMPT_SETS[prompt_set].read_text()))
+        return as_chat(tokenizer, [set_request(e) for e in json.loads(PROMPT_SETS[prompt_set].read_text())])
     if str(model_path) not in NAMED_PAIRS:
         return default_prompts()
     return as_chat(tokenizer, named_prompts(str(model_path)))

@@ -587,3 +587,82 @@ def test_a_dflash2_drafter_drafts_held_blocks_exactly(make_pair, tmp_path):
     for form in FORMS[:2]:
         want = masked_reference(pair.model, pair.tokenizer, prompt_of(9), form, 40)
         assert structured_run(pair.model, draft, pair.tokenizer, prompt_of(9), form, 40, block_size=8)[0] == want
+
+
+# ---------------------------------------------------------------------------
+# Issue 60's instrument: the json_extract set and examples/structured_bench.py
+
+BENCH = Path(__file__).resolve().parents[1] / "examples" / "structured_bench.py"
+
+
+def schema_features(schema: dict, found: set) -> set:
+    """The JSON Schema features a schema uses, walked through its objects and arrays."""
+    if schema.get("type") == "object":
+        found.add("closed" if schema.get("additionalProperties") is False else "open")
+        found.update({"optional"} if set(schema["properties"]) - set(schema.get("required", [])) else set())
+        found.update({"nested"} if any(s.get("type") == "object" for s in schema["properties"].values()) else set())
+        for s in schema["properties"].values():
+            schema_features(s, found)
+    found.update({"array"} if schema.get("type") == "array" else set())
+    found.update({"enum"} if "enum" in schema else set())
+    found.update({"bounds"} if {"minimum", "maximum", "exclusiveMinimum"} & set(schema) else set())
+    if "items" in schema:
+        schema_features(schema["items"], found)
+    return found
+
+
+def test_the_json_extract_set_loads_and_every_schema_compiles(tokenizer):
+    from dflash_mlx.pair import benchmark_prompts, structured_set
+
+    entries = structured_set("json_extract")
+    assert 10 <= len(entries) <= 12 and len({e["name"] for e in entries}) == len(entries)
+    found = set()
+    for e in entries:
+        assert e["prompt"].startswith(e["request"]) and e["prompt"].endswith(json.dumps(e["schema"], separators=(",", ":")))
+        grammar = grammar_of(json_schema(e["schema"]))
+        assert LLMatcher.validate_grammar(grammar, bridge(tokenizer)) == ""
+        assert e["schema"]["additionalProperties"] is False
+        found |= schema_features(e["schema"], set())
+    assert {"nested", "array", "enum", "bounds", "optional", "closed"} <= found
+    assert benchmark_prompts(DEFAULT_TARGET, tokenizer, "json_extract") == [e["prompt"] for e in entries]  # (no chat template)
+
+
+def test_the_bench_validates_by_jsonschema_where_installed_else_by_completion():
+    import runpy
+
+    bench = runpy.run_path(str(BENCH))
+    error = bench["schema_error"]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 3}}, "required": ["n"], "additionalProperties": False}
+    assert error('{"n": 2', "length", schema, None) == "cut at --max-tokens"
+    assert error("{n: 2}", "stop", schema, None).startswith("not JSON")
+    assert error('{"n": 2}', "length", schema, None) == "the grammar did not end"
+    assert error('{"n": 2}', "stop", schema, None) == ""
+    pytest.importorskip("jsonschema")
+    name, validate = bench["validator"]()
+    assert name.startswith("jsonschema")
+    assert error('{"n": 2}', "stop", schema, validate) == ""
+    assert "maximum" in error('{"n": 5}', "stop", schema, validate)
+    assert "Additional properties" in error('{"n": 2, "x": 1}', "stop", schema, validate)
+
+
+def test_the_structured_bench_runs_on_the_bundled_pair_and_reports(tmp_path, capsys):
+    import runpy
+
+    out = tmp_path / "structured.json"
+    main = runpy.run_path(str(BENCH))["main"]
+    assert main(["--num-prompts", "1", "--max-tokens", "6", "--no-schema-in-prompt", "--json", str(out)]) == 0
+    assert not json.loads(out.read_text())["schema_in_prompt"]
+    assert main(["--num-prompts", "2", "--max-tokens", "10", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["requests"] == 2 and report["outputs_identical"]
+    for key in ("tokens_per_cycle", "free_tokens_per_cycle", "tokens_per_cycle_ratio", "wall_speedup", "decode_speedup",
+                "forced_share", "mask_ms_per_cycle", "cycle_ms", "mask_share", "valid", "free_valid", "validator", "bars_met"):
+        assert key in report, key
+    for row in report["rows"]:
+        assert row["identical"] and 0 < row["tokens"] <= 10 and row["produced"] >= row["tokens"]
+        assert 0 <= row["forced"] <= row["produced"] and 0 < row["mask_s"] < row["decode_s"]
+        assert row["tokens_per_cycle"] >= 1 and row["free_tokens_per_cycle"] >= 1
+        assert row["schema_error"] == ("" if row["finish"] == "stop" else "cut at --max-tokens")  # (a complete answer validates)
+    assert 0 < report["mask_share"] < 1 and report["cycle_ms"] > report["mask_ms_per_cycle"] > 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].split()[:2] == ["request", "tokens"] and "bars (issue 60)" in table
