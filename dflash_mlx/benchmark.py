@@ -702,7 +702,7 @@ def benchmark(
         report["fixed_block_tokens_per_cycle_by_position"] = tokens_per_cycle_by_position(first["fixed"], max_tokens)
     if tree_budgets:
         report["configurations"] = {
-            name: configuration_summary([r for runs in timed for r in runs[name]], pooled["autoregressive"], max_block)
+            name: configuration_summary([r for runs in timed for r in runs[name]], pooled[reference_run(name)], max_block)
             for name in configs
         }
     return report, first["autoregressive"]
