@@ -3,6 +3,7 @@
     mlx-dflash bench                      # the bundled pair, its held-out prompts
     mlx-dflash bench --model smollm2      # a named pair: its held-out chat requests, at its lengths
     mlx-dflash bench --model smollm2 --prompt-set edit   # requests whose answers repeat their prompt
+    mlx-dflash bench --model smollm2 --repetition-penalty 1.1   # also both sides penalised: both speedups, their ratio
     mlx-dflash bench --model T --draft-model D --prompts prompts.json --json out.json --plot out.png
     mlx-dflash bench --model smollm2 --prompt-lengths 512 2048 4096 7168 --draft-window 1024 --draft-sink 64
 
@@ -49,10 +50,12 @@ from .cache import make_prompt_cache
 from .defaults import (
     DEFAULT_BENCH_MAX_TOKENS, DEFAULT_BENCH_REPEATS, DEFAULT_DRAFT_SINK, DEFAULT_DRAFT_WINDOW, DEFAULT_MAX_TOKENS,
 )
+from .controls import check_processor_settings, penalty_processors
 from .errors import ArgumentError
 from .generate import cycle_lengths, encode_prompt, mean_tokens_per_cycle, stream_generate
 from .models.dflash import masked_block
 from .pair import PROMPT_SETS
+from .processors import PROCESSOR_DEFAULTS
 from .sampling import ACCEPTANCE_RULES
 from .timing import conv_selector_share, median_ms
 
@@ -151,10 +154,10 @@ def repeated_4gram_share(tokens: List[int]) -> float:
     return repeats / max(1, len(tokens))
 
 
-def run_autoregressive(model, tokenizer, prompt, max_tokens, prompt_cache=None):
+def run_autoregressive(model, tokenizer, prompt, max_tokens, prompt_cache=None, logits_processors=None):
     """One generation of mlx-lm's greedy decode (:func:`mlx_lm_tokens`)."""
     responses = []
-    tokens = list(mlx_lm_tokens(model, tokenizer, prompt, max_tokens, prompt_cache, responses))
+    tokens = list(mlx_lm_tokens(model, tokenizer, prompt, max_tokens, prompt_cache, responses, logits_processors))
     last = responses[-1]
     return {"tokens": tokens, "tps": last.generation_tps, "peak_memory": last.peak_memory,
             "ttft_s": time_to_first_token(last)}
@@ -202,13 +205,15 @@ def cycle_record(responses) -> dict:
     }
 
 
-def mlx_lm_tokens(model, tokenizer, prompt, max_tokens, prompt_cache=None, responses=None) -> Iterator[int]:
-    """mlx-lm's greedy decode as a token stream, its eos left out as
-    DFlash's responses leave it; each response is appended to ``responses``
-    where given."""
+def mlx_lm_tokens(model, tokenizer, prompt, max_tokens, prompt_cache=None, responses=None,
+                  logits_processors=None) -> Iterator[int]:
+    """mlx-lm's greedy decode as a token stream (``logits_processors``:
+    mlx-lm's), its eos left out as DFlash's responses leave it; each
+    response is appended to ``responses`` where given."""
     from mlx_lm import stream_generate as mlx_lm_stream_generate
 
-    for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, prompt_cache=prompt_cache):
+    for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, prompt_cache=prompt_cache,
+                                    logits_processors=logits_processors):
         if responses is not None:
             responses.append(r)
         if r.finish_reason != "stop":
@@ -517,25 +522,29 @@ def configuration_summary(runs: List[dict], ar_tps: float, max_block: int) -> di
     }
 
 
-def timed_runs(model, draft, tokenizer, prompts, max_tokens, configs: Dict[str, tuple], repeats):
+def timed_runs(model, draft, tokenizer, prompts, max_tokens, configs: Dict[str, tuple], repeats, penalty=None):
     """Per prompt: ``{"autoregressive": [...], name: [...]}`` over ``repeats``
     rounds in which every configuration (``(block_size, tree_budget,
-    copy_drafts)``) runs
-    once, alternating (mlx-lm first, then the others in turn); and the
-    forward timings taken right after each prompt's runs."""
+    copy_drafts, logits_processors)``) runs once, alternating (mlx-lm first,
+    then the others in turn); with a :class:`Penalty`, mlx-lm penalised too
+    (``autoregressive_penalised``, right after mlx-lm); and the forward
+    timings taken right after each prompt's runs."""
     per_prompt, timings = [], []
-    max_block = max(b or draft.block_size for b, _, _ in configs.values())
+    max_block = max(c[0] or draft.block_size for c in configs.values())
     names = list(configs)
     for i, prompt in enumerate(prompts):
-        runs = {"autoregressive": [], **{name: [] for name in configs}}
+        runs = {"autoregressive": [], **({AR_PENALISED: []} if penalty else {}), **{name: [] for name in configs}}
         for r in range(repeats):
             runs["autoregressive"].append(run_autoregressive(model, tokenizer, prompt, max_tokens))
+            if penalty:
+                runs[AR_PENALISED].append(run_autoregressive(model, tokenizer, prompt, max_tokens, logits_processors=penalty.mlx_lm))
             # The run right after mlx-lm's is slowed on the CPU backend (measured
             # in BENCHMARKS.md), so the configurations take turns to be it.
             turn = (i * repeats + r) % len(names)
             for name in names[turn:] + names[:turn]:
-                block_size, tree_budget, copies = configs[name]
-                runs[name].append(run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, tree_budget=tree_budget, copy_drafts=copies))
+                block_size, tree_budget, copies, processors = configs[name]
+                runs[name].append(run_dflash(model, draft, tokenizer, prompt, max_tokens, block_size, tree_budget=tree_budget,
+                                             copy_drafts=copies, logits_processors=processors))
         per_prompt.append(runs)
         # The forwards that bound the speedup, timed right after the runs they
         # bound and at this prompt's context, so that drift on a shared
@@ -560,22 +569,66 @@ def phase_timings(model, draft, tokenizer, prompts, max_tokens, block_size, tree
     return {k: 1e3 * v / max(1, timer.cycles) for k, v in timer.seconds.items() if k != "prefill"}
 
 
-def bench_configurations(block_size, max_block, tree_budget, tree_budgets, copy_drafts) -> Dict[str, tuple]:
-    """:func:`benchmark`'s configurations, by name: ``(block_size, tree_budget, copy_drafts)``."""
-    configs = {"dflash": (block_size, tree_budget, copy_drafts)}
+@dataclass
+class Penalty:
+    """``--repetition-penalty``: mlx-lm's repetition penalty on both sides,
+    as mlx-lm's ``make_logits_processors`` builds it for mlx-lm's decode
+    (``mlx_lm``) and as DFlash's verify applies it (``dflash``: the same
+    processors, every verified row with its own history)."""
+
+    penalty: float
+    context_size: int
+    mlx_lm: list
+    dflash: list
+
+    @classmethod
+    def of(cls, penalty: float, context_size: int, vocab_size: int) -> "Penalty":
+        from mlx_lm.sample_utils import make_logits_processors
+
+        dflash = penalty_processors(vocab_size, repetition_penalty=penalty, repetition_context_size=context_size)
+        return cls(penalty, context_size, make_logits_processors(None, penalty, context_size), dflash)
+
+
+AR_PENALISED = "autoregressive_penalised"  # mlx-lm's runs with the penalty's processors
+
+
+def reference_run(name: str) -> str:
+    """The mlx-lm runs a configuration's output must equal: the penalised ones' for ``penalised``."""
+    return AR_PENALISED if name in (AR_PENALISED, "penalised") else "autoregressive"
+
+
+def bench_configurations(block_size, max_block, tree_budget, tree_budgets, copy_drafts, penalty=None) -> Dict[str, tuple]:
+    """:func:`benchmark`'s configurations, by name: ``(block_size, tree_budget,
+    copy_drafts, logits_processors)``; with a :class:`Penalty`, the main one
+    penalised too (``penalised``)."""
+    configs = {"dflash": (block_size, tree_budget, copy_drafts, None)}
     if copy_drafts:
-        configs["no_copy"] = (block_size, tree_budget, False)
+        configs["no_copy"] = (block_size, tree_budget, False, None)
+    if penalty is not None:
+        configs["penalised"] = (block_size, tree_budget, copy_drafts, penalty.dflash)
     if not block_size:
-        configs["fixed"] = (max_block, 0, copy_drafts)
+        configs["fixed"] = (max_block, 0, copy_drafts, None)
     if tree_budgets:
-        configs["chain"] = (block_size, 0, copy_drafts)
-        configs.update({f"tree_{n}": (max_block, n, copy_drafts) for n in tree_budgets})
+        configs["chain"] = (block_size, 0, copy_drafts, None)
+        configs.update({f"tree_{n}": (max_block, n, copy_drafts, None) for n in tree_budgets})
     return configs
+
+
+def penalty_report(penalty: Penalty, pooled: Dict[str, float]) -> dict:
+    """DFlash's speedup over mlx-lm with the repetition penalty on both sides,
+    and its ratio to the speedup without one (same prompts, same rounds)."""
+    speedup = pooled["dflash"] / pooled["autoregressive"]
+    penalised = pooled["penalised"] / pooled[AR_PENALISED]
+    return {
+        "repetition_penalty": penalty.penalty, "repetition_context_size": penalty.context_size,
+        "penalised_autoregressive_tps": pooled[AR_PENALISED], "penalised_dflash_tps": pooled["penalised"],
+        "penalised_speedup": penalised, "penalised_speedup_ratio": penalised / speedup,
+    }
 
 
 def benchmark(
     model, draft, tokenizer, prompts: List[str], max_tokens=DEFAULT_BENCH_MAX_TOKENS, block_size=None,
-    repeats=DEFAULT_BENCH_REPEATS, tree_budget=None, tree_budgets=(), copy_drafts=True,
+    repeats=DEFAULT_BENCH_REPEATS, tree_budget=None, tree_budgets=(), copy_drafts=True, penalty: Optional[Penalty] = None,
 ):
     """The report, and mlx-lm's run of each prompt (the reference outputs).
 
@@ -585,25 +638,26 @@ def benchmark(
     cycle (``report["configurations"]``); ``tree_budget`` is the main
     configuration's (None: the sizer chooses). With ``copy_drafts`` every
     configuration may verify spans copied from the context, and the main
-    one also runs without them (``no_copy_tps``, ``copy_speedup``). Each prompt's runs alternate
+    one also runs without them (``no_copy_tps``, ``copy_speedup``). A
+    :class:`Penalty` runs mlx-lm and the main configuration with it too
+    (:func:`penalty_report`). Each prompt's runs alternate
     ``repeats`` times; tok/s pools every timed run, which steadies the
     speedup on a shared machine. Outputs and acceptance come from the first
     run of each.
     """
     max_block = block_size or draft.block_size
-    configs = bench_configurations(block_size, max_block, tree_budget, tree_budgets, copy_drafts)
+    configs = bench_configurations(block_size, max_block, tree_budget, tree_budgets, copy_drafts, penalty)
     draft.bind(model)
     warm = prompts[0]
-    run_autoregressive(model, tokenizer, warm, 16)
-    for b, t, c in configs.values():
-        run_dflash(model, draft, tokenizer, warm, 16, b, tree_budget=t, copy_drafts=c)
+    run_autoregressive(model, tokenizer, warm, 16, logits_processors=penalty and penalty.mlx_lm)
+    for b, t, c, p in configs.values():
+        run_dflash(model, draft, tokenizer, warm, 16, b, tree_budget=t, copy_drafts=c, logits_processors=p)
     compile_block_lengths(draft, encode_prompt(tokenizer, warm), max_block)
-    timed, timings = timed_runs(model, draft, tokenizer, prompts, max_tokens, configs, repeats)
+    timed, timings = timed_runs(model, draft, tokenizer, prompts, max_tokens, configs, repeats, penalty)
 
-    # Every run of a prompt, any decoder, must give mlx-lm's first output.
-    reference = [runs["autoregressive"][0]["tokens"] for runs in timed]
+    # Every run of a prompt, any decoder, must give mlx-lm's first output (with the same processors).
     mismatches = sum(
-        any(r["tokens"] != ref for rs in runs.values() for r in rs) for runs, ref in zip(timed, reference)
+        any(r["tokens"] != runs[reference_run(name)][0]["tokens"] for name, rs in runs.items() for r in rs) for runs in timed
     )
     pooled = {name: pooled_tps([r for runs in timed for r in runs[name]]) for name in timed[0]}
     first = {name: [runs[name][0] for runs in timed] for name in timed[0]}
@@ -639,6 +693,8 @@ def benchmark(
     if "no_copy" in pooled:
         report["no_copy_tps"] = pooled["no_copy"]
         report["copy_speedup"] = pooled["dflash"] / pooled["no_copy"]
+    if penalty is not None:
+        report.update(penalty_report(penalty, pooled))
     if "fixed" in pooled:
         report["fixed_block_tps"] = pooled["fixed"]
         report["fixed_block_speedup"] = pooled["fixed"] / pooled["autoregressive"]
@@ -646,7 +702,7 @@ def benchmark(
         report["fixed_block_tokens_per_cycle_by_position"] = tokens_per_cycle_by_position(first["fixed"], max_tokens)
     if tree_budgets:
         report["configurations"] = {
-            name: configuration_summary([r for runs in timed for r in runs[name]], pooled["autoregressive"], max_block)
+            name: configuration_summary([r for runs in timed for r in runs[name]], pooled[reference_run(name)], max_block)
             for name in configs
         }
     return report, first["autoregressive"]
@@ -942,6 +998,12 @@ def print_report(r: dict) -> None:
         )
     if "no_copy_tps" in r:
         print(f"DFlash, no copy drafts   {r['no_copy_tps']:8.1f} tok/s   (copy drafts {r['copy_speedup']:.2f}x it)")
+    if "penalised_speedup" in r:
+        print(
+            f"repetition penalty {r['repetition_penalty']:<5} mlx-lm {r['penalised_autoregressive_tps']:.1f} tok/s, "
+            f"DFlash {r['penalised_dflash_tps']:.1f} tok/s   speedup {r['penalised_speedup']:.2f}x "
+            f"({r['penalised_speedup_ratio']:.2f}x the speedup without it)"
+        )
     print(f"mean tokens per cycle    {r['mean_tokens_per_cycle']:.2f}")
     print(f"accepted drafted tokens  {r['accepted_from_drafter']} from the drafter, {r['accepted_from_copies']} copied from the context")
     if len(r["tokens_per_cycle_by_position"]) > 1:
@@ -1083,6 +1145,15 @@ def setup_arg_parser() -> cli.ArgumentParser:
         "(mlx-lm, DFlash with the full context and with each --draft-window; default --max-tokens 256)",
     )
     cli.add_draft_window_arguments(p, several=True)
+    p.add_argument(
+        "--repetition-penalty", type=cli.checked(lambda v: check_processor_settings(repetition_penalty=v), float), default=None,
+        help="also run mlx-lm and DFlash both with this repetition penalty (mlx-lm's processors), side by side: "
+        "both speedups and their ratio",
+    )
+    p.add_argument(
+        "--repetition-context-size", type=cli.checked(lambda v: check_processor_settings(repetition_context_size=v)),
+        default=PROCESSOR_DEFAULTS["repetition_context_size"], help="with --repetition-penalty: the tokens it looks back over",
+    )
     p.add_argument("--ttft-turn1", type=cli.positive_int, default=None, help="also time the first token of a second turn on the prompt cache after a turn 1 of this many tokens")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG figure here")
@@ -1109,7 +1180,8 @@ def main(argv=None):
         raise ArgumentError("--draft-window is measured with --prompt-lengths (long prompts); add it")
     if args.prompts and args.prompt_set:
         raise ArgumentError("--prompts and --prompt-set both name the prompts: pass one")
-    for flag, value in (("--prompts", args.prompts), ("--prompt-set", args.prompt_set), ("--plot", args.plot)):
+    for flag, value in (("--prompts", args.prompts), ("--prompt-set", args.prompt_set), ("--plot", args.plot),
+                        ("--repetition-penalty", args.repetition_penalty)):
         if args.prompt_lengths and value:
             raise ArgumentError(f"{flag} does not apply to --prompt-lengths (its prompts are documentation text)")
     prompts = read_prompts(args.prompts) if args.prompts else None
@@ -1152,9 +1224,12 @@ def main(argv=None):
 def full_report(args, model, tokenizer, draft, ar_draft, prompts, max_tokens) -> dict:
     """:func:`benchmark` at ``max_tokens`` and the comparisons the flags ask
     for (``ar_draft``: the ``--ar-draft-model``, or None)."""
+    penalty = None
+    if args.repetition_penalty is not None:
+        penalty = Penalty.of(args.repetition_penalty, args.repetition_context_size, draft.target.vocab_size)
     report, ar_runs = benchmark(
         model, draft, tokenizer, prompts, max_tokens, args.block_size, args.repeats, args.tree_budget, args.tree_budgets,
-        args.copy_drafts,
+        args.copy_drafts, penalty,
     )
     if ar_draft is not None:
         report.update(speculative_baseline(model, ar_draft, tokenizer, prompts, max_tokens, ar_runs, args.num_draft_tokens))

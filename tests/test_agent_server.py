@@ -14,7 +14,12 @@ from contextlib import contextmanager
 import http.client
 import json
 import logging
+import os
+import socket
+import subprocess
+import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -704,6 +709,166 @@ def test_kv_cache_flags_serve_mlx_lms_decode(chat_pair):
             assert max(abs(g - lps[i, t].item()) for i, (g, t) in enumerate(zip(got, tokens))) < 1e-4
     # the check can fail: the ring changes the logprobs
     assert tokens != plain or max(abs(g - plain_lps[i, t].item()) for i, (g, t) in enumerate(zip(got, tokens))) > 1e-3
+
+
+def answer_tokens(tokenizer, tokens, answer: str):
+    """The last tokens of ``tokens`` whose text is ``answer`` (the answer after a turn's reasoning)."""
+    k = next(k for k in range(len(tokens) + 1) if tokenizer.decode(tokens[k:]) == answer)
+    return list(range(k, len(tokens)))
+
+
+def assert_output_text_logprobs(scored, tokenizer, tokens, lps, positions, top: int):
+    """Responses output-text logprobs (OpenAI's shape) are mlx-lm's for its
+    tokens at ``positions`` (1e-4), each with its ``top`` most likely, best first."""
+    assert [s["token"] for s in scored] == [tokenizer.decode([tokens[i]]) for i in positions]
+    assert all(s["bytes"] == list(s["token"].encode()) for s in scored)
+    assert max(abs(s["logprob"] - lps[i, tokens[i]].item()) for s, i in zip(scored, positions)) < 1e-4
+    for s, i in zip(scored, positions):
+        best = mx.argsort(-lps[i])[:top].tolist()
+        assert [t["token"] for t in s["top_logprobs"]] == [tokenizer.decode([b]) for b in best]
+        assert max([abs(t["logprob"] - lps[i, b].item()) for t, b in zip(s["top_logprobs"], best)] + [0]) < 1e-4
+
+
+def test_responses_output_text_logprobs_are_mlx_lms(served, oai):
+    """include message.output_text.logprobs (and top_logprobs): the answer's
+    tokens only (not the reasoning's, nor the end token), each with mlx-lm's
+    decode logprob and its most likely alternatives, whole and streamed
+    alike; none unless asked."""
+    _, model, tokenizer = served
+    ids = tokenizer.apply_chat_template(THINK, add_generation_prompt=True)
+    tokens, lps = reference_steps(model, tokenizer, ids, MAX_TOKENS)
+    _, answer = split_reasoning(tokenizer.decode(tokens))
+    positions = answer_tokens(tokenizer, tokens, answer)
+    assert 0 < len(positions) < len(tokens)  # the check can fail: reasoning tokens come first
+    kw = dict(model="m", input=THINK[0]["content"], max_output_tokens=MAX_TOKENS)
+    for top in (0, 3):
+        r = oai.responses.create(include=["message.output_text.logprobs"], top_logprobs=top, **kw)
+        (part,) = r.output[-1].content
+        assert part.text == answer
+        whole = [lp.model_dump() for lp in part.logprobs]
+        assert_output_text_logprobs(whole, tokenizer, tokens, lps, positions, top)
+        events = list(oai.responses.create(include=["message.output_text.logprobs"], top_logprobs=top, stream=True, **kw))
+        streamed = [lp.model_dump(exclude_none=True) for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+        (done,) = [e for e in events if e.type == "response.output_text.done"]
+        assert streamed == whole == [lp.model_dump(exclude_none=True) for lp in done.logprobs]
+    assert oai.responses.create(**kw).output[-1].content[0].logprobs == []
+    status, body = post(served[0], "/v1/responses", {"input": "hi", "top_logprobs": 12})
+    assert status == 400 and body["error"]["param"] == "top_logprobs"
+
+
+def templated_text(tokenizer) -> str:
+    """The tool round trip templated, as text: a completions prompt the tiny chat target answers."""
+    return tokenizer.apply_chat_template(ASK + [CALLED, RESULT], tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False)
+
+
+def test_completions_logprobs_are_the_processed_distributions(served, oai):
+    """/v1/completions with logprobs (and top_logprobs) and a repetition
+    penalty: mlx-lm's server's shape (``logprobs.content``), each token's
+    logprob and the top alternatives those of mlx-lm's decode with the
+    penalty's processors (1e-4), not the unpenalised ones."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    _, model, tokenizer = served
+    prompt = templated_text(tokenizer)
+    ids = tokenizer.encode(prompt)
+    processors = make_logits_processors(None, 1.3, 20)
+    tokens, lps = reference_steps(model, tokenizer, ids, MAX_TOKENS, logits_processors=processors)
+    _, plain_lps = reference_steps(model, tokenizer, ids, MAX_TOKENS)
+    fields = {"repetition_penalty": 1.3}
+    r = oai.completions.create(model="m", prompt=prompt, max_tokens=MAX_TOKENS, logprobs=True, extra_body=fields)
+    content = r.choices[0].logprobs.model_extra["content"][: len(tokens)]
+    assert [c["id"] for c in content] == tokens and len(tokens) >= 2
+    assert max(abs(c["logprob"] - lps[i, t].item()) for i, (c, t) in enumerate(zip(content, tokens))) < 1e-4
+    assert max(abs(c["logprob"] - plain_lps[i, t].item()) for i, (c, t) in enumerate(zip(content, tokens))) > 1e-3
+    r = oai.completions.create(model="m", prompt=prompt, max_tokens=MAX_TOKENS, extra_body={**fields, "top_logprobs": 3})
+    for i, c in enumerate(r.choices[0].logprobs.model_extra["content"][: len(tokens)]):
+        best = set(mx.argsort(-lps[i])[:3].tolist())
+        assert {t["id"] for t in c["top_logprobs"]} == best
+        assert max(abs(t["logprob"] - lps[i, t["id"]].item()) for t in c["top_logprobs"]) < 1e-4
+
+
+@contextmanager
+def mlx_lm_server(model_dir, max_tokens: int):
+    """The base URL of mlx-lm's own server (``python -m mlx_lm.server``, a
+    process of its own) over ``model_dir``, on a free loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port), "--max-tokens", str(max_tokens)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    base, deadline = f"http://127.0.0.1:{port}", time.time() + 300
+    try:
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "mlx_lm.server did not start"
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def server_logprobs(base: str, prompt: str, messages: list, fields: dict, max_tokens: int):
+    """A server's greedy completion of ``prompt`` (logprobs) and chat turn
+    (top 3 logprobs), with the request ``fields``, as mlx-lm's answer shape
+    gives them: (text, logprobs entries) each."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="not-needed", max_retries=0, timeout=600)
+    kw = dict(model="default_model", max_tokens=max_tokens, temperature=0, extra_body=fields)
+    r = client.completions.create(prompt=prompt, logprobs=True, **kw)
+    c = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=3, **kw)
+    return ((r.choices[0].text, r.choices[0].logprobs.model_extra["content"]),
+            (c.choices[0].message.content, [e.model_dump() for e in c.choices[0].logprobs.content]))
+
+
+def assert_logprobs_equal_mlx_lm_servers(pair, prompt: str, messages: list, max_tokens: int, fields: dict):
+    """This server (``pair`` as :func:`live_server` takes it) and mlx-lm's
+    own over the same target directory answer the same greedy completion and
+    chat turn with ``fields``: the same text and tokens, each logprob within
+    1e-4, the same top alternatives within 1e-4; and the fields change
+    mlx-lm's logprobs (so the check can fail)."""
+    with live_server(pair, "--max-tokens", str(max_tokens)) as base:
+        ours = server_logprobs(base, prompt, messages, fields, max_tokens)
+    with mlx_lm_server(pair[0], max_tokens) as base:
+        theirs = server_logprobs(base, prompt, messages, fields, max_tokens)
+        plain = server_logprobs(base, prompt, messages, {}, max_tokens)
+    (text, got), (chat, got_top) = ours
+    (want_text, want), (want_chat, want_top) = theirs
+    assert (text, [e["id"] for e in got]) == (want_text, [e["id"] for e in want]) and len(want) >= 2
+    assert max(abs(g["logprob"] - w["logprob"]) for g, w in zip(got, want)) < 1e-4
+    assert chat == want_chat and len(got_top) == len(want_top) >= 2
+    for g, w in zip(got_top, want_top):
+        g, w = ({t["id"]: t["logprob"] for t in e["top_logprobs"]} for e in (g, w))
+        assert g.keys() == w.keys() and max(abs(g[k] - w[k]) for k in g) < 1e-4
+    unprocessed = plain[0][1]
+    assert [e["id"] for e in unprocessed] != [e["id"] for e in want] or max(
+        abs(p["logprob"] - w["logprob"]) for p, w in zip(unprocessed, want)) > 1e-3
+
+
+def test_logprobs_equal_mlx_lm_servers_on_the_tiny_pair(chat_pair):
+    """The SmolLM2 check below, on the tiny chat pair (it runs in every suite)."""
+    assert_logprobs_equal_mlx_lm_servers(chat_pair, templated_text(chat_pair[3]), THINK, 32, {"repetition_penalty": 1.3})
+
+
+@pytest.mark.skipif(os.environ.get("DFLASH_MLX_SMOLLM2") != "1", reason="downloads SmolLM2 (set DFLASH_MLX_SMOLLM2=1)")
+def test_smollm2_server_logprobs_equal_mlx_lm_servers():
+    """SmolLM2: the same greedy completion and chat turn, with a repetition
+    penalty, from this server and from mlx-lm's own server (``python -m
+    mlx_lm.server`` over the same target directory): same tokens, logprobs
+    within 1e-4."""
+    from pathlib import Path
+
+    from dflash_mlx.pair import load_pair, resolve_pair
+
+    model, tokenizer, draft, draft_dir = load_pair("smollm2")
+    target, _ = resolve_pair("smollm2")
+    messages = [{"role": "user", "content": "Write a short list of three tips for keeping a houseplant alive."}]
+    assert_logprobs_equal_mlx_lm_servers((Path(target), draft_dir, model, tokenizer, draft),
+                                         "The three most common houseplants are", messages, 96, {"repetition_penalty": 1.2})
 
 
 @pytest.mark.parametrize("host, key, warned", [("0.0.0.0", None, True), ("0.0.0.0", KEY, False), ("127.0.0.1", None, False)])

@@ -94,6 +94,31 @@ def test_bench_of_the_plain_step(tiny_dirs, tmp_path):
     assert rc == 0 and report["outputs_identical"] is True and report["mean_tokens_per_cycle"] == 1.0
 
 
+def test_bench_repetition_penalty_on_both_sides(tiny_dirs, qwen3_5_pair, tmp_path, capsys):
+    """--repetition-penalty: mlx-lm and DFlash both penalised, in the same run
+    as the unpenalised pair: both speedups and their ratio; the penalised
+    DFlash output is mlx-lm's penalised one, which the penalty changes."""
+    model, draft = tiny_dirs
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(["x = 1"]))
+    rc = benchmark.main(["--model", model, "--draft-model", draft, "--prompts", str(prompts), "--max-tokens", "16", "--repeats", "1",
+                         "--tree-budgets", "--repetition-penalty", "1.5", "--json", str(tmp_path / "r.json")])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 0 and report["outputs_identical"] is True
+    assert (report["repetition_penalty"], report["repetition_context_size"]) == (1.5, 20)
+    assert report["penalised_speedup"] == pytest.approx(report["penalised_dflash_tps"] / report["penalised_autoregressive_tps"])
+    assert report["penalised_speedup_ratio"] == pytest.approx(report["penalised_speedup"] / report["speedup"])
+    assert "repetition penalty 1.5" in capsys.readouterr().out
+    # the check can fail: unpenalised DFlash would not give mlx-lm's penalised output
+    penalty = benchmark.Penalty.of(1.5, 20, None)
+    plain = benchmark.run_autoregressive(qwen3_5_pair.model, qwen3_5_pair.tokenizer, "x = 1", 16)["tokens"]
+    penalised = benchmark.run_autoregressive(qwen3_5_pair.model, qwen3_5_pair.tokenizer, "x = 1", 16, logits_processors=penalty.mlx_lm)
+    assert penalised["tokens"] != plain
+    for bad in (["--repetition-penalty", "-1"], ["--repetition-penalty", "1.1", "--repetition-context-size", "0"]):
+        with pytest.raises(SystemExit):
+            benchmark.setup_arg_parser().parse_args(bad)
+
+
 def test_bench_json_and_plot(tiny_dirs, tmp_path, capsys):
     model, draft = tiny_dirs
     prompts = tmp_path / "p.json"

@@ -189,7 +189,7 @@ class Blocks(Assembler):
         shown = dict(block, input={}) if block["type"] == "tool_use" else dict(block)
         return [("content_block_start", {"type": "content_block_start", "index": index, "content_block": shown})]
 
-    def extended(self, block: dict, index: int, value) -> List[Tuple[str, dict]]:
+    def extended(self, block: dict, index: int, value, logprobs) -> List[Tuple[str, dict]]:
         if block["type"] == "tool_use":
             delta = {"type": "input_json_delta", "partial_json": value.arguments}
         else:

@@ -32,6 +32,7 @@ from .turn import (
 )
 
 STORED_RESPONSES = 256  # responses kept for previous_response_id
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the include that asks for output text's logprobs
 
 
 def error_body(status: int, message: str, param: Optional[str] = None) -> dict:
@@ -161,10 +162,26 @@ def to_chat(body: dict, history: list) -> Tuple[dict, list]:
     }
     if max_tokens is not None:
         chat["max_tokens"] = max_tokens
+    chat.update(logprob_fields(body))
     for name in ("temperature", "top_p", "top_k", "stream"):
         if name in body:
             chat[name] = body[name]
     return chat, [dict(m) for m in conversation]
+
+
+def logprob_fields(body: dict) -> dict:
+    """The chat fields for a Responses request's logprobs: ``include``
+    naming ``message.output_text.logprobs`` asks for the output text's, and
+    ``top_logprobs`` (which asks too) for that many alternatives each
+    (checked as the chat field, up to mlx-lm's limit). Other includes
+    (``reasoning.encrypted_content``, which Codex sends) add nothing here."""
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(i, str) for i in include)):
+        raise RequestError("include must be a list of strings", "include")
+    out = {"logprobs": LOGPROBS_INCLUDE in (include or [])}
+    if body.get("top_logprobs") is not None:
+        out["top_logprobs"] = body["top_logprobs"]
+    return out
 
 
 def usage(result: Result) -> dict:
@@ -188,7 +205,7 @@ class Output(Assembler):
             return {"type": "reasoning", "id": new_id("rs"), "summary": [],
                     "content": [{"type": "reasoning_text", "text": ""}]}
         return {"type": "message", "id": new_id("msg"), "role": "assistant",
-                "content": [{"type": "output_text", "text": "", "annotations": []}]}
+                "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
 
     def started(self, item: dict, index: int) -> List[dict]:
         empty = {"arguments": ""} if item["type"] == "function_call" else {"content": []}
@@ -199,7 +216,7 @@ class Output(Assembler):
                            "content_index": 0, "part": dict(item["content"][0])})
         return events
 
-    def extended(self, item: dict, index: int, value) -> List[dict]:
+    def extended(self, item: dict, index: int, value, logprobs: List[dict]) -> List[dict]:
         at = {"item_id": item["id"], "output_index": index}
         if item["type"] == "function_call":
             return [
@@ -209,7 +226,8 @@ class Output(Assembler):
         item["content"][0]["text"] += value
         if item["type"] == "reasoning":
             return [{"type": "response.reasoning_text.delta", **at, "content_index": 0, "delta": value}]
-        return [{"type": "response.output_text.delta", **at, "content_index": 0, "delta": value, "logprobs": []}]
+        item["content"][0]["logprobs"] = item["content"][0]["logprobs"] + logprobs  # (a new list: events hold the old)
+        return [{"type": "response.output_text.delta", **at, "content_index": 0, "delta": value, "logprobs": logprobs}]
 
     def finished(self, item: dict, index: int) -> List[dict]:
         item["status"] = "completed"
@@ -217,7 +235,7 @@ class Output(Assembler):
         if item["type"] == "message":
             part = item["content"][0]
             events += [
-                {"type": "response.output_text.done", **at, "text": part["text"], "logprobs": []},
+                {"type": "response.output_text.done", **at, "text": part["text"], "logprobs": part["logprobs"]},
                 {"type": "response.content_part.done", **at, "part": part},
             ]
         elif item["type"] == "reasoning":
@@ -261,7 +279,7 @@ class ResponsesEndpoint:
             "model": body.get("model", "default"), "output": [], "previous_response_id": previous,
             "instructions": body.get("instructions"), "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": False,
-            "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "top_logprobs": body.get("top_logprobs"),
             "max_output_tokens": body.get("max_output_tokens"), "error": None, "incomplete_details": None,
             "metadata": body.get("metadata") or {}, "text": body.get("text") or {"format": {"type": "text"}}, "usage": None,
         }

@@ -58,8 +58,67 @@ class Result:
     dflash: Dict[str, Any] = field(default_factory=dict)
 
 
-# Events of a turn: ("reasoning", text), ("text", text) or ("tool_call", ToolCall).
-Event = Tuple[str, Any]
+# Events of a turn: (kind, value, logprobs): ("reasoning", text, []), ("text",
+# text, logprobs) or ("tool_call", ToolCall, []); ``logprobs``: the text's
+# tokens' log-probabilities (:class:`TextLogprobs`), when the request asks.
+Event = Tuple[str, Any, List[dict]]
+
+
+def scored_token(tokenizer, token: int, logprob: float) -> dict:
+    """One token and its log-probability in OpenAI's shape: the token's
+    text, its UTF-8 bytes (a token that is part of a character reads as
+    U+FFFD, the tokenizer's decoding of it alone) and the logprob."""
+    text = tokenizer.decode([token])
+    return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
+
+
+class TextLogprobs:
+    """The log-probabilities of the tokens behind each piece of answer text,
+    as mlx-lm's server reports them for each token (its ``Response``'s
+    ``logprob`` and ``top_tokens``: the target's processed distribution), in
+    OpenAI's Responses shape (``top_logprobs`` most likely first).
+
+    A token belongs to the answer text its own text goes to; a token that
+    shows no text yet (part of a character, of a stop word held back)
+    belongs to the next answer text, and with reasoning or a tool call to
+    neither; a token whose text is reasoning or a tool call's is left out,
+    and so is a marker (a token that shows no text and moves the state
+    machine: ``</think>``, a tool call's tags).
+    """
+
+    def __init__(self, tokenizer, wanted: bool):
+        self.tokenizer, self.wanted = tokenizer, wanted
+        self.pending: List[dict] = []  # earlier tokens that showed no text
+        self.current: Optional[dict] = None  # the token read, until its text is placed
+        self.spoke = False  # whether the token read showed any text
+
+    def read(self, gen) -> None:
+        """A token out of the generation (mlx-lm's ``Response``)."""
+        self.spoke = False
+        if self.wanted:
+            top = sorted(gen.top_tokens, key=lambda t: -t["logprob"])
+            self.current = dict(scored_token(self.tokenizer, gen.token, gen.logprob),
+                                top_logprobs=[scored_token(self.tokenizer, t["id"], t["logprob"]) for t in top])
+
+    def elsewhere(self) -> None:
+        """The token's text (some of it) is reasoning or a tool call's."""
+        self.spoke = True
+        self.pending = []
+
+    def text(self) -> List[dict]:
+        """The token's text (some of it) is answer text: the tokens behind it."""
+        self.spoke = True
+        out = self.pending + ([self.current] if self.current is not None else [])
+        self.pending, self.current = [], None
+        return out
+
+    def placed(self, moved: bool) -> None:
+        """The token's text is all placed (``moved``: it moved the state machine)."""
+        if moved and not self.spoke:
+            self.pending = []
+        elif self.current is not None and not self.spoke:
+            self.pending.append(self.current)
+        self.current = None
 
 
 def tool_choice_rule(choice: Optional[str], tools: Optional[list]) -> Optional[list]:
@@ -172,8 +231,8 @@ def generation_arguments(body: dict, cli_args) -> GenerationArguments:
         stop_words=[stop] if isinstance(stop, str) else stop,
         max_tokens=body.get("max_tokens") or cli_args.max_tokens,
         num_draft_tokens=cli_args.num_draft_tokens,
-        logprobs=False,
-        top_logprobs=-1,
+        logprobs=bool(body.get("logprobs")),
+        top_logprobs=given("top_logprobs", -1),
         seed=body.get("seed"),
         chat_template_kwargs=body.get("chat_template_kwargs"),
     )
@@ -207,16 +266,19 @@ class Turn:
         formatter = ToolCallFormatter(ctx.tool_parser, self.body.get("tools"))
         sm = ctx.text_sm.make_state(ctx.initial_state)
         prev, tool_text, tokens = ctx.initial_state, "", []
+        scores = TextLogprobs(self.generator.tokenizer, self.args.logprobs or self.args.top_logprobs > 0)
 
         def close_tool(text):
             for call in formatter([text]):
                 tc = ToolCall(call["id"], call["function"]["name"], call["function"]["arguments"])
                 result.tool_calls.append(tc)
-                yield "tool_call", tc
+                yield "tool_call", tc, []
 
         try:
             for gen in self.responses:
                 tokens.append(gen.token)
+                scores.read(gen)
+                before = prev
                 if gen.finish_reason == "stop":
                     sm, state = TextStateMachine.discard(sm)
                     segments = [(state, "")]
@@ -229,17 +291,21 @@ class Turn:
                 for state, text in segments:
                     if state == "tool":
                         tool_text += text
+                        if text:
+                            scores.elsewhere()
                     elif state in ("normal", "reasoning"):
                         if prev == "tool":
                             yield from close_tool(tool_text)
                             tool_text = ""
                         if text and state == "normal":
                             result.text += text
-                            yield "text", text
+                            yield "text", text, scores.text()
                         elif text:
                             result.reasoning += text
-                            yield "reasoning", text
+                            scores.elsewhere()
+                            yield "reasoning", text, []
                     prev = state
+                scores.placed(prev != before)
                 if gen.finish_reason is not None:
                     result.finish_reason = gen.finish_reason
                     if gen.finish_reason == "stop" and gen.token not in eos:
@@ -257,8 +323,8 @@ class Turn:
         """Feed the turn's events to ``assembler`` until it ends, passing
         each stream event it returns to ``send`` (when streaming)."""
         with closing(self.events()) as events:
-            for kind, value in events:
-                for event in assembler.feed(kind, value):
+            for kind, value, logprobs in events:
+                for event in assembler.feed(kind, value, logprobs):
                     if send is not None:
                         send(event)
         for event in assembler.close():
@@ -289,14 +355,15 @@ class Assembler:
         self.items: List[dict] = []
         self.open: Optional[str] = None  # the event kind the last item takes, until it is finished
 
-    def feed(self, kind: str, value) -> list:
+    def feed(self, kind: str, value, logprobs: List[dict] = ()) -> list:
+        """An event of the turn (``logprobs``: its text's tokens', see :class:`TextLogprobs`)."""
         events = []
         if kind == "tool_call" or kind != self.open:
             events += self.close()
             self.items.append(self.new_item(kind, value))
             self.open = kind
             events += self.started(self.items[-1], len(self.items) - 1)
-        events += self.extended(self.items[-1], len(self.items) - 1, value)
+        events += self.extended(self.items[-1], len(self.items) - 1, value, list(logprobs))
         return events + (self.close() if kind == "tool_call" else [])
 
     def close(self) -> list:
@@ -312,8 +379,10 @@ class Assembler:
     def started(self, item: dict, index: int) -> list:
         raise NotImplementedError
 
-    def extended(self, item: dict, index: int, value) -> list:
-        """Add an event's text (or a tool call) to ``item``."""
+    def extended(self, item: dict, index: int, value, logprobs: List[dict]) -> list:
+        """Add an event's text (or a tool call) to ``item``; ``logprobs``:
+        the text's tokens' (empty unless the request asked; a dialect
+        without logprobs leaves them)."""
         raise NotImplementedError
 
     def finished(self, item: dict, index: int) -> list:
