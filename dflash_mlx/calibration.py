@@ -10,7 +10,6 @@ How each phase is evaluated (``mx.eval``, so the host waits, or
 here too: which is faster depends on the backend and the machine.
 """
 
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
