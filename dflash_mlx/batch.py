@@ -26,7 +26,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from .adaptive import BatchCosts, BatchSizer, BlockSizer
+from .adaptive import BlockSizer
 from .cache import PromptCache, bound_target, prompt_cache_for
 from .calibration import calibrate
 from .controls import KV_KEYWORDS
@@ -349,12 +349,10 @@ class BatchGenerator:
         """How the decoder evaluates each phase, and its sizers: the pair's
         (what earlier generations learnt carries over), or fixed ones."""
         calibration = calibrate(self.target, self.draft, r.cache.target, r.cache.target_hidden, self.max_block, tree_plan(self.target, self.draft, None, None)[1])
-        if calibration.batch_sizer is None:
-            calibration.batch_sizer = BatchSizer(self.max_block, BatchCosts.from_table(calibration.sizer.costs))
         if self.fixed:
-            return calibration.settle, Sizing(BlockSizer(self.max_block, None, fixed=True), BatchSizer(self.max_block, None, fixed=True))
+            return calibration.settle, Sizing(BlockSizer(self.max_block, None, fixed=True))
         calibration.sizer.begin(tree_plan(self.target, self.draft, None, None)[1])
-        return calibration.settle, Sizing(calibration.sizer, calibration.batch_sizer)
+        return calibration.settle, Sizing(calibration.sizer)
 
 
 @dataclass

@@ -1,13 +1,8 @@
-"""The cost table a generation's block sizer starts from, measured by the
-loop's own cycles on the live cache (rolled back), once per process for
-each drafter, target, device and largest block (the costs are properties
-of the models and the backend; the cycles' own timings rescale them to the
-current context). The sizer (:mod:`dflash_mlx.adaptive`) only ever sees
-the seconds.
-
-How each phase is evaluated (``mx.eval``, so the host waits, or
-``mx.async_eval``, so the host builds the next graph meanwhile) is measured
-here too: which is faster depends on the backend and the machine.
+"""The cost table a pair's sizer starts from: the engine's own cycles timed
+on the live cache (rolled back), once per process for each drafter,
+target, device and largest block; and whether overlapping the phases
+(``mx.async_eval``) beats evaluating each in turn on this machine. The
+sizer (:mod:`dflash_mlx.adaptive`) only ever sees the seconds.
 """
 
 import weakref
@@ -17,24 +12,20 @@ from typing import Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .adaptive import BatchSizer, BlockSizer, CycleCosts, TreeChoice
+from .adaptive import BlockSizer, CycleCosts, TreeChoice
 from .decode import cycle_timer
 
 
 @dataclass
 class Calibration:
-    """What :func:`calibrate` measured: seconds per cycle at a few block
-    lengths, and whether overlapping the phases (``mx.async_eval``) beat
-    evaluating each in turn (``mx.eval``); and the pair's sizer, which every
-    adaptive generation with this pair continues, so that what one
-    generation learnt (acceptance, measured costs, the probing back-off)
-    is not paid for again by the next turn or request."""
+    """What :func:`calibrate` measured, and the pair's sizer, which every
+    adaptive generation with the pair continues (what one learnt is not
+    paid for again by the next)."""
 
     costs: Dict[int, float]
     overlap: bool
     sizer: BlockSizer
     tree: Optional[Tuple[int, float]] = None  # (nodes, seconds) of a tree cycle, once trees may be chosen
-    batch_sizer: Optional[BatchSizer] = None  # the pair's batched cycles' sizer (dflash_mlx.batch), made there
 
     @property
     def settle(self) -> Callable:
@@ -68,26 +59,14 @@ def calibrated(target, draft, max_block: int, trees: bool = False) -> bool:
 
 
 def calibrate(target, draft, cache, context: mx.array, max_block: int, trees: bool = False) -> Calibration:
-    """Measure cycle costs at a few block lengths up to ``max_block``, the
-    faster evaluation strategy (cycles at ``max_block``, the two strategies
-    alternating) and, for the first generation whose sizer may choose trees
-    (``trees``), a tree cycle. The lengths are the plain step, the shortest
-    drafting cycle and the whole block: the two drafting ones give the
-    table its slope, what each verified row adds (with the whole block
-    alone, a short block would look as dear as a long one until the loop
-    happened to try short ones). About twenty engine cycles in all (:func:`~dflash_mlx.decode.cycle_timer`, each rolled back): on a slow
-    pair they delay a process's first generation by as many cycles' time.
-
-    Runs on the live cache (each verify is rolled back), once per process
-    for each drafter, target, device and maximum block: the costs are
-    properties of the models and the backend, and the online measurements
-    rescale them to the current context. The pair's sizer is made here too,
-    once, and kept with the costs. What is measured goes through the
-    target's ``agreed``, so the ranks of a pipelined target (which run
-    these cycles together) all take rank 0's costs and strategy; its
-    sizer then keeps that table (``local_timings`` false): following each
-    cycle's timings would need one more collective per cycle to agree on
-    them.
+    """Time engine cycles (:func:`~dflash_mlx.decode.cycle_timer`, each
+    rolled back) at the plain step, the shortest drafting block and the whole
+    block (two drafting lengths give the table its slope), both evaluation
+    strategies at the whole block, and, for the first generation that may
+    choose trees, a tree of the whole block's rows. About twenty cycles,
+    once per process per pair. Through the target's ``agreed``, so a
+    pipelined target's ranks all take rank 0's table (and keep it:
+    following each cycle's timings would need a collective per cycle).
     """
     key = calibration_key(target, max_block)
     saved = _calibrations.get(id(draft))

@@ -27,14 +27,14 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from .adaptive import BatchSizer, BlockSizer, SlotAcceptance, TreeChoice, TreeWalk
+from .adaptive import BlockSizer, SlotAcceptance, TreeChoice, TreeWalk
 from .cache import PromptCache
 from .copy_source import CopyDrafts
-from .models.dflash import masked_blocks
+from .drafts import Drafts
 from .processors import logprobs as log_probs
 from .sampling import AcceptanceRule, accept_rows
 from .targets.rows import BatchCache
-from .tree import build_tree, candidates, walked_ranks
+from .tree import walked_ranks
 
 
 @dataclass
@@ -120,12 +120,6 @@ class BatchResponse:
     prompt_cache: Optional[PromptCache] = None
     forced: int = 0
     copied: List[bool] = field(default_factory=list)
-
-
-def drafting(r: Request):
-    """The row's control that drafts its blocks itself (a grammar's
-    ``draft_block``: drafts that obey it), or None."""
-    return next((c for c in r.controls if hasattr(c, "draft_block")), None)
 
 
 @dataclass
@@ -218,19 +212,24 @@ class Cycle:
 
 
 class Sizing:
-    """What chooses each cycle: a request alone by ``lone`` (a
-    :class:`~dflash_mlx.adaptive.BlockSizer`: chains, plain steps and draft
-    trees), a batch by ``batch`` (a :class:`~dflash_mlx.adaptive.BatchSizer`,
-    from each row's own acceptance). Rows that each cap their block verify
-    the shortest cap."""
+    """What chooses each cycle: the pair's :class:`~dflash_mlx.adaptive.BlockSizer`
+    over the rows (one row: chains, plain steps and draft trees, by the
+    pair's acceptance; several: chains, each row by its own), and what each
+    row's copy source offers (:meth:`copies`). Rows that each cap their
+    block verify the shortest cap."""
 
-    def __init__(self, lone: BlockSizer, batch: Optional[BatchSizer] = None):
-        self.lone, self.batch = lone, batch
+    def __init__(self, sizer: BlockSizer):
+        self.sizer = sizer
 
-    def new_row(self, r: Request) -> None:
-        """A row joins a batch (or chooses copies in a fixed block): it starts
-        from what the lone sizer has seen of the pair."""
-        r.acceptance = copy.deepcopy(getattr(self.lone, "acceptance", None)) or SlotAcceptance(self.lone.max_block)
+    def rows_joined(self, rows: List[Request]) -> None:
+        """Two rows or more: each keeps an acceptance of its own, a joining
+        one starting from the pair's (what the rows have shown lately)."""
+        for r in rows:
+            if r.acceptance is None or r.acceptance is self.sizer.acceptance:
+                r.acceptance = copy.deepcopy(self.sizer.acceptance)
+
+    def acceptance(self, rows: List[Request]) -> List[SlotAcceptance]:
+        return [self.sizer.acceptance] if len(rows) == 1 else [r.acceptance for r in rows]
 
     def choose(self, rows: List[Request], ahead: int = 0):
         """The next cycle, from the cycles before it (``ahead``: chosen before
@@ -240,79 +239,56 @@ class Sizing:
         if len(limits) == len(rows):  # every request fixed its block: the shortest, for all
             return max(1, min(min(limits), max(remaining)))
         if len(rows) == 1:
-            return self.lone.choose(remaining[0])
-        return min([self.batch.choose([r.acceptance for r in rows], remaining)] + limits)
+            return self.sizer.choose(remaining[0])
+        return min([self.sizer.choose(remaining, self.acceptance(rows))] + limits)
 
     def fixed(self, rows: List[Request]) -> bool:
         """Whether the rows' block is fixed, by the sizer or every row's cap."""
-        if all(r.block_limit for r in rows):
-            return True
-        return getattr(self.lone, "fixed", True) if len(rows) == 1 else self.batch.fixed
-
-    def drafter_expected(self, r: Request, rows: List[Request], fixed: bool) -> List[float]:
-        """A row's expected tokens from the drafter's block, by block length
-        (shares as seen): the lone sizer's, or the row's own in a batch or
-        a fixed block (a lone fixed sizer learns none)."""
-        if len(rows) > 1 or fixed:
-            if r.acceptance is None:
-                self.new_row(r)
-            return r.acceptance.expected_as_seen
-        return self.lone.acceptance.expected_as_seen
+        return self.sizer.fixed or all(r.block_limit for r in rows)
 
     def copies(self, rows: List[Request], choice) -> Tuple[object, List, bool]:
         """What the cycle at ``choice`` verifies from the rows' copy sources:
         ``(choice, per row its copied span (tokens, class) or None, whether
-        the drafter drafts for the rows without one)``. Each row proposes
-        what its index copies after its committed tokens; a cycle of copies
-        alone (no draft: priced as a chain's verify without the draft, and
-        a switch out of a plain spell) replaces the sizer's choice where it
-        commits more tokens per second at each row's own acceptance of its
-        copies and of the drafter; otherwise a row verifies its copy in
-        place of the drafter's block where it expects more tokens of it. A
-        fixed block keeps its length, rows choosing within it."""
+        the drafter drafts for the rows without one)``. A cycle of copies
+        alone (no draft) replaces the sizer's choice where it commits more
+        tokens per second at each row's acceptance of its copies and of the
+        drafter; otherwise a row verifies its copy in place of the drafter's
+        block where it expects more of it. A fixed block keeps its length."""
         plans = [None] * len(rows)
         spans = [r.copies.propose(r.room - 1) if r.copies is not None else ([], 0) for r in rows]
         if not any(tokens for tokens, _ in spans):
             return choice, plans, True
-        fixed = self.fixed(rows)
-        if not fixed:
-            best, rate = self.copy_cycle(rows, spans, choice)
+        drafter = [a.expected_as_seen for a in self.acceptance(rows)]
+        if not self.fixed(rows):
+            best = self.copy_cycle(rows, spans, choice, drafter)
             if best:
                 return best, [(t[: best - 1], k) if t else None for t, k in spans], False
         if isinstance(choice, int) and choice > 1:
             for b, (r, (tokens, klass)) in enumerate(zip(rows, spans)):
-                if tokens and r.copies.expected(klass)[min(len(tokens) + 1, choice) - 1] >= self.drafter_expected(r, rows, fixed)[choice - 1]:
+                if tokens and r.copies.expected(klass)[min(len(tokens) + 1, choice) - 1] >= drafter[b][choice - 1]:
                     plans[b] = (tokens[: choice - 1], klass)
         return choice, plans, not all(plans)
 
-    def copy_cycle(self, rows: List[Request], spans, choice) -> Tuple[int, float]:
-        """The best cycle of copies alone, ``(rows verified, tokens per
-        second)``, if it beats ``choice`` as each row would verify it (its
-        copy where it expects more of it than of the drafter's block); ``(0, rate)`` if not."""
+    def copy_cycle(self, rows: List[Request], spans, choice, drafter: List[List[float]]) -> int:
+        """Rows verified by the best cycle of copies alone, if it beats
+        ``choice`` as each row would verify it (its copy where it expects more
+        of it than of the drafter's block; a switch out of a plain spell
+        counted); 0 if not."""
+        n, costs = len(rows), self.sizer.costs
         limit = min([r.block_limit for r in rows if r.block_limit] + [max(len(t) for t, _ in spans) + 1])
         expect = [r.copies.expected(k) if t else None for r, (t, k) in zip(rows, spans)]
 
-        def copied(n):  # expected tokens, all rows, of a copy cycle verifying n rows
-            return sum(e[min(len(t) + 1, n) - 1] if t else 1.0 for e, (t, _) in zip(expect, spans))
+        def copied(length):  # expected tokens, all rows, of a copy cycle verifying ``length`` a row
+            return sum(e[min(len(t) + 1, length) - 1] if t else 1.0 for e, (t, _) in zip(expect, spans))
 
-        if len(rows) == 1:
-            costs, lone = self.lone.costs, self.lone
-            if isinstance(choice, TreeChoice):
-                rate = max(lone.rates(lone.max_block, optimistic=False))
-            else:
-                rate = lone.acceptance.expected_as_seen[choice - 1] / costs.cost(choice)
-            switch = costs.switch if choice == 1 else 0.0
-            price = lambda n: costs.verify(n) + switch  # noqa: E731
+        if isinstance(choice, TreeChoice):
+            rate = max(self.sizer.rates(self.sizer.max_block, optimistic=False))
         else:
-            costs, rate = self.batch.costs, len(rows) / self.batch.costs.cost(len(rows), 1)
-            if choice > 1:
-                mine = [max(self.drafter_expected(r, rows, False)[choice - 1], e[min(len(t) + 1, choice) - 1] if t else 0.0) for r, e, (t, _) in zip(rows, expect, spans)]
-                rate = sum(mine) / costs.cost(len(rows), choice)
-            price = lambda n: costs.verify(len(rows), n)  # noqa: E731
-        best = max(range(2, limit + 1), key=lambda n: copied(n) / price(n), default=0)
-        if best and copied(best) / price(best) > rate:
-            return best, rate
-        return 0, rate
+            mine = [max(d[choice - 1], e[min(len(t) + 1, choice) - 1] if t else 0.0) for d, e, (t, _) in zip(drafter, expect, spans)]
+            rate = sum(mine) / costs.cost(choice, n)
+        switch = costs.switch_cost(n) if choice == 1 else 0.0
+        best = max(range(2, limit + 1), key=lambda m: copied(m) / (costs.verify(m, n) + switch), default=0)
+        return best if best and copied(best) / (costs.verify(best, n) + switch) > rate else 0
 
     def continuation(self, r: Request, block: int, drafted: mx.array) -> Tuple[List[int], int]:
         """A lone row's drafted block continued by its copy source, where a
@@ -325,10 +301,10 @@ class Sizing:
         tokens, klass = r.copies.propose(r.room - block, after=drafted.tolist())  # (a host read, only here)
         if not tokens:
             return [], 0
-        costs, expected = self.lone.costs, self.lone.acceptance.expected_as_seen
+        costs, expected = self.sizer.costs, self.sizer.acceptance.expected_as_seen
         reach = expected[block - 1] - expected[block - 2]  # every drafted slot accepted
-        copied, slope = r.copies.expected(klass), costs.slope_at(costs.context)
-        rate = lambda k: (expected[block - 1] + reach * (copied[k] - 1)) / (costs.cost(block) + slope * k)  # noqa: E731
+        chain, copied = costs.upto(block + 1), r.copies.expected(klass)
+        rate = lambda k: (expected[block - 1] + reach * (copied[k] - 1)) / (chain[-2] + (chain[-1] - chain[-2]) * k)  # noqa: E731
         k = max(range(len(tokens) + 1), key=rate)
         return tokens[:k], klass
 
@@ -340,25 +316,16 @@ class Sizing:
             if span is not None and span[1] > span[0] <= accepted:  # its copy reached
                 r.copies.observe(span[2], span[1] - span[0], accepted - span[0])
         if not cycle.drafted and cycle.block > 1:  # copies alone: nothing of the drafter, a line of their own
-            if len(rows) > 1 and not self.batch.fixed:
-                self.batch.costs.observe_verify(len(rows), cycle.block, seconds)
-            elif len(rows) == 1 and not self.fixed(rows):
-                self.lone.costs.observe_verify(cycle.block, seconds, context)
+            if not self.fixed(rows):
+                self.sizer.costs.observe_verify(cycle.block, seconds, context, len(rows))
             return
-        if len(rows) == 1 and not rows[0].block_limit:
-            accepted = read[0][2] if spans[0] is None else min(read[0][2], spans[0][0])
-            self.lone.observe(cycle.choice, accepted, seconds, read[0][4], context=context)
-        for r, span, (_, _, accepted, _, _) in zip(rows, spans, read):  # each row's own, where it keeps one
-            drafted = cycle.block - 1 if span is None else span[0]
-            if r.acceptance is not None and drafted and cycle.tree is None:
-                r.acceptance.observe(drafted, min(accepted, drafted))
-        if len(rows) > 1:
-            if cycle.block > 1 or cycle.queued_ahead:
-                # A plain step is priced as in a plain spell, queued ahead of
-                # the last one's read: one launched after a drafting cycle
-                # waits for its own forward, and plain steps priced by those
-                # looked dearer than a spell of them runs.
-                self.batch.observe([r.acceptance for r in rows], [r.room for r in rows], cycle.block, seconds)
+        drafted = [cycle.block - 1 if span is None else span[0] for span in spans]
+        accepted = [min(a, d) for (_, _, a, _, _), d in zip(read, drafted)]
+        if len(rows) == 1:
+            self.sizer.observe(cycle.choice, accepted[0], seconds, read[0][4], context=context)
+        else:
+            remaining = [r.room for r in rows]
+            self.sizer.observe(cycle.choice, accepted, seconds, None, context, self.acceptance(rows), drafted, remaining)
 
 
 class Decoder:
@@ -375,7 +342,8 @@ class Decoder:
     """
 
     def __init__(self, target, draft, max_block: int, settle: Callable, sizing: Sizing):
-        self.target, self.draft, self.max_block, self.settle, self.sizing = target, draft, max_block, settle, sizing
+        self.target, self.max_block, self.sizing = target, max_block, sizing
+        self.drafts = Drafts(target, draft, max_block, settle, sizing)
         self.rows: List[Request] = []
         self.cache = None  # the rows' target caches: a lone row's own, or a BatchCache
         self.queued: Optional[Cycle] = None
@@ -392,9 +360,7 @@ class Decoder:
         self.then = None
         rows = self.rows + list(requests)
         if len(rows) > 1:
-            for r in rows:
-                if r.acceptance is None:
-                    self.sizing.new_row(r)
+            self.sizing.rows_joined(rows)
             batched = isinstance(self.cache, BatchCache)
             parts, positions = ([self.cache], self.positions()) if batched else ([], [])
             for r in rows[len(self.rows) if batched else 0 :]:
@@ -500,7 +466,7 @@ class Decoder:
         """Queue a cycle: a tree (one row), or per row its anchor and the
         first ``choice - 1`` drafted tokens (1: a plain step, whose
         ``anchors`` may be the last plain step's lazy tokens)."""
-        choice = self.forced_choice(rows, choice)
+        choice = self.drafts.forced_choice(rows, choice)
         plans, drafts = [None] * len(rows), True
         if anchors is None and any(r.copies for r in rows):
             choice, plans, drafts = self.sizing.copies(rows, choice)
@@ -513,7 +479,7 @@ class Decoder:
             anchors = mx.array([[r.anchor] for r in rows], dtype=mx.int32)
         proposal, qs, spans = mx.zeros((len(rows), 0), mx.int32), [None] * len(rows), None
         if choice > 1:
-            proposal, qs, spans = self.proposals(rows, choice - 1, plans, drafts)
+            proposal, qs, spans = self.drafts.propose(rows, choice - 1, plans, drafts)
         logits, taps = self.target.forward(mx.concatenate([anchors, proposal], axis=1), self.cache)
         logits = self.controlled(rows, logits, proposal)
         lengths = None if spans is None else [n for _, n, _ in spans]
@@ -521,113 +487,10 @@ class Decoder:
         mx.async_eval(outcome, taps)
         return Cycle(list(rows), choice, outcome, logits, taps, queued_ahead=queued_ahead, spans=spans, drafted=drafts)
 
-    def proposals(self, rows: List[Request], slots: int, plans: List, drafting: bool) -> Tuple[mx.array, list, Optional[list]]:
-        """Every row's proposal ``[B, slots]`` (more where a lone row's block
-        is continued by its copy), the q its drafted tokens were sampled
-        from, and per row ``(drafted slots, proposed slots, copy class)``
-        (None: the drafter's block in every row): a row with a copied span
-        (``plans[b]``: tokens, class) verifies it in place of the drafter's
-        block, padded to the others' length (its acceptance capped at its
-        span); without one, the drafter's block where the drafter drafts
-        (``drafting``), else nothing (a plain step's row)."""
-        proposal, qs = None, [None] * len(rows)
-        if drafting:
-            proposal, qs = self.draft_chains(rows, slots)
-            self.settle(proposal)
-            if len(rows) == 1 and plans[0] is None and rows[0].copies is not None:
-                extra, klass = self.sizing.continuation(rows[0], slots + 1, proposal[0])
-                if not extra:
-                    return proposal, qs, None
-                proposal = mx.concatenate([proposal, mx.array([extra], dtype=mx.int32)], axis=1)
-                return proposal, qs, [(slots, slots + len(extra), klass)]
-            if not any(plans):
-                return proposal, qs, None
-        spans, copied = [], []
-        for b, (r, plan) in enumerate(zip(rows, plans)):
-            tokens, klass = plan if plan is not None else ([], 0)
-            copied.append((tokens + [r.anchor] * slots)[:slots])  # padding: never accepted
-            if plan is not None:
-                qs[b] = None  # point masses
-            spans.append((0, len(tokens), klass) if plan is not None or not drafting else (slots, slots, 0))
-        copied = mx.array(copied, dtype=mx.int32)
-        if drafting:
-            copied = mx.where(mx.array([p is not None for p in plans])[:, None], copied, proposal)
-        return copied, qs, spans
-
-    def forced_choice(self, rows: List[Request], choice):
-        """``choice``, or a longer chain where every row's grammar forces the
-        tokens ahead (the only ones it allows): those need no drafting, so
-        the cycle verifies them all and the target's token after them."""
-        grammars = [drafting(r) for r in rows]
-        if not all(grammars):
-            return choice
-        most = min([r.room for r in rows] + [r.block_limit for r in rows if r.block_limit])
-        block = min(most, 1 + min(len(g.forced(self.max_block - 1)) for g in grammars))
-        if block <= 1:
-            return choice
-        return block if isinstance(choice, TreeChoice) else max(choice, block)
-
-    def draft_chains(self, rows: List[Request], slots: int) -> Tuple[mx.array, list]:
-        """Every row's drafted tokens ``[B, slots]`` from the tap states its
-        drafter has not seen, and per row the q they were sampled from (None:
-        greedy). The drafter fills its whole block of masks whatever length
-        is verified: a shorter block of masks makes its early slots worse."""
-        if any(drafting(r) for r in rows):
-            return self.held_chains(rows, slots)
-        blocks = masked_blocks(self.draft, [r.anchor for r in rows], self.max_block)
-        if len(rows) == 1:
-            r = rows[0]
-            if r.rule.drafting is None:
-                proposal, qs = self.draft.propose(blocks, r.cache.target_hidden, r.cache.draft, slots=slots), [None]
-            else:
-                proposal, q = self.draft.propose_with_probs(
-                    blocks, r.cache.target_hidden, r.cache.draft, **r.rule.drafting, slots=slots, key=r.next_key()
-                )
-                qs = [q[0]]
-        else:
-            proposal, qs = self.draft.draft_rows(
-                blocks, [r.cache.target_hidden for r in rows], [r.cache.draft for r in rows], slots,
-                [r.rule.drafting for r in rows], [r.next_key() for r in rows],
-            )
-        for r in rows:
-            r.cache.target_hidden = None  # injected into its drafter context
-        return proposal.astype(mx.int32), qs
-
-    def held_chains(self, rows: List[Request], slots: int) -> Tuple[mx.array, list]:
-        """:meth:`draft_chains` where some rows' controls draft their own
-        blocks (a grammar): the other rows draft together as usual, each of
-        these from its own drafter logits, masked slot by slot along its own
-        proposal by its control (which skips the drafter where it forces the
-        whole block)."""
-        free = [b for b, r in enumerate(rows) if drafting(r) is None]
-        tokens, qs = [None] * len(rows), [None] * len(rows)
-        if free:
-            proposal, free_qs = self.draft_chains([rows[b] for b in free], slots)
-            for i, b in enumerate(free):
-                tokens[b], qs[b] = proposal[i], free_qs[i]
-        for b, r in enumerate(rows):
-            if tokens[b] is None:
-
-                def logits(r=r):
-                    block = masked_blocks(self.draft, [r.anchor], self.max_block)
-                    out = self.draft.slot_logits(block, r.cache.target_hidden, r.cache.draft, slots=slots)
-                    r.cache.target_hidden = None  # injected into its drafter context
-                    return out[0]
-
-                drafted, qs[b] = drafting(r).draft_block(slots, logits, self.target.vocab_size, r.rule.drafting, r.next_key())
-                tokens[b] = mx.array(drafted, mx.int32)
-        return mx.stack(tokens).astype(mx.int32), qs
-
     def tree_cycle(self, r: Request, choice: TreeChoice, room: int) -> Cycle:
-        """One row's draft tree: the whole block's best candidates per slot
-        (one host read: the tree is built on the host), a tree of
-        ``choice.nodes`` nodes at most ``room - 1`` deep, verified in one
+        """One row's draft tree (:meth:`Drafts.tree`) verified in one
         forward; the outcome is the target's choice at every row."""
-        blocks = masked_blocks(self.draft, [r.anchor], self.max_block)
-        head = self.draft.slot_head_logits(blocks, r.cache.target_hidden, r.cache.draft, slots=room - 1)
-        r.cache.target_hidden = None  # injected into the drafter's context
-        ids, logprobs = candidates(head[0], choice.nodes, self.draft.vocab_ids)
-        tree = build_tree(r.anchor, ids, logprobs, choice.nodes)
+        tree, ids = self.drafts.tree(r, choice, room)
         logits, taps = self.target.forward(mx.array([tree.tokens]), self.cache, tree=tree)
         for c in r.controls:
             logits = c.tree(logits[0], tree.tokens, tree.parents)[None]
@@ -671,7 +534,8 @@ class Decoder:
         it. Returns what every row got and the rows that ended."""
         read = cycle.read()
         now = time.perf_counter()
-        self.sizing.observe(cycle, read, now - self.clock, cycle.rows[0].cache.offset)  # before the next choice
+        context = sum(r.cache.offset for r in cycle.rows) // len(cycle.rows)
+        self.sizing.observe(cycle, read, now - self.clock, context)  # before the next choice
         self.clock = now
         self.cycles_read.append(len(cycle.rows))
         kept, out, ended = [], [], []

@@ -1,6 +1,7 @@
 """Many requests at once: DFlash's batched cycles against mlx-lm's batching.
 
     python examples/concurrency.py                       # library: batch_generate, bundled pair
+    python examples/concurrency.py --plain               # ... and plain batched steps in the same rounds
     python examples/concurrency.py --server --model smollm2   # both servers on loopback
     python examples/concurrency.py --shapes                   # a batched cycle's cost by its shape, here
 
@@ -57,7 +58,9 @@ def library(args):
         encoded = [tokenizer.encode(p) for p in prompts]
         mlx_lm_batch_generate(model, tokenizer, encoded, max_tokens=4)  # warm both
         batch_generate(model, draft, tokenizer, prompts, max_tokens=4, block_size=args.block_size)
-        lm_times, df_times, same, per_cycle = [], [], True, []
+        if args.plain:
+            batch_generate(model, draft, tokenizer, prompts, max_tokens=4, block_size=1)
+        lm_times, df_times, plain_times, same, per_cycle = [], [], [], True, []
         for _ in range(args.repeats):
             tic = time.perf_counter()
             lm = mlx_lm_batch_generate(model, tokenizer, encoded, max_tokens=args.max_tokens)
@@ -67,11 +70,19 @@ def library(args):
             df_times.append(time.perf_counter() - tic)
             same = same and df.texts == lm.texts
             per_cycle += [s["tokens_per_cycle"] for s in df.stats]
+            if args.plain:  # plain batched steps of the same loop, in the same round
+                tic = time.perf_counter()
+                plain = batch_generate(model, draft, tokenizer, prompts, max_tokens=args.max_tokens, block_size=1)
+                plain_times.append(time.perf_counter() - tic)
+                same = same and plain.texts == lm.texts
         tokens = sum(len(tokenizer.encode(t)) for t in lm.texts)
         lm_tps, df_tps = tokens / statistics.median(lm_times), tokens / statistics.median(df_times)
         rows.append(dict(concurrency=c, mlx_lm_tps=round(lm_tps, 1), dflash_tps=round(df_tps, 1),
-                         ratio=round(df_tps / lm_tps, 2), tokens_per_cycle=round(statistics.mean(per_cycle), 2),
+                         ratio=round(df_tps / lm_tps, 3), tokens_per_cycle=round(statistics.mean(per_cycle), 2),
                          identical=same))
+        if args.plain:
+            plain_tps = tokens / statistics.median(plain_times)
+            rows[-1].update(plain_tps=round(plain_tps, 1), ratio_to_best=round(df_tps / max(lm_tps, plain_tps), 3))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -213,6 +224,7 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--block-size", type=int, default=None, help="library mode: fix DFlash's block (default adaptive)")
+    p.add_argument("--plain", action="store_true", help="library mode: also time plain batched steps (block 1) in each round")
     p.add_argument("--server", action="store_true", help="compare the two servers over HTTP")
     p.add_argument("--shapes", action="store_true", help="what a batched cycle costs by its rows and block, here")
     p.add_argument("--cycles", type=int, default=24, help="--shapes: cycles timed per shape")

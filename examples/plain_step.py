@@ -36,6 +36,7 @@ from pathlib import Path
 from never_slower import alternate, compare
 
 import dflash_mlx
+from dflash_mlx.adaptive import BlockSizer
 from dflash_mlx.benchmark import compile_block_lengths, dflash_tokens, lockstep, mlx_lm_tokens, run_autoregressive, run_dflash
 from dflash_mlx.generate import build_prompt, encode_prompt
 from dflash_mlx.defaults import DEFAULT_TARGET
@@ -96,13 +97,14 @@ def plain_lockstep(model, draft, tokenizer, prompt, max_tokens: int, chunk: int,
     return out
 
 
-class Alternating:
+class Alternating(BlockSizer):
     """A block sizer (see :class:`dflash_mlx.adaptive.BlockSizer`) that
     alternates ``run`` cycles at ``block`` and ``run`` plain steps, and
     keeps each cycle's seconds."""
 
     def __init__(self, block: int, run: int):
-        self.max_block, self.block, self.run = block, block, run
+        super().__init__(block, None, fixed=True)
+        self.block, self.run = block, run
         self.count = 0
         self.cycles = []  # (block, seconds)
 

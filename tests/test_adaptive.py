@@ -12,7 +12,7 @@ from tiny import ScriptedDrafter, ScriptedSizer, prompt_of
 
 import dflash_mlx
 from dflash_mlx.adaptive import (
-    PROBE_BUDGET, PROBE_WAIT, RECHECK_BUDGET, REVISIT, BatchCosts, BatchSizer, BlockSizer, CycleCosts, SlotAcceptance,
+    PROBE_BUDGET, PROBE_WAIT, RECHECK_BUDGET, REVISIT, BlockSizer, CycleCosts, SlotAcceptance,
 )
 from dflash_mlx.calibration import calibrate, calibrated
 from dflash_mlx.errors import ArgumentError
@@ -108,7 +108,7 @@ def test_drafting_returns_when_acceptance_recovers():
     sizer = BlockSizer(16, CycleCosts(LINEAR))
     rng = np.random.default_rng(1)
     run(sizer, 0.0, 100, rng)
-    sizer.patience = 4  # a recovery is detected by the next probe
+    sizer.patience[1] = 4  # a recovery is detected by the next probe
     chosen = run(sizer, 0.95, 150, rng)
     assert max(chosen[-30:]) >= 12
 
@@ -164,11 +164,11 @@ def test_failed_probes_back_off_and_a_successful_probe_probes_again():
     # the last probe's extra cost over a plain step spread over 100 times as many plain steps: 1% overhead
     probe = [b for b in chosen if b > 1][-1]
     costs = sizer.costs.upto(probe)
-    assert sizer.patience == sizer.longest_wait(probe) == math.ceil((costs[-1] - costs[0]) / 0.01)
+    assert sizer.patience[1] == sizer.longest_wait(probe) == math.ceil((costs[-1] - costs[0]) / 0.01)
     while sizer.choose(10_000) == 1:
         sizer.observe(1, 0, 1.0)
     sizer.observe(16, 15, 2.4)  # the whole probe was accepted: drafting pays again
-    assert sizer.drafting_pays() and sizer.patience == 1
+    assert sizer.drafting_pays() and sizer.patience[1] == 1
 
 
 def test_probes_that_accept_too_little_to_pay_back_off():
@@ -210,7 +210,8 @@ def test_calibration_leaves_the_cache_as_it_was_and_runs_once(pair, tmp_path):
     nodes, seconds = calibration.tree  # then a tree of the whole block's rows, timed on its own line
     assert nodes == 7 and seconds > 0
     costs = calibration.sizer.costs  # the line through it (trees() never prices one below a plain step)
-    assert costs.tree_draft + costs.tree_slope * nodes == pytest.approx(seconds)
+    intercept, slope, _ = costs.lines[1].tree
+    assert intercept + slope * nodes == pytest.approx(seconds)
     assert calibration.settle in (mx.eval, mx.async_eval)
     assert calibrate(target, draft, cache.target, taps, 8, trees=True).tree == (nodes, seconds)  # timed once
 
@@ -359,7 +360,7 @@ def test_costs_with_one_drafting_length_stay_flat():
     costs = CycleCosts({1: 1.0, 2: 1.5})
     for seconds in (2.0, 2.0, 2.0):
         costs.observe(2, seconds)
-    assert costs.upto(2) == [1.0, 2.0] and costs.slope == 0.0
+    assert costs.upto(2) == [1.0, 2.0] and costs.lines[1].slope == 0.0
 
 
 # ---------------------------------------------------------------------------
@@ -681,7 +682,8 @@ def test_a_drafting_cycle_never_costs_less_than_a_plain_step():
         costs.observe(1, 0.172, context=2040 + i)
     for b, seconds, context in ((8, 0.30, 2050), (8, 0.027, 2051), (7, 0.283, 2054)):
         costs.observe(b, seconds, context=context)
-    line = costs.draft + costs.growth.at(1) * (costs.context - costs.draft_context) + costs.slope_at(costs.context)
+    one = costs.lines[1]
+    line = one.draft + costs.growth.at(1) * (costs.context - one.draft_context) + costs.slope_at(one, costs.context)
     chain, trees = costs.upto(16), costs.trees(8)
     assert line < chain[0]  # the line alone would price a 2-token cycle below a plain step
     assert min(chain[1:]) >= chain[0] and min(trees) >= chain[0]
@@ -701,7 +703,7 @@ def test_what_a_switch_costs_is_neither_a_plain_step_nor_a_drafting_cycle():
         costs.observe(1, 2.0)
     assert costs.upto(16)[0] == pytest.approx(1.0)
     assert costs.upto(16)[-1] == pytest.approx(2.0)
-    assert costs.switch == pytest.approx(0.1)
+    assert costs.switch_cost() == pytest.approx(0.1)
     assert BlockSizer(16, costs).longest_wait(16) == math.ceil((2.0 + 0.1 - 1.0) / (PROBE_BUDGET * 1.0))
 
 
@@ -781,7 +783,7 @@ def test_a_plain_spell_is_reconsidered_every_few_steps_not_every_step():
     sizer = BlockSizer(16, CycleCosts({1: 1.0, 2: 2.0, 16: 2.4}))
     rng = np.random.default_rng(0)
     run(sizer, 0.3, 200, rng)  # about 1.4 tokens a cycle: plain decoding pays
-    sizer.patience = 10_000  # no probe in the way
+    sizer.patience[1] = 10_000  # no probe in the way
     worked = []
     rates = sizer.rates
     sizer.rates = lambda *a, **k: worked.append(1) or rates(*a, **k)
@@ -807,7 +809,7 @@ def test_a_new_generation_probes_soon_once_the_drafter_has_paid():
     rng = np.random.default_rng(0)
     run(sizer, 0.9, 200, rng)  # drafting pays, and saves time
     run(sizer, 0.0, 400, rng)  # then the drafter never agrees: probes backed off
-    wait = sizer.patience
+    wait = sizer.patience[1]
     assert wait > 8 * PROBE_WAIT and sizer.drafting_net > 0
     sizer.begin()
     plain = 0
@@ -816,7 +818,7 @@ def test_a_new_generation_probes_soon_once_the_drafter_has_paid():
         plain += 1
     assert plain <= PROBE_WAIT
     sizer.observe(block, 0, float(np.interp(block, list(LINEAR), list(LINEAR.values()))))
-    assert sizer.patience == wait
+    assert sizer.patience[1] == wait
 
 
 def test_a_drafter_that_never_agrees_costs_its_budget_however_short_the_generations():
@@ -844,7 +846,7 @@ def test_plain_steps_that_end_a_generation_are_no_spell_of_the_next(paid):
     """Whether or not drafting has paid on the whole so far (``drafting_net``)."""
     sizer = BlockSizer(16, CycleCosts(LINEAR))
     run(sizer, 0.9, 100, np.random.default_rng(0))  # drafting pays (and no recheck is due yet)
-    assert sizer.patience == PROBE_WAIT and sizer.drafting_net > 0
+    assert sizer.patience[1] == PROBE_WAIT and sizer.drafting_net > 0
     if not paid:
         sizer.drafting_net = -1.0  # as after a start where drafting lost more than it has saved since
     assert sizer.choose(1) == 1  # one token left: a plain step, whatever pays
@@ -854,13 +856,14 @@ def test_plain_steps_that_end_a_generation_are_no_spell_of_the_next(paid):
 
 
 # ---------------------------------------------------------------------------
-# The batch sizer, on numbers alone
+# Batches: the same costs and sizer, indexed by rows
 
 
 def batch_costs(a=0.02, b=0.001, d=0.004, e=0.001, s=0.002):
-    """Seconds of a batched cycle of ``rows`` rows at ``block``, and its table."""
+    """Seconds of a batched cycle of ``rows`` rows at ``block``, and a cost
+    model calibrated on one row of it."""
     truth = lambda rows, block: a + b * rows + (block > 1) * (d + e * rows) + s * rows * (block - 1)  # noqa: E731
-    return truth, BatchCosts([a, b], [a + d, b + e, s])
+    return truth, CycleCosts({block: truth(1, block) for block in (1, 2, 16)})
 
 
 def accepting(share: float, max_block: int = 16, cycles: int = 40) -> SlotAcceptance:
@@ -873,70 +876,53 @@ def accepting(share: float, max_block: int = 16, cycles: int = 40) -> SlotAccept
     return acc
 
 
-def test_batch_costs_learn_the_cycles_shape_from_the_cycles():
-    truth, _ = batch_costs()
-    costs = BatchCosts([0.05, 0.0], [0.07, 0.0, 0.0])  # a wrong table
-    for rows, block in itertools.product([1, 2, 4, 8], [1, 2, 4, 8, 16]):
-        for _ in range(3):
-            costs.observe(rows, block, truth(rows, block))
-    for rows, block in [(3, 1), (6, 5), (8, 16)]:
-        assert costs.cost(rows, block) == pytest.approx(truth(rows, block), rel=0.1)
+def test_a_batch_of_one_is_a_request_alone():
+    """One model, one rule: a row count of one is the lone request's line,
+    and the lone call and the rows' call choose alike."""
+    _, costs = batch_costs()
+    assert costs.upto(16, rows=1) == costs.upto(16)
+    lone, rows = BlockSizer(16, costs), BlockSizer(16, costs)
+    row = accepting(0.8)
+    lone.acceptance = row
+    assert [lone.choose(50) for _ in range(5)] == [rows.choose([50], [row]) for _ in range(5)]
 
 
-def test_batch_costs_price_a_shape_run_by_its_own_cycles():
-    """A verify that grows faster than linearly with the rows (compute-bound,
-    past some batch size) is priced low at a large batch by a line fitted on
-    small ones; once that shape has run, its own cycles price it. A long
-    plain spell after does not wash out what the drafting shapes showed."""
-    line, _ = batch_costs()
+def test_a_row_count_is_priced_by_its_own_cycles():
+    """A verify that grows faster than linearly with the rows (compute-bound
+    past some batch size) is priced low at 8 rows by one row's line; once
+    that row count has run, its own cycles price it, and a long plain spell after does not wash out what drafting showed."""
+    line, costs = batch_costs()
     truth = lambda rows, block: line(rows, block) + 2e-5 * (rows * (block - 1)) ** 2  # noqa: E731
-    costs = BatchCosts([0.02, 0.001], [0.024, 0.002, 0.002])
-    for rows, block in itertools.product([1, 2], [1, 2, 4, 8, 16]):
-        for _ in range(3):
-            costs.observe(rows, block, truth(rows, block))
-    assert costs.cost(8, 16) < 0.8 * truth(8, 16)  # extrapolated: too low
-    for _ in range(3):
-        costs.observe(8, 16, truth(8, 16))
-    assert costs.cost(8, 16) == pytest.approx(truth(8, 16), rel=0.1)
+    assert costs.cost(16, rows=8) < 0.8 * truth(8, 16)  # from one row's line: too low
+    for _ in range(4):
+        costs.observe(16, truth(8, 16), rows=8)
+    assert costs.cost(16, rows=8) == pytest.approx(truth(8, 16), rel=0.1)
+    plain = costs.upto(1, rows=8)[0]
     for _ in range(500):
-        costs.observe(8, 1, truth(8, 1))
-    assert costs.cost(8, 16) == pytest.approx(truth(8, 16), rel=0.1)
+        costs.observe(1, truth(8, 1), rows=8)
+    assert costs.cost(16, rows=8) == pytest.approx(truth(8, 16), rel=0.1)
+    assert plain == pytest.approx(costs.lines[8].table_plain)  # drafting cycles left the plain step alone
+    assert costs.upto(1, rows=8)[0] == pytest.approx(truth(8, 1), rel=0.05)
 
 
-def test_a_plain_step_is_priced_by_plain_steps():
-    """A batch that has only drafted prices a plain step on the plain
-    steps' line (here the prior's, which is right), whatever the drafting
-    cycles, whose verify grows faster than linearly, leave over."""
-    line, _ = batch_costs()
-    truth = lambda rows, block: line(rows, block) + (block > 1) * 2e-5 * (rows * (block - 1)) ** 2  # noqa: E731
-    costs = BatchCosts([0.02, 0.001], [0.024, 0.002, 0.002])
-    for shape in itertools.product([2, 4, 8], [4, 8, 16]):
-        for _ in range(4):
-            costs.observe(*shape, truth(*shape))
-    assert costs.cost(8, 1) == pytest.approx(truth(8, 1), rel=0.05)
-
-
-def test_batch_costs_read_plain_steps_queued_ahead_in_pairs():
-    """Plain steps queued ahead are read two at a time: one cycle takes two
-    steps' time, the next almost none. A step costs their mean, read after
-    either."""
-    costs = BatchCosts([0.004, 0.0002], [0.008, 0.0012, 0.0002])
+def test_plain_steps_read_unevenly_cost_their_mean():
+    """Plain steps queued ahead may be read two at a time: one read takes
+    two steps' time, the next almost none. A step costs their mean."""
+    costs = CycleCosts({1: 0.004, 2: 0.006, 16: 0.02})
     prices = []
-    for i in range(21):
-        costs.observe(8, 1, 0.011 if i % 2 else 0.001)
-        prices.append(costs.cost(8, 1))
-    assert all(p == pytest.approx(0.006, rel=0.25) for p in prices[6:])
+    for i in range(41):
+        costs.observe(1, 0.011 if i % 2 else 0.001, rows=8)
+        prices.append(costs.upto(1, rows=8)[0])
+    assert all(p == pytest.approx(0.006, rel=0.25) for p in prices[20:])
 
 
-def test_batch_sizer_drafts_when_rows_are_cheap_and_falls_back_when_dear():
+def test_a_batch_drafts_when_rows_are_cheap_and_falls_back_when_dear():
     truth, costs = batch_costs()
-    sizer = BatchSizer(16, costs)
     good = [accepting(0.9) for _ in range(4)]
-    assert sizer.choose(good, [100] * 4) > 4  # cheap rows, drafts accepted: a long block
+    assert BlockSizer(16, costs).choose([100] * 4, good) > 4  # cheap rows, drafts accepted: a long block
     _, dear = batch_costs(s=0.05, e=0.02)
-    sizer = BatchSizer(16, dear)
     poor = [accepting(0.2) for _ in range(8)]
-    assert sizer.choose(poor, [100] * 8) == 1  # dear rows, drafts rejected: plain batched steps
+    assert BlockSizer(16, dear).choose([100] * 8, poor) == 1  # dear rows, drafts rejected: plain batched steps
 
 
 def test_each_rows_acceptance_counts():
@@ -944,34 +930,36 @@ def test_each_rows_acceptance_counts():
     _, costs = batch_costs(s=0.0005)
     poor = [accepting(0.3) for _ in range(4)]
     mixed = poor[:2] + [accepting(0.95) for _ in range(2)]
-    assert BatchSizer(16, costs).choose(mixed, [100] * 4) > BatchSizer(16, costs).choose(poor, [100] * 4)
+    assert BlockSizer(16, costs).choose([100] * 4, mixed) > BlockSizer(16, costs).choose([100] * 4, poor)
 
 
-def test_batch_sizer_probes_a_plain_batch_and_backs_off():
+def test_a_plain_batch_probes_and_backs_off_per_row_count():
     _, costs = batch_costs(s=0.001, e=0.03)  # the draft is dear, the verified rows cheap
-    sizer = BatchSizer(16, costs)
-    rows = [accepting(0.5, cycles=5) for _ in range(8)]  # few cycles seen: plain for now, a long probe's worth a try
-    choices = [sizer.choose(rows, [1000] * 8) for _ in range(PROBE_WAIT)]
+    sizer = BlockSizer(16, costs)
+    rows = [accepting(0.5, cycles=5) for _ in range(8)]  # few cycles seen: plain for now, a probe's worth a try
+    choices = [sizer.choose([1000] * 8, rows) for _ in range(PROBE_WAIT)]
     assert choices[:-1] == [1] * (PROBE_WAIT - 1) and choices[-1] > 1  # a probe after PROBE_WAIT plain cycles
-    sizer.observe(rows, [1000] * 8, choices[-1], costs.cost(8, choices[-1]))
+    for row in rows:
+        for _ in range(5):
+            row.observe(15, 0)
+    sizer.observe(choices[-1], [0] * 8, costs.cost(choices[-1], 8), rows=rows, drafted=[choices[-1] - 1] * 8)
     wait = sizer.patience[8]
     assert wait > PROBE_WAIT  # it did not pay: the next probe waits longer
     good = [accepting(0.95) for _ in range(2)]
-    block = sizer.choose(good, [1000] * 2)
-    sizer.observe(good, [1000] * 2, block, costs.cost(2, block))
+    block = sizer.choose([1000] * 2, good)
+    sizer.observe(block, [block - 1] * 2, costs.cost(block, 2), rows=good)
     assert block > 1 and sizer.patience[8] == wait  # drafting that pays with 2 rows says nothing of 8
-    again = [sizer.choose(rows, [1000] * 8) for _ in range(wait)]
-    assert choices[-1] > 3 and again[:-1] == [1] * (wait - 1) and again[-1] == choices[-1] // 2  # then at half the length
-    assert BatchSizer(16, costs, fixed=True).choose(rows, [5] * 8) == 5  # fixed: the whole block, never past the end
+    assert BlockSizer(16, costs, fixed=True).choose([5] * 8, rows) == 5  # fixed: the whole block, never past the end
 
 
-def test_a_batch_chooses_its_length_on_the_shares_as_seen():
-    """Rows whose deep slots were seen in few cycles: the optimistic shares
-    (one standard error up) would draft them, but each verified row costs
-    compute at every cycle, so the batch drafts what its rows have shown."""
-    _, costs = batch_costs(s=0.001)
-    rows = [accepting(0.7, cycles=10) for _ in range(4)]
-    sizer = BatchSizer(16, costs)
-    seen, hopeful = sizer.rates(rows, [100] * 4, optimistic=False), sizer.rates(rows, [100] * 4)
-    assert hopeful.index(max(hopeful)) > seen.index(max(seen))  # the two rules part here
-    assert sizer.choose(rows, [100] * 4) == seen.index(max(seen)) + 1
+def test_the_pairs_acceptance_learns_from_every_row():
+    """A row joining a batch starts from the pair's acceptance, which every
+    row's cycles feed: what the batch has shown lately, not one request's."""
+    _, costs = batch_costs()
+    sizer = BlockSizer(16, costs)
+    before = sizer.acceptance.expected_as_seen[-1]
+    rows = [SlotAcceptance(16) for _ in range(4)]
+    for _ in range(10):
+        sizer.observe(16, [15] * 4, costs.cost(16, 4), rows=rows)
+    assert sizer.acceptance.expected_as_seen[-1] > before + 5
+    assert all(r.expected_as_seen[-1] > before + 3 for r in rows)

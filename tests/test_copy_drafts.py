@@ -13,7 +13,7 @@ import tiny
 from tiny import PROMPT, REAL_TOKENS, TRUNCATED, generated_tokens, pit_check, prompt_of, reference_tokens, small_pair
 
 import dflash_mlx
-from dflash_mlx.adaptive import BatchCosts, BlockSizer, CycleCosts
+from dflash_mlx.adaptive import BlockSizer, CycleCosts
 from dflash_mlx import copy_source
 from dflash_mlx.batch import BatchGenerator
 from dflash_mlx.copy_source import CopyDrafts
@@ -258,8 +258,8 @@ def test_copy_cycles_are_priced_by_their_own_cycles_once_measured():
         costs.observe_verify(n, 1.0 + 0.3 * (n - 1))
     assert costs.verify(21) == pytest.approx(1.0 + 0.3 * 20, rel=0.05)
     assert costs.upto(8)[-1] == pytest.approx(2.2)  # the drafting line as it was
-    batch = BatchCosts.from_table(CycleCosts({1: 1.0, 2: 1.6, 8: 2.2}))
-    line = batch.verify(2, 9)
+    batch = CycleCosts({1: 1.0, 2: 1.6, 8: 2.2})  # two rows: their own line, the same way
+    line, drafting = batch.verify(9, rows=2), batch.cost(9, rows=2)
     for _ in range(9):
-        batch.observe_verify(2, 9, 3 * line)
-    assert batch.verify(2, 9) > 2.5 * line and batch.cost(2, 9) == BatchCosts.from_table(CycleCosts({1: 1.0, 2: 1.6, 8: 2.2})).cost(2, 9)
+        batch.observe_verify(9, 3 * line, rows=2)
+    assert batch.verify(9, rows=2) > 2.5 * line and batch.cost(9, rows=2) == drafting

@@ -20,6 +20,7 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.utils import load_model
 
 import dflash_mlx
+from dflash_mlx.adaptive import BlockSizer
 from dflash_mlx.random_pair import (  # the builders the package ships, for benchmarks too
     LLAMA,
     MASK,
@@ -734,12 +735,13 @@ class ScriptedDrafter(FakeDrafter):
         return proposal
 
 
-class ScriptedSizer:
+class ScriptedSizer(BlockSizer):
     """Block sizer test double: chooses the lengths of a script (cycled),
     whatever the cycles show (``stream_generate(sizer=...)``)."""
 
     def __init__(self, script, max_block=16):
-        self.script, self.max_block, self.asked = itertools.cycle(script), max_block, []
+        super().__init__(max_block, None, fixed=True)
+        self.script, self.asked = itertools.cycle(script), []
 
     def choose(self, remaining):
         self.asked.append(min(next(self.script), remaining))
