@@ -1342,15 +1342,18 @@ def train(args: TrainConfig) -> dict:
         trained = state["train_seconds"] + time.perf_counter() - tic
         end = expected_end(args, args.steps - state["step"], (time.perf_counter() - start) / (state["step"] - begun), trained)
         bar.set_postfix(loss=f"{record[0]:.3f}", acc1=f"{record[1]:.3f}", acc=f"{record[2]:.3f}", tau=f"{record[3]:.2f}", ends=end)
-        last = state["step"] == args.steps or out_of_time(args, trained)
+        timed_out = out_of_time(args, trained)
+        last = state["step"] == args.steps or timed_out
         if state["step"] % args.eval_every == 0 or last:
             evaluate()
         if state["step"] % args.save_every == 0 or last:
             state["train_seconds"] += time.perf_counter() - tic
             tic = time.perf_counter()
             save()
-        if last:
+        if timed_out:  # the bar counts a step when the next begins: this one, by hand
+            bar.update()
             break
+    bar.close()
     return state
 
 
