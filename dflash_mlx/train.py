@@ -1318,8 +1318,10 @@ def train(args: TrainConfig) -> dict:
     def evaluate(drafter=draft):
         if not curves:
             return
+        began = time.perf_counter()
         for key, curve in curves.items():
             state.setdefault(key, []).append(curve(drafter, state["step"]))
+        state["eval_spent"] = state.get("eval_spent", 0.0) + time.perf_counter() - began
         state.setdefault("eval_seconds", []).append(round(state["train_seconds"] + time.perf_counter() - tic, 1))
         bar.write(curve_line(state, curves))
 
@@ -1394,13 +1396,14 @@ def adapt(args: TrainConfig) -> dict:
     run = dataclasses.replace(args, draft_model=str(out.with_name(out.name + ADAPTING)))
     state = train(run)
     (_, before, cycles), (step, after, _) = state["eval"][0], state["eval"][-1]
+    per_step = (state["train_seconds"] - state.get("eval_spent", 0.0)) / max(1, step)
     result = {
         "init_from": str(Path(args.init_from).resolve()), "before": before, "after": after, "steps": step,
-        "held_out_cycles": cycles, "train_seconds": round(state["train_seconds"], 1),
+        "held_out_cycles": cycles, "train_seconds": round(state["train_seconds"], 1), "seconds_per_step": round(per_step, 3),
         "curve": [[s, tpc, sec] for (s, tpc, _), sec in zip(state["eval"], state["eval_seconds"])],
         "learning_rate": run.learning_rate, "warmup": run.warmup,
     }
-    print(f"held-out tokens per cycle: {before:.3f} with {args.init_from}, {after:.3f} adapted ({step} steps)")
+    print(f"held-out tokens per cycle: {before:.3f} with {args.init_from}, {after:.3f} adapted ({step} steps, {per_step:.2f} s a step)")
     if state.get("eval_replay"):
         (_, old, old_cycles), (_, kept, _) = state["eval_replay"][0], state["eval_replay"][-1]
         result["replay"] = {"before": old, "after": kept, "cycles": old_cycles, "curve": [r[:2] for r in state["eval_replay"]]}

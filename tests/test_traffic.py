@@ -397,4 +397,4 @@ def test_max_minutes_ends_the_run_with_its_checkpoint(qwen3_pair, recorded, tmp_
     argv = adapt_argv(pair, recorded, init, tmp_path / "o", "--steps", "50", "--max-minutes", "1e-9")
     assert cli.run(T.main, argv) == 0
     out, err = capsys.readouterr()
-    assert "adapted (1 steps)" in out and "1/50" in err
+    assert "adapted (1 steps, " in out and "1/50" in err
