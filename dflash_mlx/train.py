@@ -200,7 +200,7 @@ class TrainConfig:
     cache_max_bytes: int = option(
         DEFAULT_CACHE_BYTES,
         "with --cache-target in memory: the most bytes of target outputs kept (the rows drawn most often first); "
-        "the rows beyond it run the target whenever drawn",
+        f"the rows beyond it run the target whenever drawn (default: {DEFAULT_CACHE_BYTES >> 30} GiB)",
         type=cli.positive_int,
     )
     cache_dir: Optional[str] = option(
