@@ -1134,7 +1134,8 @@ def prepare(args: TrainConfig):
         model.set_dtype(DTYPES[args.target_dtype])
     if args.approximate_target is None:  # a fine-tune's default on the CPU, where the target's layers allow it
         try:
-            args.approximate_target = approximate(model) is model
+            approximate(model)
+            args.approximate_target = True
         except TargetError as e:
             print(f"the exact target: {e}", file=sys.stderr)
             args.approximate_target = False
