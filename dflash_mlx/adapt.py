@@ -3,8 +3,9 @@
 Online speculative decoding (Liu et al. 2024, arXiv 2310.07177) distils the
 drafter on the queries a server actually gets. Here each round is an
 ``mlx-dflash train --from-traffic`` run in a child process at the lowest
-priority, started once ``--adapt-every`` new conversations are recorded and
-no request is running, stopped (SIGSTOP) while any request runs and
+priority, with that command's defaults (:func:`dflash_mlx.train.fill_defaults`,
+the one home of both; ``--adapt-args`` overrides them), started once
+``--adapt-every`` new conversations are recorded and no request is running, stopped (SIGSTOP) while any request runs and
 continued when none does. The child writes its candidate only when it beats
 the current drafter on the most recent traffic it held out; the generation
 thread swaps it in between requests (:meth:`Adaptation.swap`), after loading
@@ -184,15 +185,19 @@ class Adaptation:
     def round_dir(self, version: int) -> Path:
         return self.root / f"v{version}"
 
+    def round_argv(self, out: Path) -> list:
+        """A round's ``mlx-dflash train`` flags: the traffic, the drafter in
+        use, the target, ``out``, then ``--adapt-args``."""
+        return [
+            "--from-traffic", str(self.recorder.root), "--init-from", str(self.path), "--model", self.target,
+            "--draft-model", str(out), *self.train_args,
+        ]  # fmt: skip
+
     def start_round(self) -> subprocess.Popen:
         out = self.round_dir(self.version + 1)
         shutil.rmtree(out, ignore_errors=True)  # a killed round's leftovers
         shutil.rmtree(out.with_name(out.name + ADAPTING), ignore_errors=True)
-        cmd = [
-            "nice", "-n", "19", sys.executable, "-m", "dflash_mlx.train", "--from-traffic", str(self.recorder.root),
-            "--init-from", str(self.path), "--model", self.target, "--draft-model", str(out), "--cache-target",
-            *self.train_args,
-        ]  # fmt: skip
+        cmd = ["nice", "-n", "19", sys.executable, "-m", "dflash_mlx.train", *self.round_argv(out)]
         self.last_round = self.recorder.recorded
         with open(out.with_suffix(".log"), "w") as log, self.lock:
             self.child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -81,6 +81,14 @@ FINE_TUNE_LR = 1e-4
 FINE_TUNE_WARMUP = 0.1  # of the steps: a gentle start
 # Rows of --data held out by --from-traffic: the forgetting check's rows.
 REPLAY_HELD_OUT = 8
+# Blocks per window: a run from scratch, and a fine-tune (what the shipped
+# drafters' recipes train with, so a fine-tune's step costs what theirs did).
+ANCHORS, FINE_TUNE_ANCHORS = 32, 16
+# --cache-target's bound in memory (a fine-tune runs beside a server).
+DEFAULT_CACHE_BYTES = 2 << 30
+# The largest relative difference of the approximate softmax's loss from the
+# exact one's, on a fine-tune's first batch, at which it is taken by default.
+SOFTMAX_TOLERANCE = 1e-3
 MASK_NAME = re.compile(r"^<\|?\s*mask\s*\|?>$", re.IGNORECASE)
 
 
@@ -152,15 +160,18 @@ class TrainConfig:
     weight_decay: float = option(0.0, "AdamW weight decay")
     grad_clip: float = option(1.0, "global gradient-norm clip")
     seed: int = option(0, "seed of the drafter's initialisation and of the batches")
-    approximate_softmax: bool = option(
-        False,
+    approximate_softmax: Optional[bool] = option(
+        None,
         "the drafter's attention softmax and the loss's logsumexp through the approximate fused exp while "
-        "training on the CPU (float32; gradients by the exact functions' formulas)",
+        "training on the CPU (float32; gradients by the exact functions' formulas); default: with --from-traffic on "
+        f"the CPU, on when its loss on a first batch is within {SOFTMAX_TOLERANCE:g} of the exact one's, else off",
     )
     # The batches: windows of seq_len tokens, anchors_per_seq blocks each.
     batch_size: int = option(4, "windows per step", type=cli.positive_int)
     seq_len: int = option(512, "tokens per window", type=cli.positive_int)
-    anchors_per_seq: int = option(32, "blocks drawn per window", type=cli.positive_int)
+    anchors_per_seq: Optional[int] = option(
+        None, f"blocks drawn per window (default: {ANCHORS}; with --from-traffic {FINE_TUNE_ANCHORS})", type=cli.positive_int
+    )
     answer_mask: Optional[str] = option(
         None,
         ".npy of booleans shaped like the one --data .npy, true on answer tokens: anchors are drawn where the "
@@ -169,20 +180,28 @@ class TrainConfig:
     # The frozen target's outputs: its dtype, and whether they are kept.
     target_dtype: Optional[str] = option(
         None,
-        "run the frozen target in this dtype (default: as stored; float32 is faster on CPU for a bf16 "
-        "checkpoint, its taps differ from bf16 inference by rounding only)",
+        "run the frozen target in this dtype (default: as stored; with --from-traffic on the CPU float32, which is "
+        "faster there for a bf16 checkpoint, its taps differing from bf16 inference by rounding only)",
         choices=tuple(DTYPES),
     )
-    approximate_target: bool = option(
-        False,
+    approximate_target: Optional[bool] = option(
+        None,
         "run the frozen target's attention softmax and SiLU through the approximate fused exp on the CPU "
-        "(float32; llama/qwen targets): taps and labels to training precision, much cheaper on x86",
+        "(float32; llama/qwen targets): taps and labels to training precision, much cheaper on x86 "
+        "(default: with --from-traffic on the CPU, on where the target's layers allow it, else off)",
     )
-    cache_target: bool = option(
-        False,
+    cache_target: Optional[bool] = option(
+        None,
         "keep each row's target taps and predictions in memory after its first pass, so later draws skip "
         "the target (data: 2-D .npy rows of exactly --seq-len tokens; memory: rows x seq-len x taps x hidden floats, "
-        "for the rows the run is expected to draw more than once)",
+        "for the rows the run is expected to draw more than once, within --cache-max-bytes; default: on with "
+        "--from-traffic, else off)",
+    )
+    cache_max_bytes: int = option(
+        DEFAULT_CACHE_BYTES,
+        "with --cache-target in memory: the most bytes of target outputs kept (the rows drawn most often first); "
+        f"the rows beyond it run the target whenever drawn (default: {DEFAULT_CACHE_BYTES >> 30} GiB)",
+        type=cli.positive_int,
     )
     cache_dir: Optional[str] = option(
         None,
@@ -703,7 +722,7 @@ class TargetOutputs:
         if not self.enabled:
             return
         draws = args.steps * args.batch_size * (np.full(n_rows, 1 / n_rows) if chance is None else np.asarray(chance))
-        kept = np.arange(n_rows) if args.cache_dir is not None else np.flatnonzero(draws > 1)
+        kept = np.arange(n_rows) if args.cache_dir is not None else self.kept_in_memory(args, draws, width)
         self.slot = np.full(n_rows, -1)  # where each row is kept; -1: not kept
         self.slot[kept] = np.arange(len(kept))
         shapes = {"taps": (len(kept), args.seq_len, width), "done": (len(kept),)}
@@ -736,6 +755,20 @@ class TargetOutputs:
         }
         if fresh:
             meta.write_text(json.dumps(key, indent=1))
+
+    def kept_in_memory(self, args, draws: np.ndarray, width: int) -> np.ndarray:
+        """The rows kept in memory: those expected to be drawn more than
+        once, the most drawn first, as many as ``--cache-max-bytes`` holds."""
+        row_bytes = args.seq_len * (4 * width + (4 if self.greedy else 0)) + 1  # taps, labels, done
+        again = np.flatnonzero(draws > 1)
+        kept = np.sort(again[np.argsort(-draws[again], kind="stable")][: args.cache_max_bytes // row_bytes])
+        if len(kept) < len(again):
+            print(
+                f"--cache-target keeps {len(kept)} of the {len(again)} rows drawn more than once "
+                f"(--cache-max-bytes {args.cache_max_bytes}); the others run the target when drawn",
+                file=sys.stderr,
+            )
+        return kept
 
     def __call__(self, starts: np.ndarray, windows: np.ndarray):
         if not self.enabled:
@@ -914,6 +947,8 @@ def flag_options(f: dataclasses.Field, options: dict) -> dict:
     default (``None`` for a required field: ``check_args`` names it)."""
     if f.type is bool:
         return dict(options, action="store_true")
+    if f.type == Optional[bool]:  # on, off (--no-...), or left to the run (None)
+        return dict(options, action=argparse.BooleanOptionalAction, default=f.default)
     if f.default_factory is not dataclasses.MISSING:
         default = f.default_factory()
     else:
@@ -923,8 +958,35 @@ def flag_options(f: dataclasses.Field, options: dict) -> dict:
     return dict(options, default=default)
 
 
+def fill_defaults(args: TrainConfig) -> None:
+    """The settings left to the run (``None``) that neither the target nor
+    the drafter decide. A fine-tune (``--from-traffic``, and so each round of
+    ``server --adapt``) takes what the traffic bench
+    (examples/traffic_adaptation.py) trains with: a lower, re-warmed rate,
+    the recipes' anchors per window, the traffic's target outputs kept
+    (:class:`TargetOutputs`, within ``--cache-max-bytes``) and, on the CPU,
+    the target in float32; the approximate target and softmax stay ``None``
+    there, for :func:`prepare` and :func:`train` to check. Anything else
+    gets the plain defaults, every lever off."""
+    fine_tune = args.from_traffic is not None
+    if args.anchors_per_seq is None:
+        args.anchors_per_seq = FINE_TUNE_ANCHORS if fine_tune else ANCHORS
+    if args.cache_target is None:
+        args.cache_target = fine_tune
+    if args.learning_rate is None:
+        args.learning_rate = FINE_TUNE_LR if fine_tune else PEAK_LR
+    if args.warmup is None:
+        args.warmup = max(1, int(args.steps * FINE_TUNE_WARMUP) if fine_tune else args.steps // 20)
+    if fine_tune and mx.default_device() == mx.cpu:
+        args.target_dtype = args.target_dtype or "float32"
+        return
+    args.approximate_target, args.approximate_softmax = bool(args.approximate_target), bool(args.approximate_softmax)
+
+
 def check_args(args: TrainConfig) -> None:
-    """Everything that can be checked before loading the target."""
+    """Everything that can be checked before loading the target (the
+    defaults filled in first: :func:`fill_defaults`)."""
+    fill_defaults(args)
     if not args.model or not args.draft_model:
         raise TrainError("training needs a target (--model) and an output directory (--draft-model)")
     if args.from_traffic is not None:
@@ -1062,6 +1124,7 @@ def prepare(args: TrainConfig):
     from .loading import load
     from .targets import adapter_for
     from .targets.approximate import approximate
+    from .targets.base import TargetError
 
     try:
         model, tokenizer = load(args.model)
@@ -1069,7 +1132,14 @@ def prepare(args: TrainConfig):
         raise TrainError(f"cannot load target {args.model}: {e}") from None
     if args.target_dtype is not None:
         model.set_dtype(DTYPES[args.target_dtype])
-    if args.approximate_target:
+    if args.approximate_target is None:  # a fine-tune's default on the CPU, where the target's layers allow it
+        try:
+            approximate(model)
+            args.approximate_target = True
+        except TargetError as e:
+            print(f"the exact target: {e}", file=sys.stderr)
+            args.approximate_target = False
+    elif args.approximate_target:
         approximate(model)
     adapter = adapter_for(model)
     vocab = adapter.vocab_size
@@ -1084,11 +1154,6 @@ def prepare(args: TrainConfig):
     if not 0 <= args.mask_token_id < vocab:
         raise TrainError(f"--mask-token-id {args.mask_token_id} is outside the target vocabulary (0..{vocab - 1})")
     args.gamma = args.gamma if args.gamma is not None else args.block_size / 2
-    fine_tune = args.from_traffic is not None
-    if args.learning_rate is None:
-        args.learning_rate = FINE_TUNE_LR if fine_tune else PEAK_LR
-    if args.warmup is None:
-        args.warmup = max(1, int(args.steps * FINE_TUNE_WARMUP) if fine_tune else args.steps // 20)
 
     if args.draft_vocab is not None and args.draft_vocab > vocab:
         raise TrainError(f"--draft-vocab {args.draft_vocab} exceeds the target vocabulary ({vocab})")
@@ -1177,13 +1242,56 @@ def new_optimizer(args: TrainConfig) -> optim.AdamW:
     )
 
 
+class Batches:
+    """A step's inputs to :func:`drafter_loss` (after the drafter) from
+    sampled windows and anchors: the target's outputs, blocks, labels, mask."""
+
+    def __init__(self, args: TrainConfig, adapter, target_outputs: TargetOutputs, vocab_ids: Optional[List[int]]):
+        self.args, self.adapter, self.target_outputs, self.vocab_ids = args, adapter, target_outputs, vocab_ids
+        self.n_slots = args.loss_slots or args.block_size - 1
+        self.weights = slot_weights(args.block_size, args.gamma)[: self.n_slots]
+
+    def __call__(self, starts: np.ndarray, windows: np.ndarray, anchors: mx.array) -> tuple:
+        args, tokens = self.args, mx.array(windows)
+        tap_states, greedy = self.target_outputs(starts, windows)
+        blocks, positions = make_blocks(tokens, anchors, args.block_size, args.mask_token_id)
+        labels = slot_labels(tokens, greedy, anchors, args.block_size)
+        labels = draft_labels(labels[..., : self.n_slots], self.vocab_ids, self.adapter.vocab_size)
+        return self.adapter.embed, tap_states, blocks, positions, context_mask(anchors, args.seq_len), labels, self.weights
+
+
+def softmax_close_enough(args: TrainConfig, draft, batches: Batches, data, answers) -> bool:
+    """``--approximate-softmax``'s default where it is left to the run:
+    whether the approximate softmax's loss on a first batch (drawn apart
+    from the run's batches) is within :data:`SOFTMAX_TOLERANCE` of the exact one's."""
+    starts, windows, anchors = sample_batch(np.random.default_rng([args.seed, 3]), data, args, answers)
+    inputs = batches(starts, windows, mx.array(anchors))
+    exact, fast = (drafter_loss(draft, *inputs, fast=f)[0].item() for f in (False, True))
+    close = abs(fast - exact) <= SOFTMAX_TOLERANCE * abs(exact)
+    verdict = "on" if close else "off (--approximate-softmax takes it anyway)"
+    print(f"approximate softmax {verdict}: a first batch's loss {fast:.6f}, exact {exact:.6f}", file=sys.stderr)
+    return close
+
+
+def expected_end(args: TrainConfig, steps_left: int, per_step: float, trained: float) -> str:
+    """The clock time the run should end at (``HH:MM``): its steps left at
+    ``per_step`` seconds, or ``--max-minutes`` after ``trained`` seconds if sooner."""
+    left = steps_left * per_step
+    if args.max_minutes is not None:
+        left = max(0.0, min(left, 60 * args.max_minutes - trained))
+    return time.strftime("%H:%M", time.localtime(time.time() + left))
+
+
 def train(args: TrainConfig) -> dict:
     """Run (or, with ``resume``, continue) the training run ``args`` describes;
     returns its state (step, loss history, training seconds)."""
     check_args(args)
     model, adapter, docs, data, answers, held_out, draft_ids = prepare(args)
     config, draft = new_drafter(args, model, adapter, draft_ids)
-    vocab_ids = config["dflash_config"].get("draft_vocab")
+    target_outputs = TargetOutputs(adapter, args, n_rows=len(docs), width=len(args.taps) * adapter.hidden_size, chance=data[2])
+    batches = Batches(args, adapter, target_outputs, config["dflash_config"].get("draft_vocab"))
+    if args.approximate_softmax is None:
+        args.approximate_softmax = softmax_close_enough(args, draft, batches, data, answers)
     optimizer = new_optimizer(args)
     optimizer.init(draft.trainable_parameters())
     rng = np.random.default_rng(args.seed)
@@ -1193,23 +1301,10 @@ def train(args: TrainConfig) -> dict:
     if args.resume:
         state = restore(out, run, draft, optimizer, rng)
     mx.eval(draft.parameters(), optimizer.state)
-
-    n_slots = args.loss_slots or args.block_size - 1
-    weights = slot_weights(args.block_size, args.gamma)[:n_slots]
     value_and_grad = nn.value_and_grad(draft, drafter_loss)
-    mask_id = args.mask_token_id
-    target_outputs = TargetOutputs(adapter, args, n_rows=len(docs), width=len(args.taps) * adapter.hidden_size, chance=data[2])
 
     def step_fn(starts, windows, anchors):
-        tokens = mx.array(windows)
-        tap_states, greedy = target_outputs(starts, windows)
-        blocks, positions = make_blocks(tokens, anchors, args.block_size, mask_id)
-        labels = slot_labels(tokens, greedy, anchors, args.block_size)
-        labels = draft_labels(labels[..., :n_slots], vocab_ids, adapter.vocab_size)
-        mask = context_mask(anchors, args.seq_len)
-        (loss, metrics), grads = value_and_grad(
-            draft, adapter.embed, tap_states, blocks, positions, mask, labels, weights, args.approximate_softmax
-        )
+        (loss, metrics), grads = value_and_grad(draft, *batches(starts, windows, anchors), args.approximate_softmax)
         grads, _ = optim.clip_grad_norm(grads, args.grad_clip)
         optimizer.update(draft, grads)
         return loss, metrics
@@ -1218,14 +1313,16 @@ def train(args: TrainConfig) -> dict:
 
     from .loading import load_draft
 
-    bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="drafter")
+    bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="drafter", unit="step")
     curves = learning_curves(args, held_out, docs, answers, adapter)
 
     def evaluate(drafter=draft):
         if not curves:
             return
+        began = time.perf_counter()
         for key, curve in curves.items():
             state.setdefault(key, []).append(curve(drafter, state["step"]))
+        state["eval_spent"] = state.get("eval_spent", 0.0) + time.perf_counter() - began
         state.setdefault("eval_seconds", []).append(round(state["train_seconds"] + time.perf_counter() - tic, 1))
         bar.write(curve_line(state, curves))
 
@@ -1233,7 +1330,8 @@ def train(args: TrainConfig) -> dict:
         state["rng"] = rng.bit_generator.state
         write_checkpoint(out, config, draft, optimizer, state, DTYPES[args.dtype])
 
-    tic = time.perf_counter()
+    tic = start = time.perf_counter()
+    begun = state["step"]
     if not state.get("eval"):  # where the curve starts: with --from-traffic, --init-from as it is (its vocabulary)
         evaluate(draft if args.from_traffic is None else load_draft(args.init_from, model, dtype=mx.float32))
     for step in bar:
@@ -1244,16 +1342,21 @@ def train(args: TrainConfig) -> dict:
         record = [round(x.item(), 6) for x in (loss, acc1, acc, tau)]
         state["history"].append(record)
         state["step"] = step + 1
-        bar.set_postfix(loss=f"{record[0]:.3f}", acc1=f"{record[1]:.3f}", acc=f"{record[2]:.3f}", tau=f"{record[3]:.2f}")
-        last = state["step"] == args.steps or out_of_time(args, state["train_seconds"] + time.perf_counter() - tic)
+        trained = state["train_seconds"] + time.perf_counter() - tic
+        end = expected_end(args, args.steps - state["step"], (time.perf_counter() - start) / (state["step"] - begun), trained)
+        bar.set_postfix(loss=f"{record[0]:.3f}", acc1=f"{record[1]:.3f}", acc=f"{record[2]:.3f}", tau=f"{record[3]:.2f}", ends=end)
+        timed_out = out_of_time(args, trained)
+        last = state["step"] == args.steps or timed_out
         if state["step"] % args.eval_every == 0 or last:
             evaluate()
         if state["step"] % args.save_every == 0 or last:
             state["train_seconds"] += time.perf_counter() - tic
             tic = time.perf_counter()
             save()
-        if last:
+        if timed_out:  # the bar counts a step when the next begins: this one, by hand
+            bar.update()
             break
+    bar.close()
     return state
 
 
@@ -1294,13 +1397,14 @@ def adapt(args: TrainConfig) -> dict:
     run = dataclasses.replace(args, draft_model=str(out.with_name(out.name + ADAPTING)))
     state = train(run)
     (_, before, cycles), (step, after, _) = state["eval"][0], state["eval"][-1]
+    per_step = (state["train_seconds"] - state.get("eval_spent", 0.0)) / max(1, step)
     result = {
         "init_from": str(Path(args.init_from).resolve()), "before": before, "after": after, "steps": step,
-        "held_out_cycles": cycles, "train_seconds": round(state["train_seconds"], 1),
+        "held_out_cycles": cycles, "train_seconds": round(state["train_seconds"], 1), "seconds_per_step": round(per_step, 3),
         "curve": [[s, tpc, sec] for (s, tpc, _), sec in zip(state["eval"], state["eval_seconds"])],
         "learning_rate": run.learning_rate, "warmup": run.warmup,
     }
-    print(f"held-out tokens per cycle: {before:.3f} with {args.init_from}, {after:.3f} adapted ({step} steps)")
+    print(f"held-out tokens per cycle: {before:.3f} with {args.init_from}, {after:.3f} adapted ({step} steps, {per_step:.2f} s a step)")
     if state.get("eval_replay"):
         (_, old, old_cycles), (_, kept, _) = state["eval_replay"][0], state["eval_replay"][-1]
         result["replay"] = {"before": old, "after": kept, "cycles": old_cycles, "curve": [r[:2] for r in state["eval_replay"]]}

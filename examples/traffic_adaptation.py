@@ -33,13 +33,29 @@ each resumable (state in ~/.cache/dflash_mlx/traffic_bench/):
 ``--stage evaluate`` runs after, score, speed and report from the saved
 state: the measurements, timings included, without training.
 
+``--stage defaults`` (not part of ``all``; state in ``defaults/`` there) is
+what a user gets with no tuning, on a kind of request of its own (fields of
+a short sentence as JSON, :func:`json_requests`): ``--defaults-served``
+requests served with recording (64 new tokens each), then
+``mlx-dflash train --from-traffic`` with its default flags and
+``--defaults-steps`` (wall time, seconds a step, peak memory), then
+``--ratio-steps`` of it and of the bench's tuned flags on the same traffic
+(their seconds a step and ratio), then ``--defaults-held-out`` held-out
+requests at block 16 with the shipped and the adapted drafter: tokens per
+cycle and texts against mlx-lm's greedy decode. On a quiet machine:
+
+    python examples/traffic_adaptation.py --stage defaults --json examples/results/traffic_adaptation.json
+
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
     nohup nice -n 10 python examples/traffic_adaptation.py --stage all > bench.log 2>&1 &
 """
 
 import argparse
 import json
+import os
 import random
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -209,10 +225,11 @@ def adapted_dir(name="adapted") -> Path:
 
 
 def adapt_argv(args, out, traffic, minutes, steps):
-    """``mlx-dflash train --from-traffic`` as the bench runs it: the recipe's
-    CPU levers (approximate target and softmax), the drafter's original rows
-    replayed, the target's outputs cached in memory; the learning rate,
-    warmup and replay share the trainer's defaults unless given."""
+    """``mlx-dflash train --from-traffic`` as the bench runs it: the
+    trainer's defaults for a fine-tune (the CPU levers: the target's
+    outputs cached, the approximate target and softmax, float32 target, 16
+    anchors; the learning rate, warmup and replay share unless given), the
+    drafter's original rows replayed."""
     from dflash_mlx.pair import named_pair_paths
 
     target, draft = named_pair_paths("smollm2")
@@ -220,10 +237,9 @@ def adapt_argv(args, out, traffic, minutes, steps):
     return [
         "--from-traffic", str(traffic), "--init-from", str(draft), "--model", str(target), "--draft-model", str(out),
         "--steps", str(steps), "--max-minutes", str(minutes), "--seq-len", str(args.seq_len),
-        "--batch-size", "4", "--anchors-per-seq", "16", *[str(x) for pair in given for x in pair],
+        *[str(x) for pair in given for x in pair],
         "--data", str(WORK / "replay.npy"), "--answer-mask", str(WORK / "replay-answers.npy"),
-        "--target-dtype", "float32", "--approximate-target",
-        "--approximate-softmax", "--cache-target", "--eval-every", str(args.eval_every), "--save-every", str(args.eval_every),
+        "--eval-every", str(args.eval_every), "--save-every", str(args.eval_every),
     ]  # fmt: skip
 
 
@@ -387,6 +403,126 @@ def summary(adapted="adapted"):
     return rows
 
 
+PEOPLE = ["Marta Lindqvist", "Daniel Okafor", "Aiko Tanaka", "Luis Ortega", "Priya Nair", "Tomasz Wrona", "Fatima Zahra",
+          "Jonas Berg", "Chen Wei", "Amara Mensah", "Sofia Rossi", "Oliver Grant"]
+CITIES = ["Lisbon", "Nairobi", "Osaka", "Lima", "Pune", "Gdansk", "Rabat", "Bergen", "Chengdu", "Accra", "Turin", "Leeds"]
+ITEMS = ["desk lamp", "rain jacket", "coffee grinder", "phone case", "yoga mat", "bike helmet", "tea kettle", "backpack"]
+JOBS = ["nurse", "welder", "teacher", "pilot", "chemist", "baker", "architect", "librarian"]
+MONTHS = ["January", "March", "May", "July", "September", "November"]
+SENTENCES = [
+    ("{name} from {city} ordered {qty} of the {item} on {day} {month}.", "name, city, item, quantity, date"),
+    ("{name} is a {age}-year-old {job} who lives in {city}.", "name, age, job, city"),
+    ("On {day} {month}, {name} paid {price} euros for a {item} in {city}.", "name, item, price, city, date"),
+    ("{name}, a {job}, will move to {city} on {day} {month}.", "name, job, city, date"),
+]
+ASKS = [
+    'Extract the fields {fields} from this sentence as JSON: "{sentence}"',
+    'Return a JSON object with the keys {fields} for: "{sentence}" Reply with the JSON only.',
+    'Read "{sentence}" and give me {fields} as JSON.',
+]
+
+
+def json_requests(seed: int, n: int):
+    """``n`` seeded requests of one kind: the fields of a short sentence as JSON."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        sentence, fields = rng.choice(SENTENCES)
+        sentence = sentence.format(name=rng.choice(PEOPLE), city=rng.choice(CITIES), item=rng.choice(ITEMS), job=rng.choice(JOBS),
+                                   qty=rng.randint(1, 9), age=rng.randint(19, 70), price=rng.randint(5, 400),
+                                   day=rng.randint(1, 28), month=rng.choice(MONTHS))  # fmt: skip
+        out.append(rng.choice(ASKS).format(fields=fields, sentence=sentence))
+    return out
+
+
+DEFAULTS = "defaults"  # --stage defaults' state, under WORK
+# The bench's tuned flags (adapt_argv's levers), for the seconds-a-step ratio against the defaults.
+TUNED = ["--target-dtype", "float32", "--approximate-target", "--approximate-softmax", "--cache-target", "--anchors-per-seq", "16"]
+
+
+def user_train(args, name, extra, steps):
+    """``mlx-dflash train --from-traffic`` on the stage's traffic from the
+    shipped drafter, as a user types it (plus ``extra`` and --train-args), in
+    a child process: its wall seconds, peak resident memory, and seconds a
+    step and held-out scores from its last line; kept as JSON."""
+    from dflash_mlx.pair import named_pair_paths
+
+    done = read_json(f"{DEFAULTS}/{name}.json")
+    if done:
+        return done
+    target, draft = named_pair_paths("smollm2")
+    out = WORK / DEFAULTS / name
+    cmd = [sys.executable, "-m", "dflash_mlx.train", "--from-traffic", str(WORK / DEFAULTS / "traffic"), "--init-from", str(draft),
+           "--draft-model", str(out), "--model", str(target), "--steps", str(steps), *extra, *shlex.split(args.train_args)]  # fmt: skip
+    print("[defaults] mlx-dflash train " + " ".join(cmd[3:]), flush=True)
+    log = WORK / DEFAULTS / f"{name}.log"
+    tic = time.time()
+    with open(log, "w") as f:
+        child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        _, status, usage = os.wait4(child.pid, 0)  # this child's own peak memory
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"[defaults] the training run failed: see {log}")
+    line = re.search(r"held-out tokens per cycle: ([\d.]+) with .*, ([\d.]+) adapted \((\d+) steps, ([\d.]+) s a step\)", log.read_text())
+    result = {
+        "argv": cmd[3:], "wall_seconds": round(time.time() - tic, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+        "before": float(line[1]), "after": float(line[2]), "steps": int(line[3]), "seconds_per_step": float(line[4]),
+        "written": (out / "config.json").is_file(),
+    }  # fmt: skip
+    write_json(f"{DEFAULTS}/{name}.json", result)
+    print(f"[defaults] {name}: {json.dumps(result)}", flush=True)
+    return result
+
+
+def held_out_decode(args, requests, model, tokenizer):
+    """The held-out requests at block 16 with the shipped and the adapted
+    drafter (tokens per cycle, pooled), each text checked against mlx-lm's greedy decode."""
+    from dflash_mlx.benchmark import mlx_lm_tokens
+    from dflash_mlx.loading import load_draft
+    from dflash_mlx.pair import float_dtype, named_pair_paths
+
+    reference = [list(mlx_lm_tokens(model, tokenizer, chat_prompt(tokenizer, r), args.max_new)) for r in requests]
+    rows = {}
+    for name, path in (("shipped", named_pair_paths("smollm2")[1]), ("adapted", WORK / DEFAULTS / "adapted")):
+        if not (path / "config.json").is_file():
+            rows[name] = f"not written: the trainer refused it (see {WORK / DEFAULTS / 'adapted.log'})"
+            continue
+        draft = load_draft(path, model, dtype=float_dtype(model))
+        runs = serve(requests, None, f"{DEFAULTS}/held-out-{name}.json", model, tokenizer, draft, block_size=BLOCK, max_tokens=args.max_new)
+        cycles = [n for r in runs for n in r["cycles"]]
+        rows[name] = {"tokens_per_cycle": round(float(np.mean(cycles)), 3),
+                      "identical_to_mlx_lm": all(r["tokens"] == ref for r, ref in zip(runs, reference))}  # fmt: skip
+    if all(isinstance(row, dict) for row in rows.values()):
+        rows["ratio"] = round(rows["adapted"]["tokens_per_cycle"] / rows["shipped"]["tokens_per_cycle"], 3)
+    return rows
+
+
+def stage_defaults(args):
+    """Issue 62's measurement: learning from traffic with the defaults a user gets (see the module docstring)."""
+    from dflash_mlx.traffic import Recorder
+
+    (WORK / DEFAULTS).mkdir(exist_ok=True)
+    if not read_json(f"{DEFAULTS}/requests.json"):
+        write_json(f"{DEFAULTS}/requests.json", {"served": json_requests(10, args.defaults_served), "held_out": json_requests(11, args.defaults_held_out)})
+    requests = read_json(f"{DEFAULTS}/requests.json")
+    model, tokenizer, draft, _ = load_smollm2()
+    serve(requests["served"], Recorder(WORK / DEFAULTS / "traffic"), f"{DEFAULTS}/served.json", model, tokenizer, draft, max_tokens=args.max_new)
+    default = user_train(args, "adapted", [], args.defaults_steps)
+    ratio = {name: user_train(args, f"ratio-{name}", extra, args.ratio_steps) for name, extra in (("defaults", []), ("tuned", TUNED))}
+    report = {
+        "served": len(requests["served"]), "max_new_tokens": args.max_new, "default_run": default,
+        "seconds_per_step": {k: v["seconds_per_step"] for k, v in ratio.items()},
+        "defaults_over_tuned": round(ratio["defaults"]["seconds_per_step"] / ratio["tuned"]["seconds_per_step"], 3),
+        "held_out": held_out_decode(args, requests["held_out"], model, tokenizer),
+    }  # fmt: skip
+    write_json(f"{DEFAULTS}/report.json", report)
+    print(json.dumps(report, indent=1))
+    if args.json:
+        path = Path(args.json)
+        results = json.loads(path.read_text()) if path.is_file() else {}
+        results["defaults"] = report
+        path.write_text(json.dumps(results, indent=1) + "\n")
+
+
 def stage_report(args):
     report = {
         "run": args.name, "tokens_per_cycle": summary(args.name), "adapt": read_json(f"{args.name}-result.json"),
@@ -404,7 +540,7 @@ def stage_report(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--stage", choices=STAGES + ("all", "evaluate"), default="all")
+    p.add_argument("--stage", choices=STAGES + ("all", "evaluate", "defaults"), default="all")
     p.add_argument("--served", type=int, default=200, help="SQL requests served with recording")
     p.add_argument("--held-out", type=int, default=12, help="held-out SQL requests per held-out group (two groups)")
     p.add_argument("--seq-len", type=int, default=512)
@@ -417,7 +553,15 @@ def main(argv=None):
     p.add_argument("--replay-share", type=float, default=None, help="default: the trainer's")
     p.add_argument("--name", default="adapted", help="the adaptation run's name: its drafter, scores and decodes")
     p.add_argument("--json", default=None)
+    p.add_argument("--defaults-served", type=int, default=32, help="--stage defaults: JSON requests served with recording")
+    p.add_argument("--defaults-held-out", type=int, default=8, help="--stage defaults: held-out JSON requests")
+    p.add_argument("--defaults-steps", type=int, default=300, help="--stage defaults: the default run's --steps")
+    p.add_argument("--ratio-steps", type=int, default=20, help="--stage defaults: steps of each run the seconds-a-step ratio compares")
+    p.add_argument("--max-new", type=int, default=64, help="--stage defaults: new tokens per request")
+    p.add_argument("--train-args", default="", help="--stage defaults: more train flags for every run (a smoke test's --seq-len)")
+    p.add_argument("--work", default=str(WORK), help="the state's directory (a smoke test's own)")
     args = p.parse_args(argv)
+    globals()["WORK"] = Path(args.work).expanduser()
     work()
     todo = {"all": STAGES, "evaluate": EVALUATE}.get(args.stage, (args.stage,))
     for stage in todo:

@@ -173,3 +173,18 @@ def test_server_learn_flags_fail_before_loading(qwen3_pair, tmp_path, flags, mes
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1 and done.stderr.startswith("error: ") and message in done.stderr
     assert done.stderr.count("\n") == 1
+
+
+def test_a_round_takes_the_fine_tunes_defaults_and_adapt_args_override_them(qwen3_pair, traffic, tmp_path):
+    """A round runs ``train --from-traffic`` with nothing but its flags and
+    ``--adapt-args``: the trainer's defaults for a fine-tune (one home,
+    ``train.fill_defaults``) unless the server's operator turns one off."""
+    from dflash_mlx import train as T
+
+    first = qwen3_pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    for extra, cached in (("", True), ("--no-cache-target --no-approximate-softmax", False)):
+        argv = Adaptation(traffic, qwen3_pair.path, first, train_args=extra).round_argv(tmp_path / "v1")
+        args = T.TrainConfig(**{**vars(T.setup_arg_parser().parse_args(argv)), "taps": None})
+        T.fill_defaults(args)
+        assert args.cache_target is cached and args.anchors_per_seq == T.FINE_TUNE_ANCHORS
+        assert args.approximate_softmax is (None if cached else False) and args.approximate_target is None

@@ -247,7 +247,7 @@ def test_the_draft_vocabulary_takes_in_the_traffic_and_the_start_is_the_drafter_
     assert got == pair.reference("def f(x):", 24, eos_ids=[])
 
 
-@pytest.mark.parametrize("case", ["not-traffic", "no-init", "eval-data"])
+@pytest.mark.parametrize("case", ["not-traffic", "no-init", "eval-data", "cache-bytes", "cache-dir"])
 def test_bad_adapt_input_is_one_line(case, qwen3_pair, recorded, tmp_path, capsys):
     pair = qwen3_pair
     init = pair.make_draft(tmp_path / "init", block_size=8)
@@ -259,7 +259,142 @@ def test_bad_adapt_input_is_one_line(case, qwen3_pair, recorded, tmp_path, capsy
         argv[argv.index("--init-from") + 1] = str(tmp_path / "nothing")
     if case == "eval-data":
         argv += ["--eval-data", str(other / "x")]
-    assert cli.run(T.main, argv) == 1
+    argv += {"cache-bytes": ["--cache-max-bytes", "0"], "cache-dir": ["--no-cache-target", "--cache-dir", str(tmp_path / "c")]}.get(case, [])
+    try:
+        code = cli.run(T.main, argv)
+    except SystemExit as e:  # argparse's own check of a flag's value
+        code = e.code
+    assert code == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
-    assert {"not-traffic": "not a traffic directory", "no-init": "--init-from", "eval-data": "--eval-data"}[case] in err
+    words = {"not-traffic": "not a traffic directory", "no-init": "--init-from", "eval-data": "--eval-data",
+             "cache-bytes": "--cache-max-bytes", "cache-dir": "--cache-dir"}  # fmt: skip
+    assert words[case] in err
+
+
+# ------------------------------------------- a fine-tune's defaults (issue 62)
+
+
+def traffic_config(pair, traffic_dir, init, out, *extra):
+    """The TrainConfig of ``train --from-traffic`` with the user's defaults
+    (no --anchors-per-seq, no lever flags), checked and its defaults filled."""
+    argv = [
+        "--model", str(pair.path), "--from-traffic", str(traffic_dir), "--init-from", str(init), "--draft-model", str(out),
+        "--seq-len", "48", "--steps", "3", *extra,
+    ]  # fmt: skip
+    args = T.TrainConfig(**{**vars(T.setup_arg_parser().parse_args(argv)), "taps": None})
+    T.check_args(args)
+    return args
+
+
+def counted_target_passes(monkeypatch):
+    """The tap passes a run makes (the target's outputs for a batch or a cache fill)."""
+    calls = []
+    real = T.target_pass
+    monkeypatch.setattr(T, "target_pass", lambda adapter, tokens, taps: calls.append(tokens.shape[0]) or real(adapter, tokens, taps))
+    return calls
+
+
+def test_a_fine_tune_takes_the_benchs_levers_by_default(qwen3_pair, recorded, tmp_path, monkeypatch):
+    """With no flag, --from-traffic keeps the traffic's target outputs (the
+    target runs once per row, not once per step), runs the target in
+    float32 through the approximate fused exp and the drafter's softmax
+    approximately (its first-batch check passes on this CPU), with the
+    recipes' 16 anchors; a run from scratch keeps every lever off."""
+    from dflash_mlx.targets.approximate import ApproxAttention
+
+    pair = qwen3_pair
+    init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    args = traffic_config(pair, recorded, init, tmp_path / "o", "--steps", "12")
+    assert (args.cache_target, args.anchors_per_seq, args.target_dtype) == (True, T.FINE_TUNE_ANCHORS, "float32")
+    assert args.approximate_target is None and args.approximate_softmax is None  # left to their checks
+    calls = counted_target_passes(monkeypatch)
+    state = T.train(args)
+    assert state["run"]["approximate_target"] is True and state["run"]["approximate_softmax"] is True
+    rows = len(T.pack(read_traffic(recorded)[:-2], 48)[0])
+    assert sum(calls) <= rows + 2 * len(read_traffic(recorded))  # each row once, the held-out rows twice
+    assert sum(calls) < 12 * 4  # the target did not run for every window of every step
+    model = T.prepare(traffic_config(pair, recorded, init, tmp_path / "p"))[0]
+    assert isinstance(model.model.layers[0].self_attn, ApproxAttention)
+    scratch = T.TrainConfig(model=str(pair.path), data=["x"], draft_model=str(tmp_path / "s"))
+    T.fill_defaults(scratch)
+    assert (scratch.cache_target, scratch.approximate_target, scratch.approximate_softmax) == (False, False, False)
+    assert (scratch.anchors_per_seq, scratch.target_dtype) == (T.ANCHORS, None)
+
+
+@pytest.mark.parametrize("flag", ["--no-cache-target", "--no-approximate-target", "--no-approximate-softmax"])
+def test_each_default_lever_has_a_flag_that_turns_it_off(flag, qwen3_pair, recorded, tmp_path, monkeypatch):
+    from dflash_mlx.targets.approximate import ApproxAttention
+
+    pair = qwen3_pair
+    init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    args = traffic_config(pair, recorded, init, tmp_path / "o", flag, "--steps", "6")
+    calls = counted_target_passes(monkeypatch)
+    state = T.train(args)
+    if flag == "--no-cache-target":
+        assert calls.count(4) >= 6  # the batch's four windows through the target at every step
+    else:
+        key = flag[len("--no-") :].replace("-", "_")
+        assert state["run"][key] is False and calls.count(4) < 6
+    if flag == "--no-approximate-target":
+        assert not isinstance(T.prepare(args)[0].model.layers[0].self_attn, ApproxAttention)
+    explicit = traffic_config(pair, recorded, init, tmp_path / "e", "--target-dtype", "bfloat16", "--anchors-per-seq", "8")
+    assert (explicit.target_dtype, explicit.anchors_per_seq) == ("bfloat16", 8)
+
+
+def test_the_softmax_check_turns_the_approximation_off_when_it_is_not_close(qwen3_pair, recorded, tmp_path, monkeypatch, capsys):
+    pair = qwen3_pair
+    init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    monkeypatch.setattr(T, "SOFTMAX_TOLERANCE", -1.0)  # nothing is close enough
+    assert T.train(traffic_config(pair, recorded, init, tmp_path / "o"))["run"]["approximate_softmax"] is False
+    assert "approximate softmax off" in capsys.readouterr().err
+    forced = traffic_config(pair, recorded, init, tmp_path / "f", "--approximate-softmax")
+    assert T.train(forced)["run"]["approximate_softmax"] is True
+
+
+def test_the_cache_keeps_within_its_memory_bound(qwen3_pair, recorded, tmp_path, capsys):
+    """--cache-max-bytes bounds the rows kept; the others run the target
+    when drawn, and every row's outputs are the target's own."""
+    pair = qwen3_pair
+    init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    _, adapter, docs, data, *_ = T.prepare(traffic_config(pair, recorded, init, tmp_path / "o"))
+    args = traffic_config(pair, recorded, init, tmp_path / "o", "--steps", "100")
+    width = len(args.taps) * adapter.hidden_size
+    row = 48 * (4 * width + 4) + 1
+    args.cache_max_bytes = 2 * row
+    cached = T.TargetOutputs(adapter, args, len(docs), width)
+    assert cached.arrays["taps"].shape[0] == 2 and "keeps 2 of the" in capsys.readouterr().err
+    plain = T.TargetOutputs(adapter, T.TrainConfig(**{**vars(args), "cache_target": False}), len(docs), width)
+    flat = np.concatenate(docs)
+    starts = np.array([0, 1, 2, len(docs) - 1]) * 48
+    windows = np.stack([flat[s : s + 48] for s in starts])
+    (taps, greedy), (want, labels) = cached(starts, windows), plain(starts, windows)
+    np.testing.assert_allclose(np.array(taps), np.array(want), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(np.array(greedy), np.array(labels))
+
+
+def test_the_expected_end_is_the_steps_left_or_max_minutes():
+    import time
+
+    args = T.TrainConfig(model="m", draft_model="o", max_minutes=10.0)
+    clock = lambda s: time.strftime("%H:%M", time.localtime(time.time() + s))  # noqa: E731
+    assert T.expected_end(args, 100, 3.0, 0.0) == clock(300)  # 5 minutes of steps, inside the 10
+    assert T.expected_end(args, 1000, 3.0, 420.0) == clock(180)  # --max-minutes first: 3 minutes left
+    assert T.expected_end(T.TrainConfig(model="m", draft_model="o"), 1000, 3.0, 0.0) == clock(3000)
+
+
+def test_the_bar_shows_seconds_a_step_and_the_end(qwen3_pair, recorded, tmp_path, capsys):
+    pair = qwen3_pair
+    init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    assert cli.run(T.main, adapt_argv(pair, recorded, init, tmp_path / "o", "--steps", "3", "--max-minutes", "5")) == 0
+    err = capsys.readouterr().err
+    assert "3/3" in err and "ends=" in err and ("s/step" in err or "step/s" in err)
+
+
+def test_max_minutes_ends_the_run_with_its_checkpoint(qwen3_pair, recorded, tmp_path, capsys):
+    pair = qwen3_pair
+    init = pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    argv = adapt_argv(pair, recorded, init, tmp_path / "o", "--steps", "50", "--max-minutes", "1e-9")
+    assert cli.run(T.main, argv) == 0
+    out, err = capsys.readouterr()
+    assert "adapted (1 steps, " in out and "1/50" in err
