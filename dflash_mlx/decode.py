@@ -322,7 +322,7 @@ class Sizing:
         drafted = [cycle.block - 1 if span is None else span[0] for span in spans]
         accepted = [min(a, d) for (_, _, a, _, _), d in zip(read, drafted)]
         if len(rows) == 1:
-            self.sizer.observe(cycle.choice, accepted[0], seconds, read[0][4], context=context)
+            self.sizer.observe(cycle.choice, accepted[0], seconds, read[0][4], context=context, drafted=drafted)
         else:
             remaining = [r.room for r in rows]
             self.sizer.observe(cycle.choice, accepted, seconds, None, context, self.acceptance(rows), drafted, remaining)

@@ -113,7 +113,7 @@ class Alternating(BlockSizer):
         self.count += 1
         return min(choice, remaining)
 
-    def observe(self, block, accepted, seconds, walk=None, context=None):
+    def observe(self, block, accepted, seconds, walk=None, context=None, **rows):
         self.cycles.append((block, seconds))
 
 

@@ -135,7 +135,7 @@ class OneTokenScriptedDrafter(ScriptedDrafter):
     def propose(self, block, context, cache, slots=None):
         rolled_back = self.proposed is not None and context.shape[1] < self.proposed + 1
         if next(self.cycle) % self.skip_every == 0:
-            seq = tiny.committed_sequence(self.prompt, block, context, cache)
+            seq = tiny.committed_sequence(self.prompt, block, context, cache, self.reference)
             cache["last"] = seq[-1:]
             self.lone_after_rollback += rolled_back and len(cache["tokens"]) > self.window
             self.proposed = 0

@@ -747,7 +747,7 @@ class ScriptedSizer(BlockSizer):
         self.asked.append(min(next(self.script), remaining))
         return self.asked[-1]
 
-    def observe(self, block, accepted, seconds, walk=None, context=None):
+    def observe(self, block, accepted, seconds, walk=None, context=None, **rows):
         pass
 
 
