@@ -77,6 +77,11 @@ def family_pair(request, make_pair):
     return make_pair(request.param)
 
 
+@pytest.fixture(params=tiny.LOOP_FAMILIES)
+def loop_family_pair(request, make_pair):
+    return make_pair(request.param)
+
+
 # ---------------------------------------------------------------------------
 # Devices and the paths that ran on them
 

@@ -1,7 +1,7 @@
 """mlx-lm's controls through the decode loop itself (generate_step,
 stream_generate, BatchGenerator), against mlx-lm's own decode with the same
 controls: logits processors greedy (token for token, logprobs within 1e-4)
-on every family, draft trees, the bundled pair and batches of rows with
+on each kind of target, draft trees, the bundled pair and batches of rows with
 their own processors; sampled with penalties and XTC (the distribution
 check of tests/test_sampling.py); KV caches; bad values refused before any
 work. (The verify math alone: tests/test_processors.py.)"""
@@ -72,9 +72,10 @@ def test_greedy_with_each_control_is_mlx_lms_decode(qwen3_pair, name, vectorised
     assert ref != qwen3_pair.reference(prompt_of(20), 40)  # the control changes the output
 
 
-def test_greedy_with_penalties_on_every_family(family_pair):
-    """Every family's caches roll back under processors (hybrids, windows, MoE, multimodal wrappers)."""
-    check_against_mlx_lm(family_pair, "combined", 6, n=30)
+def test_greedy_with_penalties_on_each_kind_of_target(loop_family_pair):
+    """Each kind of target's caches roll back under processors (tiny.LOOP_FAMILIES:
+    plain KV, hybrids, windows, latent attention, wrappers)."""
+    check_against_mlx_lm(loop_family_pair, "combined", 6, n=30)
 
 
 @pytest.mark.parametrize("name", ["combined", "custom"])

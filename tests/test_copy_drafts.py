@@ -75,11 +75,11 @@ def counts_add_up(responses, tokens):
     assert sum(r.committed for r in responses) == len(tokens) + (responses[-1].finish_reason == "stop")
 
 
-def test_every_family_is_lossless_with_copies(family_pair, tmp_path, spans, eager):
-    """Each family, a prompt built to repeat: adaptive (chains, trees,
-    copies) and a fixed block against mlx-lm's greedy decode; copies were
-    verified."""
-    pair = family_pair
+def test_each_kind_of_target_is_lossless_with_copies(loop_family_pair, tmp_path, spans, eager):
+    """Each kind of target (tiny.LOOP_FAMILIES), a prompt built to repeat:
+    adaptive (chains, trees, copies) and a fixed block against mlx-lm's
+    greedy decode; copies were verified."""
+    pair = loop_family_pair
     prompt = repeating_prompt(pair)
     ref = pair.reference(prompt, 48)
     draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)

@@ -180,6 +180,18 @@ FAMILIES = {  # every family the README lists, the multimodal wrappers too
     "kimi_k25": KIMI_K25,
 }
 
+# One family per way the decode loop meets a target (tests of loop features
+# -- processors, copy drafts, structured outputs -- run on these; every
+# family's own forward and rollback: tests/test_lossless.py, test_targets.py):
+# plain KV caches (qwen3; llama, qwen2 and qwen3_moe take the same adapter and
+# caches), the hybrid recurrent caches (qwen3_5; its MoE and multimodal
+# variants differ only inside mlx-lm's layers or at loading), Qwen3-Next's
+# hybrid of its own, gpt-oss's sliding windows with sinks, Gemma-4's windows,
+# shared KV and soft-capped logits (text, and the wrapped model with its own
+# stop tokens; gemma4_unified loads as the same model), and multi-head latent
+# attention under a wrapper (kimi_k25: DeepSeek-V3's model).
+LOOP_FAMILIES = ["qwen3", "qwen3_5", "qwen3_next", "gpt_oss", "gemma4_text", "gemma4", "kimi_k25"]
+
 
 # ---------------------------------------------------------------------------
 # Checkpoint builders
