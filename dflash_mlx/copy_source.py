@@ -59,9 +59,11 @@ MAX_COPY = 32
 # The match lengths each class of copies starts at (see CopyDrafts): a
 # resynced copy (1), short matches, longer ones, long ones.
 MATCH_CLASSES = (1, 2, 4, 8)
-# A copied slot's prior chance of being accepted, before a request shows
-# whether its answer repeats its context.
-COPY_PRIOR = 0.5
+# A copied slot's prior chance of being accepted, per class, before a
+# request shows whether its answer repeats its context: a match of 8
+# tokens or more seldom recurs by chance (a copy under way), one of 2 or 3
+# often does.
+COPY_PRIORS = (0.5, 0.5, 0.7, 0.9)
 
 MASK = (1 << 64) - 1
 BASE = 0x9E3779B97F4A7C15  # odd, so every power is a unit mod 2**64
@@ -272,7 +274,7 @@ class CopyDrafts:
 
     def __init__(self, cache, max_copy: int = MAX_COPY):
         self.cache, self.max_copy = cache, max_copy
-        self.acceptance = [SlotAcceptance(max_copy + 1, prior=COPY_PRIOR) for _ in MATCH_CLASSES]
+        self.acceptance = [SlotAcceptance(max_copy + 1, prior=p) for p in COPY_PRIORS]
         self.live = False  # whether its last verified copy had a token accepted
 
     def propose(self, most: int, after: Sequence[int] = ()) -> Tuple[List[int], int]:

@@ -45,7 +45,7 @@ def spans(monkeypatch):
 def eager(monkeypatch):
     """Copies proposed wherever the index has one, until they are seen to fail
     (on random targets they mostly are: the check is that they stay exact)."""
-    monkeypatch.setattr(copy_source, "COPY_PRIOR", 0.99)
+    monkeypatch.setattr(copy_source, "COPY_PRIORS", (0.99,) * len(copy_source.MATCH_CLASSES))
 
 
 def repeating_prompt(pair, n=20):
