@@ -276,15 +276,30 @@ class CopyDrafts:
         self.cache, self.max_copy = cache, max_copy
         self.acceptance = [SlotAcceptance(max_copy + 1, prior=p) for p in COPY_PRIORS]
         self.live = False  # whether its last verified copy had a token accepted
+        self.grammar = None  # the row's grammar (a structured.Constraint), if it is held to one
+
+    def hold_to(self, grammar) -> None:
+        """Propose only what ``grammar`` (a
+        :class:`~dflash_mlx.structured.Constraint`, or None) can take: a
+        span starts with the tokens it forces and is cut at the first it
+        refuses (the target's masked choice never takes one)."""
+        self.grammar = grammar
 
     def propose(self, most: int, after: Sequence[int] = ()) -> Tuple[List[int], int]:
         """Up to ``most`` tokens copied after the committed ones (and
-        ``after``, drafted past them), and the class of their match."""
+        ``after``, drafted past them), and the class of their match. Under a
+        grammar, what it forces next comes first (the copy continues after
+        it) and the span ends before the first token it refuses; a span
+        with nothing copied in it is none."""
         if most < 1:
             return [], 0
-        index = index_for(self.cache)
-        tokens = index.propose(min(most, self.max_copy), after)
-        return tokens, sum(index.match_length >= m for m in MATCH_CLASSES[1:])
+        index, after = index_for(self.cache), [int(t) for t in after]
+        most = min(most, self.max_copy)
+        lead = self.grammar.forced(most - 1) if self.grammar is not None and not after else []
+        tokens = index.propose(most - len(lead), after + lead)
+        if self.grammar is not None and tokens:
+            tokens = tokens[: max(0, self.grammar.takes(after + lead + tokens) - len(after) - len(lead))]
+        return (lead + tokens if tokens else []), sum(index.match_length >= m for m in MATCH_CLASSES[1:])
 
     def expected(self, klass: int) -> List[float]:
         """Expected tokens a cycle commits verifying the anchor and ``n - 1``
