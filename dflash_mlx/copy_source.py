@@ -46,8 +46,12 @@ from .errors import ArgumentError
 # text or code, so a longer one only breaks ties, which following the copy
 # being accepted already breaks; each committed token costs this many writes.
 DEFAULT_MAX_NGRAM = 12
-# Shortest match proposed from: a single token recurs everywhere.
-DEFAULT_MIN_MATCH = 2
+# Shortest match proposed from. A single token recurs everywhere, but where
+# an answer has left its source for a word or two, the last one is often
+# where it picks up again; a match that short is a class of its own (see
+# CopyDrafts), so a request whose answer does not repeat soon stops
+# proposing it, and one near a copy that broke off is tried first.
+DEFAULT_MIN_MATCH = 1
 # How far from a broken-off copy, and for how many tokens, its source is
 # searched for the answer's last token (an edit, see CopyIndex.resynced).
 RESYNC = 8
@@ -57,7 +61,7 @@ BULK = 64
 # Longest span one cycle verifies from a copy.
 MAX_COPY = 32
 # The match lengths each class of copies starts at (see CopyDrafts): a
-# resynced copy (1), short matches, longer ones, long ones.
+# single token (a resync or a lone match), short matches, longer ones, long ones.
 MATCH_CLASSES = (1, 2, 4, 8)
 # A copied slot's prior chance of being accepted, per class, before a
 # request shows whether its answer repeats its context: a match of 8
@@ -181,7 +185,9 @@ class CopyIndex:
         """(source end, length) of the match :meth:`propose` copies from:
         the copy proposed last if the tokens committed since followed it,
         else the most recent occurrence of the longest suffix (lengths
-        compared up to ``max_ngram``); (-1, 0) if none is ``min_match`` long."""
+        compared up to ``max_ngram``), where that is a single token one
+        near a copy that broke off lately first (:meth:`resynced`);
+        (-1, 0) if none is ``min_match`` long."""
         n = len(self.tokens)
         if self.copy is not None:
             at, end, length = self.copy
@@ -191,8 +197,10 @@ class CopyIndex:
                 return self.copy[1:]
             self.broken = (at, end)
         end, length = self.lookup(self.tokens[-self.max_ngram :], self.suffix)
-        if not length:
-            end, length = self.resynced()
+        if length < 2:  # (a single token recurs everywhere: near a copy that broke off first)
+            back, one = self.resynced()
+            if one:
+                end, length = back, one
         self.copy = (n, end, length) if length else None
         return end, length
 
