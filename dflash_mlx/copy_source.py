@@ -46,8 +46,12 @@ from .errors import ArgumentError
 # text or code, so a longer one only breaks ties, which following the copy
 # being accepted already breaks; each committed token costs this many writes.
 DEFAULT_MAX_NGRAM = 12
-# Shortest match proposed from: a single token recurs everywhere.
-DEFAULT_MIN_MATCH = 2
+# Shortest match proposed from. A single token recurs everywhere, but where
+# an answer has left its source for a word or two, the last one is often
+# where it picks up again; a match that short is a class of its own (see
+# CopyDrafts), so a request whose answer does not repeat soon stops
+# proposing it, and one near a copy that broke off is tried first.
+DEFAULT_MIN_MATCH = 1
 # How far from a broken-off copy, and for how many tokens, its source is
 # searched for the answer's last token (an edit, see CopyIndex.resynced).
 RESYNC = 8
@@ -57,11 +61,13 @@ BULK = 64
 # Longest span one cycle verifies from a copy.
 MAX_COPY = 32
 # The match lengths each class of copies starts at (see CopyDrafts): a
-# resynced copy (1), short matches, longer ones, long ones.
+# single token (a resync or a lone match), short matches, longer ones, long ones.
 MATCH_CLASSES = (1, 2, 4, 8)
-# A copied slot's prior chance of being accepted, before a request shows
-# whether its answer repeats its context.
-COPY_PRIOR = 0.5
+# A copied slot's prior chance of being accepted, per class, before a
+# request shows whether its answer repeats its context: a match of 8
+# tokens or more seldom recurs by chance (a copy under way), one of 2 or 3
+# often does.
+COPY_PRIORS = (0.5, 0.5, 0.7, 0.9)
 
 MASK = (1 << 64) - 1
 BASE = 0x9E3779B97F4A7C15  # odd, so every power is a unit mod 2**64
@@ -179,7 +185,9 @@ class CopyIndex:
         """(source end, length) of the match :meth:`propose` copies from:
         the copy proposed last if the tokens committed since followed it,
         else the most recent occurrence of the longest suffix (lengths
-        compared up to ``max_ngram``); (-1, 0) if none is ``min_match`` long."""
+        compared up to ``max_ngram``), where that is a single token one
+        near a copy that broke off lately first (:meth:`resynced`);
+        (-1, 0) if none is ``min_match`` long."""
         n = len(self.tokens)
         if self.copy is not None:
             at, end, length = self.copy
@@ -189,8 +197,10 @@ class CopyIndex:
                 return self.copy[1:]
             self.broken = (at, end)
         end, length = self.lookup(self.tokens[-self.max_ngram :], self.suffix)
-        if not length:
-            end, length = self.resynced()
+        if length < 2:  # (a single token recurs everywhere: near a copy that broke off first)
+            back, one = self.resynced()
+            if one:
+                end, length = back, one
         self.copy = (n, end, length) if length else None
         return end, length
 
@@ -272,17 +282,32 @@ class CopyDrafts:
 
     def __init__(self, cache, max_copy: int = MAX_COPY):
         self.cache, self.max_copy = cache, max_copy
-        self.acceptance = [SlotAcceptance(max_copy + 1, prior=COPY_PRIOR) for _ in MATCH_CLASSES]
+        self.acceptance = [SlotAcceptance(max_copy + 1, prior=p) for p in COPY_PRIORS]
         self.live = False  # whether its last verified copy had a token accepted
+        self.grammar = None  # the row's grammar (a structured.Constraint), if it is held to one
+
+    def hold_to(self, grammar) -> None:
+        """Propose only what ``grammar`` (a
+        :class:`~dflash_mlx.structured.Constraint`, or None) can take: a
+        span starts with the tokens it forces and is cut at the first it
+        refuses (the target's masked choice never takes one)."""
+        self.grammar = grammar
 
     def propose(self, most: int, after: Sequence[int] = ()) -> Tuple[List[int], int]:
         """Up to ``most`` tokens copied after the committed ones (and
-        ``after``, drafted past them), and the class of their match."""
+        ``after``, drafted past them), and the class of their match. Under a
+        grammar, what it forces next comes first (the copy continues after
+        it) and the span ends before the first token it refuses; a span
+        with nothing copied in it is none."""
         if most < 1:
             return [], 0
-        index = index_for(self.cache)
-        tokens = index.propose(min(most, self.max_copy), after)
-        return tokens, sum(index.match_length >= m for m in MATCH_CLASSES[1:])
+        index, after = index_for(self.cache), [int(t) for t in after]
+        most = min(most, self.max_copy)
+        lead = self.grammar.forced(most - 1) if self.grammar is not None and not after else []
+        tokens = index.propose(most - len(lead), after + lead)
+        if self.grammar is not None and tokens:
+            tokens = tokens[: max(0, self.grammar.takes(after + lead + tokens) - len(after) - len(lead))]
+        return (lead + tokens if tokens else []), sum(index.match_length >= m for m in MATCH_CLASSES[1:])
 
     def expected(self, klass: int) -> List[float]:
         """Expected tokens a cycle commits verifying the anchor and ``n - 1``

@@ -28,7 +28,7 @@ class Drafts:
     def __init__(self, target, draft, max_block: int, settle, sizing):
         self.target, self.draft, self.max_block, self.settle, self.sizing = target, draft, max_block, settle, sizing
 
-    def propose(self, rows: List, slots: int, plans: List, drafting: bool) -> Tuple[mx.array, list, Optional[list]]:
+    def propose(self, rows: List, slots: int, plans: List, drafts: bool) -> Tuple[mx.array, list, Optional[list]]:
         """Every row's proposal ``[B, slots]`` (more where a lone row's block
         is continued by its copy), the q its drafted tokens were sampled
         from, and per row ``(drafted slots, proposed slots, copy class)``
@@ -36,9 +36,9 @@ class Drafts:
         (``plans[b]``: tokens, class) verifies it in place of the drafter's
         block, padded to the others' length (its acceptance capped at its
         span); without one, the drafter's block where the drafter drafts
-        (``drafting``), else nothing (a plain step's row)."""
+        (``drafts``), else nothing (a plain step's row)."""
         proposal, qs = None, [None] * len(rows)
-        if drafting:
+        if drafts:
             proposal, qs = self.chains(rows, slots)
             self.settle(proposal)
             if len(rows) == 1 and plans[0] is None and rows[0].copies is not None:
@@ -55,9 +55,11 @@ class Drafts:
             copied.append((tokens + [r.anchor] * slots)[:slots])  # padding: never accepted
             if plan is not None:
                 qs[b] = None  # point masses
-            spans.append((0, len(tokens), klass) if plan is not None or not drafting else (slots, slots, 0))
+                if drafting(r) is not None:  # its drafted block's masks are not its copy's
+                    drafting(r).forget_plan()
+            spans.append((0, len(tokens), klass) if plan is not None or not drafts else (slots, slots, 0))
         copied = mx.array(copied, dtype=mx.int32)
-        if drafting:
+        if drafts:
             copied = mx.where(mx.array([p is not None for p in plans])[:, None], copied, proposal)
         return copied, qs, spans
 

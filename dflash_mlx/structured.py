@@ -288,6 +288,19 @@ class Constraint:
 
     # -- proposals ------------------------------------------------------------
 
+    def takes(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the grammar takes from the committed state
+        before refusing one (a copied span is cut there: the target could
+        never accept the rest). The state is left where it was."""
+        taken = self.take([int(t) for t in tokens])
+        self.undo(taken)
+        return taken
+
+    def forget_plan(self) -> None:
+        """Drop the masks kept from the last drafted block: the row verifies
+        something else in its place (a copied span), masked afresh."""
+        self.plan = None
+
     def block_masks(self, drafts: Sequence[int], vocab_size: Optional[int] = None) -> Tuple[mx.array, int]:
         """Masks of a verify of ``[anchor, *drafts]`` (the anchor committed):
         ``[len(drafts) + 1, vocab_size]``, row i the state after the first i

@@ -45,7 +45,7 @@ def spans(monkeypatch):
 def eager(monkeypatch):
     """Copies proposed wherever the index has one, until they are seen to fail
     (on random targets they mostly are: the check is that they stay exact)."""
-    monkeypatch.setattr(copy_source, "COPY_PRIOR", 0.99)
+    monkeypatch.setattr(copy_source, "COPY_PRIORS", (0.99,) * len(copy_source.MATCH_CLASSES))
 
 
 def repeating_prompt(pair, n=20):
@@ -263,3 +263,88 @@ def test_copy_cycles_are_priced_by_their_own_cycles_once_measured():
     for _ in range(9):
         batch.observe_verify(9, 3 * line, rows=2)
     assert batch.verify(9, rows=2) > 2.5 * line and batch.cost(9, rows=2) == drafting
+
+
+def test_a_long_match_is_verified_long_from_its_first_cycle():
+    """A match of 8 tokens or more is a copy under way: before the request
+    has shown anything, its first cycle verifies a longer span than a
+    match of 2 tokens gets (one that often recurs by chance)."""
+    text = list(range(100, 160))
+    lengths = []
+    for repeated in (2, 10):
+        sizing = Sizing(BlockSizer(8, CycleCosts({1: 1.0, 2: 1.6, 8: 2.2}, follow=False)))
+        choice, plans, drafting = sizing.copies([pricing_row(text + text[:repeated])], 1)
+        assert not drafting and plans[0][0] == text[repeated : repeated + choice - 1]
+        lengths.append(choice)
+    assert lengths[1] >= 8 > lengths[0] > 1
+
+
+def grammar_for(tokenizer, pattern):
+    from dflash_mlx.structured import constraint_from_response_format
+
+    return constraint_from_response_format({"type": "regex", "pattern": pattern}, tokenizer)
+
+
+def test_copies_under_a_grammar_start_with_its_forced_tokens_and_stop_where_it_refuses(small):
+    """Held to a grammar, a copied span is the tokens the grammar forces,
+    then what followed them in the context, cut before the first token the
+    grammar refuses (llguidance's own matcher takes exactly that much); a
+    drafted block is continued the same way, and a span with nothing
+    copied after the forced tokens is none."""
+    from llguidance import LLMatcher
+
+    from dflash_mlx.structured import bridge
+
+    enc = lambda text: small.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    pattern = "xy[abc]+!"
+    context = enc("say xyabcabcq! then ") + enc("x")
+    grammar = grammar_for(small.tokenizer, pattern)
+    grammar.commit(enc("x"))
+    cache = SimpleNamespace(tokens=context, copy_index=None)
+    copies = CopyDrafts(cache)
+    copies.hold_to(grammar)
+    span, _ = copies.propose(31)
+    reference = LLMatcher(bridge(small.tokenizer), LLMatcher.grammar_from_regex(pattern))
+    reference.consume_tokens(enc("x"))
+    copied = enc("yabcabcq! then ")
+    assert grammar.forced(5) == enc("y")
+    assert span == copied[: reference.try_consume_tokens(copied)] == enc("yabcabc")
+    assert copies.propose(31, after=enc("ya"))[0] == enc("bcabc")
+    grammar.commit(enc("yabcabc"))
+    cache.tokens = context + enc("yabcabc")
+    assert copies.propose(31)[0] == []  # ("q" next in the context: refused)
+    copies.hold_to(None)
+    assert copies.propose(3)[0] == enc("q! ")
+
+
+def test_copies_held_to_a_grammar_are_exact(small, spans, eager, monkeypatch):
+    """A repeating context whose copies the grammar cuts (it refuses ")",
+    id 8, which the context has): lone (adaptive, fixed) and batched beside
+    a free row, every row mlx-lm's masked greedy decode, copies accepted,
+    spans cut, and no span proposed past a refused token."""
+    from mlx_lm.generate import generate_step
+
+    from dflash_mlx.structured import Constraint
+
+    free = reference_tokens(small.model, small.tokenizer, PROMPT, 64)
+    prompt, form = PROMPT + free[:40] + PROMPT, {"type": "regex", "pattern": "[!-(*-0]*"}
+    assert 8 in free[:40]
+    c = grammar_for(small.tokenizer, form["pattern"])
+    want = [t for t, _ in generate_step(mx.array(prompt), small.model, max_tokens=48, logits_processors=[c.processor()])]
+    cuts, proposed = [], []
+    takes, propose = Constraint.takes, CopyDrafts.propose
+    monkeypatch.setattr(Constraint, "takes", lambda self, tokens: cuts.append(takes(self, tokens) < len(tokens)) or takes(self, tokens))
+    monkeypatch.setattr(CopyDrafts, "propose", lambda self, *a, **k: proposed.append(propose(self, *a, **k)[0]) or propose(self, *a, **k))
+    for kw in (dict(), dict(block_size=4)):
+        got, responses = tiny.dflash_tokens(small.model, small.draft, small.tokenizer, prompt, max_tokens=48, response_format=form, **kw)
+        assert got == want, kw
+        assert sum(r.copied for r in responses) > 0, kw
+    other = [2, 9, 6, 14, 3]
+    gen = BatchGenerator(small.model, small.draft, tokenizer=small.tokenizer, block_size=4)
+    uids = gen.insert([prompt, other], 48, response_format=[form, None], copy_drafts=[True, False])
+    got = {u: [] for u in uids}
+    while gen.busy:
+        for r in gen.next():
+            got[r.uid] += r.tokens
+    assert [got[u] for u in uids] == [want, reference_tokens(small.model, small.tokenizer, other, 48)]
+    assert any(cuts) and not any(8 in p for p in proposed) and spans

@@ -105,6 +105,20 @@ def test_an_edit_resyncs_the_copy():
     assert index.propose(3) == []
 
 
+def test_a_single_token_match_is_proposed_near_a_broken_copy_first():
+    """A lone token proposes what followed its most recent occurrence; after
+    an edit, its occurrence where the broken copy would be now is preferred
+    to a more recent one elsewhere (the answer picking up its source)."""
+    assert CopyIndex([5, 1, 2, 9, 3, 7, 5]).propose(2) == [1, 2]
+    assert CopyIndex([5, 1, 2, 9, 3, 7, 5], min_match=2).propose(2) == []
+    source = list(range(100, 140))
+    index = CopyIndex([1] + source + [2, source[12], 50, 51] + source[:10], max_ngram=4)
+    assert index.propose(3) == source[10:13]
+    index.extend([7, 8, source[12]])  # the edit: 7 8 for source[10:12]; source[12] recurs later, after "2"
+    assert index.propose(3) == source[13:16] and index.match_length == 1
+    assert CopyIndex(list(index.tokens), max_ngram=4).propose(3) == [50, 51, 100]  # (without the copy: the most recent)
+
+
 def test_proposals_past_the_end_repeat_and_after_drafted_tokens():
     assert CopyIndex([5, 6, 5, 6, 5]).propose(5) == [6, 5, 6, 5, 6]
     index = CopyIndex([7, 1, 2, 3, 4, 5, 6, 8, 1, 2])
