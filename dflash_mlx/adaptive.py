@@ -477,11 +477,13 @@ class CycleCosts:
     def verify(self, n: int, rows: int = 1) -> float:
         """Seconds a cycle verifying ``n`` tokens a row that it did not draft
         (copied from the context) costs: the line of such cycles, else a
-        plain step and a chain's verified tokens."""
+        plain step and a chain's verified tokens; never more than a drafting
+        chain as long (the same verify, and a draft besides)."""
         line = self.line(rows)
+        chain = self.along(None, rows, n - 1)[-1]
         if line.copy is None:
-            return self.upto(1, rows)[0] + self.slope_at(line, self.context) * (n - 1)
-        return self.along(line.copy, rows, n - 1)[-1]
+            return min(self.upto(1, rows)[0] + self.slope_at(line, self.context) * (n - 1), chain)
+        return min(self.along(line.copy, rows, n - 1)[-1], chain)
 
     def observe_verify(self, n: int, seconds: float, context: Optional[int] = None, rows: int = 1) -> None:
         """A cycle verifying ``n`` copied tokens a row took ``seconds``."""

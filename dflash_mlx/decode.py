@@ -286,7 +286,8 @@ class Sizing:
         else:
             mine = [max(d[choice - 1], e[min(len(t) + 1, choice) - 1] if t else 0.0) for d, e, (t, _) in zip(drafter, expect, spans)]
             rate = sum(mine) / costs.cost(choice, n)
-        switch = costs.switch_cost(n) if choice == 1 else 0.0
+        # Out of a plain spell a copy cycle loses at most the plain step queued ahead.
+        switch = min(costs.switch_cost(n), costs.cost(1, n)) if choice == 1 else 0.0
         best = max(range(2, limit + 1), key=lambda m: copied(m) / (costs.verify(m, n) + switch), default=0)
         return best if best and copied(best) / (costs.verify(best, n) + switch) > rate else 0
 

@@ -251,18 +251,21 @@ def test_copies_are_priced_and_stop_where_they_fail():
 def test_copy_cycles_are_priced_by_their_own_cycles_once_measured():
     """Before any, a cycle of copies costs a chain's verify without the
     draft; after some, what they took (here dearer per row than the table's
-    slope: a verify the draft does not hide)."""
-    costs = CycleCosts({1: 1.0, 2: 1.6, 8: 2.2})
+    slope), but never more than a drafting chain as long: the same verify
+    and a draft besides (a copy line read dear in a slow spell would
+    otherwise shut copies out)."""
+    costs = CycleCosts({1: 1.0, 2: 1.6, 8: 2.2})  # C(b) = 1.5 + 0.1 (b - 1)
     assert costs.verify(9) == pytest.approx(1.0 + 0.1 * 8)
     for n in (3, 9, 17, 33) * 8:
-        costs.observe_verify(n, 1.0 + 0.3 * (n - 1))
-    assert costs.verify(21) == pytest.approx(1.0 + 0.3 * 20, rel=0.05)
+        costs.observe_verify(n, 1.0 + 0.15 * (n - 1))
+    assert costs.verify(5) == pytest.approx(1.0 + 0.15 * 4, rel=0.05)
+    assert costs.verify(21) == pytest.approx(1.5 + 0.1 * 20)  # capped at the chain's
     assert costs.upto(8)[-1] == pytest.approx(2.2)  # the drafting line as it was
     batch = CycleCosts({1: 1.0, 2: 1.6, 8: 2.2})  # two rows: their own line, the same way
     line, drafting = batch.verify(9, rows=2), batch.cost(9, rows=2)
     for _ in range(9):
-        batch.observe_verify(9, 3 * line, rows=2)
-    assert batch.verify(9, rows=2) > 2.5 * line and batch.cost(9, rows=2) == drafting
+        batch.observe_verify(9, 1.2 * line, rows=2)
+    assert batch.verify(9, rows=2) == pytest.approx(min(1.2 * line, drafting), rel=0.05) and batch.cost(9, rows=2) == drafting
 
 
 def test_a_long_match_is_verified_long_from_its_first_cycle():
