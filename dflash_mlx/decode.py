@@ -255,6 +255,8 @@ class Sizing:
         drafter; otherwise a row verifies its copy in place of the drafter's
         block where it expects more of it. A fixed block keeps its length."""
         plans = [None] * len(rows)
+        if self.fixed(rows) and not (isinstance(choice, int) and choice > 1):
+            return choice, plans, True  # a fixed plain step or tree verifies no copy: none proposed
         spans = [r.copies.propose(r.room - 1) if r.copies is not None else ([], 0) for r in rows]
         if not any(tokens for tokens, _ in spans):
             return choice, plans, True
