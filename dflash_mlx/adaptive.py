@@ -661,13 +661,17 @@ class BlockSizer:
     def rates(self, cap: int, rows=None, remaining=None, optimistic: bool = True) -> List[float]:
         """Expected tokens per second, all rows, at block lengths 1..``cap``
         (``optimistic``: the slot shares one standard error up, see
-        :class:`SlotAcceptance`)."""
+        :class:`SlotAcceptance`, that optimism shared among the rows: a
+        long block tried on a hope costs every row's verify, and one row's
+        cycles tell as much of the drafter's depth as many rows')."""
         remaining, rows = self.shape(cap if remaining is None else remaining, rows)
-        tokens = [0.0] * cap
+        tokens, n = [0.0] * cap, len(rows)
         for r, left in zip(rows, remaining):
-            expected = r.expected if optimistic else r.expected_as_seen
+            seen = r.expected_as_seen
+            hope = r.expected if optimistic else seen
             for b in range(cap):
-                tokens[b] += expected[min(b + 1, left) - 1]
+                i = min(b + 1, left) - 1
+                tokens[b] += seen[i] + (hope[i] - seen[i]) / n
         return [t / c for t, c in zip(tokens, self.costs.upto(cap, len(rows)))]
 
     def pays(self, block: int, rows=None, remaining=None) -> bool:

@@ -255,6 +255,8 @@ class Sizing:
         drafter; otherwise a row verifies its copy in place of the drafter's
         block where it expects more of it. A fixed block keeps its length."""
         plans = [None] * len(rows)
+        if self.fixed(rows) and not (isinstance(choice, int) and choice > 1):
+            return choice, plans, True  # a fixed plain step or tree verifies no copy: none proposed
         spans = [r.copies.propose(r.room - 1) if r.copies is not None else ([], 0) for r in rows]
         if not any(tokens for tokens, _ in spans):
             return choice, plans, True
@@ -291,24 +293,6 @@ class Sizing:
         best = max(range(2, limit + 1), key=lambda m: copied(m) / (costs.verify(m, n) + switch), default=0)
         return best if best and copied(best) / (costs.verify(best, n) + switch) > rate else 0
 
-    def continuation(self, r: Request, block: int, drafted: mx.array) -> Tuple[List[int], int]:
-        """A lone row's drafted block continued by its copy source, where a
-        copy has lately been accepted: the tokens its index copies after the
-        committed ones and ``drafted`` (an edit's new tokens drafted, the
-        copy taken up after them), as many as raise the expected tokens per
-        second; ``([], 0)`` where none do."""
-        if r.copies is None or not r.copies.live or self.fixed([r]):
-            return [], 0
-        tokens, klass = r.copies.propose(r.room - block, after=drafted.tolist())  # (a host read, only here)
-        if not tokens:
-            return [], 0
-        costs, expected = self.sizer.costs, self.sizer.acceptance.expected_as_seen
-        reach = expected[block - 1] - expected[block - 2]  # every drafted slot accepted
-        chain, copied = costs.upto(block + 1), r.copies.expected(klass)
-        rate = lambda k: (expected[block - 1] + reach * (copied[k] - 1)) / (chain[-2] + (chain[-1] - chain[-2]) * k)  # noqa: E731
-        k = max(range(len(tokens) + 1), key=rate)
-        return tokens[:k], klass
-
     def observe(self, cycle: Cycle, read, seconds: float, context: int) -> None:
         """A cycle read ``seconds`` after the one before it."""
         rows = cycle.rows
@@ -344,7 +328,7 @@ class Decoder:
 
     def __init__(self, target, draft, max_block: int, settle: Callable, sizing: Sizing):
         self.target, self.max_block, self.sizing = target, max_block, sizing
-        self.drafts = Drafts(target, draft, max_block, settle, sizing)
+        self.drafts = Drafts(target, draft, max_block, settle, sizing.sizer)
         self.rows: List[Request] = []
         self.cache = None  # the rows' target caches: a lone row's own, or a BatchCache
         self.queued: Optional[Cycle] = None
@@ -587,7 +571,7 @@ def cycle_timer(target, draft, cache, context: mx.array, max_block: int) -> Call
         scratch = PromptCache(cache, draft.make_cache())
         scratch.target_hidden = context
         probe = Request(-1, scratch, AcceptanceRule(None), max_block + 1, frozenset(), anchor=0)
-        decoder = Decoder(target, draft, max_block, settle, None)
+        decoder = Decoder(target, draft, max_block, settle, Sizing(BlockSizer(max_block, None, fixed=True)))
         decoder.join([probe])
         tic = time.perf_counter()
         cycle = decoder.launch([probe], choice)
