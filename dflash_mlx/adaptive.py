@@ -461,18 +461,18 @@ class CycleCosts:
         slope = self.slope_at(line, self.context)
         return [plain] + [draft + slope * (b - 1) for b in range(2, n + 1)]
 
-    def along(self, fitted: Optional[Tuple[float, float, int]], rows: int, n: int) -> List[float]:
-        """Seconds of ``fitted`` (intercept, slope per token a row verifies,
-        context) at 0..n tokens, at the current context; None: a chain's."""
+    def along(self, fitted: Optional[Tuple[float, float, int]], rows: int) -> Tuple[float, float]:
+        """``(seconds at 0 tokens, seconds a token)`` of ``fitted`` (intercept,
+        slope per token a row verifies, context) at the current context, never
+        below a plain step; None: a drafting chain's."""
         line = self.line(rows)
         plain = self.upto(1, rows)[0]
         if fitted is None:
             anchor = line.draft + self.growth.at(rows) * (self.context - line.draft_context)
-            return [max(anchor, plain) + self.slope_at(line, self.context) * k for k in range(n + 1)]
+            return max(anchor, plain), self.slope_at(line, self.context)
         anchor, slope, context = fitted
         grown = self.context - context
-        anchor, slope = anchor + self.growth.at(rows) * grown, max(0.0, slope + self.growth.per_row * rows * grown)
-        return [max(anchor, plain) + slope * k for k in range(n + 1)]
+        return max(anchor + self.growth.at(rows) * grown, plain), max(0.0, slope + self.growth.per_row * rows * grown)
 
     def verify(self, n: int, rows: int = 1) -> float:
         """Seconds a cycle verifying ``n`` tokens a row that it did not draft
@@ -480,10 +480,12 @@ class CycleCosts:
         plain step and a chain's verified tokens; never more than a drafting
         chain as long (the same verify, and a draft besides)."""
         line = self.line(rows)
-        chain = self.along(None, rows, n - 1)[-1]
+        anchor, slope = self.along(None, rows)
+        chain = anchor + slope * (n - 1)
         if line.copy is None:
-            return min(self.upto(1, rows)[0] + self.slope_at(line, self.context) * (n - 1), chain)
-        return min(self.along(line.copy, rows, n - 1)[-1], chain)
+            return min(self.upto(1, rows)[0] + slope * (n - 1), chain)
+        anchor, slope = self.along(line.copy, rows)
+        return min(anchor + slope * (n - 1), chain)
 
     def observe_verify(self, n: int, seconds: float, context: Optional[int] = None, rows: int = 1) -> None:
         """A cycle verifying ``n`` copied tokens a row took ``seconds``."""
@@ -504,7 +506,8 @@ class CycleCosts:
 
     def trees(self, n: int) -> List[float]:
         """Seconds of one row's trees of 0..n nodes (0: the anchor alone)."""
-        return self.along(self.lines[1].tree, 1, n)
+        anchor, slope = self.along(self.lines[1].tree, 1)
+        return [anchor + slope * k for k in range(n + 1)]
 
 
 # The most a drafter that never agrees may slow plain decoding down by
