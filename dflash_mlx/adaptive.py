@@ -706,10 +706,10 @@ class BlockSizer:
         lost = self.costs.switch_cost(rows) + RECHECK_STEPS * max(0.0, plain - 1 / best_rate)
         return max(lost / RECHECK_BUDGET, RECHECK_STEPS * plain)
 
-    def learn(self, block, accepted: List[int], drafted: List[int], rows: List[SlotAcceptance], walk: Optional[TreeWalk]) -> None:
+    def learn(self, accepted: List[int], drafted: List[int], rows: List[SlotAcceptance], walk: Optional[TreeWalk]) -> None:
         """Each row's acceptance, and the pair's, from what the cycle showed."""
         for r, a, d in zip(rows, accepted, drafted):
-            for acceptance in {id(r): r, id(self.acceptance): self.acceptance}.values():
+            for acceptance in [r] if r is self.acceptance else [r, self.acceptance]:
                 if walk is not None:
                     acceptance.observe(walk.spine, walk.chain_accepted)
                 elif d:
@@ -730,7 +730,7 @@ class BlockSizer:
         rows = rows or [self.acceptance]
         n = len(rows)
         drafted = drafted or [0 if block == 1 or isinstance(block, TreeChoice) else block - 1] * n
-        self.learn(block, accepted, drafted, rows, walk)
+        self.learn(accepted, drafted, rows, walk)
         if self.fixed or self.tree_nodes:
             return
         if not self.costs.follow:
