@@ -30,7 +30,7 @@ import mlx.core as mx
 from .adaptive import BlockSizer, SlotAcceptance, TreeChoice, TreeWalk
 from .cache import PromptCache
 from .copy_source import CopyDrafts
-from .drafts import Drafts, drafting
+from .drafts import Drafts, grammar
 from .processors import logprobs as log_probs
 from .sampling import AcceptanceRule, accept_rows
 from .targets.rows import BatchCache
@@ -346,7 +346,7 @@ class Decoder:
         rows = self.rows + list(requests)
         for r in requests:
             if r.copies is not None:
-                r.copies.hold_to(drafting(r))
+                r.copies.hold_to(grammar(r))
         if len(rows) > 1:
             self.sizing.rows_joined(rows)
             batched = isinstance(self.cache, BatchCache)

@@ -14,10 +14,16 @@ from .models.dflash import masked_blocks
 from .tree import build_tree, candidates
 
 
+def grammar(r):
+    """The row's grammar (a control that forces tokens), or None."""
+    return next((c for c in r.controls if hasattr(c, "forced")), None)
+
+
 def drafting(r):
-    """The row's control that drafts its blocks itself (a grammar's
-    ``draft_block``: drafts that obey it), or None."""
-    return next((c for c in r.controls if hasattr(c, "draft_block")), None)
+    """The row's control that drafts its blocks itself (``draft_block``):
+    its grammar (drafts that obey it), else its logits processors (the
+    drafter's block processed along itself), or None."""
+    return grammar(r) or next((c for c in r.controls if hasattr(c, "draft_block")), None)
 
 
 class Drafts:
@@ -55,8 +61,8 @@ class Drafts:
             copied.append((tokens + [r.anchor] * slots)[:slots])  # padding: never accepted
             if plan is not None:
                 qs[b] = None  # point masses
-                if drafting(r) is not None:  # its drafted block's masks are not its copy's
-                    drafting(r).forget_plan()
+                if grammar(r) is not None:  # its drafted block's masks are not its copy's
+                    grammar(r).forget_plan()
             spans.append((0, len(tokens), klass) if plan is not None or not drafts else (slots, slots, 0))
         copied = mx.array(copied, dtype=mx.int32)
         if drafts:
@@ -85,7 +91,7 @@ class Drafts:
         """``choice``, or a longer chain where every row's grammar forces the
         tokens ahead (the only ones it allows): those need no drafting, so
         the cycle verifies them all and the target's token after them."""
-        grammars = [drafting(r) for r in rows]
+        grammars = [grammar(r) for r in rows]
         if not all(grammars):
             return choice
         most = min([r.room for r in rows] + [r.block_limit for r in rows if r.block_limit])
@@ -122,10 +128,10 @@ class Drafts:
 
     def held(self, rows: List, slots: int) -> Tuple[mx.array, list]:
         """:meth:`chains` where some rows' controls draft their own
-        blocks (a grammar): the other rows draft together as usual, each of
-        these from its own drafter logits, masked slot by slot along its own
-        proposal by its control (which skips the drafter where it forces the
-        whole block)."""
+        blocks (a grammar, logits processors): the other rows draft together
+        as usual, each of these from its own drafter logits, masked or
+        processed slot by slot along its own proposal by its control (a
+        grammar skips the drafter where it forces the whole block)."""
         free = [b for b, r in enumerate(rows) if drafting(r) is None]
         tokens, qs = [None] * len(rows), [None] * len(rows)
         if free:
@@ -142,7 +148,7 @@ class Drafts:
                     return out[0]
 
                 drafted, qs[b] = drafting(r).draft_block(slots, logits, self.target.vocab_size, r.rule.drafting, r.next_key())
-                tokens[b] = mx.array(drafted, mx.int32)
+                tokens[b] = mx.array(drafted, mx.int32)  # (host ids, or a lazy array)
         return mx.stack(tokens).astype(mx.int32), qs
 
     def tree(self, r, choice: TreeChoice, room: int):

@@ -26,11 +26,13 @@ step with each row's own history:
 
 import functools
 import inspect
-from typing import Sequence
+from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
+
+from .sampling import processed_probs, sample
 
 # make_logits_processors' keywords and mlx-lm's defaults for them.
 PROCESSOR_DEFAULTS = {k: p.default for k, p in inspect.signature(make_logits_processors).parameters.items()}
@@ -174,6 +176,31 @@ class Processors:
         drafted, ancestry = as_tokens(tokens)[1:], tree_ancestry(parents)
         along = [drafted[mx.array(a, dtype=mx.int32)] if a else drafted[:0] for a in ancestry]
         return self.staged(logits, drafted, along, lambda held, c: windows(ancestry, held, c), vectorised)
+
+    def draft_block(self, slots: int, logits, vocab_size: int, sampling: Optional[dict] = None, key=None) -> Tuple[mx.array, Optional[mx.array]]:
+        """The drafter's block ``logits() [slots, V]`` processed along its own
+        proposal, slot ``j`` with the history and the tokens drafted before
+        it, as the verify will process the target's row ``j``: a drafter
+        that never saw the processors proposes what they change (a penalised
+        repeat), and each such slot is rejected. Returns the ``slots`` tokens
+        (lazy) and the distribution ``q [slots, V]`` each was drawn from
+        (None: greedy; else a sample of :func:`~dflash_mlx.sampling.processed_probs`
+        of its processed row with ``sampling``'s settings and ``key``).
+        ``vocab_size``: the grammar's hook takes it; the rows carry it here."""
+        rows, history, tokens, qs = logits(), self.history, [], []
+        keys = None if key is None or sampling is None else mx.random.split(key, slots)
+        for j in range(slots):
+            row = rows[j : j + 1]
+            for processor in self.callables:
+                row = processor(history, row)
+            if sampling is None:
+                token = mx.argmax(row, axis=-1).astype(mx.int32)
+            else:
+                qs.append(processed_probs(row[0], **sampling))
+                token = sample(qs[-1], None if keys is None else keys[j]).reshape(1).astype(mx.int32)
+            tokens.append(token)
+            history = mx.concatenate([history, token])
+        return mx.concatenate(tokens), (mx.stack(qs) if qs else None)
 
     def staged(self, logits: mx.array, drafted: mx.array, along: list, window, vectorised: bool) -> mx.array:
         """Every processor in turn over every row (``along[r]``: the drafted

@@ -174,7 +174,7 @@ PENALISED = dict(logit_bias={3: 1.5}, repetition_penalty=2.0, repetition_context
 def test_sampled_with_penalties_and_xtc_follows_the_target(small, setting, acceptance):
     """Every committed token under the target's processed distribution given
     its own prefix (processors, then make_sampler's chain with XTC's mixture)."""
-    tokens, accepted = sampled_runs(small, small.draft, 5, setting, acceptance=acceptance, block_size=4, copy_drafts=False,
+    tokens, accepted = sampled_runs(small, small.draft, 6, setting, acceptance=acceptance, block_size=4, copy_drafts=False,
                                     logits_processors=penalty_processors(None, **PENALISED))
     make = lambda: make_logits_processors(**PENALISED)  # noqa: E731
     ks, bound, outside = pit_check(small.model, tokens, setting, np.random.default_rng(0), logits_processors=make)

@@ -125,6 +125,39 @@ def test_tree_rows_see_their_own_path(setting, vectorised):
     )
 
 
+@pytest.mark.parametrize("setting", PROCESSOR_SETTINGS)
+def test_drafted_block_is_processed_along_its_own_proposal(setting):
+    """The drafter's block under the row's processors: slot j processed with
+    the history and the slots drafted before it, by mlx-lm's own processors,
+    then its argmax (greedy) or a sample of the processed row (q)."""
+    history, slots = [3, 1, 4, 1, 5], 6
+    first = random_logits(1, seed=2)[0] * 0.05
+    first = first.at[7].add(1.0).at[8].add(0.9)  # every slot prefers 7, then 8
+    drafter = mx.broadcast_to(first, (slots, V))
+    processors = from_settings(history, **setting)
+    calls = []
+    tokens, q = processors.draft_block(slots, lambda: calls.append(1) or drafter, V)
+    want, seen = [], list(history)
+    for j in range(slots):
+        row = drafter[j : j + 1]
+        for processor in make_logits_processors(**setting):
+            row = processor(mx.array(seen), row)
+        want.append(int(mx.argmax(row)))
+        seen.append(want[-1])
+    assert tokens.tolist() == want and q is None and calls == [1]
+    if any(k.endswith("penalty") for k in setting):
+        assert len(set(want)) > 1  # a penalised repeat is not drafted again
+    sampling, key = dict(temperature=0.8, top_p=0.9), mx.random.key(4)
+    tokens, q = processors.draft_block(slots, lambda: drafter, V, sampling, key)
+    seen = history + tokens.tolist()
+    for j in range(slots):
+        row = drafter[j : j + 1]
+        for processor in make_logits_processors(**setting):
+            row = processor(mx.array(seen[: len(history) + j]), row)
+        assert mx.allclose(q[j], processed_probs(row[0], **sampling)) and q[j, seen[len(history) + j]] > 0
+    assert processors.history.tolist() == history  # drafting commits nothing
+
+
 def test_batch_rows_each_with_their_own_processors():
     """The decoder's controlled logits: each row through its own request's controls."""
     rows = [[from_settings([1, 2, 3], **PROCESSOR_SETTINGS[0])], [],

@@ -727,6 +727,12 @@ class FakeDrafter:
         cache["last"] = [seq[-1]] + tokens
         return mx.array([tokens])[:, :slots]
 
+    def slot_logits(self, block, context, cache, slots=None):
+        """Logits whose argmax is :meth:`propose`'s choice, by a wide margin
+        (what a control drafting along the block itself reads)."""
+        tokens = self.propose(block, context, cache, slots)
+        return mx.where(mx.arange(self._target.vocab_size) == tokens[..., None], 100.0, 0.0)
+
 
 class ScriptedDrafter(FakeDrafter):
     """Proposes the target's true greedy continuation with a mistake planted
