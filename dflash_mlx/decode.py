@@ -441,12 +441,15 @@ class Decoder:
         the read, if the sizer would choose a plain step next too (the
         choice is the one the loop would make after the read, from the
         cycles before this one; it stands for the cycle after the read)."""
-        if cycle.block != 1 or any(r.room <= 1 or r.controls for r in cycle.rows):
-            return None  # (a row's controls see its committed tokens: none run ahead of a read)
+        if cycle.block != 1 or any(r.room <= 1 or not all(hasattr(c, "ahead") for c in r.controls) for r in cycle.rows):
+            return None  # (a grammar reads its committed tokens on the host: none runs ahead of a read)
         self.then = self.sizing.choose(cycle.rows, ahead=1)
         if self.then != 1 or (any(r.copies for r in cycle.rows) and self.sizing.copies(cycle.rows, 1)[0] != 1):
             return None  # (copies are chosen after the read: one looked worth it a token ago)
         self.then = None
+        for b, r in enumerate(cycle.rows):
+            for c in r.controls:  # (logits processors: the next step sees the lazy token)
+                c.ahead(cycle.outcome[b, 1:2])
         self.keep(cycle, [1] * len(cycle.rows))
         return self.launch(cycle.rows, 1, anchors=cycle.outcome[:, 1:2], queued_ahead=True)
 

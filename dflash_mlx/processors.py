@@ -148,10 +148,23 @@ class Processors:
     def __init__(self, processors=(), history=()):
         self.callables = list(processors)
         self.history = as_tokens(history)
+        self.early = 0  # tokens committed by :meth:`ahead`, not yet by :meth:`commit`
 
     def commit(self, tokens) -> None:
-        """Commit ``tokens`` (a list, a scalar or an array, possibly lazy) to the history."""
-        self.history = mx.concatenate([self.history, as_tokens(tokens)])
+        """Commit ``tokens`` (a list, a scalar or an array, possibly lazy) to
+        the history, less those :meth:`ahead` committed already."""
+        tokens = as_tokens(tokens)
+        skip = min(self.early, tokens.size)
+        self.early -= skip
+        if tokens.size > skip:
+            self.history = mx.concatenate([self.history, tokens[skip:]])
+
+    def ahead(self, token: mx.array) -> None:
+        """Commit a plain step's lazy ``token`` before the loop reads it, so
+        the next plain step is processed with it and runs ahead of the read
+        (as mlx-lm's ``generate_step`` runs ahead with its processors)."""
+        self.commit(token)
+        self.early += 1
 
     def block(self, logits: mx.array, proposal=None, vectorised: bool = True) -> mx.array:
         """Processed ``logits [L, V]`` of a verify of ``[anchor, *proposal]``

@@ -78,6 +78,26 @@ def test_greedy_with_penalties_on_each_kind_of_target(loop_family_pair):
     check_against_mlx_lm(loop_family_pair, "combined", 6, n=30)
 
 
+def test_plain_steps_with_processors_run_ahead_of_their_reads(qwen3_pair):
+    """Block 1 under processors: each plain step is processed with the last
+    step's lazy token and queued before that token is read and committed to
+    the prompt cache (as mlx-lm's generate_step runs ahead), and the tokens
+    stay mlx-lm's."""
+    prompt, n = prompt_of(20), 24
+    ref = qwen3_pair.reference_steps(prompt, n, logits_processors=made("combined", False))[0]
+    draft = ScriptedDrafter(ref, prompt, 1, [0], qwen3_pair.vocab)
+    cache, early = dflash_mlx.make_prompt_cache(qwen3_pair.model, draft), []
+
+    def spy(tokens, logits):
+        early.append(tokens.size > len(cache.tokens))  # its history holds a token the cache has not committed
+        return logits
+
+    got = [t for t, *_ in generate_step(prompt, qwen3_pair.model, draft, max_tokens=n, block_size=1, prompt_cache=cache,
+                                        logits_processors=made("combined", True, qwen3_pair.vocab) + [spy])]
+    assert got == ref
+    assert sum(early) >= n - 3
+
+
 @pytest.mark.parametrize("name", ["combined", "custom"])
 def test_draft_trees_with_processors_are_mlx_lms_decode(qwen3_pair, tmp_path, name):
     pair, prompt = qwen3_pair, prompt_of(20)
