@@ -74,7 +74,8 @@ def test_num_draft_tokens_fixes_the_block(client, bundled):
     r = client.completions.create(model="default", prompt=prompt, max_tokens=30, temperature=0)
     assert r.choices[0].text == mlx_lm_text(bundled, prompt, 30)
     stats = r.usage.model_extra["dflash"]
-    assert max(int(b) for b in stats["block_sizes"]) <= 16
+    # the drafter's blocks are 16 at most; only a span copied from the context verifies more
+    assert max(int(b) for b in stats["block_sizes"]) <= 16 or stats["accepted_copied_tokens"] > 0
     assert sum(stats["block_sizes"].values()) + sum(stats["tree_sizes"].values()) == stats["cycles"]
     r = client.completions.create(model="default", prompt=prompt, max_tokens=30, temperature=0,
                                   extra_body={"num_draft_tokens": 3})
