@@ -271,6 +271,28 @@ class Sizing:
                     plans[b] = (tokens[: choice - 1], klass)
         return choice, plans, not all(plans)
 
+    def continued(self, r: Request, proposal: mx.array) -> Tuple[mx.array, Optional[list]]:
+        """A lone row's drafted ``proposal [1, slots]`` continued by its copy
+        source, where a copy has lately been accepted: the tokens its index
+        copies after the committed ones and the drafted ones (an edit's new
+        tokens drafted, the copy taken up after them), as many as raise the
+        expected tokens per second. Returns the proposal and its spans
+        (None: not continued)."""
+        slots = proposal.shape[1]
+        if r.copies is None or not r.copies.live or self.fixed([r]):
+            return proposal, None
+        tokens, klass = r.copies.propose(r.room - slots - 1, after=proposal[0].tolist())  # (a host read, only here)
+        if not tokens:
+            return proposal, None
+        costs, expected = self.sizer.costs, self.sizer.acceptance.expected_as_seen
+        reach = expected[slots] - expected[slots - 1]  # every drafted slot accepted
+        chain, copied = costs.upto(slots + 2), r.copies.expected(klass)
+        rate = lambda k: (expected[slots] + reach * (copied[k] - 1)) / (chain[-2] + (chain[-1] - chain[-2]) * k)  # noqa: E731
+        k = max(range(len(tokens) + 1), key=rate)
+        if k == 0:
+            return proposal, None
+        return mx.concatenate([proposal, mx.array([tokens[:k]], dtype=mx.int32)], axis=1), [(slots, slots + k, klass)]
+
     def copy_cycle(self, rows: List[Request], spans, choice, drafter: List[List[float]]) -> int:
         """Rows verified by the best cycle of copies alone, if it beats
         ``choice`` as each row would verify it (its copy where it expects more
@@ -328,7 +350,7 @@ class Decoder:
 
     def __init__(self, target, draft, max_block: int, settle: Callable, sizing: Sizing):
         self.target, self.max_block, self.sizing = target, max_block, sizing
-        self.drafts = Drafts(target, draft, max_block, settle, sizing.sizer)
+        self.drafts = Drafts(target, draft, max_block, settle)
         self.rows: List[Request] = []
         self.cache = None  # the rows' target caches: a lone row's own, or a BatchCache
         self.queued: Optional[Cycle] = None
@@ -471,6 +493,8 @@ class Decoder:
         proposal, qs, spans = mx.zeros((len(rows), 0), mx.int32), [None] * len(rows), None
         if choice > 1:
             proposal, qs, spans = self.drafts.propose(rows, choice - 1, plans, drafts)
+            if spans is None and len(rows) == 1:
+                proposal, spans = self.sizing.continued(rows[0], proposal)
         logits, taps = self.target.forward(mx.concatenate([anchors, proposal], axis=1), self.cache)
         logits = self.controlled(rows, logits, proposal)
         lengths = None if spans is None else [n for _, n, _ in spans]

@@ -2,7 +2,8 @@
 verifies past each row's anchor. The drafter's block (its whole block of
 masks, whatever length is verified), a grammar's own blocks (drafts that obey
 it, and the tokens it forces), one row's draft tree, and spans copied from
-the context in place of, or after, the drafter's block.
+the context in place of the drafter's block (the sizing continues a lone
+row's drafted block with its copy: :class:`dflash_mlx.decode.Sizing`).
 """
 
 from typing import List, Optional, Tuple
@@ -29,30 +30,23 @@ def drafting(r):
 class Drafts:
     """Each cycle's proposals for its rows, from one drafter (``settle``
     evaluates a draft: ``mx.eval``, or ``mx.async_eval`` to overlap it with
-    the verify; ``sizer`` prices a copy continuing a drafted block)."""
+    the verify)."""
 
-    def __init__(self, target, draft, max_block: int, settle, sizer):
-        self.target, self.draft, self.max_block, self.settle, self.sizer = target, draft, max_block, settle, sizer
+    def __init__(self, target, draft, max_block: int, settle):
+        self.target, self.draft, self.max_block, self.settle = target, draft, max_block, settle
 
     def propose(self, rows: List, slots: int, plans: List, drafts: bool) -> Tuple[mx.array, list, Optional[list]]:
-        """Every row's proposal ``[B, slots]`` (more where a lone row's block
-        is continued by its copy), the q its drafted tokens were sampled
-        from, and per row ``(drafted slots, proposed slots, copy class)``
-        (None: the drafter's block in every row): a row with a copied span
-        (``plans[b]``: tokens, class) verifies it in place of the drafter's
-        block, padded to the others' length (its acceptance capped at its
-        span); without one, the drafter's block where the drafter drafts
-        (``drafts``), else nothing (a plain step's row)."""
+        """Every row's proposal ``[B, slots]``, the q its drafted tokens were
+        sampled from, and per row ``(drafted slots, proposed slots, copy
+        class)`` (None: the drafter's block in every row): a row with a
+        copied span (``plans[b]``: tokens, class) verifies it in place of the
+        drafter's block, padded to the others' length (its acceptance capped
+        at its span); without one, the drafter's block where the drafter
+        drafts (``drafts``), else nothing (a plain step's row)."""
         proposal, qs = None, [None] * len(rows)
         if drafts:
             proposal, qs = self.chains(rows, slots)
             self.settle(proposal)
-            if len(rows) == 1 and plans[0] is None and rows[0].copies is not None:
-                extra, klass = self.continuation(rows[0], slots + 1, proposal[0])
-                if not extra:
-                    return proposal, qs, None
-                proposal = mx.concatenate([proposal, mx.array([extra], dtype=mx.int32)], axis=1)
-                return proposal, qs, [(slots, slots + len(extra), klass)]
             if not any(plans):
                 return proposal, qs, None
         spans, copied = [], []
@@ -68,24 +62,6 @@ class Drafts:
         if drafts:
             copied = mx.where(mx.array([p is not None for p in plans])[:, None], copied, proposal)
         return copied, qs, spans
-
-    def continuation(self, r, block: int, drafted: mx.array) -> Tuple[List[int], int]:
-        """A lone row's drafted block continued by its copy source, where a
-        copy has lately been accepted: the tokens its index copies after the
-        committed ones and ``drafted`` (an edit's new tokens drafted, the
-        copy taken up after them), as many as raise the expected tokens per
-        second; ``([], 0)`` where none do."""
-        if r.copies is None or not r.copies.live or self.sizer.fixed or r.block_limit:
-            return [], 0
-        tokens, klass = r.copies.propose(r.room - block, after=drafted.tolist())  # (a host read, only here)
-        if not tokens:
-            return [], 0
-        costs, expected = self.sizer.costs, self.sizer.acceptance.expected_as_seen
-        reach = expected[block - 1] - expected[block - 2]  # every drafted slot accepted
-        chain, copied = costs.upto(block + 1), r.copies.expected(klass)
-        rate = lambda k: (expected[block - 1] + reach * (copied[k] - 1)) / (chain[-2] + (chain[-1] - chain[-2]) * k)  # noqa: E731
-        k = max(range(len(tokens) + 1), key=rate)
-        return tokens[:k], klass
 
     def forced_choice(self, rows: List, choice):
         """``choice``, or a longer chain where every row's grammar forces the
