@@ -7,18 +7,16 @@ the slots before it were) and costs ``C(rows, b)``, measured
 (:class:`CycleCosts`); a lone row may verify a draft tree instead, whose
 expected tokens come from the same slot shares and the drafter's candidate
 ranks (:class:`RankAcceptance`). The choice is made from past cycles only,
-before drafting, so it changes the speed and never the output. Where plain
-steps win, the sizer probes now and then within ``PROBE_BUDGET``; while it
-drafts, it rechecks the plain step's cost within ``RECHECK_BUDGET``. The
-policy is numbers only (the loop measures and hands over seconds and
-acceptance), so it is tested on numbers alone; docs/block-size.md walks it.
+before drafting, so it changes the speed and never the output. The policy
+is numbers only (the loop measures and hands over seconds and acceptance),
+so it is tested on numbers alone; docs/block-size.md walks it.
 """
 
 import itertools
 import math
 import statistics
 import time
-from collections import deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -27,11 +25,25 @@ import numpy as np
 from .errors import ArgumentError
 from .tree import best_first
 
-# The largest draft tree the sizer considers (nodes), and the candidates per
-# slot its acceptance model tells apart (a target token ranked lower counts
-# as no candidate's).
+# The largest draft tree the sizer considers (nodes).
 MAX_TREE_NODES = 64
-MODELLED_RANKS = 16
+# Plain steps the table counts as in the plain step's median (CycleCosts.refit),
+# and the last cycles of each kind a cost line is fitted to.
+PLAIN_PRIOR, WINDOW = 3, 32
+# Plain cycles before the first probe, and before the next one while
+# drafting looks faster (BlockSizer.observe); failed probes double it.
+PROBE_WAIT = 4
+# The most a drafter that never agrees may slow plain decoding down by
+# probing it (BlockSizer.longest_wait).
+PROBE_BUDGET = 0.01
+# The most a drafter that pays may be slowed down by rechecking the plain
+# step's cost while drafting (BlockSizer.recheck_interval), and the plain
+# steps a recheck takes: the two of its switch and one more counted step
+# than the table's prior, so that its own steps price plain decoding.
+RECHECK_BUDGET = 0.01
+RECHECK_STEPS = PLAIN_PRIOR + 3
+# Plain steps between two reconsiderations of a plain spell (BlockSizer.choose).
+REVISIT = 8
 
 
 @dataclass(frozen=True)
@@ -83,14 +95,12 @@ class SlotAcceptance:
         self.hits = self.misses = 0.0
         self.pooled_prior = self.prior_weight
         # per slot j (index j - 1): decayed cycles that reached it, and that rejected it
-        self.reached = [0.0] * n
-        self.rejected = [0.0] * n
+        self.reached, self.rejected = [0.0] * n, [0.0] * n
         self.update()
 
     def update(self) -> None:
         """Recompute ``expected`` (optimistic) and ``expected_as_seen``."""
-        self.expected = self.expected_tokens()
-        self.expected_as_seen = self.expected_tokens(optimistic=False)
+        self.expected, self.expected_as_seen = self.expected_tokens(), self.expected_tokens(optimistic=False)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A cycle drafted ``drafted`` slots and the target accepted the first ``accepted``."""
@@ -104,14 +114,11 @@ class SlotAcceptance:
             self.rejected[i] = self.rejected[i] * self.decay + (i == accepted)
         self.update()
 
-    def rate(self) -> float:
-        """Share of drafted slots accepted lately (each rejection ends a cycle), prior included."""
-        w = self.pooled_prior
-        return (self.hits + w * self.prior) / (self.hits + self.misses + w)
-
     def rates(self, optimistic: bool = True) -> List[float]:
-        """``a_j`` for slots 1..max_block-1."""
-        pooled, w = self.rate(), self.prior_weight
+        """``a_j`` for slots 1..max_block-1, each drawn toward the pooled share
+        of drafted slots accepted lately (each rejection ends a cycle)."""
+        prior, w = self.pooled_prior, self.prior_weight
+        pooled = (self.hits + prior * self.prior) / (self.hits + self.misses + prior)
         out = []
         for n, rej in zip(self.reached, self.rejected):
             a = 1 - (rej + w * (1 - pooled)) / (n + w)
@@ -135,9 +142,10 @@ class RankAcceptance:
     it was not the best one, pooled over slots: rank ``r`` at slot ``j`` has
     probability ``(1 - a_j) q_r``. Decayed as the slot shares are, drawn
     toward a prior that halves with each rank (so trees get tried early).
+    ``ranks``: the candidates told apart (a token ranked lower is none's).
     """
 
-    def __init__(self, ranks: int = MODELLED_RANKS, prior: float = 0.5, prior_weight: float = 4.0, decay: float = 0.9):
+    def __init__(self, ranks: int = 16, prior: float = 0.5, prior_weight: float = 4.0, decay: float = 0.9):
         self.prior = [0.0] + [prior * 0.5 ** (r - 1) * 0.5 for r in range(1, ranks)]
         self.prior_weight, self.decay = prior_weight, decay
         self.counts = [0.0] * ranks  # decayed misses of the best candidate that were rank r
@@ -204,11 +212,9 @@ class ContextGrowth:
 
     def __init__(self, decay: float = 1 - 1 / 256, every: int = 32, span: int = 1024):
         self.decay, self.every, self.span = decay, every, span
-        self.sums: Dict[object, List[float]] = {}  # kind -> [w, c, y, cc, cy, yy]
-        self.rows: Dict[object, int] = {}  # kind -> rows it verifies
+        self.sums: Dict[object, List[float]] = {}  # kind -> [rows it verifies, w, c, y, cc, cy, yy]
         self.per_cycle = self.per_row = 0.0
-        self.seen = 0
-        self.low = self.high = None  # the contexts seen
+        self.seen, self.low, self.high = 0, math.inf, -math.inf  # cycles, and the contexts they span
 
     def at(self, rows: int) -> float:
         """Seconds a cycle verifying ``rows`` rows grows by per context position."""
@@ -220,11 +226,9 @@ class ContextGrowth:
         (``drafted``: rare in a plain spell, and each is the only news of how
         its rows grow) and every ``every`` others (a plain step's host time
         should stay the forward's)."""
-        self.low = context if self.low is None else min(self.low, context)
-        self.high = context if self.high is None else max(self.high, context)
-        s = self.sums.setdefault(kind, [0.0] * 6)
-        self.rows[kind] = rows
-        for i, v in enumerate((1.0, context, seconds, context * context, context * seconds, seconds * seconds)):
+        self.low, self.high = min(self.low, context), max(self.high, context)
+        s = self.sums.setdefault(kind, [rows] + [0.0] * 6)
+        for i, v in enumerate((1.0, context, seconds, context * context, context * seconds, seconds * seconds), 1):
             s[i] = s[i] * self.decay + v
         self.seen += 1
         if drafted or self.seen % self.every == 0:
@@ -238,8 +242,8 @@ class ContextGrowth:
         # Normal equations of the context terms, each kind centred on its own means.
         a = np.zeros((2, 2))
         b, weight, residual = np.zeros(2), 0.0, 0.0
-        for kind, (w, c, y, cc, cy, yy) in self.sums.items():
-            r = np.array([1.0, self.rows[kind]])
+        for rows, w, c, y, cc, cy, yy in self.sums.values():
+            r = np.array([1.0, rows])
             a += np.outer(r, r) * (cc - c * c / w)
             b += r * (cy - c * y / w)
             weight += w
@@ -263,33 +267,29 @@ def least_squares(a: np.ndarray, b: np.ndarray, residual: float, dof: float) -> 
     return tuple(float(t) if t > e else 0.0 for t, e in zip(theta, error))
 
 
-# Plain steps the cost table counts as in the plain step's median (see CycleCosts.refit).
-PLAIN_PRIOR = 3
-
-
 class Line:
-    """What the cycles of one row count cost: a plain step, a drafting chain
-    (a draft, then a verify growing by ``slope`` per token each row verifies
-    past its anchor), a draft tree (one row) and a chain of copies (no
-    draft). Each kind keeps a window of its last cycles ``(tokens verified
-    past the anchor, seconds, context)`` and the line fitted to them, at the
-    context it was fitted at."""
+    """The prices of cycles of ``rows`` rows, each a line ``(seconds at 0
+    tokens past the anchor, seconds per token each row verifies past it,
+    context it was fitted at)``: plain steps (flat), drafting chains (a
+    draft, then a verify), one row's draft trees and cycles of copies alone
+    (no draft; these two None until fitted); ``table``: the line they
+    started from. Each kind keeps a window of its last cycles ``(tokens
+    verified past the anchor, seconds, context)``."""
 
-    def __init__(self, rows: int, plain: float, draft: float, slope: float, context: int, window: int):
-        self.rows = rows
-        self.plain = self.table_plain = plain
-        self.draft, self.slope, self.prior_slope = draft, slope, slope
-        self.table_context = self.plain_context = self.draft_context = context
-        self.plain_recent, self.drafting_recent, self.tree_recent, self.copy_recent = (deque(maxlen=window) for _ in range(4))
-        self.plain_dirty = False  # whether plain steps came since the plain line was fitted
-        self.tree: Optional[Tuple[float, float, int]] = None  # (intercept, slope, context); None: as a chain
-        self.copy: Optional[Tuple[float, float, int]] = None  # the same, of chains of copies
+    def __init__(self, rows: int, plain: float, draft: float, slope: float, context: int):
+        self.rows, self.table = rows, (plain, slope, context)
+        self.plain, self.chain = (plain, 0.0, context), (draft, slope, context)
+        self.tree: Optional[Tuple[float, float, int]] = None
+        self.copy: Optional[Tuple[float, float, int]] = None
+        self.recent = {kind: deque(maxlen=WINDOW) for kind in ("plain", "chain", "tree", "copy")}
+        self.dirty = False  # whether plain steps came since the plain line was fitted
 
 
 class CycleCosts:
     """Seconds per cycle by its shape, measured: ``rows`` rows each verifying
-    ``b`` tokens (``b = 1``: a plain step), or one row's draft tree of ``n``
-    nodes, at the current context. One model for a request alone and a batch.
+    ``b`` tokens (``b = 1``: a plain step), one row's draft tree of ``n``
+    nodes, or ``rows`` rows verifying copies alone, at the current context.
+    One model for a request alone and a batch.
 
     Each row count has its :class:`Line`. One row's starts from the table
     ``calibrated`` by the engine's own cycles (:mod:`dflash_mlx.calibration`):
@@ -299,11 +299,11 @@ class CycleCosts:
     own cycles from its first: where the verify is compute-bound, a row costs
     more in a large batch than a small one says. ``C(1)`` is the median of the
     last plain steps (two by two: steps queued ahead are read unevenly), the
-    table counted as ``PLAIN_PRIOR`` of them; ``s`` is least squares over the
-    last drafting cycles, drawn toward the prior slope; ``D`` their median
-    less the slope part, one for every length. Trees and copies follow their
-    own cycles the same way. A kind's first cycle is not counted (it may
-    compile). ``follow=False`` keeps the table (pipelined ranks must agree).
+    table counted as ``PLAIN_PRIOR`` of them. Each other kind's slope is least
+    squares over its last cycles, drawn toward the chain's (the chain's toward
+    the table's), its intercept their median less the slope part. A kind's
+    first cycle is not counted (it may compile). ``follow=False`` keeps the
+    table (pipelined ranks must agree).
 
     A plain step is queued before the previous one is read, so the last one
     before a drafting cycle looks nearly free and the first one after it
@@ -314,13 +314,10 @@ class CycleCosts:
     line not refitted lately is moved by what the context grew since.
     """
 
-    def __init__(
-        self, calibrated: Dict[int, float], window: int = 32, follow: bool = True, context: int = 0,
-        tree: Optional[Tuple[int, float]] = None,
-    ):
-        drafting = sorted(b for b in calibrated if b > 1)
+    def __init__(self, calibrated: Dict[int, float], follow: bool = True, context: int = 0):
         if 1 not in calibrated:
             raise ArgumentError("a cost table needs the plain step's cost (block 1)")
+        drafting = sorted(b for b in calibrated if b > 1)
         plain, slope, draft = float(calibrated[1]), 0.0, float(calibrated[1])
         if len(drafting) > 1:  # least squares, the slope kept >= 0
             lengths, costs = np.array(drafting, float) - 1, np.array([calibrated[b] for b in drafting])
@@ -329,26 +326,61 @@ class CycleCosts:
         elif drafting:  # one drafting length: flat until cycles of other lengths show a slope
             draft = float(calibrated[drafting[0]])
         self.max_block = drafting[-1] if drafting else 1
-        self.follow, self.window = follow, window
-        self.context = context
-        self.lines = {1: Line(1, plain, draft, slope, context, window)}
+        self.follow, self.context = follow, context
+        self.lines = {1: Line(1, plain, draft, slope, context)}
         self.growth = ContextGrowth()
-        self.warm = set()
-        self.switches = deque(maxlen=window)  # switches, each over a plain step's cost
+        self.warm = set()  # the kinds of cycle seen once (see first)
+        self.switches = deque(maxlen=WINDOW)  # switches, each over a plain step's cost
         self.entry, self.drafted, self.held = 0.0, False, None  # see observe
-        if tree is not None:
-            self.seed_tree(*tree, context=context)
 
     def line(self, rows: int) -> Line:
         """The line of ``rows`` rows (made from one row's, see the class)."""
-        line = self.lines.get(rows)
-        if line is None:
-            one = self.lines[1]
-            plain, slope = self.upto(1)[0], self.slope_at(one, self.context)
-            draft = max(one.draft + self.growth.at(1) * (self.context - one.draft_context), plain)
+        if rows not in self.lines:
+            plain, draft, slope = self.along("chain", 1)
             many = plain + (rows - 1) * slope
-            line = self.lines[rows] = Line(rows, many, many + (draft - plain) * (1 + rows) / 2, rows * slope, self.context, self.window)
-        return line
+            self.lines[rows] = Line(rows, many, many + (draft - plain) * (1 + rows) / 2, rows * slope, self.context)
+        return self.lines[rows]
+
+    def at(self, fitted: Tuple[float, float, int], rows: int, context: Optional[int] = None) -> Tuple[float, float]:
+        """A line of ``rows`` rows ``(intercept, slope, context fitted at)``
+        at ``context`` (None: the current one), moved by the growth since."""
+        intercept, slope, then = fitted
+        grown = (self.context if context is None else context) - then
+        return intercept + self.growth.at(rows) * grown, max(0.0, slope + self.growth.per_row * rows * grown)
+
+    def along(self, kind: str, rows: int = 1) -> Tuple[float, float, float]:
+        """``(plain step, intercept, slope)`` of ``kind``'s line ("chain",
+        "tree" or "copy") at the current context, its intercept never below
+        a plain step; a tree line not fitted yet is the chain's, a copy line
+        a plain step at the chain's slope."""
+        line = self.line(rows)
+        if line.dirty:
+            self.refit(line, "plain")
+        plain = self.at(line.plain, rows)[0]
+        fitted = getattr(line, kind)
+        anchor, slope = self.at(line.chain if fitted is None else fitted, rows)
+        return plain, max(plain if kind == "copy" and fitted is None else anchor, plain), slope
+
+    def upto(self, n: int, rows: int = 1) -> List[float]:
+        """Seconds per cycle at b = 1..n, at the current context."""
+        plain, anchor, slope = self.along("chain", rows)
+        return [plain] + [anchor + slope * (b - 1) for b in range(2, n + 1)]
+
+    def trees(self, n: int) -> List[float]:
+        """Seconds of one row's trees of 0..n nodes (0: the anchor alone)."""
+        _, anchor, slope = self.along("tree")
+        return [anchor + slope * k for k in range(n + 1)]
+
+    def verify(self, n: int, rows: int = 1) -> float:
+        """Seconds of a cycle verifying ``n > 1`` tokens a row that it did not
+        draft (copied from the context), never more than a drafting chain as
+        long (the same verify, and a draft besides)."""
+        _, anchor, slope = self.along("copy", rows)
+        return min(anchor + slope * (n - 1), self.upto(n, rows)[-1])
+
+    def cost(self, choice, rows: int = 1) -> float:
+        """Seconds of a cycle at ``choice`` (a block length or a :class:`TreeChoice`)."""
+        return self.trees(choice.nodes)[-1] if isinstance(choice, TreeChoice) else self.upto(choice, rows)[-1]
 
     def switch_cost(self, rows: int = 1) -> float:
         """A switch's seconds at ``rows`` rows."""
@@ -357,8 +389,89 @@ class CycleCosts:
     def seed_tree(self, nodes: int, seconds: float, context: int) -> None:
         """Start the tree line through a tree cycle of ``nodes`` nodes timed
         at ``context``, with the chain's slope there."""
-        slope = self.slope_at(self.lines[1], context)
+        slope = self.at(self.lines[1].chain, 1, context)[1]
         self.lines[1].tree = (float(seconds) - slope * nodes, slope, context)
+
+    def observe(self, choice, seconds: float, context: Optional[int] = None, rows: int = 1) -> None:
+        """A cycle of ``rows`` rows at ``choice`` (a block length or a
+        :class:`TreeChoice`) took ``seconds`` at ``context`` positions
+        before it (None: unknown, the costs stay where they were measured)."""
+        if not self.follow:
+            return
+        plain = choice == 1
+        held, self.held = self.held, None
+        after_drafting, self.drafted = self.drafted, not plain
+        if context is not None:
+            self.context = context
+        tree = isinstance(choice, TreeChoice)
+        kind, verified = ("tree", choice.nodes + 1) if tree else ("plain" if plain else "chain", choice)
+        if self.first(kind, verified, rows):
+            return
+        if plain and after_drafting:  # the last step of a switch (see the class)
+            step = self.upto(1, rows)[0]
+            self.switches.append((self.entry + seconds - step) / step)
+            self.entry = 0.0
+            return
+        if held is not None and not plain:  # the first step of a switch
+            self.entry = held[0] - self.upto(1, held[2])[0]
+        elif held is not None:
+            self.count("plain", 1, *held)
+        if plain:  # counted once the next cycle shows it was no switch's
+            self.held = (seconds, context, rows)
+        else:
+            self.count(kind, verified, seconds, context, rows)
+
+    def observe_verify(self, n: int, seconds: float, context: Optional[int] = None, rows: int = 1) -> None:
+        """A cycle of copies alone verifying ``n`` tokens a row took ``seconds``."""
+        if not self.follow:
+            return
+        if context is not None:
+            self.context = context
+        if not self.first("copy", n, rows):
+            self.count("copy", n, seconds, None, rows)  # at the current context, outside the growth fit
+
+    def first(self, kind: str, verified: int, rows: int) -> bool:
+        """Whether a cycle is the first of its kind at ``rows`` rows (each
+        chain length its own): it may compile, so it is not counted."""
+        key = (kind, rows, verified if kind == "chain" else 0)
+        seen = key in self.warm
+        self.warm.add(key)
+        return not seen
+
+    def forget_plain(self, rows: int = 1) -> None:
+        """Drop the plain steps measured so far (a recheck measures them afresh)."""
+        line = self.line(rows)
+        line.recent["plain"].clear()
+        line.dirty = True
+
+    def count(self, kind: str, verified: int, seconds: float, context: Optional[int], rows: int) -> None:
+        """A cycle's seconds into its line's window (and, at a known context, the growth fit)."""
+        if context is not None:
+            self.growth.observe((kind, verified, rows), rows * verified, context, seconds, verified > 1)
+        line = self.line(rows)
+        line.recent[kind].append((verified - 1, seconds, self.context if context is None else context))
+        if kind == "plain":
+            line.dirty = True  # refitted when next read: plain steps come fast, reads less often
+        else:
+            self.refit(line, kind)
+
+    def refit(self, line: Line, kind: str) -> None:
+        """``kind``'s line from its window, at the current context."""
+        moved = self.moved(line.recent[kind], line.rows)
+        table, prior = self.at(line.table, line.rows)
+        if kind == "plain":
+            steps = [y for _, y, _ in moved]
+            pairs = [(a + b) / 2 for a, b in zip(steps, steps[1:])] or steps
+            line.plain, line.dirty = (statistics.median([*pairs, *[table] * PLAIN_PRIOR]), 0.0, self.context), False
+            return
+        if kind != "chain":  # trees and copies lean on the chain's slope
+            prior = self.at(line.chain, line.rows)[1]
+        setattr(line, kind, (*self.fit(moved, prior), self.context))
+
+    def moved(self, recent, rows: int) -> list:
+        """A window's cycles, their seconds moved from their own context to the current one."""
+        now = self.context
+        return [(x, y + self.growth.at(rows * (x + 1)) * (now - c), now) for x, y, c in recent]
 
     def fit(self, recent, prior_slope: float) -> Tuple[float, float]:
         """(intercept, slope) of ``recent`` (x, seconds, context): the slope by
@@ -376,194 +489,35 @@ class CycleCosts:
             slope = max(0.0, (fitted + ends * prior_slope) / (spread + ends))
         return statistics.median(y - slope * x for x, y, _ in recent), slope
 
-    def observe(self, choice, seconds: float, context: Optional[int] = None, rows: int = 1) -> None:
-        """A cycle of ``rows`` rows at ``choice`` (a block length or a
-        :class:`TreeChoice`) took ``seconds`` at ``context`` positions
-        before it (None: unknown, the costs stay where they were measured)."""
-        if not self.follow:
-            return
-        plain = choice == 1
-        held, self.held = self.held, None
-        after_drafting, self.drafted = self.drafted, not plain
-        if context is not None:
-            self.context = context
-        key = ("tree" if isinstance(choice, TreeChoice) else choice, rows)  # trees share one first cycle
-        if key not in self.warm:
-            self.warm.add(key)
-            return
-        if plain and after_drafting:  # the last step of a switch (see the class)
-            step = self.upto(1, rows)[0]
-            self.switches.append((self.entry + seconds - step) / step)
-            self.entry = 0.0
-            return
-        if held is not None and not plain:  # the first step of a switch
-            self.entry = held[0] - self.upto(1, held[2])[0]
-        elif held is not None:
-            self.count(1, *held)
-        if plain:  # counted once the next cycle shows it was no switch's
-            self.held = (seconds, context, rows)
-        else:
-            self.count(choice, seconds, context, rows)
-
-    def forget_plain(self, rows: int = 1) -> None:
-        """Drop the plain steps measured so far (a recheck measures them afresh)."""
-        line = self.line(rows)
-        line.plain_recent.clear()
-        line.plain_dirty = True
-
-    def count(self, choice, seconds: float, context: Optional[int], rows: int = 1) -> None:
-        """A cycle's seconds into its line's window (and the growth fit)."""
-        tree = isinstance(choice, TreeChoice)
-        verified = choice.nodes + 1 if tree else choice
-        if context is not None:
-            self.growth.observe((choice, rows), rows * verified, context, seconds, verified > 1)
-        line = self.line(rows)
-        window = line.tree_recent if tree else line.plain_recent if choice == 1 else line.drafting_recent
-        window.append((verified - 1, seconds, self.context if context is None else context))
-        if choice == 1:
-            line.plain_dirty = True  # refitted when next read: plain steps come fast, reads less often
-        else:
-            self.refit(line, window)
-
-    def refit(self, line: Line, window) -> None:
-        """The line of ``window`` (trees, plain steps or drafting chains), at the current context."""
-        moved = self.moved(window, line.rows)
-        if window is line.tree_recent:
-            line.tree = (*self.fit(moved, self.slope_at(line, self.context)), self.context)
-        elif window is line.plain_recent:
-            table = line.table_plain + self.growth.at(line.rows) * (self.context - line.table_context)
-            steps = [y for _, y, _ in moved]
-            pairs = [(a + b) / 2 for a, b in zip(steps, steps[1:])] or steps
-            line.plain = statistics.median([*pairs, *[table] * PLAIN_PRIOR])
-            line.plain_context, line.plain_dirty = self.context, False
-        else:
-            prior = max(0.0, line.prior_slope + self.growth.per_row * line.rows * (self.context - line.table_context))
-            line.draft, line.slope = self.fit(moved, prior)
-            line.draft_context = self.context
-
-    def moved(self, recent, rows: int) -> list:
-        """A window's cycles, their seconds moved from their own context to the current one."""
-        now = self.context
-        return [(x, y + self.growth.at(rows * (x + 1)) * (now - c), now) for x, y, c in recent]
-
-    def slope_at(self, line: Line, context: float) -> float:
-        """A line's drafting slope at ``context``: each extra token a row verifies attends to it."""
-        return max(0.0, line.slope + self.growth.per_row * line.rows * (context - line.draft_context))
-
-    def upto(self, n: int, rows: int = 1) -> List[float]:
-        """Seconds per cycle at b = 1..n, at the current context."""
-        line = self.line(rows)
-        if line.plain_dirty:
-            self.refit(line, line.plain_recent)
-        base = self.growth.at(rows)  # the anchors' growth; each further row adds per_row
-        plain = line.plain + base * (self.context - line.plain_context)
-        draft = max(line.draft + base * (self.context - line.draft_context), plain)  # never below a plain step
-        slope = self.slope_at(line, self.context)
-        return [plain] + [draft + slope * (b - 1) for b in range(2, n + 1)]
-
-    def along(self, fitted: Optional[Tuple[float, float, int]], rows: int) -> Tuple[float, float]:
-        """``(seconds at 0 tokens, seconds a token)`` of ``fitted`` (intercept,
-        slope per token a row verifies, context) at the current context, never
-        below a plain step; None: a drafting chain's."""
-        line = self.line(rows)
-        plain = self.upto(1, rows)[0]
-        if fitted is None:
-            anchor = line.draft + self.growth.at(rows) * (self.context - line.draft_context)
-            return max(anchor, plain), self.slope_at(line, self.context)
-        anchor, slope, context = fitted
-        grown = self.context - context
-        return max(anchor + self.growth.at(rows) * grown, plain), max(0.0, slope + self.growth.per_row * rows * grown)
-
-    def verify(self, n: int, rows: int = 1) -> float:
-        """Seconds a cycle verifying ``n`` tokens a row that it did not draft
-        (copied from the context) costs: the line of such cycles, else a
-        plain step and a chain's verified tokens; never more than a drafting
-        chain as long (the same verify, and a draft besides)."""
-        line = self.line(rows)
-        anchor, slope = self.along(None, rows)
-        chain = anchor + slope * (n - 1)
-        if line.copy is None:
-            return min(self.upto(1, rows)[0] + slope * (n - 1), chain)
-        anchor, slope = self.along(line.copy, rows)
-        return min(anchor + slope * (n - 1), chain)
-
-    def observe_verify(self, n: int, seconds: float, context: Optional[int] = None, rows: int = 1) -> None:
-        """A cycle verifying ``n`` copied tokens a row took ``seconds``."""
-        if not self.follow:
-            return
-        if context is not None:
-            self.context = context
-        if ("copy", rows) not in self.warm:
-            self.warm.add(("copy", rows))
-            return
-        line = self.line(rows)
-        line.copy_recent.append((n - 1, seconds, self.context))
-        line.copy = (*self.fit(self.moved(line.copy_recent, rows), self.slope_at(line, self.context)), self.context)
-
-    def cost(self, choice, rows: int = 1) -> float:
-        """Seconds of a cycle at ``choice`` (a block length or a :class:`TreeChoice`)."""
-        return self.trees(choice.nodes)[-1] if isinstance(choice, TreeChoice) else self.upto(choice, rows)[-1]
-
-    def trees(self, n: int) -> List[float]:
-        """Seconds of one row's trees of 0..n nodes (0: the anchor alone)."""
-        anchor, slope = self.along(self.lines[1].tree, 1)
-        return [anchor + slope * k for k in range(n + 1)]
-
-
-# The most a drafter that never agrees may slow plain decoding down by
-# probing it (see BlockSizer.longest_wait).
-PROBE_BUDGET = 0.01
-# The most of the decoding time the sizer may spend searching draft trees
-# (see BlockSizer.best_tree).
-SEARCH_BUDGET = 0.01
-# The most a drafter that pays may be slowed down by rechecking the plain
-# step's cost while drafting (see BlockSizer.recheck_interval), and the
-# plain steps a recheck takes: the two of its switch and one more counted
-# step than the table's prior, so that its own steps price plain decoding.
-RECHECK_BUDGET = 0.01
-RECHECK_STEPS = PLAIN_PRIOR + 3
-# Plain steps between two reconsiderations of a plain spell (see BlockSizer.choose).
-REVISIT = 8
-# Plain cycles before the first probe, and before the next one while
-# drafting looks faster (see BlockSizer.observe); failed probes double it.
-PROBE_WAIT = 4
-
 
 class BlockSizer:
     """Chooses each cycle: a block length for every row (1: a plain step)
     or, for one row, a draft tree (:class:`TreeChoice`); ``fixed`` pins the
-    block, ``tree_nodes`` makes a lone row's every drafting cycle a tree.
-    A request alone is chosen by the pair's ``acceptance`` (carried from
-    generation to generation); a batch's rows by their own, each row's
-    cycles also feeding the pair's, where a joining row starts. A lone
-    request's stand-in needs ``choose(remaining)``, ``observe(block,
+    block, ``tree_nodes`` (a fixed sizer) makes a lone row's every drafting
+    cycle a tree. A request alone is chosen by the pair's ``acceptance``
+    (carried from generation to generation); a batch's rows by their own,
+    each row's cycles also feeding the pair's, where a joining row starts.
+    A lone request's stand-in needs ``choose(remaining)``, ``observe(block,
     accepted, seconds, walk=None, context=None)`` and ``max_block`` (tests).
     """
 
-    def __init__(
-        self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False,
-        probe_block: Optional[int] = None, tree_nodes: int = 0,
-    ):
+    def __init__(self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False, tree_nodes: int = 0):
         if costs is not None and costs.max_block < max_block:
             raise ArgumentError(f"the cost table stops at block {costs.max_block}; it must reach max_block {max_block}")
-        self.max_block = max_block
-        self.costs = costs
+        self.max_block, self.costs, self.tree_nodes = max_block, costs, tree_nodes
         self.fixed = fixed or max_block == 1 or costs is None
-        self.tree_nodes = tree_nodes
         self.trees = False
-        self.acceptance = SlotAcceptance(max_block)
-        self.ranks = RankAcceptance()
-        self.probe_block = max_block if probe_block is None else min(probe_block, max_block)
+        self.acceptance, self.ranks = SlotAcceptance(max_block), RankAcceptance()
         # By rows: plain cycles before the next probe (doubling on each failed
         # one), and plain cycles since the last drafting one. Drafting that
         # pays with 2 rows says nothing of 8.
-        self.patience: Dict[int, int] = {}
-        self.plain_run: Dict[int, int] = {}
+        self.patience: Dict[int, int] = defaultdict(lambda: PROBE_WAIT)
+        self.plain_run: Dict[int, int] = defaultdict(int)
         self.drafting_net = 0.0  # seconds drafting has saved over plain decoding, less what it lost
-        self.chosen: Dict[object, int] = {}
-        # By cap, the bound on T(n) and T(n) itself at the acceptance of the
-        # last refresh (see best_tree).
-        self.tree_tokens: Dict[int, dict] = {}
+        self.chosen = Counter()
+        # By cap, at the acceptance of the last refresh (see best_tree): the
+        # shares, the slot rates, bounds on T(n) and T(n) itself (as searched).
+        self.tree_tokens: Dict[int, tuple] = {}
         self.stale = False  # whether a drafting cycle has moved the acceptance since
         self.searching = self.decoded = 0.0  # seconds spent searching trees, and decoding
         # Seconds of drafting since the plain step's cost was last measured,
@@ -576,9 +530,8 @@ class BlockSizer:
         ``PROBE_WAIT`` plain cycles; where probing has backed off, the wait
         carries over, so a drafter that never agrees is probed at
         ``PROBE_BUDGET``'s pace however short the generations."""
-        self.chosen = {}
-        self.trees = trees
-        patience = self.patience.get(1, PROBE_WAIT)
+        self.chosen, self.trees = Counter(), trees
+        patience = self.patience[1]
         if self.drafting_net > 0 or patience <= PROBE_WAIT:
             self.plain_run[1] = max(0, patience - PROBE_WAIT)
 
@@ -587,7 +540,7 @@ class BlockSizer:
         worth (an int: a request alone; else one per row of ``rows``)."""
         remaining, rows = self.shape(remaining, rows)
         n, cap = len(rows), max(1, min(self.max_block, max(remaining)))
-        run, patience = self.plain_run.get(n, 0), self.patience.get(n, PROBE_WAIT)
+        run, patience = self.plain_run[n], self.patience[n]
         if self.tree_nodes and cap > 1 and n == 1:
             choice = TreeChoice(self.tree_nodes)
         elif self.fixed:
@@ -600,14 +553,14 @@ class BlockSizer:
             choice = 1
         else:
             rate = self.rates(cap, rows, remaining)
-            choice = rate.index(max(rate)) + 1
-            if self.trees and cap > 1 and n == 1:
-                nodes = self.best_tree(cap, max(rate), rows[0])
-                if nodes:
-                    choice = TreeChoice(nodes)
-            if not isinstance(choice, TreeChoice) and choice > 1 and not self.pays(choice, rows, remaining):
+            best = max(rate)
+            choice = rate.index(best) + 1
+            nodes = self.best_tree(cap, best, rows[0]) if self.trees and cap > 1 and n == 1 else 0
+            if nodes:
+                choice = TreeChoice(nodes)
+            elif choice > 1 and not self.drafting_pays(rows, remaining, choice):
                 choice = 1
-            if self.recheck_left or (choice != 1 and self.drafted_since >= self.recheck_interval(max(rate), n)):
+            if self.recheck_left or (choice != 1 and self.drafted_since >= self.recheck_interval(best, n)):
                 if not self.recheck_left:  # a recheck starts
                     self.costs.forget_plain(n)
                     self.recheck_left, self.drafted_since = RECHECK_STEPS, 0.0
@@ -615,9 +568,9 @@ class BlockSizer:
                 choice = 1
             elif choice == 1:
                 self.plain_run[n] = run + 1
-                if run + 1 >= patience:
-                    choice = max(range(2, min(self.probe_block, cap) + 1), key=lambda b: rate[b - 1], default=1)
-        self.chosen[choice] = self.chosen.get(choice, 0) + 1
+                if run + 1 >= patience:  # a probe: the drafting length that looks best
+                    choice = max(range(2, cap + 1), key=lambda b: rate[b - 1], default=1)
+        self.chosen[choice] += 1
         return choice
 
     def shape(self, remaining, rows):
@@ -630,36 +583,31 @@ class BlockSizer:
         """Nodes of the tree with the best expected tokens per second, if it
         beats ``chain_rate`` and, at the shares as seen, plain decoding; else
         0. The search runs only when bounds leave room, and its estimates are
-        refreshed only while searching costs at most ``SEARCH_BUDGET`` of the
-        decoding time (host work on a drafting cycle's path)."""
-        if self.stale and self.searching <= SEARCH_BUDGET * self.decoded:
+        refreshed only while searching costs at most 1% of the decoding time
+        (host work on a drafting cycle's path)."""
+        if self.stale and self.searching <= 0.01 * self.decoded:
             self.tree_tokens.clear()
             self.stale = False
-        known = self.tree_tokens.setdefault(cap, {})
-        if "bound" not in known:
-            known["shares"] = shares = self.ranks.shares()
-            known["rates"], known["as_seen"] = (row.rates(o)[: cap - 1] for o in (True, False))
-            known["bound"], known["bound_as_seen"] = (tree_tokens_bound(known[k], shares) for k in ("rates", "as_seen"))
-        cheapest, plain_rate = self.costs.trees(1)[1], 1 / self.costs.upto(1)[0]
-        if known["bound_as_seen"] / cheapest <= plain_rate or known["bound"] / cheapest <= chain_rate:
-            return 0
-        if "expected" not in known:
-            known["expected"] = self.search(known["rates"], known["shares"])
-        costs = self.costs.trees(MAX_TREE_NODES)
-        tree_rate = [e / c for e, c in zip(known["expected"], costs)]
-        nodes = max(range(1, MAX_TREE_NODES + 1), key=tree_rate.__getitem__)
-        if tree_rate[nodes] <= chain_rate:
-            return 0
-        if "expected_as_seen" not in known:
-            known["expected_as_seen"] = self.search(known["as_seen"], known["shares"])
-        return nodes if known["expected_as_seen"][nodes] / costs[nodes] > plain_rate else 0
+        if cap not in self.tree_tokens:
+            shares = self.ranks.shares()
+            rates = [row.rates(optimistic)[: cap - 1] for optimistic in (True, False)]
+            self.tree_tokens[cap] = (shares, rates, [tree_tokens_bound(r, shares) for r in rates], {})
+        shares, rates, bounds, searched = self.tree_tokens[cap]
 
-    def search(self, rates: List[float], shares: List[float]) -> List[float]:
-        """:func:`expected_tree_tokens` up to ``MAX_TREE_NODES``, its host time counted."""
-        tic = time.perf_counter()
-        out = expected_tree_tokens(rates, shares, MAX_TREE_NODES)
-        self.searching += time.perf_counter() - tic
-        return out
+        def expected(i: int) -> List[float]:  # T(n) optimistic (0) or as seen (1), its host time counted
+            if i not in searched:
+                tic = time.perf_counter()
+                searched[i] = expected_tree_tokens(rates[i], shares, MAX_TREE_NODES)
+                self.searching += time.perf_counter() - tic
+            return searched[i]
+
+        cheapest, plain_rate = self.costs.trees(1)[1], 1 / self.costs.upto(1)[0]
+        if bounds[1] / cheapest <= plain_rate or bounds[0] / cheapest <= chain_rate:
+            return 0
+        costs = self.costs.trees(MAX_TREE_NODES)
+        tree_rate = [e / c for e, c in zip(expected(0), costs)]
+        nodes = max(range(1, MAX_TREE_NODES + 1), key=tree_rate.__getitem__)
+        return nodes if tree_rate[nodes] > chain_rate and expected(1)[nodes] / costs[nodes] > plain_rate else 0
 
     def rates(self, cap: int, rows=None, remaining=None, optimistic: bool = True) -> List[float]:
         """Expected tokens per second, all rows, at block lengths 1..``cap``
@@ -675,19 +623,14 @@ class BlockSizer:
             for b in range(cap):
                 i = min(b + 1, left) - 1
                 tokens[b] += seen[i] + (hope[i] - seen[i]) / n
-        return [t / c for t, c in zip(tokens, self.costs.upto(cap, len(rows)))]
+        return [t / c for t, c in zip(tokens, self.costs.upto(cap, n))]
 
-    def pays(self, block: int, rows=None, remaining=None) -> bool:
-        """Whether drafting ``block`` beats plain decoding at the shares as
-        seen: optimism chooses how far to draft, never whether to (a drafter
-        accepted too rarely would keep looking worth a try)."""
-        rate = self.rates(block, rows, remaining, optimistic=False)
-        return rate[-1] > rate[0]
-
-    def drafting_pays(self, rows=None, remaining=None) -> bool:
-        """Whether some block length beats plain decoding at the shares as seen."""
-        rate = self.rates(self.max_block, rows, remaining, optimistic=False)
-        return max(rate[1:], default=0.0) > rate[0]
+    def drafting_pays(self, rows=None, remaining=None, block: Optional[int] = None) -> bool:
+        """Whether drafting ``block`` (None: some length) beats plain decoding
+        at the shares as seen: optimism chooses how far to draft, never
+        whether to (a drafter accepted too rarely would keep looking worth a try)."""
+        rate = self.rates(block or self.max_block, rows, remaining, optimistic=False)
+        return max(rate[1:] if block is None else rate[-1:], default=0.0) > rate[0]
 
     def longest_wait(self, probe: int, rows: int = 1) -> int:
         """Plain cycles between failed probes at most: enough that probing a
@@ -706,17 +649,6 @@ class BlockSizer:
         lost = self.costs.switch_cost(rows) + RECHECK_STEPS * max(0.0, plain - 1 / best_rate)
         return max(lost / RECHECK_BUDGET, RECHECK_STEPS * plain)
 
-    def learn(self, accepted: List[int], drafted: List[int], rows: List[SlotAcceptance], walk: Optional[TreeWalk]) -> None:
-        """Each row's acceptance, and the pair's, from what the cycle showed."""
-        for r, a, d in zip(rows, accepted, drafted):
-            for acceptance in [r] if r is self.acceptance else [r, self.acceptance]:
-                if walk is not None:
-                    acceptance.observe(walk.spine, walk.chain_accepted)
-                elif d:
-                    acceptance.observe(d, min(a, d))
-        if walk is not None:
-            self.ranks.observe(walk.ranks)
-
     def observe(
         self, block, accepted, seconds: float, walk: Optional[TreeWalk] = None, context: Optional[int] = None,
         rows: Optional[List[SlotAcceptance]] = None, drafted: Optional[List[int]] = None, remaining: Optional[List[int]] = None,
@@ -729,9 +661,16 @@ class BlockSizer:
         accepted = [accepted] if isinstance(accepted, int) else accepted
         rows = rows or [self.acceptance]
         n = len(rows)
-        drafted = drafted or [0 if block == 1 or isinstance(block, TreeChoice) else block - 1] * n
-        self.learn(accepted, drafted, rows, walk)
-        if self.fixed or self.tree_nodes:
+        drafted = drafted or [block - 1 if isinstance(block, int) else 0] * n
+        for r, a, d in zip(rows, accepted, drafted):  # each row's acceptance, and the pair's
+            for acceptance in [r] if r is self.acceptance else [r, self.acceptance]:
+                if walk is not None:
+                    acceptance.observe(walk.spine, walk.chain_accepted)
+                elif d:
+                    acceptance.observe(d, min(a, d))
+        if walk is not None:
+            self.ranks.observe(walk.ranks)
+        if self.fixed:
             return
         if not self.costs.follow:
             seconds = self.costs.cost(block, n)  # choices on acceptance alone (see CycleCosts)
@@ -745,17 +684,14 @@ class BlockSizer:
             return
         self.drafted_since += seconds
         self.plain_streak = 0
-        probe, self.plain_run[n] = self.plain_run.get(n, 0) >= self.patience.get(n, PROBE_WAIT), 0
+        probe, self.plain_run[n] = self.plain_run[n] >= self.patience[n], 0
+        self.drafting_net += (n + sum(accepted)) * self.costs.upto(1, n)[0] - seconds
         # A probe that had tokens accepted, drafting looking faster, probes
         # again next plain cycle; a chosen drafting cycle that still looks
         # faster waits PROBE_WAIT; any other doubles the wait.
-        self.drafting_net += (n + sum(accepted)) * self.costs.upto(1, n)[0] - seconds
-        remaining = remaining or [self.max_block] * n
-        if probe and any(accepted) and self.drafting_pays(rows, remaining):
-            self.patience[n] = 1
-        elif not probe and self.drafting_pays(rows, remaining):
-            self.patience[n] = PROBE_WAIT
+        if (any(accepted) or not probe) and self.drafting_pays(rows, remaining or [self.max_block] * n):
+            self.patience[n] = 1 if probe else PROBE_WAIT
         else:
             self.drafting_net -= self.costs.switch_cost(n)  # back to plain decoding
-            probed = block if isinstance(block, int) else self.probe_block
-            self.patience[n] = min(max(self.patience.get(n, PROBE_WAIT), PROBE_WAIT) * 2, self.longest_wait(probed, n))
+            probed = block if isinstance(block, int) else self.max_block
+            self.patience[n] = min(max(self.patience[n], PROBE_WAIT) * 2, self.longest_wait(probed, n))
