@@ -1,15 +1,10 @@
 """Adaptive block size: each cycle verifies what maximises expected
-committed tokens per second, for one row or a batch of them.
-
-A cycle verifying ``b`` tokens a row commits ``E(b) = 1 + sum_{i<b}
-prod_{j<=i} a_j`` tokens a row on average (``a_j``: slot ``j`` accepted given
-the slots before it were) and costs ``C(rows, b)``, measured
-(:class:`CycleCosts`); a lone row may verify a draft tree instead, whose
-expected tokens come from the same slot shares and the drafter's candidate
-ranks (:class:`RankAcceptance`). The choice is made from past cycles only,
-before drafting, so it changes the speed and never the output. The policy
-is numbers only (the loop measures and hands over seconds and acceptance),
-so it is tested on numbers alone; docs/block-size.md walks it.
+committed tokens per second, ``E(b) / C(rows, b)`` (:class:`SlotAcceptance`,
+:class:`CycleCosts`), for one row or a batch; a lone row may verify a draft
+tree instead (:class:`RankAcceptance`). The choice is made from past cycles
+only, before drafting, so it changes the speed and never the output. The
+policy is numbers only (the loop hands over seconds and acceptance), so it
+is tested on numbers alone; docs/block-size.md walks it.
 """
 
 import itertools
@@ -27,8 +22,8 @@ from .tree import best_first
 
 # The largest draft tree the sizer considers (nodes).
 MAX_TREE_NODES = 64
-# Plain steps the table counts as in the plain step's median (CycleCosts.refit),
-# and the last cycles of each kind a cost line is fitted to.
+# Plain steps the table counts as in the plain step's median, and the last
+# cycles of each kind a cost line is fitted to (CycleCosts).
 PLAIN_PRIOR, WINDOW = 3, 32
 # Plain cycles before the first probe, and before the next one while
 # drafting looks faster (BlockSizer.observe); failed probes double it.
@@ -72,17 +67,15 @@ class TreeWalk:
 
 @dataclass
 class SlotAcceptance:
-    """Running estimate of how far into a block the target accepts: per
-    slot, a product-limit (Kaplan-Meier) share of the recent cycles that
-    reached it, each cycle weighing ``decay`` less per later one. A
-    drafter's acceptance comes in runs, which per-slot shares keep and one
-    rate for all slots would spread into a geometric tail that overvalues
-    short blocks. Each share is drawn toward the pooled share of drafted
-    slots accepted (from ``prior``) as if ``prior_weight`` more cycles had
-    shown it. ``optimistic`` shares are one standard error up: a slot seen in
-    few cycles may do better, and drafting it is the only way to find out;
-    the sizer chooses how far to draft on those, and whether to draft at all
-    on the shares as seen.
+    """How far into a block the target accepts: per slot ``j``, the share
+    ``a_j`` of the recent cycles (decayed) that reached it and had it
+    accepted (product-limit: acceptance comes in runs, which one rate for
+    all slots would spread into a tail that overvalues short blocks), drawn
+    toward the pooled share as if ``prior_weight`` more cycles had shown it.
+    ``E(b) = 1 + sum_{i<b} prod_{j<=i} a_j``. ``optimistic`` shares are one
+    standard error up (a slot seen in few cycles may do better, and drafting
+    it is the only way to find out): they choose how far to draft, the
+    shares as seen whether to draft at all.
     """
 
     max_block: int
@@ -137,13 +130,12 @@ class SlotAcceptance:
 
 
 class RankAcceptance:
-    """How often the target's token at a slot a tree's walk reached is the
-    drafter's r-th candidate (r >= 1), as shares ``q_r`` of the slots where
-    it was not the best one, pooled over slots: rank ``r`` at slot ``j`` has
-    probability ``(1 - a_j) q_r``. Decayed as the slot shares are, drawn
-    toward a prior that halves with each rank (so trees get tried early).
-    ``ranks``: the candidates told apart (a token ranked lower is none's).
-    """
+    """Shares ``q_r`` of the slots a tree's walk reached, where the target's
+    token was not the drafter's best candidate, in which it was the r-th
+    (pooled over slots: rank ``r`` at slot ``j`` has probability ``(1 - a_j)
+    q_r``; a token ranked ``ranks`` or lower counts as none's). Decayed as
+    the slot shares are, drawn toward a prior that halves with each rank (so
+    trees get tried early)."""
 
     def __init__(self, ranks: int = 16, prior: float = 0.5, prior_weight: float = 4.0, decay: float = 0.9):
         self.prior = [0.0] + [prior * 0.5 ** (r - 1) * 0.5 for r in range(1, ranks)]
@@ -172,10 +164,9 @@ def expected_tree_tokens(rates: List[float], shares: List[float], nodes: int) ->
     """``T(n)`` for n = 0..nodes: expected tokens a cycle commits with the
     best tree of n nodes when slot ``j``'s rank-r candidate is the target's
     token with probability ``rates[j-1]`` (r = 0) or ``(1 - rates[j-1])
-    shares[r]``, independently per slot given the walk reached it. A node
-    adds the probability that the walk reaches it and the target takes it;
-    the best-first build (the drafter's, on these probabilities) adds the
-    most probable nodes first, so ``T(n)`` is 1 plus the first n of them."""
+    shares[r]``, independently per slot. Each node adds the probability that
+    the walk reaches it and the target takes it, and the best-first build
+    (the drafter's) adds the most probable first: 1 plus the first n."""
     if not rates or nodes < 1:
         return [1.0] * (nodes + 1)
     k = min(nodes, len(shares))
@@ -187,10 +178,9 @@ def expected_tree_tokens(rates: List[float], shares: List[float], nodes: int) ->
 
 
 def tree_tokens_bound(rates: List[float], shares: List[float]) -> float:
-    """An upper bound on ``T(n)`` for every n: a walk passes slot ``j`` at
-    most as often as the target's token is one of the modelled candidates at
-    every slot up to ``j``. A few products: when even this cannot beat the
-    chain, the best-first search is skipped."""
+    """An upper bound on every ``T(n)``, in a few products (where it cannot
+    beat the chain, the search is skipped): a walk passes slot ``j`` at most
+    as often as the target's token is a modelled candidate up to ``j``."""
     covered = sum(shares[1:])
     out, reach = 1.0, 1.0
     for a in rates:
@@ -200,15 +190,13 @@ def tree_tokens_bound(rates: List[float], shares: List[float]) -> float:
 
 
 class ContextGrowth:
-    """How much a cycle's cost grows per context position: ``at(rows)`` =
-    ``per_cycle + per_row * rows`` seconds for a cycle verifying ``rows``
-    rows (every verified row attends to the context; a backend may also pay
-    per cycle for the cache's length). Least squares of the seconds against
-    context and rows times context within each kind of cycle, each kind with
-    its own intercept, sums decayed slowly: growth shows only over a span of
-    contexts. A term counts only where it exceeds its standard error, and
-    none until the cycles span ``span`` positions: a machine growing busier
-    over a short generation would pass for growth."""
+    """Seconds a cycle verifying ``rows`` rows grows by per context position,
+    ``at(rows) = per_cycle + per_row * rows`` (every verified row attends to
+    the context; a backend may also pay per cycle for the cache's length):
+    least squares within each kind of cycle (its own intercept), sums
+    decayed slowly, as growth shows only over a span of contexts. A term
+    counts only where it exceeds its standard error, and none until the
+    cycles span ``span`` positions (a machine growing busier would pass)."""
 
     def __init__(self, decay: float = 1 - 1 / 256, every: int = 32, span: int = 1024):
         self.decay, self.every, self.span = decay, every, span
@@ -217,15 +205,13 @@ class ContextGrowth:
         self.seen, self.low, self.high = 0, math.inf, -math.inf  # cycles, and the contexts they span
 
     def at(self, rows: int) -> float:
-        """Seconds a cycle verifying ``rows`` rows grows by per context position."""
         return self.per_cycle + self.per_row * rows
 
     def observe(self, kind, rows: int, context: int, seconds: float, drafted: bool) -> None:
-        """A cycle of ``kind`` verifying ``rows`` rows after ``context``
-        positions took ``seconds``; refitted after each drafting cycle
-        (``drafted``: rare in a plain spell, and each is the only news of how
-        its rows grow) and every ``every`` others (a plain step's host time
-        should stay the forward's)."""
+        """A cycle of ``kind`` verifying ``rows`` rows took ``seconds`` at
+        ``context``; refitted after each ``drafted`` one (rare in a plain
+        spell, and the only news of how its rows grow) and every ``every``
+        others (a plain step's host time should stay the forward's)."""
         self.low, self.high = min(self.low, context), max(self.high, context)
         s = self.sums.setdefault(kind, [rows] + [0.0] * 6)
         for i, v in enumerate((1.0, context, seconds, context * context, context * seconds, seconds * seconds), 1):
@@ -257,9 +243,8 @@ class ContextGrowth:
 
 
 def least_squares(a: np.ndarray, b: np.ndarray, residual: float, dof: float) -> Optional[Tuple[float, ...]]:
-    """The solution of the normal equations ``a x = b`` (``residual``: the
-    centred sum of squares of the seconds), each term 0 unless it exceeds
-    its standard error; None without the degrees of freedom to tell."""
+    """``a x = b`` solved (``residual``: the centred sum of squares), each term
+    0 unless it exceeds its standard error; None without the dof to tell."""
     if dof < 4 or a[-1, -1] <= 0:
         return None
     theta = np.linalg.solve(a, b)
@@ -268,13 +253,11 @@ def least_squares(a: np.ndarray, b: np.ndarray, residual: float, dof: float) -> 
 
 
 class Line:
-    """The prices of cycles of ``rows`` rows, each a line ``(seconds at 0
-    tokens past the anchor, seconds per token each row verifies past it,
-    context it was fitted at)``: plain steps (flat), drafting chains (a
-    draft, then a verify), one row's draft trees and cycles of copies alone
-    (no draft; these two None until fitted); ``table``: the line they
-    started from. Each kind keeps a window of its last cycles ``(tokens
-    verified past the anchor, seconds, context)``."""
+    """Prices of cycles of ``rows`` rows, each a line ``(seconds at 0 tokens
+    past the anchor, seconds per token a row verifies past it, context fitted
+    at)``: plain steps (flat), drafting chains, one row's trees and cycles of
+    copies alone (these two None until fitted), and the ``table`` they started
+    from; each kind's window of its last cycles ``(tokens, seconds, context)``."""
 
     def __init__(self, rows: int, plain: float, draft: float, slope: float, context: int):
         self.rows, self.table = rows, (plain, slope, context)
@@ -286,45 +269,38 @@ class Line:
 
 
 class CycleCosts:
-    """Seconds per cycle by its shape, measured: ``rows`` rows each verifying
-    ``b`` tokens (``b = 1``: a plain step), one row's draft tree of ``n``
-    nodes, or ``rows`` rows verifying copies alone, at the current context.
-    One model for a request alone and a batch.
-
-    Each row count has its :class:`Line`. One row's starts from the table
-    ``calibrated`` by the engine's own cycles (:mod:`dflash_mlx.calibration`):
-    ``C(1)`` a plain step, ``C(b) = D + s (b - 1)`` a drafting one. Another
-    row count starts from one row's line as it stands (further rows of a plain
-    step priced as verified rows, half the draft per request) and follows its
-    own cycles from its first: where the verify is compute-bound, a row costs
-    more in a large batch than a small one says. ``C(1)`` is the median of the
-    last plain steps (two by two: steps queued ahead are read unevenly), the
-    table counted as ``PLAIN_PRIOR`` of them. Each other kind's slope is least
-    squares over its last cycles, drawn toward the chain's (the chain's toward
-    the table's), its intercept their median less the slope part. A kind's
-    first cycle is not counted (it may compile). ``follow=False`` keeps the
-    table (pipelined ranks must agree).
+    """Seconds per cycle by its shape, measured, at the current context:
+    ``rows`` rows each verifying ``b`` tokens (``b = 1``: a plain step) or
+    copies alone, or one row's draft tree. One model for one row and many
+    (docs/block-size.md). One row's :class:`Line` starts from the table
+    ``calibrated`` by the engine's own cycles (:mod:`dflash_mlx.calibration`),
+    ``C(1)`` and ``C(b) = D + s (b - 1)``; another row count's from one
+    row's line as it stands (further rows of a plain step priced as verified
+    rows, half the draft per request), then its own cycles (a compute-bound
+    verify costs more a row in a large batch). ``C(1)`` is the median of the
+    last plain steps two by two (queued ones are read unevenly), the table
+    counted as ``PLAIN_PRIOR`` of them; other slopes are least squares drawn
+    toward the chain's (the chain's toward the table's). ``follow=False``
+    keeps the table (pipelined ranks must agree).
 
     A plain step is queued before the previous one is read, so the last one
-    before a drafting cycle looks nearly free and the first one after it
-    twice as dear: the two, less two plain steps, are a ``switch`` (as a
-    share of a plain step), which a probe pays and drafting on does not.
-    Every verified row attends to the context (:class:`ContextGrowth`): each
-    window is moved to the current context before its line is fitted, and a
-    line not refitted lately is moved by what the context grew since.
+    before a drafting cycle looks nearly free and the first after it twice as
+    dear: the two less two plain steps are a ``switch`` (a share of a plain
+    step), which a probe pays and drafting on does not. Every verified row
+    attends to the context (:class:`ContextGrowth`): windows are moved to the
+    current context before a fit, lines not refitted since by the growth.
     """
 
     def __init__(self, calibrated: Dict[int, float], follow: bool = True, context: int = 0):
         if 1 not in calibrated:
             raise ArgumentError("a cost table needs the plain step's cost (block 1)")
         drafting = sorted(b for b in calibrated if b > 1)
-        plain, slope, draft = float(calibrated[1]), 0.0, float(calibrated[1])
-        if len(drafting) > 1:  # least squares, the slope kept >= 0
-            lengths, costs = np.array(drafting, float) - 1, np.array([calibrated[b] for b in drafting])
-            slope = max(0.0, float(np.polyfit(lengths, costs, 1)[0]))
+        plain = draft = float(calibrated[1])
+        lengths, costs = np.array(drafting, float) - 1, np.array([calibrated[b] for b in drafting])
+        # Least squares, kept >= 0; one drafting length: flat until cycles of others show a slope.
+        slope = max(0.0, float(np.polyfit(lengths, costs, 1)[0])) if len(drafting) > 1 else 0.0
+        if drafting:
             draft = float(np.mean(costs - slope * lengths))
-        elif drafting:  # one drafting length: flat until cycles of other lengths show a slope
-            draft = float(calibrated[drafting[0]])
         self.max_block = drafting[-1] if drafting else 1
         self.follow, self.context = follow, context
         self.lines = {1: Line(1, plain, draft, slope, context)}
@@ -342,17 +318,17 @@ class CycleCosts:
         return self.lines[rows]
 
     def at(self, fitted: Tuple[float, float, int], rows: int, context: Optional[int] = None) -> Tuple[float, float]:
-        """A line of ``rows`` rows ``(intercept, slope, context fitted at)``
-        at ``context`` (None: the current one), moved by the growth since."""
+        """``(intercept, slope)`` of a line of ``rows`` rows moved by the
+        growth from the context it was fitted at to ``context`` (None: now)."""
         intercept, slope, then = fitted
         grown = (self.context if context is None else context) - then
         return intercept + self.growth.at(rows) * grown, max(0.0, slope + self.growth.per_row * rows * grown)
 
     def along(self, kind: str, rows: int = 1) -> Tuple[float, float, float]:
         """``(plain step, intercept, slope)`` of ``kind``'s line ("chain",
-        "tree" or "copy") at the current context, its intercept never below
-        a plain step; a tree line not fitted yet is the chain's, a copy line
-        a plain step at the chain's slope."""
+        "tree" or "copy") now, the intercept never below a plain step; a tree
+        line not fitted yet is the chain's, a copy line a plain step at the
+        chain's slope."""
         line = self.line(rows)
         if line.dirty:
             self.refit(line, "plain")
@@ -362,7 +338,7 @@ class CycleCosts:
         return plain, max(plain if kind == "copy" and fitted is None else anchor, plain), slope
 
     def upto(self, n: int, rows: int = 1) -> List[float]:
-        """Seconds per cycle at b = 1..n, at the current context."""
+        """Seconds per cycle at b = 1..n."""
         plain, anchor, slope = self.along("chain", rows)
         return [plain] + [anchor + slope * (b - 1) for b in range(2, n + 1)]
 
@@ -373,8 +349,7 @@ class CycleCosts:
 
     def verify(self, n: int, rows: int = 1) -> float:
         """Seconds of a cycle verifying ``n > 1`` tokens a row that it did not
-        draft (copied from the context), never more than a drafting chain as
-        long (the same verify, and a draft besides)."""
+        draft (copied), never more than a chain as long (which also drafts)."""
         _, anchor, slope = self.along("copy", rows)
         return min(anchor + slope * (n - 1), self.upto(n, rows)[-1])
 
@@ -383,19 +358,17 @@ class CycleCosts:
         return self.trees(choice.nodes)[-1] if isinstance(choice, TreeChoice) else self.upto(choice, rows)[-1]
 
     def switch_cost(self, rows: int = 1) -> float:
-        """A switch's seconds at ``rows`` rows."""
         return max(0.0, statistics.median(self.switches)) * self.upto(1, rows)[0] if self.switches else 0.0
 
     def seed_tree(self, nodes: int, seconds: float, context: int) -> None:
-        """Start the tree line through a tree cycle of ``nodes`` nodes timed
-        at ``context``, with the chain's slope there."""
+        """The tree line through a tree cycle timed at ``context``, at the chain's slope there."""
         slope = self.at(self.lines[1].chain, 1, context)[1]
         self.lines[1].tree = (float(seconds) - slope * nodes, slope, context)
 
     def observe(self, choice, seconds: float, context: Optional[int] = None, rows: int = 1) -> None:
         """A cycle of ``rows`` rows at ``choice`` (a block length or a
         :class:`TreeChoice`) took ``seconds`` at ``context`` positions
-        before it (None: unknown, the costs stay where they were measured)."""
+        (None: unknown, the costs stay where they were measured)."""
         if not self.follow:
             return
         plain = choice == 1
@@ -456,49 +429,38 @@ class CycleCosts:
             self.refit(line, kind)
 
     def refit(self, line: Line, kind: str) -> None:
-        """``kind``'s line from its window, at the current context."""
-        moved = self.moved(line.recent[kind], line.rows)
+        """``kind``'s line from its window moved to the current context: the
+        slope by least squares drawn toward a prior (as if one more cycle sat
+        at each end of the block range; the chain's the table's, the others'
+        the chain's), kept >= 0; the intercept the median of the cycles less
+        their slope part (a cycle slowed by the machine is not its length's)."""
+        now = self.context
+        moved = [(x, y + self.growth.at(line.rows * (x + 1)) * (now - c)) for x, y, c in line.recent[kind]]
         table, prior = self.at(line.table, line.rows)
         if kind == "plain":
-            steps = [y for _, y, _ in moved]
+            steps = [y for _, y in moved]
             pairs = [(a + b) / 2 for a, b in zip(steps, steps[1:])] or steps
-            line.plain, line.dirty = (statistics.median([*pairs, *[table] * PLAIN_PRIOR]), 0.0, self.context), False
+            line.plain, line.dirty = (statistics.median([*pairs, *[table] * PLAIN_PRIOR]), 0.0, now), False
             return
-        if kind != "chain":  # trees and copies lean on the chain's slope
+        if kind != "chain":
             prior = self.at(line.chain, line.rows)[1]
-        setattr(line, kind, (*self.fit(moved, prior), self.context))
-
-    def moved(self, recent, rows: int) -> list:
-        """A window's cycles, their seconds moved from their own context to the current one."""
-        now = self.context
-        return [(x, y + self.growth.at(rows * (x + 1)) * (now - c), now) for x, y, c in recent]
-
-    def fit(self, recent, prior_slope: float) -> Tuple[float, float]:
-        """(intercept, slope) of ``recent`` (x, seconds, context): the slope by
-        least squares drawn toward ``prior_slope`` (one more cycle at each end
-        of the block range), kept >= 0; the intercept the median of the cycles
-        less their slope part (a cycle slowed by the machine is not its length's)."""
-        n = len(recent)
-        x_mean = sum(x for x, _, _ in recent) / n
-        y_mean = sum(y for _, y, _ in recent) / n
-        spread = sum((x - x_mean) ** 2 for x, _, _ in recent)
-        fitted = sum((x - x_mean) * (y - y_mean) for x, y, _ in recent)
+        x_mean, y_mean = (sum(v[i] for v in moved) / len(moved) for i in (0, 1))
+        spread = sum((x - x_mean) ** 2 for x, _ in moved)
+        fitted = sum((x - x_mean) * (y - y_mean) for x, y in moved)
         ends = (self.max_block - 2) ** 2 / 2
-        slope = prior_slope
-        if spread + ends > 0:
-            slope = max(0.0, (fitted + ends * prior_slope) / (spread + ends))
-        return statistics.median(y - slope * x for x, y, _ in recent), slope
+        slope = max(0.0, (fitted + ends * prior) / (spread + ends)) if spread + ends > 0 else prior
+        setattr(line, kind, (statistics.median(y - slope * x for x, y in moved), slope, now))
 
 
 class BlockSizer:
-    """Chooses each cycle: a block length for every row (1: a plain step)
-    or, for one row, a draft tree (:class:`TreeChoice`); ``fixed`` pins the
-    block, ``tree_nodes`` (a fixed sizer) makes a lone row's every drafting
-    cycle a tree. A request alone is chosen by the pair's ``acceptance``
-    (carried from generation to generation); a batch's rows by their own,
-    each row's cycles also feeding the pair's, where a joining row starts.
-    A lone request's stand-in needs ``choose(remaining)``, ``observe(block,
-    accepted, seconds, walk=None, context=None)`` and ``max_block`` (tests).
+    """Chooses each cycle a block length for every row (1: a plain step) or,
+    for one row, a draft tree (:class:`TreeChoice`); ``fixed`` pins the block,
+    ``tree_nodes`` (fixed too) makes a lone row's every drafting cycle a tree.
+    A request alone is chosen by the pair's ``acceptance``, carried from
+    generation to generation; a batch's rows by their own, each row's cycles
+    also feeding the pair's, where a joining row starts. A lone request's
+    stand-in needs ``choose(remaining)``, ``observe(block, accepted, seconds,
+    walk=None, context=None)`` and ``max_block`` (tests).
     """
 
     def __init__(self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False, tree_nodes: int = 0):
@@ -508,28 +470,25 @@ class BlockSizer:
         self.fixed = fixed or max_block == 1 or costs is None
         self.trees = False
         self.acceptance, self.ranks = SlotAcceptance(max_block), RankAcceptance()
-        # By rows: plain cycles before the next probe (doubling on each failed
-        # one), and plain cycles since the last drafting one. Drafting that
-        # pays with 2 rows says nothing of 8.
+        # By rows (drafting that pays with 2 rows says nothing of 8): plain
+        # cycles before the next probe, and since the last drafting cycle.
         self.patience: Dict[int, int] = defaultdict(lambda: PROBE_WAIT)
         self.plain_run: Dict[int, int] = defaultdict(int)
         self.drafting_net = 0.0  # seconds drafting has saved over plain decoding, less what it lost
         self.chosen = Counter()
-        # By cap, at the acceptance of the last refresh (see best_tree): the
-        # shares, the slot rates, bounds on T(n) and T(n) itself (as searched).
-        self.tree_tokens: Dict[int, tuple] = {}
+        self.tree_tokens: Dict[int, tuple] = {}  # by cap: what best_tree worked out at the last refresh
         self.stale = False  # whether a drafting cycle has moved the acceptance since
         self.searching = self.decoded = 0.0  # seconds spent searching trees, and decoding
-        # Seconds of drafting since the plain step's cost was last measured,
-        # plain steps in a row, and plain steps left in the recheck under way.
+        # Seconds drafted since the plain step was last priced, plain steps in
+        # a row, and plain steps left in the recheck under way.
         self.drafted_since, self.plain_streak, self.recheck_left = 0.0, 0, 0
 
     def begin(self, trees: bool = False) -> None:
-        """Start a lone generation (``trees``: whether it may verify trees).
-        Where drafting has paid so far, the first probe comes within
-        ``PROBE_WAIT`` plain cycles; where probing has backed off, the wait
-        carries over, so a drafter that never agrees is probed at
-        ``PROBE_BUDGET``'s pace however short the generations."""
+        """Start a lone generation (``trees``: whether it may verify trees):
+        where drafting has paid so far, the first probe comes within
+        ``PROBE_WAIT`` plain cycles; else a backed-off wait carries over (a
+        drafter that never agrees keeps to ``PROBE_BUDGET`` however short
+        the generations)."""
         self.chosen, self.trees = Counter(), trees
         patience = self.patience[1]
         if self.drafting_net > 0 or patience <= PROBE_WAIT:
@@ -538,7 +497,8 @@ class BlockSizer:
     def choose(self, remaining, rows: Optional[List[SlotAcceptance]] = None):
         """The next cycle, never more than each row's ``remaining`` tokens'
         worth (an int: a request alone; else one per row of ``rows``)."""
-        remaining, rows = self.shape(remaining, rows)
+        if isinstance(remaining, int):
+            remaining, rows = [remaining], [self.acceptance]
         n, cap = len(rows), max(1, min(self.max_block, max(remaining)))
         run, patience = self.plain_run[n], self.patience[n]
         if self.tree_nodes and cap > 1 and n == 1:
@@ -546,9 +506,8 @@ class BlockSizer:
         elif self.fixed:
             choice = cap
         elif 0 < run and run + 1 < patience and run % REVISIT:
-            # Inside a plain spell nothing moves the acceptance and a plain
-            # step barely moves the costs: the choice stands, reconsidered
-            # every REVISIT plain steps and before a probe.
+            # Inside a plain spell nothing moves the acceptance and a plain step
+            # barely moves the costs: reconsidered every REVISIT steps and before a probe.
             self.plain_run[n] = run + 1
             choice = 1
         else:
@@ -573,28 +532,22 @@ class BlockSizer:
         self.chosen[choice] += 1
         return choice
 
-    def shape(self, remaining, rows):
-        """``(remaining, rows)`` as lists: a lone request's by the pair's acceptance."""
-        if isinstance(remaining, int):
-            return [remaining], [self.acceptance] if rows is None else rows
-        return list(remaining), rows
-
     def best_tree(self, cap: int, chain_rate: float, row: SlotAcceptance) -> int:
-        """Nodes of the tree with the best expected tokens per second, if it
+        """Nodes of the tree with the most expected tokens per second, if it
         beats ``chain_rate`` and, at the shares as seen, plain decoding; else
-        0. The search runs only when bounds leave room, and its estimates are
-        refreshed only while searching costs at most 1% of the decoding time
-        (host work on a drafting cycle's path)."""
+        0. It is searched only where bounds leave room, and searched anew
+        only while searching takes at most 1% of the decoding time (host work
+        on a drafting cycle's path)."""
         if self.stale and self.searching <= 0.01 * self.decoded:
             self.tree_tokens.clear()
             self.stale = False
-        if cap not in self.tree_tokens:
+        if cap not in self.tree_tokens:  # the shares, the slot rates and bounds, optimistic and as seen
             shares = self.ranks.shares()
             rates = [row.rates(optimistic)[: cap - 1] for optimistic in (True, False)]
             self.tree_tokens[cap] = (shares, rates, [tree_tokens_bound(r, shares) for r in rates], {})
         shares, rates, bounds, searched = self.tree_tokens[cap]
 
-        def expected(i: int) -> List[float]:  # T(n) optimistic (0) or as seen (1), its host time counted
+        def expected(i: int) -> List[float]:  # T(n), optimistic (0) or as seen (1), its host time counted
             if i not in searched:
                 tic = time.perf_counter()
                 searched[i] = expected_tree_tokens(rates[i], shares, MAX_TREE_NODES)
@@ -610,14 +563,13 @@ class BlockSizer:
         return nodes if tree_rate[nodes] > chain_rate and expected(1)[nodes] / costs[nodes] > plain_rate else 0
 
     def rates(self, cap: int, rows=None, remaining=None, optimistic: bool = True) -> List[float]:
-        """Expected tokens per second, all rows, at block lengths 1..``cap``
-        (``optimistic``: the slot shares one standard error up, see
-        :class:`SlotAcceptance`, that optimism shared among the rows: a
-        long block tried on a hope costs every row's verify, and one row's
-        cycles tell as much of the drafter's depth as many rows')."""
-        remaining, rows = self.shape(cap if remaining is None else remaining, rows)
+        """Expected tokens per second, all rows (None: the pair's acceptance),
+        at block lengths 1..``cap``; ``optimistic`` shares one standard error
+        up, that optimism shared among the rows (a long block tried on a hope
+        costs every row's verify; one row tells the drafter's depth as well)."""
+        rows = rows or [self.acceptance]
         tokens, n = [0.0] * cap, len(rows)
-        for r, left in zip(rows, remaining):
+        for r, left in zip(rows, remaining or [cap] * n):
             seen = r.expected_as_seen
             hope = r.expected if optimistic else seen
             for b in range(cap):
@@ -628,23 +580,22 @@ class BlockSizer:
     def drafting_pays(self, rows=None, remaining=None, block: Optional[int] = None) -> bool:
         """Whether drafting ``block`` (None: some length) beats plain decoding
         at the shares as seen: optimism chooses how far to draft, never
-        whether to (a drafter accepted too rarely would keep looking worth a try)."""
+        whether to (a drafter rarely accepted would keep looking worth a try)."""
         rate = self.rates(block or self.max_block, rows, remaining, optimistic=False)
         return max(rate[1:] if block is None else rate[-1:], default=0.0) > rate[0]
 
     def longest_wait(self, probe: int, rows: int = 1) -> int:
-        """Plain cycles between failed probes at most: enough that probing a
-        drafter that never agrees costs at most ``PROBE_BUDGET`` of the time
-        spent decoding plainly (a probe's own cost and its switch)."""
+        """Plain cycles between failed probes at most: probing a drafter that
+        never agrees (a probe and its switch) costs ``PROBE_BUDGET`` of the time."""
         costs = self.costs.upto(probe, rows)
         plain, probing = costs[0], costs[-1] + self.costs.switch_cost(rows)
         return max(PROBE_WAIT, math.ceil((probing - plain) / (PROBE_BUDGET * plain)))
 
     def recheck_interval(self, best_rate: float, rows: int = 1) -> float:
-        """Seconds of drafting before the plain step is priced afresh
-        (``RECHECK_STEPS`` plain steps: the last price may be a slow
-        spell's), so that rechecks cost at most ``RECHECK_BUDGET`` of the
-        drafting time (their switch and what drafting would have gained)."""
+        """Seconds of drafting before ``RECHECK_STEPS`` plain steps price the
+        plain step afresh (the last price may be a slow spell's), so that
+        rechecks (their switch, what drafting would have gained) cost at most
+        ``RECHECK_BUDGET`` of the drafting time."""
         plain = self.costs.upto(1, rows)[0]
         lost = self.costs.switch_cost(rows) + RECHECK_STEPS * max(0.0, plain - 1 / best_rate)
         return max(lost / RECHECK_BUDGET, RECHECK_STEPS * plain)
@@ -654,16 +605,14 @@ class BlockSizer:
         rows: Optional[List[SlotAcceptance]] = None, drafted: Optional[List[int]] = None, remaining: Optional[List[int]] = None,
     ) -> None:
         """The cycle at ``block`` (a length or a :class:`TreeChoice`, whose
-        ``walk`` says what it showed) took ``seconds`` at ``context``
-        positions (None: unknown); each row (one: the pair's acceptance)
-        had the first ``accepted`` of its ``drafted`` tokens accepted (by
-        default ``block - 1``, all drafted)."""
+        ``walk`` says what it showed) took ``seconds`` at ``context`` (None:
+        unknown); each row (one: the pair's acceptance) had the first
+        ``accepted`` of its ``drafted`` tokens (by default ``block - 1``) accepted."""
         accepted = [accepted] if isinstance(accepted, int) else accepted
         rows = rows or [self.acceptance]
         n = len(rows)
-        drafted = drafted or [block - 1 if isinstance(block, int) else 0] * n
-        for r, a, d in zip(rows, accepted, drafted):  # each row's acceptance, and the pair's
-            for acceptance in [r] if r is self.acceptance else [r, self.acceptance]:
+        for r, a, d in zip(rows, accepted, drafted or [block - 1 if isinstance(block, int) else 0] * n):
+            for acceptance in [r] if r is self.acceptance else [r, self.acceptance]:  # the row's, and the pair's
                 if walk is not None:
                     acceptance.observe(walk.spine, walk.chain_accepted)
                 elif d:
@@ -679,17 +628,17 @@ class BlockSizer:
         self.stale = self.stale or block != 1
         if block == 1:
             self.plain_streak += 1
-            if self.plain_streak >= RECHECK_STEPS:  # the plain step's cost is measured afresh
+            if self.plain_streak >= RECHECK_STEPS:  # the plain step is priced afresh
                 self.drafted_since = 0.0
             return
         self.drafted_since += seconds
         self.plain_streak = 0
         probe, self.plain_run[n] = self.plain_run[n] >= self.patience[n], 0
         self.drafting_net += (n + sum(accepted)) * self.costs.upto(1, n)[0] - seconds
-        # A probe that had tokens accepted, drafting looking faster, probes
-        # again next plain cycle; a chosen drafting cycle that still looks
-        # faster waits PROBE_WAIT; any other doubles the wait.
-        if (any(accepted) or not probe) and self.drafting_pays(rows, remaining or [self.max_block] * n):
+        # A probe that had tokens accepted, drafting looking faster, probes again
+        # next plain cycle; a chosen drafting cycle that still looks faster waits
+        # PROBE_WAIT; any other doubles the wait.
+        if (any(accepted) or not probe) and self.drafting_pays(rows, remaining):
             self.patience[n] = 1 if probe else PROBE_WAIT
         else:
             self.drafting_net -= self.costs.switch_cost(n)  # back to plain decoding

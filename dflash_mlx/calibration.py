@@ -18,19 +18,15 @@ from .decode import cycle_timer
 
 @dataclass
 class Calibration:
-    """What :func:`calibrate` measured, and the pair's sizer, which every
-    adaptive generation with the pair continues (what one learnt is not
-    paid for again by the next)."""
+    """What :func:`calibrate` measured: the table, how the loop evaluates
+    each phase (``settle``), and the pair's sizer, which every adaptive
+    generation with the pair continues (what one learnt is not paid for
+    again by the next)."""
 
     costs: Dict[int, float]
-    overlap: bool
+    settle: Callable
     sizer: BlockSizer
     tree: Optional[Tuple[int, float]] = None  # (nodes, seconds) of a tree cycle, once trees may be chosen
-
-    @property
-    def settle(self) -> Callable:
-        """How the loop evaluates each phase."""
-        return mx.async_eval if self.overlap else mx.eval
 
 
 def context_length(cache) -> int:
@@ -63,39 +59,38 @@ def calibrate(target, draft, cache, context: mx.array, max_block: int, trees: bo
     rolled back) at the plain step, the shortest drafting block and the whole
     block (two drafting lengths give the table its slope), both evaluation
     strategies at the whole block, and, for the first generation that may
-    choose trees, a tree of the whole block's rows. About twenty cycles,
-    once per process per pair. Through the target's ``agreed``, so a
-    pipelined target's ranks all take rank 0's table (and keep it:
-    following each cycle's timings would need a collective per cycle).
+    choose trees, a tree of as many rows as the whole block (its cycle costs
+    more than that chain's: a host read between draft and verify, the mask).
+    About twenty cycles, once per process per pair. Through the target's
+    ``agreed``, so a pipelined target's ranks all take rank 0's table (and
+    keep it: following each cycle's timings would need a collective per cycle).
     """
-    key = calibration_key(target, max_block)
     saved = _calibrations.get(id(draft))
     if saved is None:  # modules are dicts, so unhashable: key by id, forget on collection
         saved = _calibrations[id(draft)] = {}
         weakref.finalize(draft, _calibrations.pop, id(draft), None)
+    key = calibration_key(target, max_block)
+    calibration = saved.get(key)
+    tree = trees and max_block > 1 and (calibration is None or calibration.tree is None)
+    if calibration is not None and not tree:
+        return calibration
     # What is queued (the prefill) runs first: it is not part of the cycles'
     # cost, and a pipelined target's ranks must run their collectives in one
     # order, which a timed cycle evaluated before the prefill's would break.
-    calibration = saved.get(key)
+    mx.eval(context, [c.state for c in cache])
+    timed = cycle_timer(target, draft, cache, context[:, -1:], max_block)
     if calibration is None:
-        mx.eval(context, [c.state for c in cache])
-        calibration = saved[key] = chain_calibration(target, draft, cache, context[:, -1:], max_block)
-    if trees and calibration.tree is None and max_block > 1:
-        # A tree of as many rows as the whole block: its cycle costs more
-        # than that chain's (a host read between draft and verify, the mask).
-        nodes = max_block - 1
-        mx.eval(context, [c.state for c in cache])
-        timed = cycle_timer(target, draft, cache, context[:, -1:], max_block)
-        seconds = median_seconds(lambda: timed(TreeChoice(nodes), mx.eval))
-        calibration.tree = (nodes, target.agreed([seconds])[0])
+        calibration = saved[key] = chain_calibration(target, timed, max_block, context_length(cache))
+    if tree:
+        seconds = median_seconds(lambda: timed(TreeChoice(max_block - 1), mx.eval))
+        calibration.tree = (max_block - 1, target.agreed([seconds])[0])
         calibration.sizer.costs.seed_tree(*calibration.tree, context=context_length(cache))
     return calibration
 
 
-def chain_calibration(target, draft, cache, context: mx.array, max_block: int) -> Calibration:
-    """:func:`calibrate`'s plain and chain cycles, on the last ``context`` position."""
+def chain_calibration(target, timed: Callable, max_block: int, context: int) -> Calibration:
+    """:func:`calibrate`'s plain and chain cycles (``timed``: its cycle timer) at ``context`` positions."""
     grid = sorted({1, min(2, max_block), max_block})
-    timed = cycle_timer(target, draft, cache, context, max_block)
     measured = [median_seconds(lambda: timed(b, mx.eval)) for b in grid[:-1]]
     # The whole block under each strategy in turn, after an untimed cycle
     # that compiles: its cost is the faster strategy's, the one the loop takes.
@@ -105,12 +100,11 @@ def chain_calibration(target, draft, cache, context: mx.array, max_block: int) -
         for settle in timings:
             timings[settle].append(timed(max_block, settle))
     medians = {settle: float(np.median(seconds)) for settle, seconds in timings.items()}
-    faster = medians[mx.async_eval] < medians[mx.eval]
     measured.append(min(medians.values()))
-    *measured, overlap = target.agreed([*measured, float(faster)])
+    *measured, overlap = target.agreed([*measured, float(medians[mx.async_eval] < medians[mx.eval])])
     costs = dict(zip(grid, measured))
-    table = CycleCosts(costs, follow=target.local_timings, context=context_length(cache))
-    return Calibration(costs, bool(overlap), BlockSizer(max_block, table))
+    table = CycleCosts(costs, follow=target.local_timings, context=context)
+    return Calibration(costs, mx.async_eval if overlap else mx.eval, BlockSizer(max_block, table))
 
 
 def plan(target, draft, cache, context: mx.array, max_block: int, fixed: bool, sizer=None, tree_nodes: int = 0, trees: bool = False):
