@@ -1,14 +1,13 @@
 """Adaptive block size: each cycle verifies what maximises expected
-committed tokens per second, ``E(b) / C(rows, b)`` (:class:`SlotAcceptance`,
-:class:`CycleCosts`), for one row or a batch; a lone row may verify a draft
-tree instead (:class:`RankAcceptance`). The choice is made from past cycles
-only, before drafting, so it changes the speed and never the output. The
-policy is numbers only (the loop hands over seconds and acceptance), so it
-is tested on numbers alone; docs/block-size.md walks it.
-"""
+committed tokens per second, ``E(b) / C(rows, b)``, for one row or a batch
+(a lone row may verify a draft tree instead), chosen from past cycles only,
+before drafting: it changes the speed, never the output. Numbers only (the
+loop hands over seconds and acceptance), so tested on numbers alone;
+docs/block-size.md walks it."""
 
 import itertools
 import math
+import operator
 import statistics
 import time
 from collections import Counter, defaultdict, deque
@@ -20,25 +19,15 @@ import numpy as np
 from .errors import ArgumentError
 from .tree import best_first
 
-# The largest draft tree the sizer considers (nodes).
-MAX_TREE_NODES = 64
-# Plain steps the table counts as in the plain step's median, and the last
-# cycles of each kind a cost line is fitted to (CycleCosts).
-PLAIN_PRIOR, WINDOW = 3, 32
-# Plain cycles before the first probe, and before the next one while
-# drafting looks faster (BlockSizer.observe); failed probes double it.
-PROBE_WAIT = 4
-# The most a drafter that never agrees may slow plain decoding down by
-# probing it (BlockSizer.longest_wait).
-PROBE_BUDGET = 0.01
-# The most a drafter that pays may be slowed down by rechecking the plain
-# step's cost while drafting (BlockSizer.recheck_interval), and the plain
-# steps a recheck takes: the two of its switch and one more counted step
-# than the table's prior, so that its own steps price plain decoding.
-RECHECK_BUDGET = 0.01
-RECHECK_STEPS = PLAIN_PRIOR + 3
-# Plain steps between two reconsiderations of a plain spell (BlockSizer.choose).
-REVISIT = 8
+MAX_TREE_NODES = 64  # the largest draft tree the sizer considers
+PLAIN_PRIOR, WINDOW = 3, 32  # plain steps the table counts as (CycleCosts.refit); cycles a cost line is fitted to
+PROBE_WAIT = 4  # plain cycles before a probe while drafting looks faster; failed probes double it
+PROBE_BUDGET = 0.01  # the most probing a drafter that never agrees may slow plain decoding by
+# The most rechecking the plain step's price may slow a drafter that pays by,
+# and a recheck's plain steps: the two of its switch and one more counted
+# step than the table's prior, so that its own steps price plain decoding.
+RECHECK_BUDGET, RECHECK_STEPS = 0.01, PLAIN_PRIOR + 3
+REVISIT = 8  # plain steps between two reconsiderations of a plain spell
 
 
 @dataclass(frozen=True)
@@ -59,8 +48,7 @@ class TreeWalk:
 
     @property
     def chain_accepted(self) -> int:
-        """What a chain of the tree's spine would have accepted: the slots
-        up to the first where the target's token was not the best candidate."""
+        """What a chain of the spine would have accepted: up to the first slot the best candidate missed."""
         lead = next((i for i, r in enumerate(self.ranks) if r != 0), len(self.ranks))
         return min(lead, self.spine)
 
@@ -68,15 +56,13 @@ class TreeWalk:
 @dataclass
 class SlotAcceptance:
     """How far into a block the target accepts: per slot ``j``, the share
-    ``a_j`` of the recent cycles (decayed) that reached it and had it
-    accepted (product-limit: acceptance comes in runs, which one rate for
-    all slots would spread into a tail that overvalues short blocks), drawn
-    toward the pooled share as if ``prior_weight`` more cycles had shown it.
-    ``E(b) = 1 + sum_{i<b} prod_{j<=i} a_j``. ``optimistic`` shares are one
-    standard error up (a slot seen in few cycles may do better, and drafting
-    it is the only way to find out): they choose how far to draft, the
-    shares as seen whether to draft at all.
-    """
+    ``a_j`` of the recent cycles (decayed) that reached it and had it accepted
+    (product-limit: acceptance comes in runs, which one rate for all slots
+    would spread into a tail that overvalues short blocks), drawn toward the
+    pooled share as if ``prior_weight`` more cycles had shown it. Shares one
+    standard error up (``optimistic``: a slot seen in few cycles may do better,
+    and drafting it is the only way to find out) choose how far to draft;
+    the shares as seen, whether to draft at all."""
 
     max_block: int
     prior: float = 0.8
@@ -84,16 +70,14 @@ class SlotAcceptance:
     decay: float = 0.9
 
     def __post_init__(self):
-        n = max(self.max_block - 1, 0)
-        self.hits = self.misses = 0.0
-        self.pooled_prior = self.prior_weight
+        self.hits, self.misses, self.pooled_prior = 0.0, 0.0, self.prior_weight
         # per slot j (index j - 1): decayed cycles that reached it, and that rejected it
-        self.reached, self.rejected = [0.0] * n, [0.0] * n
+        self.reached, self.rejected = ([0.0] * max(self.max_block - 1, 0) for _ in range(2))
         self.update()
 
     def update(self) -> None:
-        """Recompute ``expected`` (optimistic) and ``expected_as_seen``."""
-        self.expected, self.expected_as_seen = self.expected_tokens(), self.expected_tokens(optimistic=False)
+        """Recompute ``E(b)`` for b = 1..max_block: ``expected`` (optimistic) and ``expected_as_seen``."""
+        self.expected, self.expected_as_seen = (chain_tokens(self.rates(optimistic)) for optimistic in (True, False))
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A cycle drafted ``drafted`` slots and the target accepted the first ``accepted``."""
@@ -120,22 +104,13 @@ class SlotAcceptance:
             out.append(a)
         return out
 
-    def expected_tokens(self, optimistic: bool = True) -> List[float]:
-        """``E(b)`` for b = 1..max_block (index b - 1)."""
-        out, reach = [1.0], 1.0
-        for a in self.rates(optimistic):
-            reach *= a
-            out.append(out[-1] + reach)
-        return out
-
 
 class RankAcceptance:
-    """Shares ``q_r`` of the slots a tree's walk reached, where the target's
-    token was not the drafter's best candidate, in which it was the r-th
-    (pooled over slots: rank ``r`` at slot ``j`` has probability ``(1 - a_j)
-    q_r``; a token ranked ``ranks`` or lower counts as none's). Decayed as
-    the slot shares are, drawn toward a prior that halves with each rank (so
-    trees get tried early)."""
+    """Of the slots a tree's walk reached where the target's token was not the
+    drafter's best candidate, the share ``q_r`` where it was the r-th (pooled
+    over slots: rank ``r`` at slot ``j`` has probability ``(1 - a_j) q_r``; rank
+    ``ranks`` or lower counts as none). Decayed as the slot shares, drawn
+    toward a prior halving with each rank (so trees get tried early)."""
 
     def __init__(self, ranks: int = 16, prior: float = 0.5, prior_weight: float = 4.0, decay: float = 0.9):
         self.prior = [0.0] + [prior * 0.5 ** (r - 1) * 0.5 for r in range(1, ranks)]
@@ -160,13 +135,19 @@ class RankAcceptance:
         return [(c + w * p) / (self.total + w) for c, p in zip(self.counts, self.prior)]
 
 
+def chain_tokens(rates: List[float]) -> List[float]:
+    """``E(b) = 1 + sum_{i<b} prod_{j<=i} a_j`` for b = 1..len(rates) + 1: the
+    expected tokens a chain commits, ``a_j`` slot j's share accepted given
+    the slots before it were."""
+    return list(itertools.accumulate(itertools.accumulate(rates, operator.mul, initial=1.0)))
+
+
 def expected_tree_tokens(rates: List[float], shares: List[float], nodes: int) -> List[float]:
-    """``T(n)`` for n = 0..nodes: expected tokens a cycle commits with the
-    best tree of n nodes when slot ``j``'s rank-r candidate is the target's
-    token with probability ``rates[j-1]`` (r = 0) or ``(1 - rates[j-1])
-    shares[r]``, independently per slot. Each node adds the probability that
-    the walk reaches it and the target takes it, and the best-first build
-    (the drafter's) adds the most probable first: 1 plus the first n."""
+    """``T(n)`` for n = 0..nodes: expected tokens a cycle commits with the best
+    tree of n nodes when slot ``j``'s rank-r candidate is the target's token
+    with probability ``rates[j-1]`` (r = 0) or ``(1 - rates[j-1]) shares[r]``,
+    independently per slot: 1 plus the first n nodes' chances to be reached and
+    taken, as the best-first build (the drafter's) adds the likeliest first."""
     if not rates or nodes < 1:
         return [1.0] * (nodes + 1)
     k = min(nodes, len(shares))
@@ -178,15 +159,10 @@ def expected_tree_tokens(rates: List[float], shares: List[float], nodes: int) ->
 
 
 def tree_tokens_bound(rates: List[float], shares: List[float]) -> float:
-    """An upper bound on every ``T(n)``, in a few products (where it cannot
-    beat the chain, the search is skipped): a walk passes slot ``j`` at most
-    as often as the target's token is a modelled candidate up to ``j``."""
+    """An upper bound on every ``T(n)`` in a few products (where it cannot beat the chain,
+    no search): a walk passes slot ``j`` at most as often as a modelled candidate is right up to ``j``."""
     covered = sum(shares[1:])
-    out, reach = 1.0, 1.0
-    for a in rates:
-        reach *= a + (1 - a) * covered
-        out += reach
-    return out
+    return chain_tokens([a + (1 - a) * covered for a in rates])[-1]
 
 
 class ContextGrowth:
@@ -208,10 +184,9 @@ class ContextGrowth:
         return self.per_cycle + self.per_row * rows
 
     def observe(self, kind, rows: int, context: int, seconds: float, drafted: bool) -> None:
-        """A cycle of ``kind`` verifying ``rows`` rows took ``seconds`` at
-        ``context``; refitted after each ``drafted`` one (rare in a plain
-        spell, and the only news of how its rows grow) and every ``every``
-        others (a plain step's host time should stay the forward's)."""
+        """A cycle of ``kind`` verifying ``rows`` rows took ``seconds`` at ``context``;
+        refitted after each ``drafted`` one (rare in a plain spell, the only news of
+        how its rows grow) and every ``every`` others (plain steps' host time is short)."""
         self.low, self.high = min(self.low, context), max(self.high, context)
         s = self.sums.setdefault(kind, [rows] + [0.0] * 6)
         for i, v in enumerate((1.0, context, seconds, context * context, context * seconds, seconds * seconds), 1):
@@ -226,8 +201,7 @@ class ContextGrowth:
         if self.high - self.low < self.span:
             return 0.0, 0.0
         # Normal equations of the context terms, each kind centred on its own means.
-        a = np.zeros((2, 2))
-        b, weight, residual = np.zeros(2), 0.0, 0.0
+        a, b, weight, residual = np.zeros((2, 2)), np.zeros(2), 0.0, 0.0
         for rows, w, c, y, cc, cy, yy in self.sums.values():
             r = np.array([1.0, rows])
             a += np.outer(r, r) * (cc - c * c / w)
@@ -253,17 +227,15 @@ def least_squares(a: np.ndarray, b: np.ndarray, residual: float, dof: float) -> 
 
 
 class Line:
-    """Prices of cycles of ``rows`` rows, each a line ``(seconds at 0 tokens
-    past the anchor, seconds per token a row verifies past it, context fitted
-    at)``: plain steps (flat), drafting chains, one row's trees and cycles of
-    copies alone (these two None until fitted), and the ``table`` they started
-    from; each kind's window of its last cycles ``(tokens, seconds, context)``."""
+    """Prices of cycles of ``rows`` rows, lines ``(seconds at 0 tokens past the
+    anchor, seconds per token a row verifies past it, context fitted at)`` of
+    plain steps (flat), drafting chains, one row's trees and copies alone (None
+    until fitted), and the ``table`` they started from; each kind's window."""
 
     def __init__(self, rows: int, plain: float, draft: float, slope: float, context: int):
         self.rows, self.table = rows, (plain, slope, context)
         self.plain, self.chain = (plain, 0.0, context), (draft, slope, context)
-        self.tree: Optional[Tuple[float, float, int]] = None
-        self.copy: Optional[Tuple[float, float, int]] = None
+        self.tree = self.copy = None
         self.recent = {kind: deque(maxlen=WINDOW) for kind in ("plain", "chain", "tree", "copy")}
         self.dirty = False  # whether plain steps came since the plain line was fitted
 
@@ -271,25 +243,17 @@ class Line:
 class CycleCosts:
     """Seconds per cycle by its shape, measured, at the current context:
     ``rows`` rows each verifying ``b`` tokens (``b = 1``: a plain step) or
-    copies alone, or one row's draft tree. One model for one row and many
-    (docs/block-size.md). One row's :class:`Line` starts from the table
-    ``calibrated`` by the engine's own cycles (:mod:`dflash_mlx.calibration`),
-    ``C(1)`` and ``C(b) = D + s (b - 1)``; another row count's from one
-    row's line as it stands (further rows of a plain step priced as verified
-    rows, half the draft per request), then its own cycles (a compute-bound
-    verify costs more a row in a large batch). ``C(1)`` is the median of the
-    last plain steps two by two (queued ones are read unevenly), the table
-    counted as ``PLAIN_PRIOR`` of them; other slopes are least squares drawn
-    toward the chain's (the chain's toward the table's). ``follow=False``
-    keeps the table (pipelined ranks must agree).
-
-    A plain step is queued before the previous one is read, so the last one
-    before a drafting cycle looks nearly free and the first after it twice as
+    copies alone, or one row's draft tree; one model for one row and many
+    (docs/block-size.md walks it). One row's :class:`Line` starts from the
+    table ``calibrated`` by the engine's own cycles, ``C(1)`` and ``C(b) = D +
+    s (b - 1)``; another row count's from one row's line as it stands (a
+    plain step's further rows priced as verified rows, half the draft per
+    request), then its own cycles (a compute-bound verify costs more a row
+    in a large batch). ``follow=False`` keeps the table (pipelined ranks must
+    agree). A plain step is queued before the last one is read, so the step
+    before a drafting cycle looks nearly free and the one after twice as
     dear: the two less two plain steps are a ``switch`` (a share of a plain
-    step), which a probe pays and drafting on does not. Every verified row
-    attends to the context (:class:`ContextGrowth`): windows are moved to the
-    current context before a fit, lines not refitted since by the growth.
-    """
+    step), which a probe pays and drafting on does not."""
 
     def __init__(self, calibrated: Dict[int, float], follow: bool = True, context: int = 0):
         if 1 not in calibrated:
@@ -365,17 +329,21 @@ class CycleCosts:
         slope = self.at(self.lines[1].chain, 1, context)[1]
         self.lines[1].tree = (float(seconds) - slope * nodes, slope, context)
 
-    def observe(self, choice, seconds: float, context: Optional[int] = None, rows: int = 1) -> None:
-        """A cycle of ``rows`` rows at ``choice`` (a block length or a
-        :class:`TreeChoice`) took ``seconds`` at ``context`` positions
-        (None: unknown, the costs stay where they were measured)."""
+    def observe(self, choice, seconds: float, context: Optional[int] = None, rows: int = 1, copies: bool = False) -> None:
+        """A cycle of ``rows`` rows at ``choice`` (a block length or a tree; with
+        ``copies``, the tokens a row of a cycle of copies alone) took ``seconds``
+        at ``context`` (None: unknown, the costs stay where they were measured)."""
         if not self.follow:
+            return
+        if context is not None:
+            self.context = context
+        if copies:  # at the current context, outside the growth fit and the switches
+            if not self.first("copy", choice, rows):
+                self.count("copy", choice, seconds, None, rows)
             return
         plain = choice == 1
         held, self.held = self.held, None
         after_drafting, self.drafted = self.drafted, not plain
-        if context is not None:
-            self.context = context
         tree = isinstance(choice, TreeChoice)
         kind, verified = ("tree", choice.nodes + 1) if tree else ("plain" if plain else "chain", choice)
         if self.first(kind, verified, rows):
@@ -394,19 +362,9 @@ class CycleCosts:
         else:
             self.count(kind, verified, seconds, context, rows)
 
-    def observe_verify(self, n: int, seconds: float, context: Optional[int] = None, rows: int = 1) -> None:
-        """A cycle of copies alone verifying ``n`` tokens a row took ``seconds``."""
-        if not self.follow:
-            return
-        if context is not None:
-            self.context = context
-        if not self.first("copy", n, rows):
-            self.count("copy", n, seconds, None, rows)  # at the current context, outside the growth fit
-
     def first(self, kind: str, verified: int, rows: int) -> bool:
-        """Whether a cycle is the first of its kind at ``rows`` rows (each
-        chain length its own): it may compile, so it is not counted."""
-        key = (kind, rows, verified if kind == "chain" else 0)
+        """Whether a cycle is its kind's first (it may compile: not counted)."""
+        key = (kind, rows, verified if kind == "chain" else 0)  # each chain length its own
         seen = key in self.warm
         self.warm.add(key)
         return not seen
@@ -429,17 +387,18 @@ class CycleCosts:
             self.refit(line, kind)
 
     def refit(self, line: Line, kind: str) -> None:
-        """``kind``'s line from its window moved to the current context: the
-        slope by least squares drawn toward a prior (as if one more cycle sat
-        at each end of the block range; the chain's the table's, the others'
-        the chain's), kept >= 0; the intercept the median of the cycles less
-        their slope part (a cycle slowed by the machine is not its length's)."""
+        """``kind``'s line from its window moved to the current context. Plain
+        steps: their median two by two, the table counted as ``PLAIN_PRIOR`` of
+        them. Others: the slope by least squares drawn toward a prior (as if one
+        more cycle sat at each end of the block range; the chain's the table's,
+        the others' the chain's), kept >= 0; the intercept the median of the
+        cycles less their slope part (a cycle slowed by the machine is not its length's)."""
         now = self.context
         moved = [(x, y + self.growth.at(line.rows * (x + 1)) * (now - c)) for x, y, c in line.recent[kind]]
         table, prior = self.at(line.table, line.rows)
         if kind == "plain":
             steps = [y for _, y in moved]
-            pairs = [(a + b) / 2 for a, b in zip(steps, steps[1:])] or steps
+            pairs = [(a + b) / 2 for a, b in zip(steps, steps[1:])] or steps  # steps queued ahead are read unevenly
             line.plain, line.dirty = (statistics.median([*pairs, *[table] * PLAIN_PRIOR]), 0.0, now), False
             return
         if kind != "chain":
@@ -454,21 +413,18 @@ class CycleCosts:
 
 class BlockSizer:
     """Chooses each cycle a block length for every row (1: a plain step) or,
-    for one row, a draft tree (:class:`TreeChoice`); ``fixed`` pins the block,
-    ``tree_nodes`` (fixed too) makes a lone row's every drafting cycle a tree.
-    A request alone is chosen by the pair's ``acceptance``, carried from
-    generation to generation; a batch's rows by their own, each row's cycles
-    also feeding the pair's, where a joining row starts. A lone request's
-    stand-in needs ``choose(remaining)``, ``observe(block, accepted, seconds,
-    walk=None, context=None)`` and ``max_block`` (tests).
-    """
+    for one row, a draft tree; ``fixed`` pins the block, ``tree_nodes`` (fixed
+    too) makes a lone row's every drafting cycle a tree. A request alone is
+    chosen by the pair's ``acceptance`` (kept from generation to generation),
+    a batch's rows by their own, which also feed the pair's, where a joining
+    row starts. A stand-in (tests) needs ``choose(remaining)``,
+    ``observe(block, accepted, seconds, walk=None, context=None)``, ``max_block``."""
 
     def __init__(self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False, tree_nodes: int = 0):
         if costs is not None and costs.max_block < max_block:
             raise ArgumentError(f"the cost table stops at block {costs.max_block}; it must reach max_block {max_block}")
         self.max_block, self.costs, self.tree_nodes = max_block, costs, tree_nodes
-        self.fixed = fixed or max_block == 1 or costs is None
-        self.trees = False
+        self.fixed, self.trees = fixed or max_block == 1 or costs is None, False
         self.acceptance, self.ranks = SlotAcceptance(max_block), RankAcceptance()
         # By rows (drafting that pays with 2 rows says nothing of 8): plain
         # cycles before the next probe, and since the last drafting cycle.
@@ -479,16 +435,13 @@ class BlockSizer:
         self.tree_tokens: Dict[int, tuple] = {}  # by cap: what best_tree worked out at the last refresh
         self.stale = False  # whether a drafting cycle has moved the acceptance since
         self.searching = self.decoded = 0.0  # seconds spent searching trees, and decoding
-        # Seconds drafted since the plain step was last priced, plain steps in
-        # a row, and plain steps left in the recheck under way.
+        # Seconds drafted since the plain step was priced, plain steps in a row, left in a recheck.
         self.drafted_since, self.plain_streak, self.recheck_left = 0.0, 0, 0
 
     def begin(self, trees: bool = False) -> None:
-        """Start a lone generation (``trees``: whether it may verify trees):
-        where drafting has paid so far, the first probe comes within
-        ``PROBE_WAIT`` plain cycles; else a backed-off wait carries over (a
-        drafter that never agrees keeps to ``PROBE_BUDGET`` however short
-        the generations)."""
+        """Start a lone generation (``trees``: whether it may verify trees): a
+        probe within ``PROBE_WAIT`` plain cycles where drafting has paid so far,
+        else the backed-off wait (``PROBE_BUDGET`` however short the generations)."""
         self.chosen, self.trees = Counter(), trees
         patience = self.patience[1]
         if self.drafting_net > 0 or patience <= PROBE_WAIT:
@@ -534,10 +487,9 @@ class BlockSizer:
 
     def best_tree(self, cap: int, chain_rate: float, row: SlotAcceptance) -> int:
         """Nodes of the tree with the most expected tokens per second, if it
-        beats ``chain_rate`` and, at the shares as seen, plain decoding; else
-        0. It is searched only where bounds leave room, and searched anew
-        only while searching takes at most 1% of the decoding time (host work
-        on a drafting cycle's path)."""
+        beats ``chain_rate`` and, at the shares as seen, plain decoding; else 0.
+        Searched only where bounds leave room, and anew only while searching
+        (host work on a drafting cycle's path) takes at most 1% of the time."""
         if self.stale and self.searching <= 0.01 * self.decoded:
             self.tree_tokens.clear()
             self.stale = False
@@ -563,15 +515,13 @@ class BlockSizer:
         return nodes if tree_rate[nodes] > chain_rate and expected(1)[nodes] / costs[nodes] > plain_rate else 0
 
     def rates(self, cap: int, rows=None, remaining=None, optimistic: bool = True) -> List[float]:
-        """Expected tokens per second, all rows (None: the pair's acceptance),
-        at block lengths 1..``cap``; ``optimistic`` shares one standard error
-        up, that optimism shared among the rows (a long block tried on a hope
-        costs every row's verify; one row tells the drafter's depth as well)."""
+        """Expected tokens per second, all rows (None: the pair's), at blocks
+        1..``cap``; the ``optimistic`` shares' hope shared among the rows (a long
+        block tried on a hope costs every row's verify; one row tells as much)."""
         rows = rows or [self.acceptance]
         tokens, n = [0.0] * cap, len(rows)
         for r, left in zip(rows, remaining or [cap] * n):
-            seen = r.expected_as_seen
-            hope = r.expected if optimistic else seen
+            seen, hope = r.expected_as_seen, r.expected if optimistic else r.expected_as_seen
             for b in range(cap):
                 i = min(b + 1, left) - 1
                 tokens[b] += seen[i] + (hope[i] - seen[i]) / n
@@ -592,10 +542,9 @@ class BlockSizer:
         return max(PROBE_WAIT, math.ceil((probing - plain) / (PROBE_BUDGET * plain)))
 
     def recheck_interval(self, best_rate: float, rows: int = 1) -> float:
-        """Seconds of drafting before ``RECHECK_STEPS`` plain steps price the
-        plain step afresh (the last price may be a slow spell's), so that
-        rechecks (their switch, what drafting would have gained) cost at most
-        ``RECHECK_BUDGET`` of the drafting time."""
+        """Seconds of drafting before ``RECHECK_STEPS`` plain steps price it
+        afresh (the last price may be a slow spell's): rechecks (their switch,
+        what drafting would have gained) cost ``RECHECK_BUDGET`` of the time."""
         plain = self.costs.upto(1, rows)[0]
         lost = self.costs.switch_cost(rows) + RECHECK_STEPS * max(0.0, plain - 1 / best_rate)
         return max(lost / RECHECK_BUDGET, RECHECK_STEPS * plain)
@@ -604,10 +553,9 @@ class BlockSizer:
         self, block, accepted, seconds: float, walk: Optional[TreeWalk] = None, context: Optional[int] = None,
         rows: Optional[List[SlotAcceptance]] = None, drafted: Optional[List[int]] = None, remaining: Optional[List[int]] = None,
     ) -> None:
-        """The cycle at ``block`` (a length or a :class:`TreeChoice`, whose
-        ``walk`` says what it showed) took ``seconds`` at ``context`` (None:
-        unknown); each row (one: the pair's acceptance) had the first
-        ``accepted`` of its ``drafted`` tokens (by default ``block - 1``) accepted."""
+        """The cycle at ``block`` (a length or a tree, whose ``walk`` says what
+        it showed) took ``seconds`` at ``context`` (None: unknown); each row (one:
+        the pair's) had the first ``accepted`` of ``drafted`` (``block - 1``) accepted."""
         accepted = [accepted] if isinstance(accepted, int) else accepted
         rows = rows or [self.acceptance]
         n = len(rows)

@@ -39,11 +39,11 @@ def test_expected_tokens_follow_the_observed_acceptance():
     acc = SlotAcceptance(8)
     for _ in range(200):
         acc.observe(7, 7)
-    assert acc.expected_tokens()[-1] == pytest.approx(8.0, rel=0.05)
+    assert acc.expected[-1] == pytest.approx(8.0, rel=0.05)
     for _ in range(200):
         acc.observe(7, 0)
     assert acc.rates()[0] < 0.05  # the prior has faded with the cycles
-    assert acc.expected_tokens()[-1] < 1.05
+    assert acc.expected[-1] < 1.05
 
 
 def test_runs_of_acceptance_are_kept_not_spread_into_a_geometric_tail():
@@ -56,7 +56,7 @@ def test_runs_of_acceptance_are_kept_not_spread_into_a_geometric_tail():
     for _ in range(100):
         acc.observe(15, 15)
         acc.observe(15, 0)
-    expected = acc.expected_tokens()
+    expected = acc.expected
     assert 3.5 <= expected[6 - 1] < 5.0  # not 5.5
     assert expected[16 - 1] / expected[6 - 1] > 2.1  # 8.5 / 3.5 = 2.4; one rate: 10.3 / 5.5 = 1.9
 
@@ -379,7 +379,7 @@ def test_expected_tree_tokens_by_hand_and_as_a_chain():
     for accepted in (7, 2, 0, 5, 1):
         acc.observe(7, accepted)
     chain = expected_tree_tokens(acc.rates(), [0.0], 7)  # one candidate per slot: the chain
-    assert chain == pytest.approx(acc.expected_tokens())
+    assert chain == pytest.approx(acc.expected)
 
 
 def test_the_tree_bound_holds_for_every_tree_size():
@@ -395,7 +395,7 @@ def test_the_tree_bound_holds_for_every_tree_size():
     acc = SlotAcceptance(8)
     for accepted in (7, 2, 0, 5, 1):
         acc.observe(7, accepted)
-    assert tree_tokens_bound(acc.rates(), [0.0]) == pytest.approx(acc.expected_tokens()[-1])
+    assert tree_tokens_bound(acc.rates(), [0.0]) == pytest.approx(acc.expected[-1])
 
 
 def test_the_tree_search_runs_only_when_a_tree_could_pay(monkeypatch):
@@ -586,7 +586,7 @@ def test_costs_follow_the_context_and_the_choice_follows_them():
     early = [b for c, b in chosen if c < 1000]
     late = [b for c, b in chosen if c > 7000]
     assert Counter(early).most_common(1)[0][0] == 16
-    expected = sizer.acceptance.expected_tokens()
+    expected = sizer.acceptance.expected
     best = 1 + int(np.argmax([e / true_cost(b, context) for b, e in enumerate(expected, 1)]))
     assert best < 16
     assert abs(np.median(late) - best) <= 2
