@@ -20,7 +20,7 @@ from .errors import ArgumentError
 from .tree import best_first
 
 MAX_TREE_NODES = 64  # the largest draft tree the sizer considers
-PLAIN_PRIOR, WINDOW = 3, 32  # plain steps the table counts as (CycleCosts.refit); cycles a cost line is fitted to
+PLAIN_PRIOR, WINDOW = 3, 32  # plain steps the table counts as in a plain median (CycleCosts.refit); cycles a line is fitted to
 PROBE_WAIT = 4  # plain cycles before a probe while drafting looks faster; failed probes double it
 PROBE_BUDGET = 0.01  # the most probing a drafter that never agrees may slow plain decoding by
 # The most rechecking the plain step's price may slow a drafter that pays by,
