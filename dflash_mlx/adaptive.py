@@ -1,24 +1,16 @@
 """Adaptive block size: each cycle verifies what maximises expected
-committed tokens per second, for one row or a batch of them.
-
-A cycle verifying ``b`` tokens a row commits ``E(b) = 1 + sum_{i<b}
-prod_{j<=i} a_j`` tokens a row on average (``a_j``: slot ``j`` accepted given
-the slots before it were) and costs ``C(rows, b)``, measured
-(:class:`CycleCosts`); a lone row may verify a draft tree instead, whose
-expected tokens come from the same slot shares and the drafter's candidate
-ranks (:class:`RankAcceptance`). The choice is made from past cycles only,
-before drafting, so it changes the speed and never the output. Where plain
-steps win, the sizer probes now and then within ``PROBE_BUDGET``; while it
-drafts, it rechecks the plain step's cost within ``RECHECK_BUDGET``. The
-policy is numbers only (the loop measures and hands over seconds and
-acceptance), so it is tested on numbers alone; docs/block-size.md walks it.
-"""
+committed tokens per second, ``E(b) / C(rows, b)``, for one row or a batch
+(a lone row may verify a draft tree instead), chosen from past cycles only,
+before drafting: it changes the speed, never the output. Numbers only (the
+loop hands over seconds and acceptance), so tested on numbers alone;
+docs/block-size.md walks it."""
 
 import itertools
 import math
+import operator
 import statistics
 import time
-from collections import deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -27,11 +19,15 @@ import numpy as np
 from .errors import ArgumentError
 from .tree import best_first
 
-# The largest draft tree the sizer considers (nodes), and the candidates per
-# slot its acceptance model tells apart (a target token ranked lower counts
-# as no candidate's).
-MAX_TREE_NODES = 64
-MODELLED_RANKS = 16
+MAX_TREE_NODES = 64  # the largest draft tree the sizer considers
+PLAIN_PRIOR, WINDOW = 3, 32  # plain steps the table counts as in a plain median (CycleCosts.refit); cycles a line is fitted to
+PROBE_WAIT = 4  # plain cycles before a probe while drafting looks faster; failed probes double it
+PROBE_BUDGET = 0.01  # the most probing a drafter that never agrees may slow plain decoding by
+# The most rechecking the plain step's price may slow a drafter that pays by,
+# and a recheck's plain steps: the two of its switch and one more counted
+# step than the table's prior, so that its own steps price plain decoding.
+RECHECK_BUDGET, RECHECK_STEPS = 0.01, PLAIN_PRIOR + 3
+REVISIT = 8  # plain steps between two reconsiderations of a plain spell
 
 
 @dataclass(frozen=True)
@@ -52,26 +48,21 @@ class TreeWalk:
 
     @property
     def chain_accepted(self) -> int:
-        """What a chain of the tree's spine would have accepted: the slots
-        up to the first where the target's token was not the best candidate."""
+        """What a chain of the spine would have accepted: up to the first slot the best candidate missed."""
         lead = next((i for i, r in enumerate(self.ranks) if r != 0), len(self.ranks))
         return min(lead, self.spine)
 
 
 @dataclass
 class SlotAcceptance:
-    """Running estimate of how far into a block the target accepts: per
-    slot, a product-limit (Kaplan-Meier) share of the recent cycles that
-    reached it, each cycle weighing ``decay`` less per later one. A
-    drafter's acceptance comes in runs, which per-slot shares keep and one
-    rate for all slots would spread into a geometric tail that overvalues
-    short blocks. Each share is drawn toward the pooled share of drafted
-    slots accepted (from ``prior``) as if ``prior_weight`` more cycles had
-    shown it. ``optimistic`` shares are one standard error up: a slot seen in
-    few cycles may do better, and drafting it is the only way to find out;
-    the sizer chooses how far to draft on those, and whether to draft at all
-    on the shares as seen.
-    """
+    """How far into a block the target accepts: per slot ``j``, the share
+    ``a_j`` of the recent cycles (decayed) that reached it and had it accepted
+    (product-limit: acceptance comes in runs, which one rate for all slots
+    would spread into a tail that overvalues short blocks), drawn toward the
+    pooled share as if ``prior_weight`` more cycles had shown it. Shares one
+    standard error up (``optimistic``: a slot seen in few cycles may do better,
+    and drafting it is the only way to find out) choose how far to draft;
+    the shares as seen, whether to draft at all."""
 
     max_block: int
     prior: float = 0.8
@@ -79,18 +70,14 @@ class SlotAcceptance:
     decay: float = 0.9
 
     def __post_init__(self):
-        n = max(self.max_block - 1, 0)
-        self.hits = self.misses = 0.0
-        self.pooled_prior = self.prior_weight
+        self.hits, self.misses, self.pooled_prior = 0.0, 0.0, self.prior_weight
         # per slot j (index j - 1): decayed cycles that reached it, and that rejected it
-        self.reached = [0.0] * n
-        self.rejected = [0.0] * n
+        self.reached, self.rejected = ([0.0] * max(self.max_block - 1, 0) for _ in range(2))
         self.update()
 
     def update(self) -> None:
-        """Recompute ``expected`` (optimistic) and ``expected_as_seen``."""
-        self.expected = self.expected_tokens()
-        self.expected_as_seen = self.expected_tokens(optimistic=False)
+        """Recompute ``E(b)`` for b = 1..max_block: ``expected`` (optimistic) and ``expected_as_seen``."""
+        self.expected, self.expected_as_seen = (chain_tokens(self.rates(optimistic)) for optimistic in (True, False))
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A cycle drafted ``drafted`` slots and the target accepted the first ``accepted``."""
@@ -104,14 +91,11 @@ class SlotAcceptance:
             self.rejected[i] = self.rejected[i] * self.decay + (i == accepted)
         self.update()
 
-    def rate(self) -> float:
-        """Share of drafted slots accepted lately (each rejection ends a cycle), prior included."""
-        w = self.pooled_prior
-        return (self.hits + w * self.prior) / (self.hits + self.misses + w)
-
     def rates(self, optimistic: bool = True) -> List[float]:
-        """``a_j`` for slots 1..max_block-1."""
-        pooled, w = self.rate(), self.prior_weight
+        """``a_j`` for slots 1..max_block-1, each drawn toward the pooled share
+        of drafted slots accepted lately (each rejection ends a cycle)."""
+        prior, w = self.pooled_prior, self.prior_weight
+        pooled = (self.hits + prior * self.prior) / (self.hits + self.misses + prior)
         out = []
         for n, rej in zip(self.reached, self.rejected):
             a = 1 - (rej + w * (1 - pooled)) / (n + w)
@@ -120,24 +104,15 @@ class SlotAcceptance:
             out.append(a)
         return out
 
-    def expected_tokens(self, optimistic: bool = True) -> List[float]:
-        """``E(b)`` for b = 1..max_block (index b - 1)."""
-        out, reach = [1.0], 1.0
-        for a in self.rates(optimistic):
-            reach *= a
-            out.append(out[-1] + reach)
-        return out
-
 
 class RankAcceptance:
-    """How often the target's token at a slot a tree's walk reached is the
-    drafter's r-th candidate (r >= 1), as shares ``q_r`` of the slots where
-    it was not the best one, pooled over slots: rank ``r`` at slot ``j`` has
-    probability ``(1 - a_j) q_r``. Decayed as the slot shares are, drawn
-    toward a prior that halves with each rank (so trees get tried early).
-    """
+    """Of the slots a tree's walk reached where the target's token was not the
+    drafter's best candidate, the share ``q_r`` where it was the r-th (pooled
+    over slots: rank ``r`` at slot ``j`` has probability ``(1 - a_j) q_r``; rank
+    ``ranks`` or lower counts as none). Decayed as the slot shares, drawn
+    toward a prior halving with each rank (so trees get tried early)."""
 
-    def __init__(self, ranks: int = MODELLED_RANKS, prior: float = 0.5, prior_weight: float = 4.0, decay: float = 0.9):
+    def __init__(self, ranks: int = 16, prior: float = 0.5, prior_weight: float = 4.0, decay: float = 0.9):
         self.prior = [0.0] + [prior * 0.5 ** (r - 1) * 0.5 for r in range(1, ranks)]
         self.prior_weight, self.decay = prior_weight, decay
         self.counts = [0.0] * ranks  # decayed misses of the best candidate that were rank r
@@ -160,14 +135,19 @@ class RankAcceptance:
         return [(c + w * p) / (self.total + w) for c, p in zip(self.counts, self.prior)]
 
 
+def chain_tokens(rates: List[float]) -> List[float]:
+    """``E(b) = 1 + sum_{i<b} prod_{j<=i} a_j`` for b = 1..len(rates) + 1: the
+    expected tokens a chain commits, ``a_j`` slot j's share accepted given
+    the slots before it were."""
+    return list(itertools.accumulate(itertools.accumulate(rates, operator.mul, initial=1.0)))
+
+
 def expected_tree_tokens(rates: List[float], shares: List[float], nodes: int) -> List[float]:
-    """``T(n)`` for n = 0..nodes: expected tokens a cycle commits with the
-    best tree of n nodes when slot ``j``'s rank-r candidate is the target's
-    token with probability ``rates[j-1]`` (r = 0) or ``(1 - rates[j-1])
-    shares[r]``, independently per slot given the walk reached it. A node
-    adds the probability that the walk reaches it and the target takes it;
-    the best-first build (the drafter's, on these probabilities) adds the
-    most probable nodes first, so ``T(n)`` is 1 plus the first n of them."""
+    """``T(n)`` for n = 0..nodes: expected tokens a cycle commits with the best
+    tree of n nodes when slot ``j``'s rank-r candidate is the target's token
+    with probability ``rates[j-1]`` (r = 0) or ``(1 - rates[j-1]) shares[r]``,
+    independently per slot: 1 plus the first n nodes' chances to be reached and
+    taken, as the best-first build (the drafter's) adds the likeliest first."""
     if not rates or nodes < 1:
         return [1.0] * (nodes + 1)
     k = min(nodes, len(shares))
@@ -179,52 +159,37 @@ def expected_tree_tokens(rates: List[float], shares: List[float], nodes: int) ->
 
 
 def tree_tokens_bound(rates: List[float], shares: List[float]) -> float:
-    """An upper bound on ``T(n)`` for every n: a walk passes slot ``j`` at
-    most as often as the target's token is one of the modelled candidates at
-    every slot up to ``j``. A few products: when even this cannot beat the
-    chain, the best-first search is skipped."""
+    """An upper bound on every ``T(n)`` in a few products (where it cannot beat the chain,
+    no search): a walk passes slot ``j`` at most as often as a modelled candidate is right up to ``j``."""
     covered = sum(shares[1:])
-    out, reach = 1.0, 1.0
-    for a in rates:
-        reach *= a + (1 - a) * covered
-        out += reach
-    return out
+    return chain_tokens([a + (1 - a) * covered for a in rates])[-1]
 
 
 class ContextGrowth:
-    """How much a cycle's cost grows per context position: ``at(rows)`` =
-    ``per_cycle + per_row * rows`` seconds for a cycle verifying ``rows``
-    rows (every verified row attends to the context; a backend may also pay
-    per cycle for the cache's length). Least squares of the seconds against
-    context and rows times context within each kind of cycle, each kind with
-    its own intercept, sums decayed slowly: growth shows only over a span of
-    contexts. A term counts only where it exceeds its standard error, and
-    none until the cycles span ``span`` positions: a machine growing busier
-    over a short generation would pass for growth."""
+    """Seconds a cycle verifying ``rows`` rows grows by per context position,
+    ``at(rows) = per_cycle + per_row * rows`` (every verified row attends to
+    the context; a backend may also pay per cycle for the cache's length):
+    least squares within each kind of cycle (its own intercept), sums
+    decayed slowly, as growth shows only over a span of contexts. A term
+    counts only where it exceeds its standard error, and none until the
+    cycles span ``span`` positions (a machine growing busier would pass)."""
 
     def __init__(self, decay: float = 1 - 1 / 256, every: int = 32, span: int = 1024):
         self.decay, self.every, self.span = decay, every, span
-        self.sums: Dict[object, List[float]] = {}  # kind -> [w, c, y, cc, cy, yy]
-        self.rows: Dict[object, int] = {}  # kind -> rows it verifies
+        self.sums: Dict[object, List[float]] = {}  # kind -> [rows it verifies, w, c, y, cc, cy, yy]
         self.per_cycle = self.per_row = 0.0
-        self.seen = 0
-        self.low = self.high = None  # the contexts seen
+        self.seen, self.low, self.high = 0, math.inf, -math.inf  # cycles, and the contexts they span
 
     def at(self, rows: int) -> float:
-        """Seconds a cycle verifying ``rows`` rows grows by per context position."""
         return self.per_cycle + self.per_row * rows
 
     def observe(self, kind, rows: int, context: int, seconds: float, drafted: bool) -> None:
-        """A cycle of ``kind`` verifying ``rows`` rows after ``context``
-        positions took ``seconds``; refitted after each drafting cycle
-        (``drafted``: rare in a plain spell, and each is the only news of how
-        its rows grow) and every ``every`` others (a plain step's host time
-        should stay the forward's)."""
-        self.low = context if self.low is None else min(self.low, context)
-        self.high = context if self.high is None else max(self.high, context)
-        s = self.sums.setdefault(kind, [0.0] * 6)
-        self.rows[kind] = rows
-        for i, v in enumerate((1.0, context, seconds, context * context, context * seconds, seconds * seconds)):
+        """A cycle of ``kind`` verifying ``rows`` rows took ``seconds`` at ``context``;
+        refitted after each ``drafted`` one (rare in a plain spell, the only news of
+        how its rows grow) and every ``every`` others (plain steps' host time is short)."""
+        self.low, self.high = min(self.low, context), max(self.high, context)
+        s = self.sums.setdefault(kind, [rows] + [0.0] * 6)
+        for i, v in enumerate((1.0, context, seconds, context * context, context * seconds, seconds * seconds), 1):
             s[i] = s[i] * self.decay + v
         self.seen += 1
         if drafted or self.seen % self.every == 0:
@@ -236,10 +201,9 @@ class ContextGrowth:
         if self.high - self.low < self.span:
             return 0.0, 0.0
         # Normal equations of the context terms, each kind centred on its own means.
-        a = np.zeros((2, 2))
-        b, weight, residual = np.zeros(2), 0.0, 0.0
-        for kind, (w, c, y, cc, cy, yy) in self.sums.items():
-            r = np.array([1.0, self.rows[kind]])
+        a, b, weight, residual = np.zeros((2, 2)), np.zeros(2), 0.0, 0.0
+        for rows, w, c, y, cc, cy, yy in self.sums.values():
+            r = np.array([1.0, rows])
             a += np.outer(r, r) * (cc - c * c / w)
             b += r * (cy - c * y / w)
             weight += w
@@ -253,9 +217,8 @@ class ContextGrowth:
 
 
 def least_squares(a: np.ndarray, b: np.ndarray, residual: float, dof: float) -> Optional[Tuple[float, ...]]:
-    """The solution of the normal equations ``a x = b`` (``residual``: the
-    centred sum of squares of the seconds), each term 0 unless it exceeds
-    its standard error; None without the degrees of freedom to tell."""
+    """``a x = b`` solved (``residual``: the centred sum of squares), each term
+    0 unless it exceeds its standard error; None without the dof to tell."""
     if dof < 4 or a[-1, -1] <= 0:
         return None
     theta = np.linalg.solve(a, b)
@@ -263,133 +226,127 @@ def least_squares(a: np.ndarray, b: np.ndarray, residual: float, dof: float) -> 
     return tuple(float(t) if t > e else 0.0 for t, e in zip(theta, error))
 
 
-# Plain steps the cost table counts as in the plain step's median (see CycleCosts.refit).
-PLAIN_PRIOR = 3
-
-
 class Line:
-    """What the cycles of one row count cost: a plain step, a drafting chain
-    (a draft, then a verify growing by ``slope`` per token each row verifies
-    past its anchor), a draft tree (one row) and a chain of copies (no
-    draft). Each kind keeps a window of its last cycles ``(tokens verified
-    past the anchor, seconds, context)`` and the line fitted to them, at the
-    context it was fitted at."""
+    """Prices of cycles of ``rows`` rows, lines ``(seconds at 0 tokens past the
+    anchor, seconds per token a row verifies past it, context fitted at)`` of
+    plain steps (flat), drafting chains, one row's trees and copies alone (None
+    until fitted), and the ``table`` they started from; each kind's window."""
 
-    def __init__(self, rows: int, plain: float, draft: float, slope: float, context: int, window: int):
-        self.rows = rows
-        self.plain = self.table_plain = plain
-        self.draft, self.slope, self.prior_slope = draft, slope, slope
-        self.table_context = self.plain_context = self.draft_context = context
-        self.plain_recent, self.drafting_recent, self.tree_recent, self.copy_recent = (deque(maxlen=window) for _ in range(4))
-        self.plain_dirty = False  # whether plain steps came since the plain line was fitted
-        self.tree: Optional[Tuple[float, float, int]] = None  # (intercept, slope, context); None: as a chain
-        self.copy: Optional[Tuple[float, float, int]] = None  # the same, of chains of copies
+    def __init__(self, rows: int, plain: float, draft: float, slope: float, context: int):
+        self.rows, self.table = rows, (plain, slope, context)
+        self.plain, self.chain = (plain, 0.0, context), (draft, slope, context)
+        self.tree = self.copy = None
+        self.recent = {kind: deque(maxlen=WINDOW) for kind in ("plain", "chain", "tree", "copy")}
+        self.dirty = False  # whether plain steps came since the plain line was fitted
 
 
 class CycleCosts:
-    """Seconds per cycle by its shape, measured: ``rows`` rows each verifying
-    ``b`` tokens (``b = 1``: a plain step), or one row's draft tree of ``n``
-    nodes, at the current context. One model for a request alone and a batch.
+    """Seconds per cycle by its shape, measured, at the current context:
+    ``rows`` rows each verifying ``b`` tokens (``b = 1``: a plain step) or
+    copies alone, or one row's draft tree; one model for one row and many
+    (docs/block-size.md walks it). One row's :class:`Line` starts from the
+    table ``calibrated`` by the engine's own cycles, ``C(1)`` and ``C(b) = D +
+    s (b - 1)``; another row count's from one row's line as it stands (a
+    plain step's further rows priced as verified rows, half the draft per
+    request), then its own cycles (a compute-bound verify costs more a row
+    in a large batch). ``follow=False`` keeps the table (pipelined ranks must
+    agree). A plain step is queued before the last one is read, so the step
+    before a drafting cycle looks nearly free and the one after twice as
+    dear: the two less two plain steps are a ``switch`` (a share of a plain
+    step), which a probe pays and drafting on does not."""
 
-    Each row count has its :class:`Line`. One row's starts from the table
-    ``calibrated`` by the engine's own cycles (:mod:`dflash_mlx.calibration`):
-    ``C(1)`` a plain step, ``C(b) = D + s (b - 1)`` a drafting one. Another
-    row count starts from one row's line as it stands (further rows of a plain
-    step priced as verified rows, half the draft per request) and follows its
-    own cycles from its first: where the verify is compute-bound, a row costs
-    more in a large batch than a small one says. ``C(1)`` is the median of the
-    last plain steps (two by two: steps queued ahead are read unevenly), the
-    table counted as ``PLAIN_PRIOR`` of them; ``s`` is least squares over the
-    last drafting cycles, drawn toward the prior slope; ``D`` their median
-    less the slope part, one for every length. Trees and copies follow their
-    own cycles the same way. A kind's first cycle is not counted (it may
-    compile). ``follow=False`` keeps the table (pipelined ranks must agree).
-
-    A plain step is queued before the previous one is read, so the last one
-    before a drafting cycle looks nearly free and the first one after it
-    twice as dear: the two, less two plain steps, are a ``switch`` (as a
-    share of a plain step), which a probe pays and drafting on does not.
-    Every verified row attends to the context (:class:`ContextGrowth`): each
-    window is moved to the current context before its line is fitted, and a
-    line not refitted lately is moved by what the context grew since.
-    """
-
-    def __init__(
-        self, calibrated: Dict[int, float], window: int = 32, follow: bool = True, context: int = 0,
-        tree: Optional[Tuple[int, float]] = None,
-    ):
-        drafting = sorted(b for b in calibrated if b > 1)
+    def __init__(self, calibrated: Dict[int, float], follow: bool = True, context: int = 0):
         if 1 not in calibrated:
             raise ArgumentError("a cost table needs the plain step's cost (block 1)")
-        plain, slope, draft = float(calibrated[1]), 0.0, float(calibrated[1])
-        if len(drafting) > 1:  # least squares, the slope kept >= 0
-            lengths, costs = np.array(drafting, float) - 1, np.array([calibrated[b] for b in drafting])
-            slope = max(0.0, float(np.polyfit(lengths, costs, 1)[0]))
+        drafting = sorted(b for b in calibrated if b > 1)
+        plain = draft = float(calibrated[1])
+        lengths, costs = np.array(drafting, float) - 1, np.array([calibrated[b] for b in drafting])
+        # Least squares, kept >= 0; one drafting length: flat until cycles of others show a slope.
+        slope = max(0.0, float(np.polyfit(lengths, costs, 1)[0])) if len(drafting) > 1 else 0.0
+        if drafting:
             draft = float(np.mean(costs - slope * lengths))
-        elif drafting:  # one drafting length: flat until cycles of other lengths show a slope
-            draft = float(calibrated[drafting[0]])
         self.max_block = drafting[-1] if drafting else 1
-        self.follow, self.window = follow, window
-        self.context = context
-        self.lines = {1: Line(1, plain, draft, slope, context, window)}
+        self.follow, self.context = follow, context
+        self.lines = {1: Line(1, plain, draft, slope, context)}
         self.growth = ContextGrowth()
-        self.warm = set()
-        self.switches = deque(maxlen=window)  # switches, each over a plain step's cost
+        self.warm = set()  # the kinds of cycle seen once (see first)
+        self.switches = deque(maxlen=WINDOW)  # switches, each over a plain step's cost
         self.entry, self.drafted, self.held = 0.0, False, None  # see observe
-        if tree is not None:
-            self.seed_tree(*tree, context=context)
 
     def line(self, rows: int) -> Line:
         """The line of ``rows`` rows (made from one row's, see the class)."""
-        line = self.lines.get(rows)
-        if line is None:
-            one = self.lines[1]
-            plain, slope = self.upto(1)[0], self.slope_at(one, self.context)
-            draft = max(one.draft + self.growth.at(1) * (self.context - one.draft_context), plain)
+        if rows not in self.lines:
+            plain, draft, slope = self.along("chain", 1)
             many = plain + (rows - 1) * slope
-            line = self.lines[rows] = Line(rows, many, many + (draft - plain) * (1 + rows) / 2, rows * slope, self.context, self.window)
-        return line
+            self.lines[rows] = Line(rows, many, many + (draft - plain) * (1 + rows) / 2, rows * slope, self.context)
+        return self.lines[rows]
+
+    def at(self, fitted: Tuple[float, float, int], rows: int, context: Optional[int] = None) -> Tuple[float, float]:
+        """``(intercept, slope)`` of a line of ``rows`` rows moved by the
+        growth from the context it was fitted at to ``context`` (None: now)."""
+        intercept, slope, then = fitted
+        grown = (self.context if context is None else context) - then
+        return intercept + self.growth.at(rows) * grown, max(0.0, slope + self.growth.per_row * rows * grown)
+
+    def along(self, kind: str, rows: int = 1) -> Tuple[float, float, float]:
+        """``(plain step, intercept, slope)`` of ``kind``'s line ("chain",
+        "tree" or "copy") now, the intercept never below a plain step; a tree
+        line not fitted yet is the chain's, a copy line a plain step at the
+        chain's slope."""
+        line = self.line(rows)
+        if line.dirty:
+            self.refit(line, "plain")
+        plain = self.at(line.plain, rows)[0]
+        fitted = getattr(line, kind)
+        anchor, slope = self.at(line.chain if fitted is None else fitted, rows)
+        return plain, max(plain if kind == "copy" and fitted is None else anchor, plain), slope
+
+    def upto(self, n: int, rows: int = 1) -> List[float]:
+        """Seconds per cycle at b = 1..n."""
+        plain, anchor, slope = self.along("chain", rows)
+        return [plain] + [anchor + slope * (b - 1) for b in range(2, n + 1)]
+
+    def trees(self, n: int) -> List[float]:
+        """Seconds of one row's trees of 0..n nodes (0: the anchor alone)."""
+        _, anchor, slope = self.along("tree")
+        return [anchor + slope * k for k in range(n + 1)]
+
+    def verify(self, n: int, rows: int = 1) -> float:
+        """Seconds of a cycle verifying ``n > 1`` tokens a row that it did not
+        draft (copied), never more than a chain as long (which also drafts)."""
+        _, anchor, slope = self.along("copy", rows)
+        return min(anchor + slope * (n - 1), self.upto(n, rows)[-1])
+
+    def cost(self, choice, rows: int = 1) -> float:
+        """Seconds of a cycle at ``choice`` (a block length or a :class:`TreeChoice`)."""
+        return self.trees(choice.nodes)[-1] if isinstance(choice, TreeChoice) else self.upto(choice, rows)[-1]
 
     def switch_cost(self, rows: int = 1) -> float:
-        """A switch's seconds at ``rows`` rows."""
         return max(0.0, statistics.median(self.switches)) * self.upto(1, rows)[0] if self.switches else 0.0
 
     def seed_tree(self, nodes: int, seconds: float, context: int) -> None:
-        """Start the tree line through a tree cycle of ``nodes`` nodes timed
-        at ``context``, with the chain's slope there."""
-        slope = self.slope_at(self.lines[1], context)
+        """The tree line through a tree cycle timed at ``context``, at the chain's slope there."""
+        slope = self.at(self.lines[1].chain, 1, context)[1]
         self.lines[1].tree = (float(seconds) - slope * nodes, slope, context)
 
-    def fit(self, recent, prior_slope: float) -> Tuple[float, float]:
-        """(intercept, slope) of ``recent`` (x, seconds, context): the slope by
-        least squares drawn toward ``prior_slope`` (one more cycle at each end
-        of the block range), kept >= 0; the intercept the median of the cycles
-        less their slope part (a cycle slowed by the machine is not its length's)."""
-        n = len(recent)
-        x_mean = sum(x for x, _, _ in recent) / n
-        y_mean = sum(y for _, y, _ in recent) / n
-        spread = sum((x - x_mean) ** 2 for x, _, _ in recent)
-        fitted = sum((x - x_mean) * (y - y_mean) for x, y, _ in recent)
-        ends = (self.max_block - 2) ** 2 / 2
-        slope = prior_slope
-        if spread + ends > 0:
-            slope = max(0.0, (fitted + ends * prior_slope) / (spread + ends))
-        return statistics.median(y - slope * x for x, y, _ in recent), slope
-
-    def observe(self, choice, seconds: float, context: Optional[int] = None, rows: int = 1) -> None:
-        """A cycle of ``rows`` rows at ``choice`` (a block length or a
-        :class:`TreeChoice`) took ``seconds`` at ``context`` positions
-        before it (None: unknown, the costs stay where they were measured)."""
+    def observe(self, choice, seconds: float, context: Optional[int] = None, rows: int = 1, copies: bool = False) -> None:
+        """A cycle of ``rows`` rows at ``choice`` (a block length or a tree; with
+        ``copies``, the tokens a row of a cycle of copies alone) took ``seconds``
+        at ``context`` (None: unknown, the costs stay where they were measured)."""
         if not self.follow:
+            return
+        if context is not None:
+            self.context = context
+        if copies:  # at the current context, outside the growth fit and the switches
+            if not self.first("copy", choice, rows):
+                self.count("copy", choice, seconds, None, rows)
             return
         plain = choice == 1
         held, self.held = self.held, None
         after_drafting, self.drafted = self.drafted, not plain
-        if context is not None:
-            self.context = context
-        key = ("tree" if isinstance(choice, TreeChoice) else choice, rows)  # trees share one first cycle
-        if key not in self.warm:
-            self.warm.add(key)
+        tree = isinstance(choice, TreeChoice)
+        kind, verified = ("tree", choice.nodes + 1) if tree else ("plain" if plain else "chain", choice)
+        if self.first(kind, verified, rows):
             return
         if plain and after_drafting:  # the last step of a switch (see the class)
             step = self.upto(1, rows)[0]
@@ -399,215 +356,123 @@ class CycleCosts:
         if held is not None and not plain:  # the first step of a switch
             self.entry = held[0] - self.upto(1, held[2])[0]
         elif held is not None:
-            self.count(1, *held)
+            self.count("plain", 1, *held)
         if plain:  # counted once the next cycle shows it was no switch's
             self.held = (seconds, context, rows)
         else:
-            self.count(choice, seconds, context, rows)
+            self.count(kind, verified, seconds, context, rows)
+
+    def first(self, kind: str, verified: int, rows: int) -> bool:
+        """Whether a cycle is its kind's first (it may compile: not counted)."""
+        key = (kind, rows, verified if kind == "chain" else 0)  # each chain length its own
+        seen = key in self.warm
+        self.warm.add(key)
+        return not seen
 
     def forget_plain(self, rows: int = 1) -> None:
         """Drop the plain steps measured so far (a recheck measures them afresh)."""
         line = self.line(rows)
-        line.plain_recent.clear()
-        line.plain_dirty = True
+        line.recent["plain"].clear()
+        line.dirty = True
 
-    def count(self, choice, seconds: float, context: Optional[int], rows: int = 1) -> None:
-        """A cycle's seconds into its line's window (and the growth fit)."""
-        tree = isinstance(choice, TreeChoice)
-        verified = choice.nodes + 1 if tree else choice
+    def count(self, kind: str, verified: int, seconds: float, context: Optional[int], rows: int) -> None:
+        """A cycle's seconds into its line's window (and, at a known context, the growth fit)."""
         if context is not None:
-            self.growth.observe((choice, rows), rows * verified, context, seconds, verified > 1)
+            self.growth.observe((kind, verified, rows), rows * verified, context, seconds, verified > 1)
         line = self.line(rows)
-        window = line.tree_recent if tree else line.plain_recent if choice == 1 else line.drafting_recent
-        window.append((verified - 1, seconds, self.context if context is None else context))
-        if choice == 1:
-            line.plain_dirty = True  # refitted when next read: plain steps come fast, reads less often
+        line.recent[kind].append((verified - 1, seconds, self.context if context is None else context))
+        if kind == "plain":
+            line.dirty = True  # refitted when next read: plain steps come fast, reads less often
         else:
-            self.refit(line, window)
+            self.refit(line, kind)
 
-    def refit(self, line: Line, window) -> None:
-        """The line of ``window`` (trees, plain steps or drafting chains), at the current context."""
-        moved = self.moved(window, line.rows)
-        if window is line.tree_recent:
-            line.tree = (*self.fit(moved, self.slope_at(line, self.context)), self.context)
-        elif window is line.plain_recent:
-            table = line.table_plain + self.growth.at(line.rows) * (self.context - line.table_context)
-            steps = [y for _, y, _ in moved]
-            pairs = [(a + b) / 2 for a, b in zip(steps, steps[1:])] or steps
-            line.plain = statistics.median([*pairs, *[table] * PLAIN_PRIOR])
-            line.plain_context, line.plain_dirty = self.context, False
-        else:
-            prior = max(0.0, line.prior_slope + self.growth.per_row * line.rows * (self.context - line.table_context))
-            line.draft, line.slope = self.fit(moved, prior)
-            line.draft_context = self.context
-
-    def moved(self, recent, rows: int) -> list:
-        """A window's cycles, their seconds moved from their own context to the current one."""
+    def refit(self, line: Line, kind: str) -> None:
+        """``kind``'s line from its window moved to the current context. Plain
+        steps: their median two by two, the table counted as ``PLAIN_PRIOR`` of
+        them. Others: the slope by least squares drawn toward a prior (as if one
+        more cycle sat at each end of the block range; the chain's the table's,
+        the others' the chain's), kept >= 0; the intercept the median of the
+        cycles less their slope part (a cycle slowed by the machine is not its length's)."""
         now = self.context
-        return [(x, y + self.growth.at(rows * (x + 1)) * (now - c), now) for x, y, c in recent]
-
-    def slope_at(self, line: Line, context: float) -> float:
-        """A line's drafting slope at ``context``: each extra token a row verifies attends to it."""
-        return max(0.0, line.slope + self.growth.per_row * line.rows * (context - line.draft_context))
-
-    def upto(self, n: int, rows: int = 1) -> List[float]:
-        """Seconds per cycle at b = 1..n, at the current context."""
-        line = self.line(rows)
-        if line.plain_dirty:
-            self.refit(line, line.plain_recent)
-        base = self.growth.at(rows)  # the anchors' growth; each further row adds per_row
-        plain = line.plain + base * (self.context - line.plain_context)
-        draft = max(line.draft + base * (self.context - line.draft_context), plain)  # never below a plain step
-        slope = self.slope_at(line, self.context)
-        return [plain] + [draft + slope * (b - 1) for b in range(2, n + 1)]
-
-    def along(self, fitted: Optional[Tuple[float, float, int]], rows: int) -> Tuple[float, float]:
-        """``(seconds at 0 tokens, seconds a token)`` of ``fitted`` (intercept,
-        slope per token a row verifies, context) at the current context, never
-        below a plain step; None: a drafting chain's."""
-        line = self.line(rows)
-        plain = self.upto(1, rows)[0]
-        if fitted is None:
-            anchor = line.draft + self.growth.at(rows) * (self.context - line.draft_context)
-            return max(anchor, plain), self.slope_at(line, self.context)
-        anchor, slope, context = fitted
-        grown = self.context - context
-        return max(anchor + self.growth.at(rows) * grown, plain), max(0.0, slope + self.growth.per_row * rows * grown)
-
-    def verify(self, n: int, rows: int = 1) -> float:
-        """Seconds a cycle verifying ``n`` tokens a row that it did not draft
-        (copied from the context) costs: the line of such cycles, else a
-        plain step and a chain's verified tokens; never more than a drafting
-        chain as long (the same verify, and a draft besides)."""
-        line = self.line(rows)
-        anchor, slope = self.along(None, rows)
-        chain = anchor + slope * (n - 1)
-        if line.copy is None:
-            return min(self.upto(1, rows)[0] + slope * (n - 1), chain)
-        anchor, slope = self.along(line.copy, rows)
-        return min(anchor + slope * (n - 1), chain)
-
-    def observe_verify(self, n: int, seconds: float, context: Optional[int] = None, rows: int = 1) -> None:
-        """A cycle verifying ``n`` copied tokens a row took ``seconds``."""
-        if not self.follow:
+        moved = [(x, y + self.growth.at(line.rows * (x + 1)) * (now - c)) for x, y, c in line.recent[kind]]
+        table, prior = self.at(line.table, line.rows)
+        if kind == "plain":
+            steps = [y for _, y in moved]
+            pairs = [(a + b) / 2 for a, b in zip(steps, steps[1:])] or steps  # steps queued ahead are read unevenly
+            line.plain, line.dirty = (statistics.median([*pairs, *[table] * PLAIN_PRIOR]), 0.0, now), False
             return
-        if context is not None:
-            self.context = context
-        if ("copy", rows) not in self.warm:
-            self.warm.add(("copy", rows))
-            return
-        line = self.line(rows)
-        line.copy_recent.append((n - 1, seconds, self.context))
-        line.copy = (*self.fit(self.moved(line.copy_recent, rows), self.slope_at(line, self.context)), self.context)
-
-    def cost(self, choice, rows: int = 1) -> float:
-        """Seconds of a cycle at ``choice`` (a block length or a :class:`TreeChoice`)."""
-        return self.trees(choice.nodes)[-1] if isinstance(choice, TreeChoice) else self.upto(choice, rows)[-1]
-
-    def trees(self, n: int) -> List[float]:
-        """Seconds of one row's trees of 0..n nodes (0: the anchor alone)."""
-        anchor, slope = self.along(self.lines[1].tree, 1)
-        return [anchor + slope * k for k in range(n + 1)]
-
-
-# The most a drafter that never agrees may slow plain decoding down by
-# probing it (see BlockSizer.longest_wait).
-PROBE_BUDGET = 0.01
-# The most of the decoding time the sizer may spend searching draft trees
-# (see BlockSizer.best_tree).
-SEARCH_BUDGET = 0.01
-# The most a drafter that pays may be slowed down by rechecking the plain
-# step's cost while drafting (see BlockSizer.recheck_interval), and the
-# plain steps a recheck takes: the two of its switch and one more counted
-# step than the table's prior, so that its own steps price plain decoding.
-RECHECK_BUDGET = 0.01
-RECHECK_STEPS = PLAIN_PRIOR + 3
-# Plain steps between two reconsiderations of a plain spell (see BlockSizer.choose).
-REVISIT = 8
-# Plain cycles before the first probe, and before the next one while
-# drafting looks faster (see BlockSizer.observe); failed probes double it.
-PROBE_WAIT = 4
+        if kind != "chain":
+            prior = self.at(line.chain, line.rows)[1]
+        x_mean, y_mean = (sum(v[i] for v in moved) / len(moved) for i in (0, 1))
+        spread = sum((x - x_mean) ** 2 for x, _ in moved)
+        fitted = sum((x - x_mean) * (y - y_mean) for x, y in moved)
+        ends = (self.max_block - 2) ** 2 / 2
+        slope = max(0.0, (fitted + ends * prior) / (spread + ends)) if spread + ends > 0 else prior
+        setattr(line, kind, (statistics.median(y - slope * x for x, y in moved), slope, now))
 
 
 class BlockSizer:
-    """Chooses each cycle: a block length for every row (1: a plain step)
-    or, for one row, a draft tree (:class:`TreeChoice`); ``fixed`` pins the
-    block, ``tree_nodes`` makes a lone row's every drafting cycle a tree.
-    A request alone is chosen by the pair's ``acceptance`` (carried from
-    generation to generation); a batch's rows by their own, each row's
-    cycles also feeding the pair's, where a joining row starts. A lone
-    request's stand-in needs ``choose(remaining)``, ``observe(block,
-    accepted, seconds, walk=None, context=None)`` and ``max_block`` (tests).
-    """
+    """Chooses each cycle a block length for every row (1: a plain step) or,
+    for one row, a draft tree; ``fixed`` pins the block, ``tree_nodes`` (fixed
+    too) makes a lone row's every drafting cycle a tree. A request alone is
+    chosen by the pair's ``acceptance`` (kept from generation to generation),
+    a batch's rows by their own, which also feed the pair's, where a joining
+    row starts. A stand-in (tests) needs ``choose(remaining)``,
+    ``observe(block, accepted, seconds, walk=None, context=None)``, ``max_block``."""
 
-    def __init__(
-        self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False,
-        probe_block: Optional[int] = None, tree_nodes: int = 0,
-    ):
+    def __init__(self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False, tree_nodes: int = 0):
         if costs is not None and costs.max_block < max_block:
             raise ArgumentError(f"the cost table stops at block {costs.max_block}; it must reach max_block {max_block}")
-        self.max_block = max_block
-        self.costs = costs
-        self.fixed = fixed or max_block == 1 or costs is None
-        self.tree_nodes = tree_nodes
-        self.trees = False
-        self.acceptance = SlotAcceptance(max_block)
-        self.ranks = RankAcceptance()
-        self.probe_block = max_block if probe_block is None else min(probe_block, max_block)
-        # By rows: plain cycles before the next probe (doubling on each failed
-        # one), and plain cycles since the last drafting one. Drafting that
-        # pays with 2 rows says nothing of 8.
-        self.patience: Dict[int, int] = {}
-        self.plain_run: Dict[int, int] = {}
+        self.max_block, self.costs, self.tree_nodes = max_block, costs, tree_nodes
+        self.fixed, self.trees = fixed or max_block == 1 or costs is None, False
+        self.acceptance, self.ranks = SlotAcceptance(max_block), RankAcceptance()
+        # By rows (drafting that pays with 2 rows says nothing of 8): plain
+        # cycles before the next probe, and since the last drafting cycle.
+        self.patience: Dict[int, int] = defaultdict(lambda: PROBE_WAIT)
+        self.plain_run: Dict[int, int] = defaultdict(int)
         self.drafting_net = 0.0  # seconds drafting has saved over plain decoding, less what it lost
-        self.chosen: Dict[object, int] = {}
-        # By cap, the bound on T(n) and T(n) itself at the acceptance of the
-        # last refresh (see best_tree).
-        self.tree_tokens: Dict[int, dict] = {}
+        self.chosen = Counter()
+        self.tree_tokens: Dict[int, tuple] = {}  # by cap: what best_tree worked out at the last refresh
         self.stale = False  # whether a drafting cycle has moved the acceptance since
         self.searching = self.decoded = 0.0  # seconds spent searching trees, and decoding
-        # Seconds of drafting since the plain step's cost was last measured,
-        # plain steps in a row, and plain steps left in the recheck under way.
+        # Seconds drafted since the plain step was priced, plain steps in a row, left in a recheck.
         self.drafted_since, self.plain_streak, self.recheck_left = 0.0, 0, 0
 
     def begin(self, trees: bool = False) -> None:
-        """Start a lone generation (``trees``: whether it may verify trees).
-        Where drafting has paid so far, the first probe comes within
-        ``PROBE_WAIT`` plain cycles; where probing has backed off, the wait
-        carries over, so a drafter that never agrees is probed at
-        ``PROBE_BUDGET``'s pace however short the generations."""
-        self.chosen = {}
-        self.trees = trees
-        patience = self.patience.get(1, PROBE_WAIT)
+        """Start a lone generation (``trees``: whether it may verify trees): a
+        probe within ``PROBE_WAIT`` plain cycles where drafting has paid so far,
+        else the backed-off wait (``PROBE_BUDGET`` however short the generations)."""
+        self.chosen, self.trees = Counter(), trees
+        patience = self.patience[1]
         if self.drafting_net > 0 or patience <= PROBE_WAIT:
             self.plain_run[1] = max(0, patience - PROBE_WAIT)
 
     def choose(self, remaining, rows: Optional[List[SlotAcceptance]] = None):
         """The next cycle, never more than each row's ``remaining`` tokens'
         worth (an int: a request alone; else one per row of ``rows``)."""
-        remaining, rows = self.shape(remaining, rows)
+        if isinstance(remaining, int):
+            remaining, rows = [remaining], [self.acceptance]
         n, cap = len(rows), max(1, min(self.max_block, max(remaining)))
-        run, patience = self.plain_run.get(n, 0), self.patience.get(n, PROBE_WAIT)
+        run, patience = self.plain_run[n], self.patience[n]
         if self.tree_nodes and cap > 1 and n == 1:
             choice = TreeChoice(self.tree_nodes)
         elif self.fixed:
             choice = cap
         elif 0 < run and run + 1 < patience and run % REVISIT:
-            # Inside a plain spell nothing moves the acceptance and a plain
-            # step barely moves the costs: the choice stands, reconsidered
-            # every REVISIT plain steps and before a probe.
+            # Inside a plain spell nothing moves the acceptance and a plain step
+            # barely moves the costs: reconsidered every REVISIT steps and before a probe.
             self.plain_run[n] = run + 1
             choice = 1
         else:
             rate = self.rates(cap, rows, remaining)
-            choice = rate.index(max(rate)) + 1
-            if self.trees and cap > 1 and n == 1:
-                nodes = self.best_tree(cap, max(rate), rows[0])
-                if nodes:
-                    choice = TreeChoice(nodes)
-            if not isinstance(choice, TreeChoice) and choice > 1 and not self.pays(choice, rows, remaining):
+            best = max(rate)
+            choice = rate.index(best) + 1
+            nodes = self.best_tree(cap, best, rows[0]) if self.trees and cap > 1 and n == 1 else 0
+            if nodes:
+                choice = TreeChoice(nodes)
+            elif choice > 1 and not self.drafting_pays(rows, remaining, choice):
                 choice = 1
-            if self.recheck_left or (choice != 1 and self.drafted_since >= self.recheck_interval(max(rate), n)):
+            if self.recheck_left or (choice != 1 and self.drafted_since >= self.recheck_interval(best, n)):
                 if not self.recheck_left:  # a recheck starts
                     self.costs.forget_plain(n)
                     self.recheck_left, self.drafted_since = RECHECK_STEPS, 0.0
@@ -615,123 +480,94 @@ class BlockSizer:
                 choice = 1
             elif choice == 1:
                 self.plain_run[n] = run + 1
-                if run + 1 >= patience:
-                    choice = max(range(2, min(self.probe_block, cap) + 1), key=lambda b: rate[b - 1], default=1)
-        self.chosen[choice] = self.chosen.get(choice, 0) + 1
+                if run + 1 >= patience:  # a probe: the drafting length that looks best
+                    choice = max(range(2, cap + 1), key=lambda b: rate[b - 1], default=1)
+        self.chosen[choice] += 1
         return choice
 
-    def shape(self, remaining, rows):
-        """``(remaining, rows)`` as lists: a lone request's by the pair's acceptance."""
-        if isinstance(remaining, int):
-            return [remaining], [self.acceptance] if rows is None else rows
-        return list(remaining), rows
-
     def best_tree(self, cap: int, chain_rate: float, row: SlotAcceptance) -> int:
-        """Nodes of the tree with the best expected tokens per second, if it
-        beats ``chain_rate`` and, at the shares as seen, plain decoding; else
-        0. The search runs only when bounds leave room, and its estimates are
-        refreshed only while searching costs at most ``SEARCH_BUDGET`` of the
-        decoding time (host work on a drafting cycle's path)."""
-        if self.stale and self.searching <= SEARCH_BUDGET * self.decoded:
+        """Nodes of the tree with the most expected tokens per second, if it
+        beats ``chain_rate`` and, at the shares as seen, plain decoding; else 0.
+        Searched only where bounds leave room, and anew only while searching
+        (host work on a drafting cycle's path) takes at most 1% of the time."""
+        if self.stale and self.searching <= 0.01 * self.decoded:
             self.tree_tokens.clear()
             self.stale = False
-        known = self.tree_tokens.setdefault(cap, {})
-        if "bound" not in known:
-            known["shares"] = shares = self.ranks.shares()
-            known["rates"], known["as_seen"] = (row.rates(o)[: cap - 1] for o in (True, False))
-            known["bound"], known["bound_as_seen"] = (tree_tokens_bound(known[k], shares) for k in ("rates", "as_seen"))
-        cheapest, plain_rate = self.costs.trees(1)[1], 1 / self.costs.upto(1)[0]
-        if known["bound_as_seen"] / cheapest <= plain_rate or known["bound"] / cheapest <= chain_rate:
-            return 0
-        if "expected" not in known:
-            known["expected"] = self.search(known["rates"], known["shares"])
-        costs = self.costs.trees(MAX_TREE_NODES)
-        tree_rate = [e / c for e, c in zip(known["expected"], costs)]
-        nodes = max(range(1, MAX_TREE_NODES + 1), key=tree_rate.__getitem__)
-        if tree_rate[nodes] <= chain_rate:
-            return 0
-        if "expected_as_seen" not in known:
-            known["expected_as_seen"] = self.search(known["as_seen"], known["shares"])
-        return nodes if known["expected_as_seen"][nodes] / costs[nodes] > plain_rate else 0
+        if cap not in self.tree_tokens:  # the shares, the slot rates and bounds, optimistic and as seen
+            shares = self.ranks.shares()
+            rates = [row.rates(optimistic)[: cap - 1] for optimistic in (True, False)]
+            self.tree_tokens[cap] = (shares, rates, [tree_tokens_bound(r, shares) for r in rates], {})
+        shares, rates, bounds, searched = self.tree_tokens[cap]
 
-    def search(self, rates: List[float], shares: List[float]) -> List[float]:
-        """:func:`expected_tree_tokens` up to ``MAX_TREE_NODES``, its host time counted."""
-        tic = time.perf_counter()
-        out = expected_tree_tokens(rates, shares, MAX_TREE_NODES)
-        self.searching += time.perf_counter() - tic
-        return out
+        def expected(i: int) -> List[float]:  # T(n), optimistic (0) or as seen (1), its host time counted
+            if i not in searched:
+                tic = time.perf_counter()
+                searched[i] = expected_tree_tokens(rates[i], shares, MAX_TREE_NODES)
+                self.searching += time.perf_counter() - tic
+            return searched[i]
+
+        cheapest, plain_rate = self.costs.trees(1)[1], 1 / self.costs.upto(1)[0]
+        if bounds[1] / cheapest <= plain_rate or bounds[0] / cheapest <= chain_rate:
+            return 0
+        costs = self.costs.trees(MAX_TREE_NODES)
+        tree_rate = [e / c for e, c in zip(expected(0), costs)]
+        nodes = max(range(1, MAX_TREE_NODES + 1), key=tree_rate.__getitem__)
+        return nodes if tree_rate[nodes] > chain_rate and expected(1)[nodes] / costs[nodes] > plain_rate else 0
 
     def rates(self, cap: int, rows=None, remaining=None, optimistic: bool = True) -> List[float]:
-        """Expected tokens per second, all rows, at block lengths 1..``cap``
-        (``optimistic``: the slot shares one standard error up, see
-        :class:`SlotAcceptance`, that optimism shared among the rows: a
-        long block tried on a hope costs every row's verify, and one row's
-        cycles tell as much of the drafter's depth as many rows')."""
-        remaining, rows = self.shape(cap if remaining is None else remaining, rows)
+        """Expected tokens per second, all rows (None: the pair's), at blocks
+        1..``cap``; the ``optimistic`` shares' hope shared among the rows (a long
+        block tried on a hope costs every row's verify; one row tells as much)."""
+        rows = rows or [self.acceptance]
         tokens, n = [0.0] * cap, len(rows)
-        for r, left in zip(rows, remaining):
-            seen = r.expected_as_seen
-            hope = r.expected if optimistic else seen
+        for r, left in zip(rows, remaining or [cap] * n):
+            seen, hope = r.expected_as_seen, r.expected if optimistic else r.expected_as_seen
             for b in range(cap):
                 i = min(b + 1, left) - 1
                 tokens[b] += seen[i] + (hope[i] - seen[i]) / n
-        return [t / c for t, c in zip(tokens, self.costs.upto(cap, len(rows)))]
+        return [t / c for t, c in zip(tokens, self.costs.upto(cap, n))]
 
-    def pays(self, block: int, rows=None, remaining=None) -> bool:
-        """Whether drafting ``block`` beats plain decoding at the shares as
-        seen: optimism chooses how far to draft, never whether to (a drafter
-        accepted too rarely would keep looking worth a try)."""
-        rate = self.rates(block, rows, remaining, optimistic=False)
-        return rate[-1] > rate[0]
-
-    def drafting_pays(self, rows=None, remaining=None) -> bool:
-        """Whether some block length beats plain decoding at the shares as seen."""
-        rate = self.rates(self.max_block, rows, remaining, optimistic=False)
-        return max(rate[1:], default=0.0) > rate[0]
+    def drafting_pays(self, rows=None, remaining=None, block: Optional[int] = None) -> bool:
+        """Whether drafting ``block`` (None: some length) beats plain decoding
+        at the shares as seen: optimism chooses how far to draft, never
+        whether to (a drafter rarely accepted would keep looking worth a try)."""
+        rate = self.rates(block or self.max_block, rows, remaining, optimistic=False)
+        return max(rate[1:] if block is None else rate[-1:], default=0.0) > rate[0]
 
     def longest_wait(self, probe: int, rows: int = 1) -> int:
-        """Plain cycles between failed probes at most: enough that probing a
-        drafter that never agrees costs at most ``PROBE_BUDGET`` of the time
-        spent decoding plainly (a probe's own cost and its switch)."""
+        """Plain cycles between failed probes at most: probing a drafter that
+        never agrees (a probe and its switch) costs ``PROBE_BUDGET`` of the time."""
         costs = self.costs.upto(probe, rows)
         plain, probing = costs[0], costs[-1] + self.costs.switch_cost(rows)
         return max(PROBE_WAIT, math.ceil((probing - plain) / (PROBE_BUDGET * plain)))
 
     def recheck_interval(self, best_rate: float, rows: int = 1) -> float:
-        """Seconds of drafting before the plain step is priced afresh
-        (``RECHECK_STEPS`` plain steps: the last price may be a slow
-        spell's), so that rechecks cost at most ``RECHECK_BUDGET`` of the
-        drafting time (their switch and what drafting would have gained)."""
+        """Seconds of drafting before ``RECHECK_STEPS`` plain steps price it
+        afresh (the last price may be a slow spell's): rechecks (their switch,
+        what drafting would have gained) cost ``RECHECK_BUDGET`` of the time."""
         plain = self.costs.upto(1, rows)[0]
         lost = self.costs.switch_cost(rows) + RECHECK_STEPS * max(0.0, plain - 1 / best_rate)
         return max(lost / RECHECK_BUDGET, RECHECK_STEPS * plain)
 
-    def learn(self, accepted: List[int], drafted: List[int], rows: List[SlotAcceptance], walk: Optional[TreeWalk]) -> None:
-        """Each row's acceptance, and the pair's, from what the cycle showed."""
-        for r, a, d in zip(rows, accepted, drafted):
-            for acceptance in [r] if r is self.acceptance else [r, self.acceptance]:
+    def observe(
+        self, block, accepted, seconds: float, walk: Optional[TreeWalk] = None, context: Optional[int] = None,
+        rows: Optional[List[SlotAcceptance]] = None, drafted: Optional[List[int]] = None, remaining: Optional[List[int]] = None,
+    ) -> None:
+        """The cycle at ``block`` (a length or a tree, whose ``walk`` says what
+        it showed) took ``seconds`` at ``context`` (None: unknown); each row (one:
+        the pair's) had the first ``accepted`` of ``drafted`` (``block - 1``) accepted."""
+        accepted = [accepted] if isinstance(accepted, int) else accepted
+        rows = rows or [self.acceptance]
+        n = len(rows)
+        for r, a, d in zip(rows, accepted, drafted or [block - 1 if isinstance(block, int) else 0] * n):
+            for acceptance in [r] if r is self.acceptance else [r, self.acceptance]:  # the row's, and the pair's
                 if walk is not None:
                     acceptance.observe(walk.spine, walk.chain_accepted)
                 elif d:
                     acceptance.observe(d, min(a, d))
         if walk is not None:
             self.ranks.observe(walk.ranks)
-
-    def observe(
-        self, block, accepted, seconds: float, walk: Optional[TreeWalk] = None, context: Optional[int] = None,
-        rows: Optional[List[SlotAcceptance]] = None, drafted: Optional[List[int]] = None, remaining: Optional[List[int]] = None,
-    ) -> None:
-        """The cycle at ``block`` (a length or a :class:`TreeChoice`, whose
-        ``walk`` says what it showed) took ``seconds`` at ``context``
-        positions (None: unknown); each row (one: the pair's acceptance)
-        had the first ``accepted`` of its ``drafted`` tokens accepted (by
-        default ``block - 1``, all drafted)."""
-        accepted = [accepted] if isinstance(accepted, int) else accepted
-        rows = rows or [self.acceptance]
-        n = len(rows)
-        drafted = drafted or [0 if block == 1 or isinstance(block, TreeChoice) else block - 1] * n
-        self.learn(accepted, drafted, rows, walk)
-        if self.fixed or self.tree_nodes:
+        if self.fixed:
             return
         if not self.costs.follow:
             seconds = self.costs.cost(block, n)  # choices on acceptance alone (see CycleCosts)
@@ -740,22 +576,19 @@ class BlockSizer:
         self.stale = self.stale or block != 1
         if block == 1:
             self.plain_streak += 1
-            if self.plain_streak >= RECHECK_STEPS:  # the plain step's cost is measured afresh
+            if self.plain_streak >= RECHECK_STEPS:  # the plain step is priced afresh
                 self.drafted_since = 0.0
             return
         self.drafted_since += seconds
         self.plain_streak = 0
-        probe, self.plain_run[n] = self.plain_run.get(n, 0) >= self.patience.get(n, PROBE_WAIT), 0
-        # A probe that had tokens accepted, drafting looking faster, probes
-        # again next plain cycle; a chosen drafting cycle that still looks
-        # faster waits PROBE_WAIT; any other doubles the wait.
+        probe, self.plain_run[n] = self.plain_run[n] >= self.patience[n], 0
         self.drafting_net += (n + sum(accepted)) * self.costs.upto(1, n)[0] - seconds
-        remaining = remaining or [self.max_block] * n
-        if probe and any(accepted) and self.drafting_pays(rows, remaining):
-            self.patience[n] = 1
-        elif not probe and self.drafting_pays(rows, remaining):
-            self.patience[n] = PROBE_WAIT
+        # A probe that had tokens accepted, drafting looking faster, probes again
+        # next plain cycle; a chosen drafting cycle that still looks faster waits
+        # PROBE_WAIT; any other doubles the wait.
+        if (any(accepted) or not probe) and self.drafting_pays(rows, remaining):
+            self.patience[n] = 1 if probe else PROBE_WAIT
         else:
             self.drafting_net -= self.costs.switch_cost(n)  # back to plain decoding
-            probed = block if isinstance(block, int) else self.probe_block
-            self.patience[n] = min(max(self.patience.get(n, PROBE_WAIT), PROBE_WAIT) * 2, self.longest_wait(probed, n))
+            probed = block if isinstance(block, int) else self.max_block
+            self.patience[n] = min(max(self.patience[n], PROBE_WAIT) * 2, self.longest_wait(probed, n))

@@ -26,9 +26,8 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from .adaptive import BlockSizer
 from .cache import PromptCache, bound_target, prompt_cache_for
-from .calibration import calibrate
+from .calibration import plan
 from .controls import KV_KEYWORDS
 from .copy_source import CopyDrafts
 from .decode import BatchResponse, Decoder, Request, Sizing, Stats
@@ -348,11 +347,9 @@ class BatchGenerator:
     def sizing(self, r: Request):
         """How the decoder evaluates each phase, and its sizers: the pair's
         (what earlier generations learnt carries over), or fixed ones."""
-        calibration = calibrate(self.target, self.draft, r.cache.target, r.cache.target_hidden, self.max_block, tree_plan(self.target, self.draft, None, None)[1])
-        if self.fixed:
-            return calibration.settle, Sizing(BlockSizer(self.max_block, None, fixed=True))
-        calibration.sizer.begin(tree_plan(self.target, self.draft, None, None)[1])
-        return calibration.settle, Sizing(calibration.sizer)
+        trees = tree_plan(self.target, self.draft, None, None)[1]
+        sizer, settle = plan(self.target, self.draft, r.cache.target, r.cache.target_hidden, self.max_block, self.fixed, trees=trees)
+        return settle, Sizing(sizer)
 
 
 @dataclass

@@ -1,9 +1,7 @@
-"""The cost table a pair's sizer starts from: the engine's own cycles timed
-on the live cache (rolled back), once per process for each drafter,
-target, device and largest block; and whether overlapping the phases
-(``mx.async_eval``) beats evaluating each in turn on this machine. The
-sizer (:mod:`dflash_mlx.adaptive`) only ever sees the seconds.
-"""
+"""The cost table a pair's sizer starts from, and whether overlapping the
+phases (``mx.async_eval``) beats evaluating each in turn: the engine's own
+cycles timed on the live cache (rolled back), once per process per drafter,
+target, device and largest block. The sizer only ever sees the seconds."""
 
 import weakref
 from dataclasses import dataclass
@@ -18,24 +16,14 @@ from .decode import cycle_timer
 
 @dataclass
 class Calibration:
-    """What :func:`calibrate` measured, and the pair's sizer, which every
-    adaptive generation with the pair continues (what one learnt is not
-    paid for again by the next)."""
+    """What :func:`calibrate` measured (the table; ``settle``: how the loop
+    evaluates each phase) and the pair's sizer, which every adaptive
+    generation with the pair continues (what one learnt is not paid again)."""
 
     costs: Dict[int, float]
-    overlap: bool
+    settle: Callable
     sizer: BlockSizer
     tree: Optional[Tuple[int, float]] = None  # (nodes, seconds) of a tree cycle, once trees may be chosen
-
-    @property
-    def settle(self) -> Callable:
-        """How the loop evaluates each phase."""
-        return mx.async_eval if self.overlap else mx.eval
-
-
-def context_length(cache) -> int:
-    """Positions in the target's ``cache``: the context a timing was taken at."""
-    return next((c.offset for c in cache if hasattr(c, "offset")), 0)
 
 
 def median_seconds(fn: Callable[[], float], repeats: int = 3) -> float:
@@ -59,66 +47,54 @@ def calibrated(target, draft, max_block: int, trees: bool = False) -> bool:
 
 
 def calibrate(target, draft, cache, context: mx.array, max_block: int, trees: bool = False) -> Calibration:
-    """Time engine cycles (:func:`~dflash_mlx.decode.cycle_timer`, each
-    rolled back) at the plain step, the shortest drafting block and the whole
-    block (two drafting lengths give the table its slope), both evaluation
-    strategies at the whole block, and, for the first generation that may
-    choose trees, a tree of the whole block's rows. About twenty cycles,
-    once per process per pair. Through the target's ``agreed``, so a
-    pipelined target's ranks all take rank 0's table (and keep it:
-    following each cycle's timings would need a collective per cycle).
-    """
-    key = calibration_key(target, max_block)
+    """Time engine cycles (:func:`~dflash_mlx.decode.cycle_timer`, rolled back):
+    the plain step, the shortest drafting block and the whole block (two
+    lengths give the slope), both evaluation strategies at the whole block and,
+    once trees may be chosen, a tree of its rows (dearer than that chain: a host
+    read between draft and verify, the mask). Through the target's ``agreed``:
+    pipelined ranks all take rank 0's table, and keep it (no collective a cycle)."""
     saved = _calibrations.get(id(draft))
     if saved is None:  # modules are dicts, so unhashable: key by id, forget on collection
         saved = _calibrations[id(draft)] = {}
         weakref.finalize(draft, _calibrations.pop, id(draft), None)
+    key = calibration_key(target, max_block)
+    if calibrated(target, draft, max_block, trees):
+        return saved[key]
     # What is queued (the prefill) runs first: it is not part of the cycles'
     # cost, and a pipelined target's ranks must run their collectives in one
     # order, which a timed cycle evaluated before the prefill's would break.
-    calibration = saved.get(key)
-    if calibration is None:
-        mx.eval(context, [c.state for c in cache])
-        calibration = saved[key] = chain_calibration(target, draft, cache, context[:, -1:], max_block)
-    if trees and calibration.tree is None and max_block > 1:
-        # A tree of as many rows as the whole block: its cycle costs more
-        # than that chain's (a host read between draft and verify, the mask).
-        nodes = max_block - 1
-        mx.eval(context, [c.state for c in cache])
-        timed = cycle_timer(target, draft, cache, context[:, -1:], max_block)
-        seconds = median_seconds(lambda: timed(TreeChoice(nodes), mx.eval))
-        calibration.tree = (nodes, target.agreed([seconds])[0])
-        calibration.sizer.costs.seed_tree(*calibration.tree, context=context_length(cache))
+    mx.eval(context, [c.state for c in cache])
+    timed = cycle_timer(target, draft, cache, context[:, -1:], max_block)
+    length = next((c.offset for c in cache if hasattr(c, "offset")), 0)  # the context timed at
+    if key not in saved:
+        saved[key] = chain_calibration(target, timed, max_block, length)
+    calibration = saved[key]
+    if trees and max_block > 1:  # its tree not timed yet (else calibrated)
+        seconds = median_seconds(lambda: timed(TreeChoice(max_block - 1), mx.eval))
+        calibration.tree = (max_block - 1, target.agreed([seconds])[0])
+        calibration.sizer.costs.seed_tree(*calibration.tree, context=length)
     return calibration
 
 
-def chain_calibration(target, draft, cache, context: mx.array, max_block: int) -> Calibration:
-    """:func:`calibrate`'s plain and chain cycles, on the last ``context`` position."""
+def chain_calibration(target, timed: Callable, max_block: int, context: int) -> Calibration:
+    """:func:`calibrate`'s plain and chain cycles (``timed``: its cycle timer) at ``context`` positions."""
     grid = sorted({1, min(2, max_block), max_block})
-    timed = cycle_timer(target, draft, cache, context, max_block)
     measured = [median_seconds(lambda: timed(b, mx.eval)) for b in grid[:-1]]
     # The whole block under each strategy in turn, after an untimed cycle
     # that compiles: its cost is the faster strategy's, the one the loop takes.
     timed(max_block, mx.eval)
-    timings = {mx.eval: [], mx.async_eval: []}
-    for _ in range(3):
-        for settle in timings:
-            timings[settle].append(timed(max_block, settle))
-    medians = {settle: float(np.median(seconds)) for settle, seconds in timings.items()}
-    faster = medians[mx.async_eval] < medians[mx.eval]
-    measured.append(min(medians.values()))
-    *measured, overlap = target.agreed([*measured, float(faster)])
+    rounds = [[timed(max_block, settle) for settle in (mx.eval, mx.async_eval)] for _ in range(3)]
+    inline, overlapped = (float(m) for m in np.median(rounds, axis=0))
+    *measured, overlap = target.agreed([*measured, min(inline, overlapped), float(overlapped < inline)])
     costs = dict(zip(grid, measured))
-    table = CycleCosts(costs, follow=target.local_timings, context=context_length(cache))
-    return Calibration(costs, bool(overlap), BlockSizer(max_block, table))
+    table = CycleCosts(costs, follow=target.local_timings, context=context)
+    return Calibration(costs, mx.async_eval if overlap else mx.eval, BlockSizer(max_block, table))
 
 
 def plan(target, draft, cache, context: mx.array, max_block: int, fixed: bool, sizer=None, tree_nodes: int = 0, trees: bool = False):
-    """The generation's block sizer and how it evaluates each phase, both
-    from the calibration; a ``fixed`` block (never with a ``sizer``) takes
-    only the evaluation strategy from it, and so do forced trees of
-    ``tree_nodes`` nodes. ``trees``: whether the pair's sizer may choose
-    trees this generation."""
+    """The generation's block sizer and how it evaluates each phase: the
+    caller's ``sizer`` or the pair's (``trees``: whether it may choose trees);
+    a ``fixed`` block or forced trees of ``tree_nodes`` take only the latter."""
     calibration = calibrate(target, draft, cache, context, max_block, trees)
     if fixed or tree_nodes:
         return BlockSizer(max_block, None, fixed=True, tree_nodes=tree_nodes), calibration.settle

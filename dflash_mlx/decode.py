@@ -324,7 +324,7 @@ class Sizing:
                 r.copies.observe(span[2], span[1] - span[0], accepted - span[0])
         if not cycle.drafted and cycle.block > 1:  # copies alone: nothing of the drafter, a line of their own
             if not self.fixed(rows):
-                self.sizer.costs.observe_verify(cycle.block, seconds, context, len(rows))
+                self.sizer.costs.observe(cycle.block, seconds, context, len(rows), copies=True)
             return
         drafted = [cycle.block - 1 if span is None else span[0] for span in spans]
         accepted = [min(a, d) for (_, _, a, _, _), d in zip(read, drafted)]

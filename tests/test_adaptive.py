@@ -39,11 +39,11 @@ def test_expected_tokens_follow_the_observed_acceptance():
     acc = SlotAcceptance(8)
     for _ in range(200):
         acc.observe(7, 7)
-    assert acc.expected_tokens()[-1] == pytest.approx(8.0, rel=0.05)
+    assert acc.expected[-1] == pytest.approx(8.0, rel=0.05)
     for _ in range(200):
         acc.observe(7, 0)
     assert acc.rates()[0] < 0.05  # the prior has faded with the cycles
-    assert acc.expected_tokens()[-1] < 1.05
+    assert acc.expected[-1] < 1.05
 
 
 def test_runs_of_acceptance_are_kept_not_spread_into_a_geometric_tail():
@@ -56,7 +56,7 @@ def test_runs_of_acceptance_are_kept_not_spread_into_a_geometric_tail():
     for _ in range(100):
         acc.observe(15, 15)
         acc.observe(15, 0)
-    expected = acc.expected_tokens()
+    expected = acc.expected
     assert 3.5 <= expected[6 - 1] < 5.0  # not 5.5
     assert expected[16 - 1] / expected[6 - 1] > 2.1  # 8.5 / 3.5 = 2.4; one rate: 10.3 / 5.5 = 1.9
 
@@ -361,7 +361,7 @@ def test_costs_with_one_drafting_length_stay_flat():
     costs = CycleCosts({1: 1.0, 2: 1.5})
     for seconds in (2.0, 2.0, 2.0):
         costs.observe(2, seconds)
-    assert costs.upto(2) == [1.0, 2.0] and costs.lines[1].slope == 0.0
+    assert costs.upto(2) == [1.0, 2.0] and costs.lines[1].chain[1] == 0.0
 
 
 # ---------------------------------------------------------------------------
@@ -379,7 +379,7 @@ def test_expected_tree_tokens_by_hand_and_as_a_chain():
     for accepted in (7, 2, 0, 5, 1):
         acc.observe(7, accepted)
     chain = expected_tree_tokens(acc.rates(), [0.0], 7)  # one candidate per slot: the chain
-    assert chain == pytest.approx(acc.expected_tokens())
+    assert chain == pytest.approx(acc.expected)
 
 
 def test_the_tree_bound_holds_for_every_tree_size():
@@ -395,7 +395,7 @@ def test_the_tree_bound_holds_for_every_tree_size():
     acc = SlotAcceptance(8)
     for accepted in (7, 2, 0, 5, 1):
         acc.observe(7, accepted)
-    assert tree_tokens_bound(acc.rates(), [0.0]) == pytest.approx(acc.expected_tokens()[-1])
+    assert tree_tokens_bound(acc.rates(), [0.0]) == pytest.approx(acc.expected[-1])
 
 
 def test_the_tree_search_runs_only_when_a_tree_could_pay(monkeypatch):
@@ -533,7 +533,8 @@ def test_tree_costs_start_as_chains_and_follow_tree_cycles():
         costs.observe(TreeChoice(nodes), 2.6 + 0.1 * nodes)
     assert costs.trees(32) == pytest.approx([2.6 + 0.1 * k for k in range(33)])
     assert costs.upto(16) == pytest.approx([1.0] + [1.4 + 0.1 * b for b in range(1, 16)])  # chains unchanged
-    timed = CycleCosts({1: 1.0, 2: 1.5, 16: 2.9}, tree=(15, 4.1))  # the table's tree cycle: 1.2 over the chain's
+    timed = CycleCosts({1: 1.0, 2: 1.5, 16: 2.9})
+    timed.seed_tree(15, 4.1, context=0)  # the table's tree cycle: 1.2 over the chain's
     assert timed.trees(4) == pytest.approx([2.6 + 0.1 * k for k in range(5)])
 
 
@@ -585,7 +586,7 @@ def test_costs_follow_the_context_and_the_choice_follows_them():
     early = [b for c, b in chosen if c < 1000]
     late = [b for c, b in chosen if c > 7000]
     assert Counter(early).most_common(1)[0][0] == 16
-    expected = sizer.acceptance.expected_tokens()
+    expected = sizer.acceptance.expected
     best = 1 + int(np.argmax([e / true_cost(b, context) for b, e in enumerate(expected, 1)]))
     assert best < 16
     assert abs(np.median(late) - best) <= 2
@@ -683,8 +684,8 @@ def test_a_drafting_cycle_never_costs_less_than_a_plain_step():
         costs.observe(1, 0.172, context=2040 + i)
     for b, seconds, context in ((8, 0.30, 2050), (8, 0.027, 2051), (7, 0.283, 2054)):
         costs.observe(b, seconds, context=context)
-    one = costs.lines[1]
-    line = one.draft + costs.growth.at(1) * (costs.context - one.draft_context) + costs.slope_at(one, costs.context)
+    draft, slope = costs.at(costs.lines[1].chain, 1)
+    line = draft + slope
     chain, trees = costs.upto(16), costs.trees(8)
     assert line < chain[0]  # the line alone would price a 2-token cycle below a plain step
     assert min(chain[1:]) >= chain[0] and min(trees) >= chain[0]
@@ -902,7 +903,7 @@ def test_a_row_count_is_priced_by_its_own_cycles():
     for _ in range(500):
         costs.observe(1, truth(8, 1), rows=8)
     assert costs.cost(16, rows=8) == pytest.approx(truth(8, 16), rel=0.1)
-    assert plain == pytest.approx(costs.lines[8].table_plain)  # drafting cycles left the plain step alone
+    assert plain == pytest.approx(costs.lines[8].table[0])  # drafting cycles left the plain step alone
     assert costs.upto(1, rows=8)[0] == pytest.approx(truth(8, 1), rel=0.05)
 
 

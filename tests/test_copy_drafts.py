@@ -257,14 +257,14 @@ def test_copy_cycles_are_priced_by_their_own_cycles_once_measured():
     costs = CycleCosts({1: 1.0, 2: 1.6, 8: 2.2})  # C(b) = 1.5 + 0.1 (b - 1)
     assert costs.verify(9) == pytest.approx(1.0 + 0.1 * 8)
     for n in (3, 9, 17, 33) * 8:
-        costs.observe_verify(n, 1.0 + 0.15 * (n - 1))
+        costs.observe(n, 1.0 + 0.15 * (n - 1), copies=True)
     assert costs.verify(5) == pytest.approx(1.0 + 0.15 * 4, rel=0.05)
     assert costs.verify(21) == pytest.approx(1.5 + 0.1 * 20)  # capped at the chain's
     assert costs.upto(8)[-1] == pytest.approx(2.2)  # the drafting line as it was
     batch = CycleCosts({1: 1.0, 2: 1.6, 8: 2.2})  # two rows: their own line, the same way
     line, drafting = batch.verify(9, rows=2), batch.cost(9, rows=2)
     for _ in range(9):
-        batch.observe_verify(9, 1.2 * line, rows=2)
+        batch.observe(9, 1.2 * line, rows=2, copies=True)
     assert batch.verify(9, rows=2) == pytest.approx(min(1.2 * line, drafting), rel=0.05) and batch.cost(9, rows=2) == drafting
 
 
