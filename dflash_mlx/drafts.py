@@ -105,26 +105,36 @@ class Drafts:
     def held(self, rows: List, slots: int) -> Tuple[mx.array, list]:
         """:meth:`chains` where some rows' controls draft their own
         blocks (a grammar, logits processors): the other rows draft together
-        as usual, each of these from its own drafter logits, masked or
-        processed slot by slot along its own proposal by its control (a
-        grammar skips the drafter where it forces the whole block)."""
+        as usual, these from their drafter logits (one forward for all of
+        them, once one asks: a grammar that forces a whole block needs
+        none), each masked or processed slot by slot along its own proposal
+        by its control."""
         free = [b for b, r in enumerate(rows) if drafting(r) is None]
         tokens, qs = [None] * len(rows), [None] * len(rows)
         if free:
             proposal, free_qs = self.chains([rows[b] for b in free], slots)
             for i, b in enumerate(free):
                 tokens[b], qs[b] = proposal[i], free_qs[i]
-        for b, r in enumerate(rows):
-            if tokens[b] is None:
+        shaped, drafted = [b for b in range(len(rows)) if tokens[b] is None], {}
 
-                def logits(r=r):
-                    block = masked_blocks(self.draft, [r.anchor], self.max_block)
-                    out = self.draft.slot_logits(block, r.cache.target_hidden, r.cache.draft, slots=slots)
+        def logits(b: int) -> mx.array:  # every such row's, in one drafter forward, once one asks
+            if not drafted:
+                own = [rows[i] for i in shaped]
+                blocks = masked_blocks(self.draft, [r.anchor for r in own], self.max_block)
+                hidden, caches = [r.cache.target_hidden for r in own], [r.cache.draft for r in own]
+                if len(own) == 1:
+                    out = self.draft.slot_logits(blocks, hidden[0], caches[0], slots=slots)
+                else:
+                    out = self.draft.slot_logits_rows(blocks, hidden, caches, slots)
+                for r in own:
                     r.cache.target_hidden = None  # injected into its drafter context
-                    return out[0]
+                drafted.update(zip(shaped, out))
+            return drafted[b]
 
-                drafted, qs[b] = drafting(r).draft_block(slots, logits, self.target.vocab_size, r.rule.drafting, r.next_key())
-                tokens[b] = mx.array(drafted, mx.int32)  # (host ids, or a lazy array)
+        for b in shaped:
+            r = rows[b]
+            block, qs[b] = drafting(r).draft_block(slots, lambda b=b: logits(b), self.target.vocab_size, r.rule.drafting, r.next_key())
+            tokens[b] = mx.array(block, mx.int32)  # (host ids, or a lazy array)
         return mx.stack(tokens).astype(mx.int32), qs
 
     def tree(self, r, choice: TreeChoice, room: int):

@@ -482,6 +482,35 @@ def test_one_drafter_forward_drafts_what_each_request_would_alone(qwen3_pair, tm
         same_contexts(mine, theirs)
 
 
+def test_one_drafter_forward_gives_each_requests_slot_logits(qwen3_pair, tmp_path):
+    """``slot_logits_rows`` (what rows whose controls draft their own blocks
+    read, a grammar or logits processors): each row's logits are those its
+    own ``slot_logits`` gives, cycle after cycle."""
+    draft = dflash_mlx.load_draft(qwen3_pair.make_draft(tmp_path / "d"), qwen3_pair.model)
+    target = draft.target
+
+    def prefilled():
+        caches = []
+        for n in (5, 23, 40):
+            cache = dflash_mlx.make_prompt_cache(qwen3_pair.model, draft)
+            prefill(target, cache, prompt_of(n, seed=n), 16)
+            caches.append(cache)
+        return caches
+
+    together, alone = prefilled(), prefilled()
+    for round_ in range(2):
+        blocks = mx.concatenate([masked_block(draft, (7 + round_ + b) % qwen3_pair.vocab, draft.block_size) for b in range(3)])
+        got = draft.slot_logits_rows(blocks, [c.target_hidden for c in together], [c.draft for c in together], 5)
+        assert got.shape == (3, 5, qwen3_pair.vocab)
+        for b, cache in enumerate(alone):
+            want = draft.slot_logits(blocks[b : b + 1], cache.target_hidden, cache.draft, slots=5)
+            assert mx.allclose(got[b], want[0], atol=1e-4), (round_, b)
+        for c in together + alone:
+            c.target_hidden = None
+            _, taps = target.forward(mx.array([prompt_of(3, seed=round_)]), c.target, record=False)
+            c.add_hidden(taps)
+
+
 @pytest.mark.skipif(os.environ.get("DFLASH_MLX_SMOLLM2") != "1", reason="downloads SmolLM2 (set DFLASH_MLX_SMOLLM2=1)")
 def test_smollm2_requests_batched_are_exact_and_accept_as_alone():
     """The real pair: eight held-out chat requests at once, adaptive, each

@@ -861,13 +861,10 @@ class DFlashDraftModel(nn.Module):
     def __call__(self, block_tokens, target_hidden, cache) -> mx.array:
         return self.compute_logits(self.hidden_states(block_tokens, target_hidden, cache))
 
-    def draft_rows(self, block_tokens, target_hidden: List[Optional[mx.array]], caches: List[List[ContextCache]], slots: int, samplings: List[Optional[dict]], keys=None):
-        """One drafter forward for a batch of requests: row ``b`` of
-        ``block_tokens [B, L]`` reads its own context (``caches[b]``, fed
-        ``target_hidden[b]``). Returns the proposals ``[B, slots]`` and, per
-        row, the ``q`` its tokens were sampled from (None: greedy; a row's
-        ``samplings[b]`` holds :func:`processed_probs`' settings, or None;
-        ``keys[b]`` its random key, or None)."""
+    def rows_hidden(self, block_tokens, target_hidden: List[Optional[mx.array]], caches: List[List[ContextCache]], slots: int) -> mx.array:
+        """Final states ``[B, slots, D]`` of every row's drafted slots, in one
+        drafter forward: row ``b`` of ``block_tokens [B, L]`` reads its own
+        context (``caches[b]``, fed ``target_hidden[b]``)."""
         h = self.embed_block(block_tokens)
         contexts = [None] * len(target_hidden)
         new = [b for b, t in enumerate(target_hidden) if t is not None]
@@ -879,7 +876,15 @@ class DFlashDraftModel(nn.Module):
                 contexts[b], at = fused[:, at : at + n], at + n
         for i, layer in enumerate(self.layers):
             h = layer.rows(h, contexts, self.rope, [c[i] for c in caches])
-        hidden = self.norm(h)[:, 1 : 1 + slots]
+        return self.norm(h)[:, 1 : 1 + slots]
+
+    def draft_rows(self, block_tokens, target_hidden: List[Optional[mx.array]], caches: List[List[ContextCache]], slots: int, samplings: List[Optional[dict]], keys=None):
+        """One drafter forward for a batch of requests (:meth:`rows_hidden`).
+        Returns the proposals ``[B, slots]`` and, per row, the ``q`` its
+        tokens were sampled from (None: greedy; a row's ``samplings[b]``
+        holds :func:`processed_probs`' settings, or None; ``keys[b]`` its
+        random key, or None)."""
+        hidden = self.rows_hidden(block_tokens, target_hidden, caches, slots)
         head = self.head_logits(hidden)
         best = mx.argmax(head, axis=-1)
         tokens = best if self.vocab_ids is None else self.vocab_ids[best]
@@ -895,6 +900,11 @@ class DFlashDraftModel(nn.Module):
                     rows.append(sample(qs[b], None if keys is None else keys[b]))
             tokens = mx.stack(rows)
         return tokens, qs
+
+    def slot_logits_rows(self, block_tokens, target_hidden: List[Optional[mx.array]], caches: List[List[ContextCache]], slots: int) -> mx.array:
+        """:meth:`slot_logits` of every row ``[B, slots, V]``, in one drafter
+        forward (:meth:`rows_hidden`)."""
+        return self.compute_logits(self.rows_hidden(block_tokens, target_hidden, caches, slots))
 
     def slot_hidden(self, block_tokens, target_hidden, cache, slots: Optional[int] = None) -> mx.array:
         """Final states of the drafted slots 1..``slots`` (default all, L-1).

@@ -473,6 +473,11 @@ class DFlash2DraftModel(DFlashDraftModel):
                 qs.append(q[0])
         return mx.concatenate(tokens), qs
 
+    def slot_logits_rows(self, block_tokens, target_hidden, caches, slots: int) -> mx.array:
+        """:meth:`slot_logits` one row at a time (its layers' convolutions run per request)."""
+        return mx.concatenate([self.slot_logits(block_tokens[b : b + 1], target_hidden[b], caches[b], slots=slots)
+                               for b in range(len(caches))])
+
     def sampled_walk(self, block_tokens, target_hidden, cache, sampling: dict) -> Tuple[mx.array, mx.array]:
         """(tokens [B, L-1], q [B, L-1, vocab]): the walk and the distribution
         each token was drawn from, for speculative sampling.
