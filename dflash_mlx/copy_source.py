@@ -73,6 +73,11 @@ MASK = (1 << 64) - 1
 BASE = 0x9E3779B97F4A7C15  # odd, so every power is a unit mod 2**64
 
 
+def match_class(length: int) -> int:
+    """The class (index into ``MATCH_CLASSES``) of a match ``length`` tokens long."""
+    return sum(length >= m for m in MATCH_CLASSES[1:])
+
+
 class CopyIndex:
     """The n-gram index of one sequence of tokens (see the module docstring).
 
@@ -307,7 +312,7 @@ class CopyDrafts:
         tokens = index.propose(most - len(lead), after + lead)
         if self.grammar is not None and tokens:
             tokens = tokens[: max(0, self.grammar.takes(after + lead + tokens) - len(after) - len(lead))]
-        return (lead + tokens if tokens else []), sum(index.match_length >= m for m in MATCH_CLASSES[1:])
+        return (lead + tokens if tokens else []), match_class(index.match_length)
 
     def expected(self, klass: int) -> List[float]:
         """Expected tokens a cycle commits verifying the anchor and ``n - 1``
