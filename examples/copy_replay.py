@@ -136,10 +136,27 @@ def report(runs, args) -> None:
               f"{tokens / sum(r['plain_steps'] for r in runs):.2f}x a plain step's tokens per second")
         return
     print(f"prompt lookup alone (block {args.block_size}, n-grams {args.min_match}..{args.max_ngram}); per class of match:")
-    for k, start in enumerate(MATCH_CLASSES):
-        n, accepted, short = (sum(r["classes"][k][i] for r in runs) for i in range(3))
+    pooled = [[sum(r["classes"][k][i] for r in runs) for i in range(3)] for k in range(len(MATCH_CLASSES))]
+    for k, (start, (n, accepted, short)) in enumerate(zip(MATCH_CLASSES, pooled)):
         print(f"  class {k} (match {start}+): {n:4d} proposals, {accepted / max(n, 1):5.2f} accepted per proposal, "
               f"{accepted / max(accepted + short, 1):.3f} of copied slots accepted")
+    print("priors (these shares, non-decreasing in match length):", ", ".join(f"{p:.2f}" for p in priors_of(pooled)))
+
+
+def priors_of(pooled) -> list:
+    """Per class, the share of copied slots accepted (``pooled``: per class
+    proposals, tokens accepted, proposals cut short), made non-decreasing in
+    match length by pooling adjacent classes that break the order (pool
+    adjacent violators: isotonic regression weighted by the slots reached):
+    a longer match is less often a chance recurrence, and a class seen a
+    few times borrows its neighbour's evidence."""
+    blocks = []  # [accepted, reached, classes]
+    for _, accepted, short in pooled:
+        blocks.append([accepted, accepted + short, 1])
+        while len(blocks) > 1 and blocks[-2][0] * max(blocks[-1][1], 1) > blocks[-1][0] * max(blocks[-2][1], 1):
+            last = blocks.pop()
+            blocks[-1] = [blocks[-1][0] + last[0], blocks[-1][1] + last[1], blocks[-1][2] + last[2]]
+    return [a / max(n, 1) for a, n, count in blocks for _ in range(count)]
 
 
 def main(argv=None):
