@@ -23,7 +23,9 @@ proposal is a plain step: one token).
   (:data:`~dflash_mlx.copy_source.MATCH_CLASSES`): the proposals, the tokens
   accepted per proposal, and the share of copied slots accepted (accepted
   over accepted and proposals cut short), the pooled share that a class's
-  prior (:data:`~dflash_mlx.copy_source.COPY_PRIORS`) stands for.
+  prior (:data:`~dflash_mlx.copy_source.COPY_PRIORS`) stands for; and the
+  priors those shares give (:func:`priors_of`). On the tuning set at
+  ``--block-size 33`` (``MAX_COPY + 1``) they are ``COPY_PRIORS``.
 - ``--sized SLOPE``: as the loop decides. Each cycle the row's
   :class:`~dflash_mlx.copy_source.CopyDrafts` proposes, the loop's own rule
   (:meth:`dflash_mlx.decode.Sizing.copies`) verifies a copy alone or takes
