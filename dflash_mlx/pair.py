@@ -121,11 +121,13 @@ def named_prompts(name: str) -> List[str]:
 # Prompt sets the bench can run on any target (``--prompt-set``): JSON lists
 # of requests. ``edit``: rewrite a given function with one change, fix a typo
 # in a given paragraph and return it whole, answer by quoting the given text
-# (the answer repeats its context: what copy drafts are for); not tuned on.
-# ``json_extract``: fields of a sentence as JSON, each request with its JSON
-# schema (objects of ``{"name", "request", "schema"}``; the structured-output
+# (the answer repeats its context: what copy drafts are for); held out: never
+# tuned on. ``edit_tuning``: requests of the same three kinds over other texts
+# and code, the set the copy source's constants are derived from
+# (examples/copy_replay.py). ``json_extract``: fields of a sentence as JSON,
+# each request with its JSON schema (objects of ``{"name", "request", "schema"}``; the structured-output
 # bench, examples/structured_bench.py, holds each answer to its schema).
-PROMPT_SETS = {name: Path(__file__).parent / "prompt_sets" / f"{name}.json" for name in ("edit", "json_extract")}
+PROMPT_SETS = {name: Path(__file__).parent / "prompt_sets" / f"{name}.json" for name in ("edit", "edit_tuning", "json_extract")}
 
 
 def set_request(entry) -> str:
