@@ -211,6 +211,11 @@ class CopyIndex:
         self.copy = (n, end, length) if length else None
         return end, length
 
+    def resyncing(self) -> bool:
+        """Whether a copy broke off within the last ``RESYNC`` tokens (the
+        next token may take its source up again)."""
+        return self.broken is not None and len(self.tokens) - self.broken[0] <= RESYNC
+
     def resynced(self) -> Tuple[int, int]:
         """(end, 1): the last token found within ``RESYNC`` positions of
         where a copy that broke off in the last ``RESYNC`` tokens would be
@@ -315,6 +320,13 @@ class CopyDrafts:
         if self.grammar is not None and tokens:
             tokens = tokens[: max(0, self.grammar.takes(after + lead + tokens) - len(after) - len(lead))]
         return (lead + tokens if tokens else []), match_class(index.match_length)
+
+    @property
+    def resyncing(self) -> bool:
+        """Whether its copy broke off lately (:meth:`CopyIndex.resyncing`):
+        whether the next token takes it up again, only a read shows."""
+        index = self.cache.copy_index
+        return index is not None and index.resyncing()
 
     def expected(self, klass: int) -> List[float]:
         """Expected tokens a cycle commits verifying the anchor and ``n - 1``

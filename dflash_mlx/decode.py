@@ -220,6 +220,7 @@ class Sizing:
 
     def __init__(self, sizer: BlockSizer):
         self.sizer = sizer
+        self.plain_last = False  # whether the last cycle read was a plain step (one may be queued ahead)
 
     def rows_joined(self, rows: List[Request]) -> None:
         """Two rows or more: each keeps an acceptance of its own, a joining
@@ -311,13 +312,13 @@ class Sizing:
             mine = [max(d[choice - 1], e[min(len(t) + 1, choice) - 1] if t else 0.0) for d, e, (t, _) in zip(drafter, expect, spans)]
             rate = sum(mine) / costs.cost(choice, n)
         # Out of a plain spell a copy cycle loses at most the plain step queued ahead.
-        switch = min(costs.switch_cost(n), costs.cost(1, n)) if choice == 1 else 0.0
+        switch = min(costs.switch_cost(n), costs.cost(1, n)) if choice == 1 and self.plain_last else 0.0
         best = max(range(2, limit + 1), key=lambda m: copied(m) / (costs.verify(m, n) + switch), default=0)
         return best if best and copied(best) / (costs.verify(best, n) + switch) > rate else 0
 
     def observe(self, cycle: Cycle, read, seconds: float, context: int) -> None:
         """A cycle read ``seconds`` after the one before it."""
-        rows = cycle.rows
+        rows, self.plain_last = cycle.rows, cycle.choice == 1
         spans = cycle.spans or [None] * len(rows)
         for r, span, (_, _, accepted, _, _) in zip(rows, spans, read):
             if span is not None and span[1] > span[0] <= accepted:  # its copy reached
@@ -466,7 +467,9 @@ class Decoder:
         if cycle.block != 1 or any(r.room <= 1 or not all(hasattr(c, "ahead") for c in r.controls) for r in cycle.rows):
             return None  # (a grammar reads its committed tokens on the host: none runs ahead of a read)
         self.then = self.sizing.choose(cycle.rows, ahead=1)
-        if self.then != 1 or (any(r.copies for r in cycle.rows) and self.sizing.copies(cycle.rows, 1)[0] != 1):
+        if self.then != 1 or any(r.copies is not None and r.copies.resyncing for r in cycle.rows):
+            return None  # (a copy that broke off lately may be taken up at the token only the read shows)
+        if any(r.copies for r in cycle.rows) and self.sizing.copies(cycle.rows, 1)[0] != 1:
             return None  # (copies are chosen after the read: one looked worth it a token ago)
         self.then = None
         for b, r in enumerate(cycle.rows):

@@ -96,13 +96,13 @@ def test_an_edit_resyncs_the_copy():
     committed, the copy goes on from the source (no 2-token match exists)."""
     source = list(range(100, 140))
     index = CopyIndex([1] + source + [2] + source[:10], max_ngram=4)
-    assert index.propose(3) == source[10:13]
+    assert index.propose(3) == source[10:13] and not index.resyncing()
     index.extend([7])  # the edit: 7 for source[10]
-    assert index.propose(3) == []
+    assert index.propose(3) == [] and index.resyncing()  # (the next token may take the copy up again)
     index.extend([source[11]])
     assert index.propose(3) == source[12:15] and index.match_length == 1
     index.extend(source[12:20] + [8, 9, 10, 11, 12, 13, 14, 15, 16, 17])  # far from the source: no resync
-    assert index.propose(3) == []
+    assert index.propose(3) == [] and not index.resyncing()
 
 
 def test_a_single_token_match_is_proposed_near_a_broken_copy_first():
