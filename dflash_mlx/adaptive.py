@@ -426,6 +426,7 @@ class BlockSizer:
         self.max_block, self.costs, self.tree_nodes = max_block, costs, tree_nodes
         self.fixed, self.trees = fixed or max_block == 1 or costs is None, False
         self.acceptance, self.ranks = SlotAcceptance(max_block), RankAcceptance()
+        self.copies = None  # the pair's copy acceptance per match class, where a request's copies start (copy_source)
         # By rows (drafting that pays with 2 rows says nothing of 8): plain
         # cycles before the next probe, and since the last drafting cycle.
         self.patience: Dict[int, int] = defaultdict(lambda: PROBE_WAIT)

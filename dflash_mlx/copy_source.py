@@ -283,6 +283,11 @@ def index_for(cache) -> CopyIndex:
     return index
 
 
+def class_acceptance(max_copy: int = MAX_COPY) -> List[SlotAcceptance]:
+    """Copy acceptance per class of match length, each from its prior."""
+    return [SlotAcceptance(max_copy + 1, prior=p) for p in COPY_PRIORS]
+
+
 class CopyDrafts:
     """A request's copy source in the decode loop: its prompt cache's index
     (:func:`index_for`, so only committed tokens enter it) and, per class of
@@ -294,9 +299,16 @@ class CopyDrafts:
 
     def __init__(self, cache, max_copy: int = MAX_COPY):
         self.cache, self.max_copy = cache, max_copy
-        self.acceptance = [SlotAcceptance(max_copy + 1, prior=p) for p in COPY_PRIORS]
+        self.acceptance, self.pooled = class_acceptance(max_copy), None
         self.live = False  # whether its last verified copy had a token accepted
         self.grammar = None  # the row's grammar (a structured.Constraint), if it is held to one
+
+    def start_from(self, pooled: List[SlotAcceptance]) -> None:
+        """Start from ``pooled`` (the pair's acceptance per class: what the
+        copies of the requests before it showed, from ``COPY_PRIORS``) and
+        feed it: where answers lately did not repeat their context, a new
+        request does not try copies long on a prior's hope."""
+        self.acceptance, self.pooled = copy.deepcopy(pooled), pooled
 
     def hold_to(self, grammar) -> None:
         """Propose only what ``grammar`` (a
@@ -335,5 +347,6 @@ class CopyDrafts:
 
     def observe(self, klass: int, proposed: int, accepted: int) -> None:
         """The target reached a copied span of ``proposed`` tokens and accepted ``accepted``."""
-        self.acceptance[klass].observe(proposed, accepted)
+        for acceptance in [self.acceptance] + ([self.pooled] if self.pooled is not None else []):
+            acceptance[klass].observe(proposed, accepted)
         self.live = accepted > 0

@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from .adaptive import BlockSizer, SlotAcceptance, TreeChoice, TreeWalk
 from .cache import PromptCache
-from .copy_source import CopyDrafts
+from .copy_source import CopyDrafts, class_acceptance
 from .drafts import Drafts, grammar
 from .processors import logprobs as log_probs
 from .sampling import AcceptanceRule, accept_rows
@@ -229,6 +229,16 @@ class Sizing:
             if r.acceptance is None or r.acceptance is self.sizer.acceptance:
                 r.acceptance = copy.deepcopy(self.sizer.acceptance)
 
+    def copies_joined(self, requests: List[Request]) -> None:
+        """Each joining request's copies start from the pair's copy
+        acceptance (and feed it), held to its grammar."""
+        if self.sizer.copies is None:
+            self.sizer.copies = class_acceptance()
+        for r in requests:
+            if r.copies is not None:
+                r.copies.start_from(self.sizer.copies)
+                r.copies.hold_to(grammar(r))
+
     def acceptance(self, rows: List[Request]) -> List[SlotAcceptance]:
         return [self.sizer.acceptance] if len(rows) == 1 else [r.acceptance for r in rows]
 
@@ -367,9 +377,7 @@ class Decoder:
         self.drop_queued()
         self.then = None
         rows = self.rows + list(requests)
-        for r in requests:
-            if r.copies is not None:
-                r.copies.hold_to(grammar(r))
+        self.sizing.copies_joined(requests)
         if len(rows) > 1:
             self.sizing.rows_joined(rows)
             batched = isinstance(self.cache, BatchCache)

@@ -248,6 +248,24 @@ def test_copies_are_priced_and_stop_where_they_fail():
     assert sizing.copies([r], 4) == (4, [None], True)
 
 
+def test_a_joining_request_starts_from_the_copies_the_pair_has_seen():
+    """A request's copies start from the pair's copy acceptance, which every
+    request's copy cycles feed: after requests whose answers did not repeat
+    their context, a new one does not try copies on the prior's hope; the
+    first request starts from the priors."""
+    text = list(range(100, 160))
+    sizing = Sizing(BlockSizer(8, CycleCosts({1: 1.0, 2: 1.6, 8: 2.2}, follow=False)))
+    first, second = pricing_row(text + text[:10]), pricing_row(text + text[:10])
+    sizing.copies_joined([first])
+    choice, plans, _ = sizing.copies([first], 1)
+    assert choice > 1 and plans[0] is not None  # the priors: worth a try
+    for _ in range(60):
+        first.copies.observe(plans[0][1], choice - 1, 0)
+    sizing.copies_joined([second])
+    assert sizing.copies([second], 1) == (1, [None], True)
+    assert sizing.copies([pricing_row(text + text[:10])], 1)[0] > 1  # (not joined: its own priors)
+
+
 def test_copy_cycles_are_priced_by_their_own_cycles_once_measured():
     """Before any, a cycle of copies costs a chain's verify without the
     draft; after some, what they took (here dearer per row than the table's
