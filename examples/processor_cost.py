@@ -16,7 +16,6 @@ evaluated (median of ``--repeats``).
 
 import argparse
 import json
-import statistics
 import time
 
 import mlx.core as mx
@@ -27,16 +26,12 @@ from dflash_mlx.controls import penalty_processors
 from dflash_mlx.generate import encode_prompt
 from dflash_mlx.pair import benchmark_prompts, load_pair, resolve_pair
 from dflash_mlx.processors import Processors
+from dflash_mlx.timing import median_ms
 
 
-def median_ms(fn, repeats: int) -> float:
-    mx.eval(fn())
-    samples = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        mx.eval(fn())
-        samples.append(time.perf_counter() - tic)
-    return 1e3 * statistics.median(samples)
+def evaluated_ms(fn, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` with its result evaluated."""
+    return median_ms(lambda: mx.eval(fn()), repeats, warmup=1)
 
 
 def main(argv=None) -> int:
@@ -68,9 +63,9 @@ def main(argv=None) -> int:
     drafter = logits[1:]
     row = dict(
         cycle_ms=round(cycle_ms, 2),
-        verify_all_rows_ms=round(median_ms(lambda: vectorised.block(logits, proposal), args.repeats), 3),
-        verify_per_row_ms=round(median_ms(lambda: per_row.block(logits, proposal, vectorised=False), args.repeats), 3),
-        draft_block_ms=round(median_ms(lambda: vectorised.draft_block(rows - 1, lambda: drafter, vocab)[0], args.repeats), 3),
+        verify_all_rows_ms=round(evaluated_ms(lambda: vectorised.block(logits, proposal), args.repeats), 3),
+        verify_per_row_ms=round(evaluated_ms(lambda: per_row.block(logits, proposal, vectorised=False), args.repeats), 3),
+        draft_block_ms=round(evaluated_ms(lambda: vectorised.draft_block(rows - 1, lambda: drafter, vocab)[0], args.repeats), 3),
         block=rows, history=len(history), device=str(mx.default_device()),
     )
     row["share_of_cycle"] = round((row["verify_all_rows_ms"] + row["draft_block_ms"]) / cycle_ms, 4)
