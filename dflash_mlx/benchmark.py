@@ -892,7 +892,7 @@ def warmed_drafters(model, draft, tokenizer, windows, sink, block_size) -> dict:
 
 
 def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, sink, block_size=None,
-                       repeats=DEFAULT_BENCH_REPEATS) -> dict:
+                       repeats=DEFAULT_BENCH_REPEATS, copy_drafts: bool = True) -> dict:
     """Long prompts: at each length, mlx-lm and DFlash with the full context
     and with every draft window in ``windows`` (0 in it: the full context)
     and ``sink``.
@@ -909,7 +909,8 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
     the prefill and of the rounds, as if the decoder ran alone: the other
     decoders' states are not counted) and the drafter's share of a cycle
     (its forward over its windowed cache against the verify, at that
-    context)."""
+    context). ``copy_drafts``: whether DFlash may verify spans copied from
+    the context."""
     from mlx_lm.models.cache import make_prompt_cache as mlx_lm_prompt_cache
 
     configs = list(dict.fromkeys([0, *windows]))
@@ -919,7 +920,7 @@ def long_prompt_report(model, draft, tokenizer, lengths, max_tokens, windows, si
     def dflash(d, w):
         return LongPromptDecoder(
             lambda ids, n, cache, responses: dflash_tokens(model, d, tokenizer, ids, n, block_size, responses,
-                                                           prompt_cache=cache),
+                                                           prompt_cache=cache, copy_drafts=copy_drafts),
             lambda: make_prompt_cache(model, d, w, sink),
         )
 
@@ -1192,7 +1193,8 @@ def main(argv=None):
         sink = DEFAULT_DRAFT_SINK if args.draft_sink is None else args.draft_sink
         max_tokens = args.max_tokens[0] if args.max_tokens else DEFAULT_MAX_TOKENS
         report = long_prompt_report(
-            model, draft, tokenizer, args.prompt_lengths, max_tokens, windows, sink, args.block_size, args.repeats
+            model, draft, tokenizer, args.prompt_lengths, max_tokens, windows, sink, args.block_size, args.repeats,
+            args.copy_drafts,
         )
         report.update(model=str(args.model), draft_model=str(draft_path), mlx=mx.__version__, device=str(mx.default_device()))
         print_long_prompt_report(report)
