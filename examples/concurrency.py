@@ -31,12 +31,16 @@ import urllib.request
 import mlx.core as mx
 
 
-def prompts_for(model, count):
-    from dflash_mlx.pair import DEFAULT_TARGET, named_prompts
+def prompts_for(model, count, tokenizer=None):
+    """``count`` of the pair's held-out prompts, cycled: with ``tokenizer``
+    as the benchmark hands them to a generator (a chat pair's as chat turns:
+    a bare request makes SmolLM2 end at once), else the bare requests a
+    client sends to a server."""
+    from dflash_mlx.pair import DEFAULT_TARGET, benchmark_prompts, default_prompts, named_prompts
 
-    if str(model) == str(DEFAULT_TARGET):
-        from dflash_mlx.pair import default_prompts
-
+    if tokenizer is not None:
+        found = benchmark_prompts(model, tokenizer)
+    elif str(model) == str(DEFAULT_TARGET):
         found = default_prompts()
     else:
         found = named_prompts(model)
@@ -54,7 +58,7 @@ def library(args):
     warn_if_reference()
     rows = []
     for c in args.concurrency:
-        prompts = prompts_for(args.model, c)
+        prompts = prompts_for(args.model, c, tokenizer)
         encoded = [tokenizer.encode(p) for p in prompts]
         mlx_lm_batch_generate(model, tokenizer, encoded, max_tokens=4)  # warm both
         batch_generate(model, draft, tokenizer, prompts, max_tokens=4, block_size=args.block_size)
@@ -100,7 +104,7 @@ def shapes(args):
     model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
     rows = []
     for c in args.concurrency:
-        encoded = [tokenizer.encode(p) for p in prompts_for(args.model, c)]
+        encoded = [tokenizer.encode(p) for p in prompts_for(args.model, c, tokenizer)]
         for block in (1, 2, 4, 8, 16):
             gen = BatchGenerator(model, draft, block_size=block)
             uids = gen.insert(encoded, 8 + args.cycles * block)  # no eos: every request decodes every timed cycle

@@ -949,3 +949,98 @@ def test_structured_outputs_validate_through_the_openai_client(served, oai, chat
     r = oai.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=MAX_TOKENS,
                              text={"format": {"type": "json_schema", "name": "weather", "schema": WEATHER_SCHEMA, "strict": True}})
     assert r.output_text == want
+
+
+# SmolLM2 held to the JSON-extraction set's schemas, through the library and the openai client.
+SMOLLM2_TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+You call functions. A call is <tool_call>
+{"name": <the function's name>, "arguments": <its arguments as a JSON object>}
+</tool_call>
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools><|im_end|>
+{% elif messages[0]['role'] != 'system' %}<|im_start|>system
+You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+{% endif %}{% for message in messages %}<|im_start|>{{ message['role'] }}
+{% if message.tool_calls %}{% for tool_call in message.tool_calls %}<tool_call>
+{"name": "{{ tool_call.name if tool_call.name is defined else tool_call.function.name }}", "arguments": {{ tool_call.function.arguments }}}
+</tool_call>{% endfor %}{% else %}{{ message['content'] }}{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def bounded(schema, items: int = 4, length: int = 96, most: int = 10**9):
+    """``schema`` with every array held to ``items`` items, every free
+    string to ``length`` characters and every number to ``most``, where it
+    sets no bound: SmolLM2 repeats an array's item, a phrase or a digit
+    without end (the structured bench's answers cut at 256 tokens), and
+    bounds are how a user keeps a small model's answer finite. An answer
+    valid here is valid under ``schema``."""
+    if isinstance(schema, list):
+        return [bounded(s, items, length, most) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded(v, items, length, most) for k, v in schema.items()}
+    if out.get("type") == "array":
+        out.setdefault("maxItems", items)
+    if out.get("type") == "string" and not {"enum", "const", "pattern", "format"} & set(out):
+        out.setdefault("maxLength", length)
+    if out.get("type") in ("number", "integer"):
+        out.setdefault("maximum", most)
+    return out
+
+
+@pytest.mark.skipif(os.environ.get("DFLASH_MLX_SMOLLM2") != "1", reason="downloads SmolLM2 (set DFLASH_MLX_SMOLLM2=1)")
+def test_smollm2_answers_validate_through_the_library_and_the_openai_client(tmp_path):
+    """Issue 60's validity on the SmolLM2 pair: each request of the
+    ``json_extract`` set (nested objects, arrays, enums, bounded numbers,
+    optional fields, ``additionalProperties: false``), its schema bounded
+    (:func:`bounded`), answered greedily through ``stream_generate`` with
+    ``response_format``, through the server with the openai client's strict
+    ``json_schema``, and as a strict tool's one forced call (SmolLM2's template
+    has no tools: the same weights with a template that has, as a user would
+    give them): every answer ends by itself and validates; the library's and
+    the server's are the same text."""
+    from pathlib import Path
+
+    import jsonschema
+
+    from dflash_mlx import stream_generate
+    from dflash_mlx.pair import load_pair, resolve_pair, structured_set
+
+    model, tokenizer, draft, draft_dir = load_pair("smollm2")
+    target = Path(resolve_pair("smollm2")[0])
+    tools_dir = tmp_path / "smollm2-tools"
+    tools_dir.mkdir()
+    for f in target.iterdir():
+        if f.name != "chat_template.jinja":
+            (tools_dir / f.name).symlink_to(f)
+    (tools_dir / "chat_template.jinja").write_text(SMOLLM2_TOOLS_TEMPLATE)
+    tool_model, tool_tokenizer = load(str(tools_dir))
+    assert tool_tokenizer.has_tool_calling
+    tool_draft = dflash_mlx.load_draft(draft_dir, tool_model)
+    budget = 1024
+    with live_server((target, draft_dir, model, tokenizer, draft), "--max-tokens", str(budget)) as base, \
+            live_server((tools_dir, draft_dir, tool_model, tool_tokenizer, tool_draft), "--max-tokens", str(budget)) as tools:
+        oai = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=600)
+        tool_oai = openai.OpenAI(base_url=tools + "/v1", api_key="x", max_retries=0, timeout=600)
+        for entry in structured_set("json_extract"):
+            schema, messages = bounded(entry["schema"]), [{"role": "user", "content": entry["request"]}]
+            form = {"type": "json_schema", "json_schema": {"name": entry["name"], "schema": schema, "strict": True}}
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            out = list(stream_generate(model, draft, tokenizer, ids, max_tokens=budget, response_format=form))
+            text = "".join(r.text for r in out)
+            assert out[-1].finish_reason == "stop", (entry["name"], text)
+            jsonschema.validate(json.loads(text), entry["schema"])
+            jsonschema.validate(json.loads(text), schema)
+
+            r = oai.chat.completions.create(model="m", messages=messages, response_format=form, max_tokens=budget)
+            assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == text, entry["name"]
+
+            tool = {"type": "function", "function": {"name": "record", "description": "Record what the text says.",
+                                                     "parameters": schema, "strict": True}}
+            r = tool_oai.chat.completions.create(model="m", messages=messages, tools=[tool], max_tokens=budget, parallel_tool_calls=False,
+                                                 tool_choice={"type": "function", "function": {"name": "record"}})
+            (call,) = r.choices[0].message.tool_calls
+            assert call.function.name == "record" and r.choices[0].finish_reason == "tool_calls", entry["name"]
+            jsonschema.validate(json.loads(call.function.arguments), schema)

@@ -311,6 +311,24 @@ def test_a_forced_call_is_a_call_of_the_tools_with_strict_arguments(chat_tokeniz
     assert not takes(named, tok, CALL) and takes(named, tok, CALL.replace("get_weather", "get_time").replace('"city": "Paris"', ""))
 
 
+def test_parallel_tool_calls_false_holds_a_constrained_answer_to_one_call(chat_tokenizer):
+    from dflash_mlx.api import messages, responses
+
+    tok = chat_tokenizer
+    for body in ({"tools": [WEATHER], "tool_choice": "required"}, {"tools": [WEATHER]}):
+        one = format_of({**body, "parallel_tool_calls": False}, tok)
+        assert takes(one, tok, CALL) and not takes(one, tok, CALL + "\n" + CALL), body
+        assert takes(format_of({**body, "parallel_tool_calls": True}, tok), tok, CALL + "\n" + CALL), body
+    chat = messages.to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                             "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+                             "tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
+    assert chat["parallel_tool_calls"] is False
+    assert not takes(format_of(chat, tok), tok, CALL + "\n" + CALL) and takes(format_of(chat, tok), tok, CALL)
+    chat, _ = responses.to_chat({"input": "hi", "parallel_tool_calls": False, "tool_choice": "required",
+                                 "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]}, [])
+    assert chat["parallel_tool_calls"] is False and not takes(format_of(chat, tok), tok, CALL + "\n" + CALL)
+
+
 def test_strict_tools_under_auto_leave_text_free_and_hold_calls(chat_tokenizer):
     tok = chat_tokenizer
     form = format_of({"tools": [WEATHER]}, tok)
@@ -333,6 +351,7 @@ def test_strict_tools_under_auto_leave_text_free_and_hold_calls(chat_tokenizer):
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "strin"}}}}, "response_format", "JSON schema is invalid"),
         ({"response_format": {"type": "regex", "pattern": "(("}}, "response_format", "regular expression"),
         ({"tools": [WEATHER], "response_format": {"type": "regex", "pattern": "a"}}, "response_format", "cannot be combined"),
+        ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls", "true or false"),
     ],
 )
 def test_bad_structured_requests_name_their_field(chat_tokenizer, body, param, says):

@@ -68,12 +68,15 @@ def chat_format(body: dict, tokenizer, answers) -> Optional[dict]:
         tools = [t for t in tools if t["name"] == name]
         if not tools:
             raise RequestError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise RequestError("parallel_tool_calls must be true or false", "parallel_tool_calls")
     if not forced and not any(t.get("strict") is True for t in tools):
         return response_format  # (checked with the tokenizer by the caller)
     kind = response_format.get("type") if isinstance(response_format, dict) else response_format
     if forced and kind not in (None, "text"):
         raise RequestError("a forced tool call and a response_format cannot both hold: send one", "response_format")
-    return {"type": "grammar", "lark": tool_call_grammar(tools, forced, response_format, tokenizer, answers)}
+    return {"type": "grammar", "lark": tool_call_grammar(tools, forced, response_format, tokenizer, answers, parallel)}
 
 
 def after_reasoning(form: dict, think_end: str, tokenizer) -> dict:
@@ -133,10 +136,11 @@ def literal(text: str, tokenizer) -> str:
     return json.dumps(text)
 
 
-def tool_call_grammar(tools: List[dict], forced: bool, response_format, tokenizer, answers) -> str:
+def tool_call_grammar(tools: List[dict], forced: bool, response_format, tokenizer, answers, parallel: bool = True) -> str:
     """A Lark grammar of an answer in the ``json_tools`` call format: one or
     more calls (``forced``); or else free text, optionally followed by calls;
-    or, with a JSON ``response_format``, that JSON or calls."""
+    or, with a JSON ``response_format``, that JSON or calls. Without
+    ``parallel`` (``parallel_tool_calls: false``) calls are one call."""
     if answers.tool_parser is not json_tools.parse_tool_call:
         raise RequestError(
             "strict tools and forced tool calls need a model whose tool calls are <tool_call>{json}</tool_call> "
@@ -146,7 +150,7 @@ def tool_call_grammar(tools: List[dict], forced: bool, response_format, tokenize
         )
     start, end = literal(json_tools.tool_call_start, tokenizer), literal(json_tools.tool_call_end, tokenizer)
     lines = [
-        f'calls: "\\n" call "\\n" {end} ("\\n" {start} "\\n" call "\\n" {end})*',
+        f'calls: "\\n" call "\\n" {end}' + (f' ("\\n" {start} "\\n" call "\\n" {end})*' if parallel else ""),
         f"call: %json {json.dumps(call_schema(tools))}",
     ]
     if forced:

@@ -145,6 +145,7 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
         "messages": messages,
         "tools": tool_choice_rule(openai_tool_choice(choice), chat_tools(body.get("tools"), anthropic_tool)),
         "tool_choice": choice,
+        "parallel_tool_calls": not (isinstance(body.get("tool_choice"), dict) and body["tool_choice"].get("disable_parallel_tool_use") is True),
         "response_format": messages_output_format(body),
         "stop": stop,
         "chat_template_kwargs": kwargs,

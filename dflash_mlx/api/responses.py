@@ -157,6 +157,7 @@ def to_chat(body: dict, history: list) -> Tuple[dict, list]:
         "messages": messages,
         "tools": tool_choice_rule(openai_tool_choice(body.get("tool_choice")), chat_tools(body.get("tools"), function_tool)),
         "tool_choice": body.get("tool_choice"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "response_format": responses_text_format(body.get("text")),
         "chat_template_kwargs": dict(body.get("chat_template_kwargs") or {}),
     }
@@ -278,7 +279,7 @@ class ResponsesEndpoint:
             "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "model": body.get("model", "default"), "output": [], "previous_response_id": previous,
             "instructions": body.get("instructions"), "tools": body.get("tools") or [],
-            "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": False,
+            "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "top_logprobs": body.get("top_logprobs"),
             "max_output_tokens": body.get("max_output_tokens"), "error": None, "incomplete_details": None,
             "metadata": body.get("metadata") or {}, "text": body.get("text") or {"format": {"type": "text"}}, "usage": None,
