@@ -275,6 +275,7 @@ class BatchGenerator:
                 self.joining = []
             out = self.prefill_queued()
             if self.active:
+                self.decoder.sizing.closed = not self.waiting
                 # A cycle is queued before the caller's work on this one's
                 # tokens unless requests are about to join (it would be undone).
                 out += self.decoder.step(run_ahead=not (self.waiting or self.joining))

@@ -211,6 +211,16 @@ class Cycle:
         return [(path, [self.tree.tokens[r] for r in path[1:]], len(path) - 1, token, walk)]
 
 
+@dataclass
+class Expected:
+    """Expected tokens by block length, optimistic and as seen, as a row's
+    :class:`~dflash_mlx.adaptive.SlotAcceptance` gives them: what
+    :meth:`Sizing.choose` hands the sizer for a closed batch's rows."""
+
+    expected: List[float]
+    expected_as_seen: List[float]
+
+
 class Sizing:
     """What chooses each cycle: the pair's :class:`~dflash_mlx.adaptive.BlockSizer`
     over the rows (one row: chains, plain steps and draft trees, by the
@@ -221,6 +231,7 @@ class Sizing:
     def __init__(self, sizer: BlockSizer):
         self.sizer = sizer
         self.plain_last = False  # whether the last cycle read was a plain step (one may be queued ahead)
+        self.closed = False  # whether no request waits to take the place of a row that ends (see worth)
 
     def rows_joined(self, rows: List[Request]) -> None:
         """Two rows or more: each keeps an acceptance of its own, a joining
@@ -242,6 +253,29 @@ class Sizing:
     def acceptance(self, rows: List[Request]) -> List[SlotAcceptance]:
         return [self.sizer.acceptance] if len(rows) == 1 else [r.acceptance for r in rows]
 
+    def worth(self, rows: List[Request], tokens: List[float]) -> float:
+        """What the tokens each row expects from a cycle are worth to the
+        batch: their sum; where no request waits to join (``closed``), the
+        batch runs until its last row ends, so the rows' count times how far
+        their trailing edge advances (a row that gets ahead leaves sooner
+        and the others finish in a smaller batch, whose tokens cost more
+        each: a copy one row verifies, or a block the others reject, moves
+        that edge no further than a plain step does)."""
+        if not self.closed or len(rows) < 2:
+            return sum(tokens)
+        rooms = [r.room for r in rows]
+        return len(rows) * (max(rooms) - max(m - t for m, t in zip(rooms, tokens)))
+
+    def expected(self, rows: List[Request]) -> List:
+        """Each row's expected tokens by block length as the sizer weighs
+        them (:meth:`worth`: in a closed batch, its share of the edge's advance)."""
+        acceptance = self.acceptance(rows)
+        if not self.closed or len(rows) < 2:
+            return acceptance
+        edge = [[self.worth(rows, [getattr(a, kind)[i] for a in acceptance]) / len(rows) for i in range(self.sizer.max_block)]
+                for kind in ("expected", "expected_as_seen")]
+        return [Expected(*edge)] * len(rows)
+
     def choose(self, rows: List[Request], ahead: int = 0):
         """The next cycle, from the cycles before it (``ahead``: chosen before
         the last cycle is read, each row that many tokens further)."""
@@ -251,7 +285,7 @@ class Sizing:
             return max(1, min(min(limits), max(remaining)))
         if len(rows) == 1:
             return self.sizer.choose(remaining[0])
-        return min([self.sizer.choose(remaining, self.acceptance(rows))] + limits)
+        return min([self.sizer.choose(remaining, self.expected(rows))] + limits)
 
     def fixed(self, rows: List[Request]) -> bool:
         """Whether the rows' block is fixed, by the sizer or every row's cap."""
@@ -313,14 +347,14 @@ class Sizing:
         limit = min([r.block_limit for r in rows if r.block_limit] + [max(len(t) for t, _ in spans) + 1])
         expect = [r.copies.expected(k) if t else None for r, (t, k) in zip(rows, spans)]
 
-        def copied(length):  # expected tokens, all rows, of a copy cycle verifying ``length`` a row
-            return sum(e[min(len(t) + 1, length) - 1] if t else 1.0 for e, (t, _) in zip(expect, spans))
+        def copied(length):  # what the rows' expected tokens are worth, of a copy cycle verifying ``length`` a row
+            return self.worth(rows, [e[min(len(t) + 1, length) - 1] if t else 1.0 for e, (t, _) in zip(expect, spans)])
 
         if isinstance(choice, TreeChoice):
             rate = max(self.sizer.rates(self.sizer.max_block, optimistic=False))
         else:
             mine = [max(d[choice - 1], e[min(len(t) + 1, choice) - 1] if t else 0.0) for d, e, (t, _) in zip(drafter, expect, spans)]
-            rate = sum(mine) / costs.cost(choice, n)
+            rate = self.worth(rows, mine) / costs.cost(choice, n)
         # Out of a plain spell a copy cycle loses at most the plain step queued ahead.
         switch = min(costs.switch_cost(n), costs.cost(1, n)) if choice == 1 and self.plain_last else 0.0
         best = max(range(2, limit + 1), key=lambda m: copied(m) / (costs.verify(m, n) + switch), default=0)
@@ -475,8 +509,10 @@ class Decoder:
         if cycle.block != 1 or any(r.room <= 1 or not all(hasattr(c, "ahead") for c in r.controls) for r in cycle.rows):
             return None  # (a grammar reads its committed tokens on the host: none runs ahead of a read)
         self.then = self.sizing.choose(cycle.rows, ahead=1)
-        if self.then != 1 or any(r.copies is not None and r.copies.resyncing for r in cycle.rows):
-            return None  # (a copy that broke off lately may be taken up at the token only the read shows)
+        lone = cycle.rows[0] if len(cycle.rows) == 1 else None
+        if self.then != 1 or (lone is not None and lone.copies is not None and lone.copies.resyncing):
+            return None  # (a lone row's copy that broke off lately may be taken up at the token only the read shows;
+            # in a batch, some row is nearly always there, and waiting would cost every row the overlap)
         if any(r.copies for r in cycle.rows) and self.sizing.copies(cycle.rows, 1)[0] != 1:
             return None  # (copies are chosen after the read: one looked worth it a token ago)
         self.then = None

@@ -17,7 +17,7 @@ from dflash_mlx.adaptive import BlockSizer, CycleCosts
 from dflash_mlx import copy_source
 from dflash_mlx.batch import BatchGenerator
 from dflash_mlx.copy_source import CopyDrafts
-from dflash_mlx.decode import Request, Sizing
+from dflash_mlx.decode import Decoder, Request, Sizing
 from dflash_mlx.sampling import accept_greedy, accept_point_mass, accept_rows, acceptance_rule, processed_probs
 
 
@@ -264,6 +264,55 @@ def test_a_joining_request_starts_from_the_copies_the_pair_has_seen():
     sizing.copies_joined([second])
     assert sizing.copies([second], 1) == (1, [None], True)
     assert sizing.copies([pricing_row(text + text[:10])], 1)[0] > 1  # (not joined: its own priors)
+
+
+def test_a_closed_batch_weighs_its_rows_tokens_by_its_trailing_edge():
+    """Where no request waits to join, a batch runs until its last row ends:
+    what a cycle is worth is how far its rows' trailing edge advances (a row
+    ahead of the others counts for nothing more), so a copy only one of two
+    level rows verifies is worth no more than a plain step and is not
+    chosen, while the same batch with requests waiting (a row that ends
+    gives its place) takes it; a row behind the other counts in full."""
+    text, other = list(range(100, 160)), list(range(200, 260))
+    sizing = Sizing(BlockSizer(8, CycleCosts({1: 1.0, 2: 1.6, 8: 2.2}, follow=False)))
+    level = [pricing_row(text + text[:10]), pricing_row(other)]
+    sizing.rows_joined(level)
+    assert sizing.worth(level, [3.0, 1.0]) == 4.0
+    assert sizing.copies(level, 1)[0] > 1  # open: a copy for one row pays
+    sizing.closed = True
+    assert sizing.worth(level, [3.0, 1.0]) == 2.0 and sizing.worth(level, [3.0, 2.0]) == 4.0
+    assert sizing.copies(level, 1) == (1, [None, None], True)
+    behind = [pricing_row(text + text[:10]), pricing_row(other)]
+    behind[1].n = 20  # the other row is 20 tokens ahead
+    sizing.rows_joined(behind)
+    assert sizing.worth(behind, [3.0, 1.0]) == 6.0
+    assert sizing.copies(behind, 1)[0] > 1
+    assert sizing.expected(level)[0].expected_as_seen[0] == 1.0  # a plain step moves the edge one token
+
+
+def test_a_rows_resyncing_copy_holds_back_a_lone_rows_plain_step_not_a_batchs():
+    """A lone row whose copy broke off lately reads its plain step before
+    the next is queued (the read may take the copy up); in a batch some row
+    is nearly always resyncing, and waiting would cost every row the
+    overlap: the next plain step is queued on the lazy tokens."""
+
+    class Probe(Decoder):  # the queue, without a target
+        def keep(self, cycle, kept):
+            pass
+
+        def launch(self, rows, choice, anchors=None, queued_ahead=False):
+            return SimpleNamespace(rows=rows, choice=choice, queued_ahead=queued_ahead)
+
+    def row(resyncing):
+        r = Request(0, SimpleNamespace(), acceptance_rule(0, 0, 0, 0, None, "speculative"), 200, frozenset())
+        r.copies = SimpleNamespace(resyncing=resyncing)
+        return r
+
+    decoder = Probe(None, None, 1, mx.eval, Sizing(BlockSizer(1, None)))  # every cycle a plain step
+    step = lambda rows: SimpleNamespace(block=1, rows=rows, outcome=mx.zeros((len(rows), 2), mx.int32))  # noqa: E731
+    assert decoder.plain_ahead(step([row(True)])) is None
+    assert decoder.plain_ahead(step([row(False)])).queued_ahead
+    assert decoder.plain_ahead(step([row(True), row(False)])).queued_ahead
 
 
 def test_copy_cycles_are_priced_by_their_own_cycles_once_measured():
