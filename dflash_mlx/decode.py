@@ -272,8 +272,9 @@ class Sizing:
         acceptance = self.acceptance(rows)
         if not self.closed or len(rows) < 2:
             return acceptance
-        edge = [[self.worth(rows, [getattr(a, kind)[i] for a in acceptance]) / len(rows) for i in range(self.sizer.max_block)]
-                for kind in ("expected", "expected_as_seen")]
+        rooms = [r.room for r in rows]
+        edge = [[max(rooms) - max(m - e[i] for m, e in zip(rooms, kind)) for i in range(self.sizer.max_block)]
+                for kind in ([a.expected for a in acceptance], [a.expected_as_seen for a in acceptance])]
         return [Expected(*edge)] * len(rows)
 
     def choose(self, rows: List[Request], ahead: int = 0):
@@ -350,6 +351,8 @@ class Sizing:
         def copied(length):  # what the rows' expected tokens are worth, of a copy cycle verifying ``length`` a row
             return self.worth(rows, [e[min(len(t) + 1, length) - 1] if t else 1.0 for e, (t, _) in zip(expect, spans)])
 
+        if copied(limit) <= self.worth(rows, [1.0] * n):  # (at its longest, worth no more than a plain step)
+            return 0
         if isinstance(choice, TreeChoice):
             rate = max(self.sizer.rates(self.sizer.max_block, optimistic=False))
         else:
@@ -357,8 +360,9 @@ class Sizing:
             rate = self.worth(rows, mine) / costs.cost(choice, n)
         # Out of a plain spell a copy cycle loses at most the plain step queued ahead.
         switch = min(costs.switch_cost(n), costs.cost(1, n)) if choice == 1 and self.plain_last else 0.0
-        best = max(range(2, limit + 1), key=lambda m: copied(m) / (costs.verify(m, n) + switch), default=0)
-        return best if best and copied(best) / (costs.verify(best, n) + switch) > rate else 0
+        rates = {m: copied(m) / (costs.verify(m, n) + switch) for m in range(2, limit + 1)}
+        best = max(rates, key=rates.get, default=0)
+        return best if best and rates[best] > rate else 0
 
     def observe(self, cycle: Cycle, read, seconds: float, context: int) -> None:
         """A cycle read ``seconds`` after the one before it."""
