@@ -513,10 +513,8 @@ class Decoder:
         if cycle.block != 1 or any(r.room <= 1 or not all(hasattr(c, "ahead") for c in r.controls) for r in cycle.rows):
             return None  # (a grammar reads its committed tokens on the host: none runs ahead of a read)
         self.then = self.sizing.choose(cycle.rows, ahead=1)
-        lone = cycle.rows[0] if len(cycle.rows) == 1 else None
-        if self.then != 1 or (lone is not None and lone.copies is not None and lone.copies.resyncing):
-            return None  # (a lone row's copy that broke off lately may be taken up at the token only the read shows;
-            # in a batch, some row is nearly always there, and waiting would cost every row the overlap)
+        if self.then != 1 or (len(cycle.rows) == 1 and getattr(cycle.rows[0].copies, "resyncing", False)):
+            return None  # (a lone row's broken-off copy may resume at the token only the read shows; in a batch some row nearly always waits so)
         if any(r.copies for r in cycle.rows) and self.sizing.copies(cycle.rows, 1)[0] != 1:
             return None  # (copies are chosen after the read: one looked worth it a token ago)
         self.then = None

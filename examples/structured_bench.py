@@ -12,12 +12,19 @@ rotating per round:
 - ``mlx-lm``: mlx-lm's ``stream_generate`` with the schema's llguidance mask as
   a logits processor (``Constraint.processor()``, a fresh constraint per run);
 - ``dflash``: DFlash with ``response_format`` (the same schema);
-- ``free``: DFlash without a constraint.
+- ``free``: DFlash without a constraint;
+- ``verify-only``: DFlash with the grammar in the verify only, as a logits
+  processor would hold it (:class:`VerifyOnly`: the drafter's block
+  unmasked, no token forced ahead of a cycle, copies not held to the
+  grammar): the same text as ``dflash``, so its tokens per cycle against
+  ``dflash``'s count what masked drafts and forced tokens add on the same
+  answer (``free`` decodes another text: prose, or the schema echoed).
 
 A schema compiles with llguidance's defaults
 (``LLMatcher.grammar_from_json_schema(schema)``: flexible whitespace), so the
 reference can be rebuilt anywhere. Reported per request and pooled: tokens
-per cycle of ``dflash`` (forced tokens included) over ``free``'s; wall clock
+per cycle of ``dflash`` (forced tokens included) over ``free``'s, and pooled
+over ``verify-only``'s (the same text); wall clock
 (prefill included) and decode speed of ``dflash`` over ``mlx-lm``'s; whether
 the two gave the same tokens; whether each answer validates against its
 schema (with the ``jsonschema`` package where installed, else only
@@ -46,7 +53,7 @@ from dflash_mlx.generate import encode_prompt
 from dflash_mlx.pair import as_chat, load_pair, structured_set
 from dflash_mlx.structured import Constraint, bridge, grammar_of
 
-DECODERS = ("mlx-lm", "dflash", "free")
+DECODERS = ("mlx-lm", "dflash", "free", "verify-only")
 BARS = {"tokens_per_cycle_ratio": 1.3, "wall_speedup": 1.2, "mask_share": 0.05}  # issue 60's (the share: at most)
 
 
@@ -94,6 +101,23 @@ def json_schema(entry) -> dict:
     return {"type": "json_schema", "json_schema": {"name": entry["name"], "schema": entry["schema"], "strict": True}}
 
 
+class VerifyOnly(Constraint):
+    """The grammar in the verify only: the drafter's block as it drafts it
+    (greedy, unmasked), no token forced ahead of a cycle, a copied span not
+    cut where the grammar refuses it; row i of a verify is still masked by
+    its own path, so the answer is the held one."""
+
+    def forced(self, limit):
+        return []
+
+    def takes(self, tokens):
+        return len(tokens)
+
+    def draft_block(self, slots, logits, vocab_size, sampling=None, key=None):
+        self.plan = None
+        return mx.argmax(logits(), axis=-1).tolist()[:slots], None
+
+
 def run_mlx_lm(model, tokenizer, ids, grammar, max_tokens) -> dict:
     """mlx-lm's greedy decode with the grammar's mask as its logits processor."""
     processor = Constraint(grammar, bridge(tokenizer)).processor()
@@ -107,22 +131,23 @@ def run_mlx_lm(model, tokenizer, ids, grammar, max_tokens) -> dict:
     return {"tokens": tokens, "finish": out[-1].finish_reason, "wall_s": end - tic, "decode_s": end - start}
 
 
-def run_dflash(model, draft, tokenizer, ids, grammar, max_tokens, block_size) -> dict:
-    """One DFlash generation (``grammar`` None: unconstrained): its tokens,
-    cycles and forced tokens, and with a grammar the mask's host seconds
-    over the cycles (from the prefill's token on, as the decode's seconds)."""
-    constraint = TimedConstraint(grammar, bridge(tokenizer)) if grammar else None
+def run_dflash(model, draft, tokenizer, ids, grammar, max_tokens, block_size, held=TimedConstraint) -> dict:
+    """One DFlash generation (``grammar`` None: unconstrained; ``held``: the
+    constraint's kind): its tokens, cycles and forced tokens, and with a
+    grammar the mask's host seconds over the cycles (from the prefill's
+    token on, as the decode's seconds)."""
+    constraint = held(grammar, bridge(tokenizer)) if grammar else None
     tic, out, mask0, start = time.perf_counter(), [], 0.0, 0.0
     for r in stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens, block_size=block_size, response_format=constraint):
         if not out:
-            mask0, start = constraint.seconds if constraint else 0.0, time.perf_counter()
+            mask0, start = getattr(constraint, "seconds", 0.0), time.perf_counter()
         out.append(r)
     end = time.perf_counter()
     return {
         "tokens": [t for r in out for t in r.tokens], "finish": out[-1].finish_reason, "wall_s": end - tic,
         "decode_s": end - start,
         "committed": [r.committed for r in out[1:]], "forced": sum(r.forced for r in out),
-        "mask_s": constraint.seconds - mask0 if constraint else 0.0, "text": tokenizer.decode([t for r in out for t in r.tokens]),
+        "mask_s": getattr(constraint, "seconds", 0.0) - mask0, "text": tokenizer.decode([t for r in out for t in r.tokens]),
     }
 
 
@@ -165,16 +190,17 @@ def request_runs(model, draft, tokenizer, entry, ids, args, turn: int) -> dict:
             if name == "mlx-lm":
                 runs[name].append(run_mlx_lm(model, tokenizer, ids, grammar, args.max_tokens))
             else:
-                held = grammar if name == "dflash" else None
-                runs[name].append(run_dflash(model, draft, tokenizer, ids, held, args.max_tokens, args.block_size))
+                held = None if name == "free" else grammar
+                kind = VerifyOnly if name == "verify-only" else TimedConstraint
+                runs[name].append(run_dflash(model, draft, tokenizer, ids, held, args.max_tokens, args.block_size, kind))
     return runs
 
 
 def request_row(entry, runs, validate) -> dict:
     """One request's figures (tokens, cycles and outputs from its first round; seconds pooled)."""
     a, b, c = runs["mlx-lm"][0], runs["dflash"][0], runs["free"][0]
-    cycles = {n: sum(len(r["committed"]) for r in runs[n]) for n in ("dflash", "free")}
-    committed = {n: sum(sum(r["committed"]) for r in runs[n]) for n in ("dflash", "free")}
+    cycles = {n: sum(len(r["committed"]) for r in runs[n]) for n in ("dflash", "free", "verify-only")}
+    committed = {n: sum(sum(r["committed"]) for r in runs[n]) for n in ("dflash", "free", "verify-only")}
     return {
         "name": entry["name"],
         "tokens": len(b["tokens"]),
@@ -182,13 +208,14 @@ def request_row(entry, runs, validate) -> dict:
         "produced": 1 + sum(b["committed"]),  # (the prefill's token, and every cycle's, its eos included)
         "tokens_per_cycle": committed["dflash"] / max(1, cycles["dflash"]),
         "free_tokens_per_cycle": committed["free"] / max(1, cycles["free"]),
+        "verify_only_tokens_per_cycle": committed["verify-only"] / max(1, cycles["verify-only"]),
         "cycles": cycles, "committed": committed,
         "mlx_lm_wall_s": sum(r["wall_s"] for r in runs["mlx-lm"]),
         "dflash_wall_s": sum(r["wall_s"] for r in runs["dflash"]),
         "mlx_lm_decode_s": sum(r["decode_s"] for r in runs["mlx-lm"]),
         "mask_s": sum(r["mask_s"] for r in runs["dflash"]),
         "decode_s": sum(r["decode_s"] for r in runs["dflash"]),
-        "identical": all(r["tokens"] == a["tokens"] and r["finish"] == a["finish"] for r in runs["mlx-lm"] + runs["dflash"]),
+        "identical": all(r["tokens"] == a["tokens"] and r["finish"] == a["finish"] for r in runs["mlx-lm"] + runs["dflash"] + runs["verify-only"]),
         "finish": b["finish"],
         "schema_error": schema_error(b["text"], b["finish"], entry["schema"], validate),
         "free_schema_error": schema_error(c["text"].strip(), c["finish"], entry["schema"], validate),
@@ -202,10 +229,13 @@ def summary(rows) -> dict:
     cycles = sum(r["cycles"]["dflash"] for r in rows)
     tpc = sum(r["committed"]["dflash"] for r in rows) / max(1, sum(r["cycles"]["dflash"] for r in rows))
     free = sum(r["committed"]["free"] for r in rows) / max(1, sum(r["cycles"]["free"] for r in rows))
+    verify = sum(r["committed"]["verify-only"] for r in rows) / max(1, sum(r["cycles"]["verify-only"] for r in rows))
     out = {
         "tokens_per_cycle": tpc,
         "free_tokens_per_cycle": free,
         "tokens_per_cycle_ratio": tpc / free if free else 0.0,
+        "verify_only_tokens_per_cycle": verify,
+        "same_text_ratio": tpc / verify if verify else 0.0,
         "wall_speedup": total["mlx_lm_wall_s"] / total["dflash_wall_s"],
         "decode_speedup": total["mlx_lm_decode_s"] / total["decode_s"] if total["decode_s"] else 0.0,
         "forced_share": total["forced"] / total["produced"],
@@ -228,6 +258,7 @@ def warm_up(model, draft, tokenizer, entry, ids, args) -> None:
     run_mlx_lm(model, tokenizer, ids, grammar, 16)
     run_dflash(model, draft, tokenizer, ids, grammar, 16, args.block_size)
     run_dflash(model, draft, tokenizer, ids, None, 16, args.block_size)
+    run_dflash(model, draft, tokenizer, ids, grammar, 16, args.block_size, VerifyOnly)
     compile_block_lengths(draft, ids, args.block_size or draft.block_size)
 
 
@@ -249,6 +280,8 @@ def print_table(rows, total) -> None:
         f"{sum(r['dflash_wall_s'] for r in rows):9.2f} {t['wall_speedup']:7.2f}x {t['mask_share']:6.1%}  "
         f"{'yes' if t['outputs_identical'] else 'NO':<4}  {t['valid']}/{t['requests']}"
     )
+    print(f"same text, the grammar in the verify only: {t['verify_only_tokens_per_cycle']:.2f} tokens per cycle; "
+          f"held {t['same_text_ratio']:.2f}x that")
     print(f"decode only (from the first token): {t['decode_speedup']:.2f}x mlx-lm's masked decode; "
           f"mask {t['mask_ms_per_cycle']:.2f} ms of a {t['cycle_ms']:.2f} ms cycle; "
           f"unconstrained answers valid: {t['free_valid']}/{t['requests']}; validator: {t['validator']}")

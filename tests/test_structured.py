@@ -676,12 +676,13 @@ def test_the_structured_bench_runs_on_the_bundled_pair_and_reports(tmp_path, cap
     report = json.loads(out.read_text())
     assert report["requests"] == 2 and report["outputs_identical"]
     for key in ("tokens_per_cycle", "free_tokens_per_cycle", "tokens_per_cycle_ratio", "wall_speedup", "decode_speedup",
-                "forced_share", "mask_ms_per_cycle", "cycle_ms", "mask_share", "valid", "free_valid", "validator", "bars_met"):
+                "forced_share", "mask_ms_per_cycle", "cycle_ms", "mask_share", "valid", "free_valid", "validator", "bars_met",
+                "verify_only_tokens_per_cycle", "same_text_ratio"):
         assert key in report, key
     for row in report["rows"]:
         assert row["identical"] and 0 < row["tokens"] <= 10 and row["produced"] >= row["tokens"]
         assert 0 <= row["forced"] <= row["produced"] and 0 < row["mask_s"] < row["decode_s"]
-        assert row["tokens_per_cycle"] >= 1 and row["free_tokens_per_cycle"] >= 1
+        assert row["tokens_per_cycle"] >= 1 and row["free_tokens_per_cycle"] >= 1 and row["verify_only_tokens_per_cycle"] >= 1
         assert row["schema_error"] == ("" if row["finish"] == "stop" else "cut at --max-tokens")  # (a complete answer validates)
     assert 0 < report["mask_share"] < 1 and report["cycle_ms"] > report["mask_ms_per_cycle"] > 0
     table = capsys.readouterr().out
