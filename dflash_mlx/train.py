@@ -1313,7 +1313,7 @@ def train(args: TrainConfig) -> dict:
 
     from .loading import load_draft
 
-    bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="drafter", unit="step")
+    bar = tqdm(initial=state["step"], total=args.steps, desc="drafter", unit="step")
     curves = learning_curves(args, held_out, docs, answers, adapter)
 
     def evaluate(drafter=draft):
@@ -1334,7 +1334,7 @@ def train(args: TrainConfig) -> dict:
     begun = state["step"]
     if not state.get("eval"):  # where the curve starts: with --from-traffic, --init-from as it is (its vocabulary)
         evaluate(draft if args.from_traffic is None else load_draft(args.init_from, model, dtype=mx.float32))
-    for step in bar:
+    for step in range(state["step"], args.steps):
         optimizer.learning_rate = lr_at(step, args.steps, args.learning_rate, args.warmup)
         starts, windows, anchors = sample_batch(rng, data, args, answers)
         loss, (acc1, acc, tau) = step_fn(starts, windows, mx.array(anchors))
@@ -1344,7 +1344,8 @@ def train(args: TrainConfig) -> dict:
         state["step"] = step + 1
         trained = state["train_seconds"] + time.perf_counter() - tic
         end = expected_end(args, args.steps - state["step"], (time.perf_counter() - start) / (state["step"] - begun), trained)
-        bar.set_postfix(loss=f"{record[0]:.3f}", acc1=f"{record[1]:.3f}", acc=f"{record[2]:.3f}", tau=f"{record[3]:.2f}", ends=end)
+        bar.set_postfix(loss=f"{record[0]:.3f}", acc1=f"{record[1]:.3f}", acc=f"{record[2]:.3f}", tau=f"{record[3]:.2f}", ends=end, refresh=False)
+        bar.update()
         timed_out = out_of_time(args, trained)
         last = state["step"] == args.steps or timed_out
         if state["step"] % args.eval_every == 0 or last:
@@ -1353,8 +1354,7 @@ def train(args: TrainConfig) -> dict:
             state["train_seconds"] += time.perf_counter() - tic
             tic = time.perf_counter()
             save()
-        if timed_out:  # the bar counts a step when the next begins: this one, by hand
-            bar.update()
+        if timed_out:
             break
     bar.close()
     return state
