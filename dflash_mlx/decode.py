@@ -211,6 +211,12 @@ class Cycle:
         return [(path, [self.tree.tokens[r] for r in path[1:]], len(path) - 1, token, walk)]
 
 
+def edge_advance(rooms: List[int], tokens: List[float]) -> float:
+    """How far rows with ``rooms`` tokens left move their trailing edge (the
+    row with the most left) when each commits ``tokens``."""
+    return max(rooms) - max(m - t for m, t in zip(rooms, tokens))
+
+
 @dataclass
 class Expected:
     """Expected tokens by block length, optimistic and as seen, as a row's
@@ -253,6 +259,12 @@ class Sizing:
     def acceptance(self, rows: List[Request]) -> List[SlotAcceptance]:
         return [self.sizer.acceptance] if len(rows) == 1 else [r.acceptance for r in rows]
 
+    def trailing(self, rows: List[Request]) -> Optional[List[int]]:
+        """The rows' rooms where a cycle is worth how far their trailing edge
+        advances (:meth:`worth`: no request waits to join, two rows or
+        more), else None."""
+        return [r.room for r in rows] if self.closed and len(rows) > 1 else None
+
     def worth(self, rows: List[Request], tokens: List[float]) -> float:
         """What the tokens each row expects from a cycle are worth to the
         batch: their sum; where no request waits to join (``closed``), the
@@ -261,19 +273,16 @@ class Sizing:
         and the others finish in a smaller batch, whose tokens cost more
         each: a copy one row verifies, or a block the others reject, moves
         that edge no further than a plain step does)."""
-        if not self.closed or len(rows) < 2:
-            return sum(tokens)
-        rooms = [r.room for r in rows]
-        return len(rows) * (max(rooms) - max(m - t for m, t in zip(rooms, tokens)))
+        rooms = self.trailing(rows)
+        return sum(tokens) if rooms is None else len(rows) * edge_advance(rooms, tokens)
 
     def expected(self, rows: List[Request]) -> List:
         """Each row's expected tokens by block length as the sizer weighs
         them (:meth:`worth`: in a closed batch, its share of the edge's advance)."""
-        acceptance = self.acceptance(rows)
-        if not self.closed or len(rows) < 2:
+        acceptance, rooms = self.acceptance(rows), self.trailing(rows)
+        if rooms is None:
             return acceptance
-        rooms = [r.room for r in rows]
-        edge = [[max(rooms) - max(m - e[i] for m, e in zip(rooms, kind)) for i in range(self.sizer.max_block)]
+        edge = [[edge_advance(rooms, [e[i] for e in kind]) for i in range(self.sizer.max_block)]
                 for kind in ([a.expected for a in acceptance], [a.expected_as_seen for a in acceptance])]
         return [Expected(*edge)] * len(rows)
 

@@ -196,19 +196,24 @@ def request_runs(model, draft, tokenizer, entry, ids, args, turn: int) -> dict:
     return runs
 
 
+def per_cycle(committed: list, cycles: list, name: str) -> float:
+    """Tokens per cycle of decoder ``name``, pooled over requests' counts."""
+    return sum(c[name] for c in committed) / max(1, sum(c[name] for c in cycles))
+
+
 def request_row(entry, runs, validate) -> dict:
     """One request's figures (tokens, cycles and outputs from its first round; seconds pooled)."""
     a, b, c = runs["mlx-lm"][0], runs["dflash"][0], runs["free"][0]
-    cycles = {n: sum(len(r["committed"]) for r in runs[n]) for n in ("dflash", "free", "verify-only")}
-    committed = {n: sum(sum(r["committed"]) for r in runs[n]) for n in ("dflash", "free", "verify-only")}
+    cycles = {n: sum(len(r["committed"]) for r in runs[n]) for n in DECODERS[1:]}
+    committed = {n: sum(sum(r["committed"]) for r in runs[n]) for n in DECODERS[1:]}
     return {
         "name": entry["name"],
         "tokens": len(b["tokens"]),
         "forced": b["forced"],
         "produced": 1 + sum(b["committed"]),  # (the prefill's token, and every cycle's, its eos included)
-        "tokens_per_cycle": committed["dflash"] / max(1, cycles["dflash"]),
-        "free_tokens_per_cycle": committed["free"] / max(1, cycles["free"]),
-        "verify_only_tokens_per_cycle": committed["verify-only"] / max(1, cycles["verify-only"]),
+        "tokens_per_cycle": per_cycle([committed], [cycles], "dflash"),
+        "free_tokens_per_cycle": per_cycle([committed], [cycles], "free"),
+        "verify_only_tokens_per_cycle": per_cycle([committed], [cycles], "verify-only"),
         "cycles": cycles, "committed": committed,
         "mlx_lm_wall_s": sum(r["wall_s"] for r in runs["mlx-lm"]),
         "dflash_wall_s": sum(r["wall_s"] for r in runs["dflash"]),
@@ -227,9 +232,7 @@ def summary(rows) -> dict:
     """The pooled figures, against issue 60's bars."""
     total = {k: sum(r[k] for r in rows) for k in ("forced", "produced", "mlx_lm_wall_s", "dflash_wall_s", "mlx_lm_decode_s", "mask_s", "decode_s")}
     cycles = sum(r["cycles"]["dflash"] for r in rows)
-    tpc = sum(r["committed"]["dflash"] for r in rows) / max(1, sum(r["cycles"]["dflash"] for r in rows))
-    free = sum(r["committed"]["free"] for r in rows) / max(1, sum(r["cycles"]["free"] for r in rows))
-    verify = sum(r["committed"]["verify-only"] for r in rows) / max(1, sum(r["cycles"]["verify-only"] for r in rows))
+    tpc, free, verify = (per_cycle([r["committed"] for r in rows], [r["cycles"] for r in rows], n) for n in DECODERS[1:])
     out = {
         "tokens_per_cycle": tpc,
         "free_tokens_per_cycle": free,
