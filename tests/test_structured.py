@@ -313,6 +313,7 @@ def test_a_forced_call_is_a_call_of_the_tools_with_strict_arguments(chat_tokeniz
 
 def test_parallel_tool_calls_false_holds_a_constrained_answer_to_one_call(chat_tokenizer):
     from dflash_mlx.api import messages, responses
+    from dflash_mlx.errors import RequestError
 
     tok = chat_tokenizer
     for body in ({"tools": [WEATHER], "tool_choice": "required"}, {"tools": [WEATHER]}):
@@ -324,6 +325,10 @@ def test_parallel_tool_calls_false_holds_a_constrained_answer_to_one_call(chat_t
                              "tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
     assert chat["parallel_tool_calls"] is False
     assert not takes(format_of(chat, tok), tok, CALL + "\n" + CALL) and takes(format_of(chat, tok), tok, CALL)
+    with pytest.raises(RequestError, match="disable_parallel_tool_use must be true or false") as e:
+        messages.to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                          "tool_choice": {"type": "any", "disable_parallel_tool_use": "yes"}})
+    assert e.value.param == "tool_choice" and e.value.status == 400
     chat, _ = responses.to_chat({"input": "hi", "parallel_tool_calls": False, "tool_choice": "required",
                                  "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]}, [])
     assert chat["parallel_tool_calls"] is False and not takes(format_of(chat, tok), tok, CALL + "\n" + CALL)

@@ -120,6 +120,14 @@ def tool_choice(choice):
     return {"any": "required"}.get(kind, kind)
 
 
+def parallel_calls(choice) -> bool:
+    """Chat's ``parallel_tool_calls`` from an Anthropic tool choice (its ``disable_parallel_tool_use``)."""
+    disable = choice.get("disable_parallel_tool_use", False) if isinstance(choice, dict) else False
+    if not isinstance(disable, bool):
+        raise RequestError("tool_choice.disable_parallel_tool_use must be true or false", "tool_choice")
+    return not disable
+
+
 def to_chat(body: dict, count_only: bool = False) -> dict:
     """The internal chat request of a Messages request (checked)."""
     max_tokens = body.get("max_tokens")
@@ -145,7 +153,7 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
         "messages": messages,
         "tools": tool_choice_rule(openai_tool_choice(choice), chat_tools(body.get("tools"), anthropic_tool)),
         "tool_choice": choice,
-        "parallel_tool_calls": not (isinstance(body.get("tool_choice"), dict) and body["tool_choice"].get("disable_parallel_tool_use") is True),
+        "parallel_tool_calls": parallel_calls(body.get("tool_choice")),
         "response_format": messages_output_format(body),
         "stop": stop,
         "chat_template_kwargs": kwargs,
