@@ -12,7 +12,7 @@ import statistics
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -314,8 +314,13 @@ class CycleCosts:
     def verify(self, n: int, rows: int = 1) -> float:
         """Seconds of a cycle verifying ``n > 1`` tokens a row that it did not
         draft (copied), never more than a chain as long (which also drafts)."""
+        return self.verifies(n, rows)[-1]
+
+    def verifies(self, n: int, rows: int = 1) -> List[float]:
+        """:meth:`verify` at 2..n (a list: the plain step's first)."""
         _, anchor, slope = self.along("copy", rows)
-        return min(anchor + slope * (n - 1), self.upto(n, rows)[-1])
+        chain = self.upto(n, rows)
+        return chain[:1] + [min(anchor + slope * (b - 1), c) for b, c in zip(range(2, n + 1), chain[1:])]
 
     def cost(self, choice, rows: int = 1) -> float:
         """Seconds of a cycle at ``choice`` (a block length or a :class:`TreeChoice`)."""
@@ -465,13 +470,15 @@ class BlockSizer:
             self.plain_run[n] = run + 1
             choice = 1
         else:
-            rate = self.rates(cap, rows, remaining)
+            # From a plain step, a drafting cycle starts a spell and pays its switch.
+            switch = not self.costs.drafted
+            rate = self.rates(cap, rows, remaining, switch=switch)
             best = max(rate)
             choice = rate.index(best) + 1
             nodes = self.best_tree(cap, best, rows[0]) if self.trees and cap > 1 and n == 1 else 0
             if nodes:
                 choice = TreeChoice(nodes)
-            elif choice > 1 and not self.drafting_pays(rows, remaining, choice):
+            elif choice > 1 and not self.drafting_pays(rows, remaining, choice, switch):
                 choice = 1
             if self.recheck_left or (choice != 1 and self.drafted_since >= self.recheck_interval(best, n)):
                 if not self.recheck_left:  # a recheck starts
@@ -515,10 +522,11 @@ class BlockSizer:
         nodes = max(range(1, MAX_TREE_NODES + 1), key=tree_rate.__getitem__)
         return nodes if tree_rate[nodes] > chain_rate and expected(1)[nodes] / costs[nodes] > plain_rate else 0
 
-    def rates(self, cap: int, rows=None, remaining=None, optimistic: bool = True) -> List[float]:
+    def rates(self, cap: int, rows=None, remaining=None, optimistic: bool = True, switch: bool = False) -> List[float]:
         """Expected tokens per second, all rows (None: the pair's), at blocks
         1..``cap``; the ``optimistic`` shares' hope shared among the rows (a long
-        block tried on a hope costs every row's verify; one row tells as much)."""
+        block tried on a hope costs every row's verify; one row tells as much).
+        With ``switch``, a drafting cycle also pays the switch from plain steps."""
         rows = rows or [self.acceptance]
         tokens, n = [0.0] * cap, len(rows)
         for r, left in zip(rows, remaining or [cap] * n):
@@ -526,13 +534,15 @@ class BlockSizer:
             for b in range(cap):
                 i = min(b + 1, left) - 1
                 tokens[b] += seen[i] + (hope[i] - seen[i]) / n
-        return [t / c for t, c in zip(tokens, self.costs.upto(cap, n))]
+        costs = self.costs.upto(cap, n)
+        extra = self.costs.switch_cost(n) if switch else 0.0
+        return [t / (c + (b > 0) * extra) for b, (t, c) in enumerate(zip(tokens, costs))]
 
-    def drafting_pays(self, rows=None, remaining=None, block: Optional[int] = None) -> bool:
+    def drafting_pays(self, rows=None, remaining=None, block: Optional[int] = None, switch: bool = False) -> bool:
         """Whether drafting ``block`` (None: some length) beats plain decoding
         at the shares as seen: optimism chooses how far to draft, never
         whether to (a drafter rarely accepted would keep looking worth a try)."""
-        rate = self.rates(block or self.max_block, rows, remaining, optimistic=False)
+        rate = self.rates(block or self.max_block, rows, remaining, optimistic=False, switch=switch)
         return max(rate[1:] if block is None else rate[-1:], default=0.0) > rate[0]
 
     def longest_wait(self, probe: int, rows: int = 1) -> int:
@@ -553,10 +563,14 @@ class BlockSizer:
     def observe(
         self, block, accepted, seconds: float, walk: Optional[TreeWalk] = None, context: Optional[int] = None,
         rows: Optional[List[SlotAcceptance]] = None, drafted: Optional[List[int]] = None, remaining: Optional[List[int]] = None,
+        valued: Optional[Callable[[], list]] = None,
     ) -> None:
         """The cycle at ``block`` (a length or a tree, whose ``walk`` says what
         it showed) took ``seconds`` at ``context`` (None: unknown); each row (one:
-        the pair's) had the first ``accepted`` of ``drafted`` (``block - 1``) accepted."""
+        the pair's) had the first ``accepted`` of ``drafted`` (``block - 1``) accepted.
+        ``valued``: the rows' expected tokens as :meth:`choose` is handed them
+        (None: ``rows``), read once ``rows`` have taken the cycle in, so that
+        whether drafting still pays is judged as the next choice will be."""
         accepted = [accepted] if isinstance(accepted, int) else accepted
         rows = rows or [self.acceptance]
         n = len(rows)
@@ -587,7 +601,7 @@ class BlockSizer:
         # A probe that had tokens accepted, drafting looking faster, probes again
         # next plain cycle; a chosen drafting cycle that still looks faster waits
         # PROBE_WAIT; any other doubles the wait.
-        if (any(accepted) or not probe) and self.drafting_pays(rows, remaining):
+        if (any(accepted) or not probe) and self.drafting_pays(valued() if valued else rows, remaining):
             self.patience[n] = 1 if probe else PROBE_WAIT
         else:
             self.drafting_net -= self.costs.switch_cost(n)  # back to plain decoding

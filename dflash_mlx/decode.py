@@ -20,12 +20,14 @@ prefill, draft, verify, accept, yield, trim).
 """
 
 import copy
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
+import numpy as np
 
 from .adaptive import BlockSizer, SlotAcceptance, TreeChoice, TreeWalk
 from .cache import PromptCache
@@ -211,20 +213,33 @@ class Cycle:
         return [(path, [self.tree.tokens[r] for r in path[1:]], len(path) - 1, token, walk)]
 
 
-def edge_advance(rooms: List[int], tokens: List[float]) -> float:
+def edge_advance(rooms: List[int], tokens) -> np.ndarray:
     """How far rows with ``rooms`` tokens left move their trailing edge (the
-    row with the most left) when each commits ``tokens``."""
-    return max(rooms) - max(m - t for m, t in zip(rooms, tokens))
+    row with the most left) when each commits ``tokens`` (``[rows]``, or
+    ``[rows, k]``: k cycles' worth, an advance each)."""
+    rooms = np.asarray(rooms, dtype=float)
+    tokens = np.asarray(tokens, dtype=float)
+    rooms = rooms if tokens.ndim == 1 else rooms[:, None]
+    return rooms.max() - (rooms - tokens).max(axis=0)
 
 
-@dataclass
 class Expected:
     """Expected tokens by block length, optimistic and as seen, as a row's
     :class:`~dflash_mlx.adaptive.SlotAcceptance` gives them: what
-    :meth:`Sizing.choose` hands the sizer for a closed batch's rows."""
+    :meth:`Sizing.choose` hands the sizer for a closed batch's rows, each the
+    advance of the rows' trailing edge (worked out when the sizer reads it:
+    a plain spell reads none)."""
 
-    expected: List[float]
-    expected_as_seen: List[float]
+    def __init__(self, rooms: List[int], acceptance: List[SlotAcceptance]):
+        self.rooms, self.acceptance = rooms, acceptance
+
+    @functools.cached_property
+    def expected(self) -> List[float]:
+        return edge_advance(self.rooms, [a.expected for a in self.acceptance]).tolist()
+
+    @functools.cached_property
+    def expected_as_seen(self) -> List[float]:
+        return edge_advance(self.rooms, [a.expected_as_seen for a in self.acceptance]).tolist()
 
 
 class Sizing:
@@ -274,7 +289,7 @@ class Sizing:
         each: a copy one row verifies, or a block the others reject, moves
         that edge no further than a plain step does)."""
         rooms = self.trailing(rows)
-        return sum(tokens) if rooms is None else len(rows) * edge_advance(rooms, tokens)
+        return np.sum(tokens, axis=0) if rooms is None else len(rows) * edge_advance(rooms, tokens)
 
     def expected(self, rows: List[Request]) -> List:
         """Each row's expected tokens by block length as the sizer weighs
@@ -282,9 +297,7 @@ class Sizing:
         acceptance, rooms = self.acceptance(rows), self.trailing(rows)
         if rooms is None:
             return acceptance
-        edge = [[edge_advance(rooms, [e[i] for e in kind]) for i in range(self.sizer.max_block)]
-                for kind in ([a.expected for a in acceptance], [a.expected_as_seen for a in acceptance])]
-        return [Expected(*edge)] * len(rows)
+        return [Expected(rooms, acceptance)] * len(rows)
 
     def choose(self, rows: List[Request], ahead: int = 0):
         """The next cycle, from the cycles before it (``ahead``: chosen before
@@ -312,7 +325,12 @@ class Sizing:
         plans = [None] * len(rows)
         if self.fixed(rows) and not (isinstance(choice, int) and choice > 1):
             return choice, plans, True  # a fixed plain step or tree verifies no copy: none proposed
-        spans = [r.copies.propose(r.room - 1) if r.copies is not None else ([], 0) for r in rows]
+        spans, rooms = [([], 0)] * len(rows), self.trailing(rows) if choice == 1 else None
+        for b in sorted(range(len(rows)), key=lambda b: -rooms[b]) if rooms else range(len(rows)):
+            r = rows[b]
+            spans[b] = r.copies.propose(r.room - 1) if r.copies is not None else ([], 0)
+            if rooms and not spans[b][0] and rooms[b] == max(rooms):  # (see worth: no copy cycle then moves the edge past a plain step)
+                return choice, plans, True
         if not any(tokens for tokens, _ in spans):
             return choice, plans, True
         drafter = [a.expected_as_seen for a in self.acceptance(rows)]
@@ -356,11 +374,13 @@ class Sizing:
         n, costs = len(rows), self.sizer.costs
         limit = min([r.block_limit for r in rows if r.block_limit] + [max(len(t) for t, _ in spans) + 1])
         expect = [r.copies.expected(k) if t else None for r, (t, k) in zip(rows, spans)]
-
-        def copied(length):  # what the rows' expected tokens are worth, of a copy cycle verifying ``length`` a row
-            return self.worth(rows, [e[min(len(t) + 1, length) - 1] if t else 1.0 for e, (t, _) in zip(expect, spans)])
-
-        if copied(limit) <= self.worth(rows, [1.0] * n):  # (at its longest, worth no more than a plain step)
+        # per row, its expected tokens of a copy cycle verifying 1..limit a row (the anchor's alone: 1)
+        tokens = np.ones((n, limit))
+        for b, (e, (t, _)) in enumerate(zip(expect, spans)):
+            if t:
+                tokens[b, 1:] = [e[min(len(t) + 1, m) - 1] for m in range(2, limit + 1)]
+        copied = self.worth(rows, tokens)  # what each length is worth to the batch
+        if copied[-1] <= copied[0]:  # (at its longest, worth no more than a plain step)
             return 0
         if isinstance(choice, TreeChoice):
             rate = max(self.sizer.rates(self.sizer.max_block, optimistic=False))
@@ -369,9 +389,9 @@ class Sizing:
             rate = self.worth(rows, mine) / costs.cost(choice, n)
         # Out of a plain spell a copy cycle loses at most the plain step queued ahead.
         switch = min(costs.switch_cost(n), costs.cost(1, n)) if choice == 1 and self.plain_last else 0.0
-        rates = {m: copied(m) / (costs.verify(m, n) + switch) for m in range(2, limit + 1)}
-        best = max(rates, key=rates.get, default=0)
-        return best if best and rates[best] > rate else 0
+        rates = copied[1:] / (np.array(costs.verifies(limit, n)[1:]) + switch)
+        best = int(np.argmax(rates)) if len(rates) else -1
+        return best + 2 if best >= 0 and rates[best] > rate else 0
 
     def observe(self, cycle: Cycle, read, seconds: float, context: int) -> None:
         """A cycle read ``seconds`` after the one before it."""
@@ -390,7 +410,8 @@ class Sizing:
             self.sizer.observe(cycle.choice, accepted[0], seconds, read[0][4], context=context, drafted=drafted)
         else:
             remaining = [r.room for r in rows]
-            self.sizer.observe(cycle.choice, accepted, seconds, None, context, self.acceptance(rows), drafted, remaining)
+            self.sizer.observe(cycle.choice, accepted, seconds, None, context, self.acceptance(rows), drafted, remaining,
+                               valued=lambda: self.expected(rows))
 
 
 class Decoder:

@@ -741,6 +741,27 @@ def test_a_drafter_that_pays_is_drafted_after_a_spell_of_probes():
     assert sizer.choose(1000) > 1
 
 
+def test_drafting_out_of_a_plain_step_pays_its_switch():
+    """A switch (1.1 plain steps here: the step before a drafting cycle
+    nearly free, the one after it three times as dear) is paid once a
+    drafting spell: out of a plain step, a drafting cycle must beat plain
+    decoding with it paid; inside a spell, the next one is weighed without
+    it. Drafting that gains 14% over plain steps before the switch is not
+    started for it, and is kept once under way."""
+    costs = CycleCosts({1: 1.0, 2: 2.0, 16: 2.0})
+    for _ in range(40):
+        for seconds in (1.0, 1.0, 1.0, 0.1):
+            costs.observe(1, seconds)
+        costs.observe(16, 2.0)
+        costs.observe(1, 3.0)
+    assert costs.switch_cost() == pytest.approx(1.1)
+    row, sizer = accepting(0.5), BlockSizer(16, costs)
+    assert 1.0 < max(e / c for e, c in zip(row.expected_as_seen[1:], costs.upto(16)[1:])) < 1.0 + 1.1 / 2.0
+    assert sizer.choose([1000], [row]) == 1  # out of a plain step
+    sizer.observe(16, [1], 2.0, rows=[row], drafted=[15])
+    assert sizer.choose([1000], [row]) > 1  # inside a drafting spell
+
+
 def after_a_slow_spell(accept: float, cycles=3000, seed=0):
     """A sizer that measured its plain steps in a slow spell (3.0 against
     their 1.0), then decodes ``cycles`` cycles at the pair's true costs
@@ -952,6 +973,27 @@ def test_a_plain_batch_probes_and_backs_off_per_row_count():
     sizer.observe(block, [block - 1] * 2, costs.cost(block, 2), rows=good)
     assert block > 1 and sizer.patience[8] == wait  # drafting that pays with 2 rows says nothing of 8
     assert BlockSizer(16, costs, fixed=True).choose([5] * 8, rows) == 5  # fixed: the whole block, never past the end
+
+
+def test_a_batch_judges_its_drafting_cycle_as_its_next_choice_will():
+    """Whether drafting still pays after a batch's drafting cycle is judged
+    on the rows' expected tokens as the next choice is handed them
+    (``valued``: in a closed batch, the advance of its trailing edge), not
+    on what its rows' acceptances give summed: a probe whose rows accepted
+    tokens, where the choice would still see plain steps ahead, backs off
+    instead of probing again at the next cycle (every other cycle a probe)."""
+    _, costs = batch_costs(s=0.001, e=0.03)
+    good, poor = [accepting(0.95) for _ in range(4)], [accepting(0.1) for _ in range(4)]
+    waits = []
+    for valued in (None, lambda: poor):
+        sizer = BlockSizer(16, costs)
+        choices = [sizer.choose([1000] * 4, poor) for _ in range(PROBE_WAIT)]
+        assert choices[:-1] == [1] * (PROBE_WAIT - 1) and choices[-1] > 1  # a probe
+        sizer.observe(choices[-1], [3] * 4, costs.cost(choices[-1], 4), rows=[accepting(0.95) for _ in range(4)],
+                      drafted=[choices[-1] - 1] * 4, valued=valued)
+        waits.append(sizer.patience[4])
+    assert sizer.drafting_pays(good, [1000] * 4) and not sizer.drafting_pays(poor, [1000] * 4)
+    assert waits[0] == 1 and waits[1] > PROBE_WAIT  # judged by the sum: probe again; as the choice sees it: back off
 
 
 def test_the_pairs_acceptance_learns_from_every_row():
