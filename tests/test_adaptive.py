@@ -691,18 +691,25 @@ def test_a_drafting_cycle_never_costs_less_than_a_plain_step():
     assert min(chain[1:]) >= chain[0] and min(trees) >= chain[0]
 
 
+def switching(costs: CycleCosts, after: float) -> CycleCosts:
+    """``costs`` after 40 spells of plain steps (1.0; the last read before a
+    drafting cycle 0.1: it held the next step's forward), a 16-token cycle
+    (2.0) and the plain step after it (``after``)."""
+    for _ in range(40):
+        for seconds in (1.0, 1.0, 1.0, 0.1):
+            costs.observe(1, seconds)
+        costs.observe(16, 2.0)
+        costs.observe(1, after)
+    return costs
+
+
 def test_what_a_switch_costs_is_neither_a_plain_step_nor_a_drafting_cycle():
     """Where a plain step's timing holds the next plain step's forward (as
     measured on MLX's CPU backend): the one before a drafting cycle looks
     nearly free (0.1), the one after it twice as dear (2.0). Plain steps and
     drafting cycles keep their own costs (1.0, 2.0); the switch is the two
     less two plain steps (0.1), priced apart, and counts against probes."""
-    costs = CycleCosts({1: 1.0, 2: 1.5, 16: 2.0})
-    for _ in range(40):
-        for seconds in (1.0, 1.0, 1.0, 0.1):
-            costs.observe(1, seconds)
-        costs.observe(16, 2.0)
-        costs.observe(1, 2.0)
+    costs = switching(CycleCosts({1: 1.0, 2: 1.5, 16: 2.0}), after=2.0)
     assert costs.upto(16)[0] == pytest.approx(1.0)
     assert costs.upto(16)[-1] == pytest.approx(2.0)
     assert costs.switch_cost() == pytest.approx(0.1)
@@ -748,12 +755,7 @@ def test_drafting_out_of_a_plain_step_pays_its_switch():
     decoding with it paid; inside a spell, the next one is weighed without
     it. Drafting that gains 14% over plain steps before the switch is not
     started for it, and is kept once under way."""
-    costs = CycleCosts({1: 1.0, 2: 2.0, 16: 2.0})
-    for _ in range(40):
-        for seconds in (1.0, 1.0, 1.0, 0.1):
-            costs.observe(1, seconds)
-        costs.observe(16, 2.0)
-        costs.observe(1, 3.0)
+    costs = switching(CycleCosts({1: 1.0, 2: 2.0, 16: 2.0}), after=3.0)
     assert costs.switch_cost() == pytest.approx(1.1)
     row, sizer = accepting(0.5), BlockSizer(16, costs)
     assert 1.0 < max(e / c for e, c in zip(row.expected_as_seen[1:], costs.upto(16)[1:])) < 1.0 + 1.1 / 2.0
