@@ -563,19 +563,21 @@ class BlockSizer:
     def observe(
         self, block, accepted, seconds: float, walk: Optional[TreeWalk] = None, context: Optional[int] = None,
         rows: Optional[List[SlotAcceptance]] = None, drafted: Optional[List[int]] = None, remaining: Optional[List[int]] = None,
-        valued: Optional[Callable[[], list]] = None,
+        valued: Optional[Callable[[], list]] = None, pooled: Optional[List[bool]] = None,
     ) -> None:
         """The cycle at ``block`` (a length or a tree, whose ``walk`` says what
         it showed) took ``seconds`` at ``context`` (None: unknown); each row (one:
         the pair's) had the first ``accepted`` of ``drafted`` (``block - 1``) accepted.
         ``valued``: the rows' expected tokens as :meth:`choose` is handed them
         (None: ``rows``), read once ``rows`` have taken the cycle in, so that
-        whether drafting still pays is judged as the next choice will be."""
+        whether drafting still pays is judged as the next choice will be.
+        ``pooled``: per row, whether its cycles also feed the pair's
+        acceptance (None: every row's)."""
         accepted = [accepted] if isinstance(accepted, int) else accepted
         rows = rows or [self.acceptance]
         n = len(rows)
-        for r, a, d in zip(rows, accepted, drafted or [block - 1 if isinstance(block, int) else 0] * n):
-            for acceptance in [r] if r is self.acceptance else [r, self.acceptance]:  # the row's, and the pair's
+        for r, a, d, feeds in zip(rows, accepted, drafted or [block - 1 if isinstance(block, int) else 0] * n, pooled or [True] * n):
+            for acceptance in [r] if r is self.acceptance or not feeds else [r, self.acceptance]:  # the row's, and the pair's
                 if walk is not None:
                     acceptance.observe(walk.spine, walk.chain_accepted)
                 elif d:

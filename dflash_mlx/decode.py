@@ -255,11 +255,21 @@ class Sizing:
         self.closed = False  # whether no request waits to take the place of a row that ends (see worth)
 
     def rows_joined(self, rows: List[Request]) -> None:
-        """Two rows or more: each keeps an acceptance of its own, a joining
-        one starting from the pair's (what the rows have shown lately)."""
+        """Two rows or more, or a row held to a grammar: each keeps an
+        acceptance of its own, a joining one starting from the pair's (what
+        the rows have shown lately)."""
         for r in rows:
-            if r.acceptance is None or r.acceptance is self.sizer.acceptance:
+            if not self.alone(rows) and (r.acceptance is None or r.acceptance is self.sizer.acceptance):
                 r.acceptance = copy.deepcopy(self.sizer.acceptance)
+
+    @staticmethod
+    def alone(rows: List[Request]) -> bool:
+        """Whether the rows are a lone request the pair's acceptance speaks
+        for. A row held to a grammar keeps its acceptance to itself: the
+        tokens the grammar forces are accepted whatever the drafter
+        proposes, so they say nothing of the drafter the pair's acceptance,
+        where every request starts, describes."""
+        return len(rows) == 1 and grammar(rows[0]) is None
 
     def copies_joined(self, requests: List[Request]) -> None:
         """Each joining request's copies start from the pair's copy
@@ -272,7 +282,7 @@ class Sizing:
                 r.copies.hold_to(grammar(r))
 
     def acceptance(self, rows: List[Request]) -> List[SlotAcceptance]:
-        return [self.sizer.acceptance] if len(rows) == 1 else [r.acceptance for r in rows]
+        return [self.sizer.acceptance] if self.alone(rows) else [r.acceptance for r in rows]
 
     def trailing(self, rows: List[Request]) -> Optional[List[int]]:
         """The rows' rooms where a cycle is worth how far their trailing edge
@@ -306,7 +316,7 @@ class Sizing:
         limits = [r.block_limit for r in rows if r.block_limit]
         if len(limits) == len(rows):  # every request fixed its block: the shortest, for all
             return max(1, min(min(limits), max(remaining)))
-        if len(rows) == 1:
+        if self.alone(rows):
             return self.sizer.choose(remaining[0])
         return min([self.sizer.choose(remaining, self.expected(rows))] + limits)
 
@@ -357,7 +367,7 @@ class Sizing:
         tokens, klass = r.copies.propose(r.room - slots - 1, after=proposal[0].tolist())  # (a host read, only here)
         if not tokens:
             return proposal, None
-        costs, expected = self.sizer.costs, self.sizer.acceptance.expected_as_seen
+        costs, expected = self.sizer.costs, self.acceptance([r])[0].expected_as_seen
         reach = expected[slots] - expected[slots - 1]  # every drafted slot accepted
         chain, copied = costs.upto(slots + 2), r.copies.expected(klass)
         rate = lambda k: (expected[slots] + reach * (copied[k] - 1)) / (chain[-2] + (chain[-1] - chain[-2]) * k)  # noqa: E731
@@ -406,12 +416,15 @@ class Sizing:
             return
         drafted = [cycle.block - 1 if span is None else span[0] for span in spans]
         accepted = [min(a, d) for (_, _, a, _, _), d in zip(read, drafted)]
-        if len(rows) == 1:
+        if self.alone(rows):
             self.sizer.observe(cycle.choice, accepted[0], seconds, read[0][4], context=context, drafted=drafted)
-        else:
-            remaining = [r.room for r in rows]
-            self.sizer.observe(cycle.choice, accepted, seconds, None, context, self.acceptance(rows), drafted, remaining,
-                               valued=lambda: self.expected(rows))
+            return
+        lone = len(rows) == 1
+        self.sizer.observe(
+            cycle.choice, accepted, seconds, read[0][4] if lone else None, context=context, rows=self.acceptance(rows),
+            drafted=drafted, remaining=None if lone else [r.room for r in rows], valued=lambda: self.expected(rows),
+            pooled=[grammar(r) is None for r in rows],
+        )
 
 
 class Decoder:
@@ -446,8 +459,8 @@ class Decoder:
         self.then = None
         rows = self.rows + list(requests)
         self.sizing.copies_joined(requests)
+        self.sizing.rows_joined(rows)
         if len(rows) > 1:
-            self.sizing.rows_joined(rows)
             batched = isinstance(self.cache, BatchCache)
             parts, positions = ([self.cache], self.positions()) if batched else ([], [])
             for r in rows[len(self.rows) if batched else 0 :]:

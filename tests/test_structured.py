@@ -3,6 +3,7 @@ masks, forced tokens, constrained drafting and the logits processor, on a
 tiny byte tokenizer and the bundled pair's; and the response formats'
 checks. The loop's use of it is tested with the loop."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tiny import LOOP_FAMILIES, QWEN3, V, eos_set, make_target, pit_check, promp
 
 import dflash_mlx
 
+from dflash_mlx.adaptive import BlockSizer, CycleCosts
 from dflash_mlx.errors import ArgumentError
 from dflash_mlx.sampling import processed_probs
 from dflash_mlx.structured import BRIDGES, Constraint, allowed, bridge, constraint_from_response_format, grammar_of
@@ -600,6 +602,23 @@ def test_forced_text_is_verified_in_one_cycle_without_drafting(make_pair, tmp_pa
     assert got == masked_reference(pair.model, pair.tokenizer, prompt_of(8), form, 30)
     assert responses[0].forced == 1 and responses[1].forced == len("he answer is ")
     assert responses[1].committed == len("he answer is ") + 1, "the forced run and the target's choice after it, in one cycle"
+
+
+def test_a_held_row_keeps_its_acceptance_to_itself(make_pair, tmp_path):
+    """Tokens a grammar forces are accepted whatever the drafter proposes: a
+    structured request's cycles leave the pair's acceptance (where every
+    request starts) as it was, and a free request's feed it."""
+    pair = make_pair("qwen3")
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=16), pair.model)
+    sizer = BlockSizer(16, CycleCosts({1: 1.0, 2: 1.2, 16: 1.5}))
+    before = copy.deepcopy(vars(sizer.acceptance))
+    form = {"type": "regex", "pattern": "The answer is (yes|no)\\. I said (yes|no), the answer is (yes|no)\\."}
+    got, responses = structured_run(pair.model, draft, pair.tokenizer, prompt_of(8), form, 60, sizer=sizer)
+    assert got == masked_reference(pair.model, pair.tokenizer, prompt_of(8), form, 60)
+    assert sum(r.forced for r in responses) > 20 and max(r.block_size for r in responses) > 1
+    assert vars(sizer.acceptance) == before
+    list(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, mx.array(prompt_of(8)), max_tokens=30, sizer=sizer))
+    assert vars(sizer.acceptance) != before
 
 
 def test_a_dflash2_drafter_drafts_held_blocks_exactly(make_pair, tmp_path):
