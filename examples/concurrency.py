@@ -2,13 +2,17 @@
 
     python examples/concurrency.py                       # library: batch_generate, bundled pair
     python examples/concurrency.py --plain               # ... and plain batched steps in the same rounds
+    python examples/concurrency.py --plain --fixed 4 8 16     # ... and fixed blocks: the best fixed choice in hindsight
     python examples/concurrency.py --server --model smollm2   # both servers on loopback
     python examples/concurrency.py --shapes                   # a batched cycle's cost by its shape, here
 
 Library mode runs mlx-lm's ``batch_generate`` and dflash_mlx's on the same
 held-out prompts at each concurrency, taking turns (``--repeats`` rounds
-of each), and reports aggregate tokens per second, their ratio, tokens per
-cycle per request, and whether every text matched mlx-lm's.
+of each, the order rotating), and reports aggregate tokens per second,
+their ratio, tokens per cycle per request, and whether every text matched
+mlx-lm's; ``--plain`` and ``--fixed`` add fixed blocks of the same loop in
+the same rounds (what the sizer's choices are up against: the best fixed
+block for these prompts, known only in hindsight).
 
 Server mode starts ``mlx_lm server`` (its default continuous batching) and
 ``mlx-dflash server`` on loopback ports with the same target, sends the
@@ -48,6 +52,9 @@ def prompts_for(model, count, tokenizer=None):
 
 
 def library(args):
+    """mlx-lm's ``batch_generate`` and DFlash's (adaptive, or ``--block-size``)
+    at each concurrency, with ``--plain`` (block 1) and each ``--fixed``
+    block in the same rounds, the order rotating by one each round."""
     from mlx_lm import batch_generate as mlx_lm_batch_generate
 
     from dflash_mlx.batch import batch_generate
@@ -56,38 +63,45 @@ def library(args):
 
     model, tokenizer, draft, _ = load_pair(args.model, args.draft_model)
     warn_if_reference()
+    blocks = {"dflash": args.block_size, **({"plain": 1} if args.plain else {}), **{f"block_{b}": b for b in args.fixed}}
+    names = ["mlx_lm", *blocks]
     rows = []
     for c in args.concurrency:
         prompts = prompts_for(args.model, c, tokenizer)
         encoded = [tokenizer.encode(p) for p in prompts]
-        mlx_lm_batch_generate(model, tokenizer, encoded, max_tokens=4)  # warm both
-        batch_generate(model, draft, tokenizer, prompts, max_tokens=4, block_size=args.block_size)
-        if args.plain:
-            batch_generate(model, draft, tokenizer, prompts, max_tokens=4, block_size=1)
-        lm_times, df_times, plain_times, same, per_cycle = [], [], [], True, []
-        for _ in range(args.repeats):
-            tic = time.perf_counter()
-            lm = mlx_lm_batch_generate(model, tokenizer, encoded, max_tokens=args.max_tokens)
-            lm_times.append(time.perf_counter() - tic)
-            tic = time.perf_counter()
-            df = batch_generate(model, draft, tokenizer, prompts, max_tokens=args.max_tokens, block_size=args.block_size)
-            df_times.append(time.perf_counter() - tic)
-            same = same and df.texts == lm.texts
-            per_cycle += [s["tokens_per_cycle"] for s in df.stats]
-            if args.plain:  # plain batched steps of the same loop, in the same round
+
+        def run(name, max_tokens):
+            if name == "mlx_lm":
+                return mlx_lm_batch_generate(model, tokenizer, encoded, max_tokens=max_tokens)
+            return batch_generate(model, draft, tokenizer, prompts, max_tokens=max_tokens, block_size=blocks[name])
+
+        for name in names:  # warm every variant
+            run(name, 4)
+        times, texts, per_cycle = {n: [] for n in names}, [], []
+        for r in range(args.repeats):
+            for name in names[r % len(names):] + names[: r % len(names)]:
                 tic = time.perf_counter()
-                plain = batch_generate(model, draft, tokenizer, prompts, max_tokens=args.max_tokens, block_size=1)
-                plain_times.append(time.perf_counter() - tic)
-                same = same and plain.texts == lm.texts
-        tokens = sum(len(tokenizer.encode(t)) for t in lm.texts)
-        lm_tps, df_tps = tokens / statistics.median(lm_times), tokens / statistics.median(df_times)
-        rows.append(dict(concurrency=c, mlx_lm_tps=round(lm_tps, 1), dflash_tps=round(df_tps, 1),
-                         ratio=round(df_tps / lm_tps, 3), tokens_per_cycle=round(statistics.mean(per_cycle), 2),
-                         identical=same))
+                out = run(name, args.max_tokens)
+                times[name].append(time.perf_counter() - tic)
+                texts.append((name, out.texts))
+                if name == "dflash":
+                    per_cycle += [s["tokens_per_cycle"] for s in out.stats]
+        reference = next(t for n, t in texts if n == "mlx_lm")
+        tokens = sum(len(tokenizer.encode(t)) for t in reference)
+        tps = {n: tokens / statistics.median(v) for n, v in times.items()}
+        row = dict(concurrency=c, mlx_lm_tps=round(tps["mlx_lm"], 1), dflash_tps=round(tps["dflash"], 1),
+                   ratio=round(tps["dflash"] / tps["mlx_lm"], 3), tokens_per_cycle=round(statistics.mean(per_cycle), 2),
+                   identical=all(t == reference for _, t in texts))
         if args.plain:
-            plain_tps = tokens / statistics.median(plain_times)
-            rows[-1].update(plain_tps=round(plain_tps, 1), ratio_to_best=round(df_tps / max(lm_tps, plain_tps), 3))
-        print(json.dumps(rows[-1]), flush=True)
+            row.update(plain_tps=round(tps["plain"], 1), ratio_to_best=round(tps["dflash"] / max(tps["mlx_lm"], tps["plain"]), 3))
+        if args.fixed:
+            fixed = {n: v for n, v in tps.items() if n not in ("mlx_lm", "dflash")}
+            best = max(fixed, key=fixed.get)
+            row.update({f"{n}_tps": round(v, 1) for n, v in fixed.items() if n != "plain"})
+            row.update(best_fixed=blocks[best], best_fixed_over_mlx_lm=round(fixed[best] / tps["mlx_lm"], 3),
+                       ratio_to_best_fixed=round(tps["dflash"] / fixed[best], 3))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -229,6 +243,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--block-size", type=int, default=None, help="library mode: fix DFlash's block (default adaptive)")
     p.add_argument("--plain", action="store_true", help="library mode: also time plain batched steps (block 1) in each round")
+    p.add_argument("--fixed", type=int, nargs="+", default=[], metavar="B",
+                   help="library mode: also time these fixed blocks in each round (the best fixed choice, found in hindsight)")
     p.add_argument("--server", action="store_true", help="compare the two servers over HTTP")
     p.add_argument("--shapes", action="store_true", help="what a batched cycle costs by its rows and block, here")
     p.add_argument("--cycles", type=int, default=24, help="--shapes: cycles timed per shape")
