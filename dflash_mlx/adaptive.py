@@ -55,14 +55,12 @@ class TreeWalk:
 
 @dataclass
 class SlotAcceptance:
-    """How far into a block the target accepts: per slot ``j``, the share
-    ``a_j`` of the recent cycles (decayed) that reached it and had it accepted
-    (product-limit: acceptance comes in runs, which one rate for all slots
-    would spread into a tail that overvalues short blocks), drawn toward the
-    pooled share as if ``prior_weight`` more cycles had shown it. Shares one
-    standard error up (``optimistic``: a slot seen in few cycles may do better,
-    and drafting it is the only way to find out) choose how far to draft;
-    the shares as seen, whether to draft at all."""
+    """How far into a block the target accepts: per slot ``j``, the share ``a_j``
+    of the recent cycles (decayed) that reached it and had it accepted
+    (product-limit: one rate for all slots would spread runs into a tail that
+    overvalues short blocks), drawn toward the pooled share as if ``prior_weight``
+    more cycles had shown it. Shares one standard error up (``optimistic``: only
+    drafting a slot shows it) choose how far to draft; as seen, whether to."""
 
     max_block: int
     prior: float = 0.8
@@ -243,17 +241,16 @@ class Line:
 class CycleCosts:
     """Seconds per cycle by its shape, measured, at the current context:
     ``rows`` rows each verifying ``b`` tokens (``b = 1``: a plain step) or
-    copies alone, or one row's draft tree; one model for one row and many
-    (docs/block-size.md walks it). One row's :class:`Line` starts from the
-    table ``calibrated`` by the engine's own cycles, ``C(1)`` and ``C(b) = D +
-    s (b - 1)``; another row count's from one row's line as it stands (a
-    plain step's further rows priced as verified rows, half the draft per
-    request), then its own cycles (a compute-bound verify costs more a row
-    in a large batch). ``follow=False`` keeps the table (pipelined ranks must
-    agree). A plain step is queued before the last one is read, so the step
-    before a drafting cycle looks nearly free and the one after twice as
-    dear: the two less two plain steps are a ``switch`` (a share of a plain
-    step), which a probe pays and drafting on does not."""
+    copies alone, or one row's draft tree (docs/block-size.md walks it). One
+    row's :class:`Line` starts from the table ``calibrated`` by the engine's
+    own cycles, ``C(1)`` and ``C(b) = D + s (b - 1)``; another row count's
+    from one row's (further rows priced as verified rows, half the draft per
+    request), then from its own cycles (a compute-bound verify costs more a
+    row in a large batch). ``follow=False`` keeps the table (pipelined ranks
+    must agree). A plain step is queued before the last one is read, so the
+    step before a drafting cycle looks nearly free and the one after twice
+    as dear: the two less two plain steps are a ``switch``, paid going out
+    of plain steps, not by drafting on."""
 
     def __init__(self, calibrated: Dict[int, float], follow: bool = True, context: int = 0):
         if 1 not in calibrated:
@@ -314,13 +311,8 @@ class CycleCosts:
     def verify(self, n: int, rows: int = 1) -> float:
         """Seconds of a cycle verifying ``n > 1`` tokens a row that it did not
         draft (copied), never more than a chain as long (which also drafts)."""
-        return self.verifies(n, rows)[-1]
-
-    def verifies(self, n: int, rows: int = 1) -> List[float]:
-        """:meth:`verify` at 2..n (a list: the plain step's first)."""
         _, anchor, slope = self.along("copy", rows)
-        chain = self.upto(n, rows)
-        return chain[:1] + [min(anchor + slope * (b - 1), c) for b, c in zip(range(2, n + 1), chain[1:])]
+        return min(anchor + slope * (n - 1), self.upto(n, rows)[-1])
 
     def cost(self, choice, rows: int = 1) -> float:
         """Seconds of a cycle at ``choice`` (a block length or a :class:`TreeChoice`)."""
@@ -417,12 +409,11 @@ class CycleCosts:
 
 
 class BlockSizer:
-    """Chooses each cycle a block length for every row (1: a plain step) or,
-    for one row, a draft tree; ``fixed`` pins the block, ``tree_nodes`` (fixed
-    too) makes a lone row's every drafting cycle a tree. A request alone is
-    chosen by the pair's ``acceptance`` (kept from generation to generation),
-    a batch's rows by their own, which also feed the pair's, where a joining
-    row starts. A stand-in (tests) needs ``choose(remaining)``,
+    """Chooses each cycle a block length for every row (1: a plain step) or, for
+    one row, a draft tree; ``fixed`` pins the block, ``tree_nodes`` (fixed too)
+    makes every drafting cycle a tree. A request alone is chosen by the pair's
+    ``acceptance`` (kept across generations), a batch's rows by their own, which
+    feed the pair's. A stand-in (tests) needs ``choose(remaining)``,
     ``observe(block, accepted, seconds, walk=None, context=None)``, ``max_block``."""
 
     def __init__(self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False, tree_nodes: int = 0):
@@ -432,8 +423,7 @@ class BlockSizer:
         self.fixed, self.trees = fixed or max_block == 1 or costs is None, False
         self.acceptance, self.ranks = SlotAcceptance(max_block), RankAcceptance()
         self.copies = None  # the pair's copy acceptance per match class, where a request's copies start (copy_source)
-        # By rows (drafting that pays with 2 rows says nothing of 8): plain
-        # cycles before the next probe, and since the last drafting cycle.
+        # Per row count (2 rows that pay say nothing of 8): plain cycles before the next probe, and since drafting.
         self.patience: Dict[int, int] = defaultdict(lambda: PROBE_WAIT)
         self.plain_run: Dict[int, int] = defaultdict(int)
         self.drafting_net = 0.0  # seconds drafting has saved over plain decoding, less what it lost
@@ -470,8 +460,7 @@ class BlockSizer:
             self.plain_run[n] = run + 1
             choice = 1
         else:
-            # From a plain step, a drafting cycle starts a spell and pays its switch.
-            switch = not self.costs.drafted
+            switch = not self.costs.drafted  # out of a plain step, a drafting cycle pays the switch
             rate = self.rates(cap, rows, remaining, switch=switch)
             best = max(rate)
             choice = rate.index(best) + 1
@@ -534,9 +523,8 @@ class BlockSizer:
             for b in range(cap):
                 i = min(b + 1, left) - 1
                 tokens[b] += seen[i] + (hope[i] - seen[i]) / n
-        costs = self.costs.upto(cap, n)
-        extra = self.costs.switch_cost(n) if switch else 0.0
-        return [t / (c + (b > 0) * extra) for b, (t, c) in enumerate(zip(tokens, costs))]
+        extra = self.costs.switch_cost(n) * switch
+        return [t / (c + (b > 0) * extra) for b, (t, c) in enumerate(zip(tokens, self.costs.upto(cap, n)))]
 
     def drafting_pays(self, rows=None, remaining=None, block: Optional[int] = None, switch: bool = False) -> bool:
         """Whether drafting ``block`` (None: some length) beats plain decoding
@@ -567,12 +555,10 @@ class BlockSizer:
     ) -> None:
         """The cycle at ``block`` (a length or a tree, whose ``walk`` says what
         it showed) took ``seconds`` at ``context`` (None: unknown); each row (one:
-        the pair's) had the first ``accepted`` of ``drafted`` (``block - 1``) accepted.
-        ``valued``: the rows' expected tokens as :meth:`choose` is handed them
-        (None: ``rows``), read once ``rows`` have taken the cycle in, so that
-        whether drafting still pays is judged as the next choice will be.
-        ``pooled``: per row, whether its cycles also feed the pair's
-        acceptance (None: every row's)."""
+        the pair's) had the first ``accepted`` of ``drafted`` (``block - 1``) accepted;
+        ``pooled``: whether each also feeds the pair's (None: all). ``valued()``: the rows'
+        expected tokens as :meth:`choose` is handed them (None: ``rows``), so whether
+        drafting still pays is judged as the next choice will be."""
         accepted = [accepted] if isinstance(accepted, int) else accepted
         rows = rows or [self.acceptance]
         n = len(rows)
@@ -600,9 +586,8 @@ class BlockSizer:
         self.plain_streak = 0
         probe, self.plain_run[n] = self.plain_run[n] >= self.patience[n], 0
         self.drafting_net += (n + sum(accepted)) * self.costs.upto(1, n)[0] - seconds
-        # A probe that had tokens accepted, drafting looking faster, probes again
-        # next plain cycle; a chosen drafting cycle that still looks faster waits
-        # PROBE_WAIT; any other doubles the wait.
+        # A probe that had tokens accepted, drafting looking faster, probes again next plain cycle;
+        # a chosen drafting cycle that still looks faster waits PROBE_WAIT; any other doubles the wait.
         if (any(accepted) or not probe) and self.drafting_pays(valued() if valued else rows, remaining):
             self.patience[n] = 1 if probe else PROBE_WAIT
         else:

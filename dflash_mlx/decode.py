@@ -399,7 +399,7 @@ class Sizing:
             rate = self.worth(rows, mine) / costs.cost(choice, n)
         # Out of a plain spell a copy cycle loses at most the plain step queued ahead.
         switch = min(costs.switch_cost(n), costs.cost(1, n)) if choice == 1 and self.plain_last else 0.0
-        rates = copied[1:] / (np.array(costs.verifies(limit, n)[1:]) + switch)
+        rates = copied[1:] / (np.array([costs.verify(m, n) for m in range(2, limit + 1)]) + switch)
         best = int(np.argmax(rates)) if len(rates) else -1
         return best + 2 if best >= 0 and rates[best] > rate else 0
 

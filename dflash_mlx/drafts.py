@@ -140,9 +140,12 @@ class Drafts:
     def tree(self, r, choice: TreeChoice, room: int):
         """One row's draft tree: the whole block's best candidates per slot
         (one host read: the tree is built on the host), ``choice.nodes``
-        nodes at most ``room - 1`` deep. Returns the tree and the candidates."""
+        nodes at most ``room - 1`` deep, each on a path the row's grammar
+        takes. Returns the tree and the candidates."""
         blocks = masked_blocks(self.draft, [r.anchor], self.max_block)
         head = self.draft.slot_head_logits(blocks, r.cache.target_hidden, r.cache.draft, slots=room - 1)
         r.cache.target_hidden = None  # injected into the drafter's context
         ids, logprobs = candidates(head[0], choice.nodes, self.draft.vocab_ids)
-        return build_tree(r.anchor, ids, logprobs, choice.nodes), ids
+        g = grammar(r)
+        takes = None if g is None else lambda path: g.takes(path) == len(path)
+        return build_tree(r.anchor, ids, logprobs, choice.nodes, takes), ids

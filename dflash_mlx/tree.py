@@ -28,7 +28,7 @@ order, level by level or one at a time.
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -128,45 +128,56 @@ def chain(anchor: int, tokens: Sequence[int]) -> DraftTree:
     return DraftTree([anchor, *map(int, tokens)], list(range(-1, n)), list(range(n + 1)), [0] * (n + 1))
 
 
-def build_tree(anchor: int, ids: np.ndarray, logprobs: np.ndarray, budget: int) -> DraftTree:
+def build_tree(anchor: int, ids: np.ndarray, logprobs: np.ndarray, budget: int,
+               takes: Optional[Callable[[Sequence[int]], bool]] = None) -> DraftTree:
     """Best-first tree over per-slot candidates.
 
     ``ids[j]`` / ``logprobs[j]``: slot ``j + 1``'s candidates, best first, and
     their drafter log-probabilities. A node's score is the sum of the
     log-probabilities along its path; the heap adds the best frontier node
-    until ``budget`` nodes are in (:func:`best_first`).
+    until ``budget`` nodes are in (:func:`best_first`). ``takes(path)``:
+    whether a node's path of tokens below the anchor may be verified (a
+    grammar's: a node it refuses could never be accepted, so the budget
+    goes to the next best); None: every path.
     """
     ids = ids.tolist() if isinstance(ids, np.ndarray) else ids  # scalars read fast
-    parents, depths, ranks, scores = best_first(logprobs, budget)
+    parents, depths, ranks, scores = best_first(logprobs, budget, None if takes is None else (ids, takes))
     tokens = [int(anchor)] + [int(ids[d - 1][r]) for d, r in zip(depths[1:], ranks[1:])]
     return DraftTree(tokens, parents, depths, ranks, scores)
 
 
-def best_first(logprobs, budget: int) -> Tuple[List[int], List[int], List[int], List[float]]:
+def best_first(logprobs, budget: int, held=None) -> Tuple[List[int], List[int], List[int], List[float]]:
     """``(parents, depths, ranks, scores)`` per row of the best-first tree
     (row 0 the root) over ``logprobs[j]``, slot ``j + 1``'s candidates' sorted
     log-probabilities. Candidates are sorted, so a node's next sibling and
     its first child are the only new frontier nodes it opens, every node is
     added after its parent, and scores never rise from row to row. Ties go
     to the node offered first, so the tree is a function of the numbers
-    alone."""
+    alone (and of ``held``: ``(ids, takes)``, where a node whose path of
+    candidate ids ``takes`` refuses is left out, its next sibling offered)."""
     logprobs = logprobs.tolist() if isinstance(logprobs, np.ndarray) else logprobs
     slots, k = len(logprobs), len(logprobs[0]) if logprobs else 0
     parents, depths, ranks, scores = [-1], [0], [0], [0.0]
+    paths: List[Tuple[int, ...]] = [()]  # (with ``held``: each row's path)
     order = 0
     frontier: List[Tuple[float, int, int, int, int]] = []  # (-score, order, parent, depth, rank)
     if slots and k and budget > 0:
         frontier.append((-logprobs[0][0], order, 0, 1, 0))
     while frontier and len(parents) <= budget:
         neg, _, parent, depth, rank = heapq.heappop(frontier)
+        if rank + 1 < k:
+            order += 1
+            heapq.heappush(frontier, (-(scores[parent] + logprobs[depth - 1][rank + 1]), order, parent, depth, rank + 1))
+        if held is not None:
+            path = paths[parent] + (int(held[0][depth - 1][rank]),)
+            if not held[1](path):
+                continue
+            paths.append(path)
         row = len(parents)
         parents.append(parent)
         depths.append(depth)
         ranks.append(rank)
         scores.append(-neg)
-        if rank + 1 < k:
-            order += 1
-            heapq.heappush(frontier, (-(scores[parent] + logprobs[depth - 1][rank + 1]), order, parent, depth, rank + 1))
         if depth < slots:
             order += 1
             heapq.heappush(frontier, (-(scores[row] + logprobs[depth][0]), order, row, depth + 1, 0))

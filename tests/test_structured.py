@@ -21,6 +21,7 @@ from dflash_mlx.adaptive import BlockSizer, CycleCosts
 from dflash_mlx.errors import ArgumentError
 from dflash_mlx.sampling import processed_probs
 from dflash_mlx.structured import BRIDGES, Constraint, allowed, bridge, constraint_from_response_format, grammar_of
+from dflash_mlx.tree import build_tree
 
 DEFAULT_TARGET = Path(__file__).parent.parent / "dflash_mlx" / "default_pair" / "target"
 
@@ -134,6 +135,25 @@ def test_tree_masks_mask_each_node_by_its_own_path(tokenizer):
             chain, ok = c.block_masks(path)
             assert ok == len(path) and np.array_equal(np.array(rows[i]), np.array(chain[-1])), f"node {i}"
     assert np.array_equal(np.array(rows[0]), np.array(c.mask())) and c.committed == 0
+
+
+def test_a_held_rows_tree_holds_only_paths_its_grammar_takes(tokenizer):
+    """A node the grammar refuses could never be accepted: the tree leaves
+    it out and spends its budget on the next best candidates."""
+    c = constraint_from_response_format({"type": "regex", "pattern": "(cat|car|dog)s?"}, tokenizer)
+    t = {ch: encode(tokenizer, ch)[0] for ch in "cadortx"}
+    ids = np.array([[t["x"], t["c"], t["d"]], [t["a"], t["o"], t["x"]], [t["x"], t["t"], t["r"]]])
+    logprobs = np.array([[-0.1, -0.5, -1.0]] * 3)
+    free = build_tree(t["x"], ids, logprobs, 6)
+    assert t["x"] in [free.tokens[i] for i in range(1, len(free.tokens)) if free.depths[i] == 1]
+    held = build_tree(t["x"], ids, logprobs, 6, lambda path: c.takes(path) == len(path))
+    _, valid = c.tree_masks(held.tokens, held.parents)
+    assert valid.all() and len(held.tokens) == 7  # c, d, ca, do, cat, car: every path the grammar takes
+    def path(i):
+        return path(held.parents[i]) + (held.tokens[i],) if i else ()
+
+    assert {path(i) for i in range(1, 7)} == {tuple(t[ch] for ch in w) for w in ("c", "d", "ca", "do", "cat", "car")}
+    assert c.committed == 0
 
 
 def test_forced_tokens_are_the_only_allowed_ones(tokenizer):
