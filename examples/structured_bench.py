@@ -31,7 +31,7 @@ schema (with the ``jsonschema`` package where installed, else only
 ``json.loads`` and llguidance's completion: the answer ended at eos once the
 grammar was complete); the share of forced tokens; and the mask's share of a
 cycle: the host seconds of the constraint's calls in the loop (its
-``block`` / ``tree`` / ``draft_block`` / ``forced`` / ``commit``, the
+``block`` / ``tree`` / ``draft_block`` / ``forced`` / ``takes`` / ``commit``, the
 drafter's forward inside ``draft_block`` left out) over the decode's
 seconds. That share is an upper bound: the host work may overlap the
 device's. Exits 1 where a held answer is not mlx-lm's.
@@ -78,6 +78,9 @@ class TimedConstraint(Constraint):
 
     def forced(self, limit):
         return self.timed(super().forced, limit)
+
+    def takes(self, tokens):  # (a copied span cut, a tree's path held)
+        return self.timed(super().takes, tokens)
 
     def commit(self, tokens):
         return self.timed(super().commit, tokens)
