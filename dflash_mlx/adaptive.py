@@ -413,8 +413,8 @@ class BlockSizer:
     one row, a draft tree; ``fixed`` pins the block, ``tree_nodes`` (fixed too)
     makes every drafting cycle a tree. A request alone is chosen by the pair's
     ``acceptance`` (kept across generations), a batch's rows by their own, which
-    feed the pair's. A stand-in (tests) needs ``choose(remaining)``,
-    ``observe(block, accepted, seconds, walk=None, context=None)``, ``max_block``."""
+    feed the pair's (a held row's, alone too, does not). A stand-in needs ``max_block``,
+    ``choose(remaining, rows=None)``, ``observe(block, accepted, seconds, walk=None, context=None, **rows)``."""
 
     def __init__(self, max_block: int, costs: Optional[CycleCosts], fixed: bool = False, tree_nodes: int = 0):
         if costs is not None and costs.max_block < max_block:

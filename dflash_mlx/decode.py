@@ -258,8 +258,10 @@ class Sizing:
         """Two rows or more, or a row held to a grammar: each keeps an
         acceptance of its own, a joining one starting from the pair's (what
         the rows have shown lately)."""
+        if self.alone(rows):
+            return
         for r in rows:
-            if not self.alone(rows) and (r.acceptance is None or r.acceptance is self.sizer.acceptance):
+            if r.acceptance is None or r.acceptance is self.sizer.acceptance:
                 r.acceptance = copy.deepcopy(self.sizer.acceptance)
 
     @staticmethod

@@ -13,7 +13,7 @@ import pytest
 from llguidance import LLMatcher
 from mlx_lm.generate import generate_step
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from tiny import LOOP_FAMILIES, QWEN3, V, eos_set, make_target, pit_check, prompt_of, sampled_runs, small_pair
+from tiny import LOOP_FAMILIES, QWEN3, V, ScriptedSizer, eos_set, make_target, pit_check, prompt_of, sampled_runs, small_pair
 
 import dflash_mlx
 
@@ -149,6 +149,7 @@ def test_a_held_rows_tree_holds_only_paths_its_grammar_takes(tokenizer):
     held = build_tree(t["x"], ids, logprobs, 6, lambda path: c.takes(path) == len(path))
     _, valid = c.tree_masks(held.tokens, held.parents)
     assert valid.all() and len(held.tokens) == 7  # c, d, ca, do, cat, car: every path the grammar takes
+
     def path(i):
         return path(held.parents[i]) + (held.tokens[i],) if i else ()
 
@@ -639,6 +640,9 @@ def test_a_held_row_keeps_its_acceptance_to_itself(make_pair, tmp_path):
     assert vars(sizer.acceptance) == before
     list(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, mx.array(prompt_of(8)), max_tokens=30, sizer=sizer))
     assert vars(sizer.acceptance) != before
+    scripted = ScriptedSizer([5])  # a stand-in sizer chooses a held row's blocks too (from its rooms and its own acceptance)
+    got, responses = structured_run(pair.model, draft, pair.tokenizer, prompt_of(8), form, 60, sizer=scripted)
+    assert got == masked_reference(pair.model, pair.tokenizer, prompt_of(8), form, 60) and scripted.asked
 
 
 def test_a_dflash2_drafter_drafts_held_blocks_exactly(make_pair, tmp_path):

@@ -761,8 +761,8 @@ class ScriptedSizer(BlockSizer):
         super().__init__(max_block, None, fixed=True)
         self.script, self.asked = itertools.cycle(script), []
 
-    def choose(self, remaining):
-        self.asked.append(min(next(self.script), remaining))
+    def choose(self, remaining, rows=None):
+        self.asked.append(min(next(self.script), remaining if rows is None else max(remaining)))
         return self.asked[-1]
 
     def observe(self, block, accepted, seconds, walk=None, context=None, **rows):
