@@ -73,7 +73,9 @@ class BatchGenerator:
     request committed in one cycle; ``remove`` drops requests (a
     disconnected client) between cycles. At most ``completion_batch_size``
     requests decode at once; the others wait for a slot before their
-    prefill. ``block_size`` fixes every cycle's block (None: adaptive).
+    prefill. ``block_size`` fixes every cycle's block (None: adaptive);
+    ``tree_budget`` as :func:`~dflash_mlx.generate.generate_step` takes it
+    (a forced tree verifies one request: ``completion_batch_size=1``).
     ``tokenizer`` (the target's) is what requests' response formats need.
     ``copy_drafts``: whether requests may verify spans copied from their
     context (:mod:`dflash_mlx.copy_source`; :meth:`insert` may set it per
@@ -94,6 +96,7 @@ class BatchGenerator:
         stream=generation_stream,
         tokenizer=None,
         copy_drafts: bool = True,
+        tree_budget: Optional[int] = None,
     ):
         self.old_wired_limit = self.decoder = None  # (close() may run on a generator refused below)
         for name, value in (("completion_batch_size", completion_batch_size), ("prefill_batch_size", prefill_batch_size), ("prefill_step_size", prefill_step_size)):
@@ -103,6 +106,9 @@ class BatchGenerator:
         self.target = bound_target(model, draft)
         self.max_block = max_block_size(draft, block_size, None)
         self.fixed = block_size is not None
+        self.trees = tree_plan(self.target, draft, tree_budget, None)  # (nodes forced, whether the sizer may choose trees)
+        if self.trees[0] and completion_batch_size > 1:
+            raise ArgumentError("a forced draft tree (tree_budget) verifies one request a cycle: pass completion_batch_size=1")
         self.completion_batch_size, self.prefill_batch_size = completion_batch_size, prefill_batch_size
         self.prefill_step_size = prefill_step_size
         self.draft_window, self.draft_sink = draft_window, draft_sink
@@ -235,7 +241,8 @@ class BatchGenerator:
         tokens = checked_prompt(self.target, cache, prompt)
         if cache.target.undo is not None:
             raise ArgumentError("a prompt cache is in the middle of a generation: close that generation first")
-        check_joinable(cache.target)
+        if self.completion_batch_size > 1:
+            check_joinable(cache.target)
         if cap is not None:
             max_block_size(self.draft, cap, None)
         key = None if seed is None else mx.random.key(int(seed))
@@ -348,8 +355,7 @@ class BatchGenerator:
     def sizing(self, r: Request):
         """How the decoder evaluates each phase, and its sizers: the pair's
         (what earlier generations learnt carries over), or fixed ones."""
-        trees = tree_plan(self.target, self.draft, None, None)[1]
-        sizer, settle = plan(self.target, self.draft, r.cache.target, r.cache.target_hidden, self.max_block, self.fixed, trees=trees)
+        sizer, settle = plan(self.target, self.draft, r.cache.target, r.cache.target_hidden, self.max_block, self.fixed, None, *self.trees)
         return settle, Sizing(sizer)
 
 

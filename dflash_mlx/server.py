@@ -14,8 +14,8 @@ DFlash statistics to ``usage.dflash``. The agent dialects (Anthropic's
 Requests are served on one generation thread (MLX streams and the prompt
 caches belong to it), decoded together in batched cycles
 (:class:`~dflash_mlx.batch.BatchGenerator`: they join between cycles and
-leave as they finish; with ``--pipeline`` or forced draft trees, one at a
-time, the others waiting in a queue). Prompt caches are
+leave as they finish; one at a time with ``--pipeline``, forced draft
+trees or quantized or rotating KV caches, the others waiting). Prompt caches are
 kept across requests in mlx-lm's ``LRUPromptCache`` (bounded by entries and
 bytes), keyed by the tokens and by the target and drafter: the longest
 common prefix is reused, trimmed where the caches can trim; caches that
@@ -44,14 +44,13 @@ import signal
 import sys
 import threading
 import time
-from contextlib import closing
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 from jinja2 import TemplateError
-from mlx_lm.generate import generation_stream, make_stop_sequences, make_text_state_machine, wired_limit
+from mlx_lm.generate import generation_stream, make_stop_sequences, make_text_state_machine
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import APIHandler, GenerationContext, Response, convert_chat, process_message_content
 
@@ -68,9 +67,7 @@ from .defaults import DEFAULT_MAX_TOKENS, MAX_BLOCK_SIZE
 from .errors import ArgumentError, RequestError
 from .batch import DEFAULT_COMPLETION_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, BatchGenerator
 from .decode import Stats
-from .generate import generate_step
 from .prefill import feed
-from .structured import constraint_for
 from .pipeline import STOP, agree_flag, share_request
 from .traffic import record_safely
 
@@ -95,7 +92,7 @@ class Prepared:
     initial_state: str
     block_size: Optional[int] = None  # fixed by the request's num_draft_tokens
     response_format: Optional[dict] = None  # structured outputs (dflash_mlx.structured's shape); None: free text
-    controls: Dict[str, Any] = field(default_factory=dict)  # its generate_step keywords (penalties, XTC)
+    controls: Dict[str, Any] = field(default_factory=dict)  # its decoding keywords (penalties, XTC: BatchGenerator.insert's)
 
 
 @dataclass
@@ -168,7 +165,7 @@ def logit_bias(body: dict) -> Optional[dict]:
 
 
 def request_controls(body: dict, tokenizer, vocab_size: int) -> Dict[str, Any]:
-    """The ``generate_step`` keywords of a request's penalties, logit bias
+    """The decoding keywords of a request's penalties, logit bias
     and XTC, built as mlx-lm's server builds them (``make_logits_processors``;
     XTC sparing newline and eos), checked by :mod:`dflash_mlx.controls`: a
     bad value is a 400 naming its field."""
@@ -329,7 +326,7 @@ def top_logprobs(logprobs: mx.array, n: int, tokenizer) -> tuple:
 class Served:
     """One request being answered: its tokens turned into mlx-lm's
     ``Response`` objects for its handler (text, logprobs, stop words,
-    finish), and its DFlash statistics, whichever loop decodes it."""
+    finish), and its DFlash statistics."""
 
     def __init__(self, generator, responses, prepared: Prepared, args, ctx, matcher, cache, todo, progress):
         self.responses, self.prepared, self.args, self.ctx, self.matcher = responses, prepared, args, ctx, matcher
@@ -405,16 +402,16 @@ class DFlashResponseGenerator:
         self.done = threading.Event()  # set when the generation thread has ended its work
         # --pipeline: every rank generates what rank 0 receives (pipeline.share_request).
         self.group = mx.distributed.init() if cli_args.pipeline else None
-        # Requests decode together in batched cycles, except on a pipelined
-        # target, with forced draft trees or with quantized or rotating KV
-        # caches (a batch's rows share plain ones): those serve one at a time.
-        self.batch = None if cli_args.pipeline or cli_args.tree_budget or kv_keywords(self.controls) else self.new_batch()
+        # Requests decode together in batched cycles, one at a time on a
+        # pipelined target (every rank admits alike), with forced draft trees
+        # or with quantized or rotating KV caches (a batch's rows share plain ones).
+        self.one_at_a_time = bool(cli_args.pipeline or cli_args.tree_budget or kv_keywords(self.controls))
+        self.batch = self.new_batch()
         self.serving: Dict[int, "Served"] = {}  # batched requests in flight, by uid
         # Weights still lazy (a model trained in this process) belong to this
         # thread's streams: evaluated here, the generation thread only reads them.
         mx.eval(model.parameters(), draft.parameters())
-        if self.batch is not None:
-            self.warm_up()  # here, before the generation thread: whatever the pair left lazy is evaluated
+        self.warm_up()  # here, before the generation thread: whatever the pair left lazy is evaluated
         self.thread = threading.Thread(target=self.run, name="dflash-generation", daemon=True)
         self.thread.start()
 
@@ -425,7 +422,7 @@ class DFlashResponseGenerator:
     def queued(self) -> int:
         """Requests waiting: not yet taken by the generation thread, or taken
         and waiting for a slot in the batch."""
-        return self.requests.qsize() + (0 if self.batch is None else len(self.batch.queued()))
+        return self.requests.qsize() + len(self.batch.queued())
 
     def stop_and_join(self):
         self.stopping = True
@@ -438,7 +435,8 @@ class DFlashResponseGenerator:
         costs stays with the pair)."""
         args = self.cli_args
         return BatchGenerator(
-            self.model, self.draft, block_size=args.block_size, completion_batch_size=args.decode_concurrency,
+            self.model, self.draft, block_size=args.block_size, tree_budget=args.tree_budget,
+            completion_batch_size=1 if self.one_at_a_time else args.decode_concurrency,
             prefill_batch_size=args.prompt_concurrency, prefill_step_size=args.prefill_step_size,
             draft_window=args.draft_window, draft_sink=args.draft_sink, stream=generation_stream,
             tokenizer=self.tokenizer,
@@ -457,11 +455,7 @@ class DFlashResponseGenerator:
 
     def run(self):
         try:
-            if self.batch is not None:
-                self.run_batched()
-            while self.batch is None and (item := self.next_request()) != STOP:
-                if item is not None:
-                    self.serve(*item)
+            self.run_batched()
         except Exception:
             logging.exception("the generation thread died")
             self.failed = True
@@ -470,13 +464,13 @@ class DFlashResponseGenerator:
         self.done.set()
         threading.Event().wait()
 
-    def next_request(self):
-        """A queued request, ``None`` when there is none yet, or ``STOP``;
-        with ``--pipeline`` rank 0's, on every rank."""
+    def next_request(self, block: bool = True):
+        """A queued request (waiting a little for one when ``block``), ``None``
+        when there is none yet, or ``STOP``; with ``--pipeline`` rank 0's, on every rank."""
         item = STOP if self.stopping else None
         if item is None and (self.group is None or self.group.rank() == 0):
             try:
-                item = self.requests.get(timeout=0.1)
+                item = self.requests.get(timeout=0.1) if block else self.requests.get_nowait()
             except queue.Empty:
                 pass
         return item if self.group is None else share_request(item, self.group)
@@ -535,7 +529,7 @@ class DFlashResponseGenerator:
         if cache.is_trimmable():
             return start
         for end in [b for b in boundaries + [len(tokens)] if b > start]:
-            with mx.stream(generation_stream):  # where generate_step runs
+            with mx.stream(generation_stream):  # where the decoder runs
                 feed(self.draft.target, cache, tokens[start:end], self.cli_args.prefill_step_size, progress)
                 mx.eval(cache.state)
             self.prompt_cache.insert_cache(self.key, list(cache.tokens), [copy.deepcopy(cache)], cache_type="user")
@@ -572,43 +566,7 @@ class DFlashResponseGenerator:
         if draft is not self.draft:
             self.draft, self.key = draft, (self.key[0], str(self.adaptation.path))
             self.metrics.drafter_in_use(self.adaptation.version, self.adaptation.scores)
-            if self.batch is not None:  # an idle batch: the next one drafts with the new drafter
-                self.batch = self.new_batch()
-
-    def serve(self, responses, prepared: Prepared, args):
-        """One request, start to end, alone; its errors go back to its handler."""
-        self.busy = True
-        if self.adaptation is not None:
-            self.between_requests()
-            self.adaptation.request_started()
-        try:
-            served = self.start(responses, prepared, args)
-            if args.seed is not None:
-                mx.random.seed(args.seed)
-            block_size = prepared.block_size or self.cli_args.block_size  # None: adaptive
-            tree_budget = 0 if prepared.block_size else self.cli_args.tree_budget  # num_draft_tokens: a chain
-            constraint = constraint_for(prepared.response_format, self.tokenizer)  # (its forced tokens counted)
-            steps = generate_step(
-                served.todo, self.model, self.draft, prompt_cache=served.cache, max_tokens=args.max_tokens,
-                block_size=block_size, tree_budget=tree_budget, temperature=args.sampling.temperature,
-                top_p=args.sampling.top_p, top_k=args.sampling.top_k, min_p=args.sampling.min_p,
-                eos_token_ids=served.eos, logprobs=served.want, prefill_step_size=self.cli_args.prefill_step_size,
-                prompt_progress_callback=served.progress, response_format=constraint,
-                all_tokens=served.before, copy_drafts=self.cli_args.copy_drafts, **self.controls, **prepared.controls,
-            )
-            with wired_limit(self.model, [generation_stream]), closing(steps):
-                for token, logprobs, from_draft, block, tree, copied in steps:
-                    if served.add(token, logprobs, from_draft, block, tree, copied) or self.client_gone(served.ctx, from_draft):
-                        break
-            served.stats.forced = constraint.forced_count if constraint else 0
-            self.finish(served)
-        except Exception as e:
-            logging.exception("request failed")
-            responses.put(e)
-        finally:
-            self.busy = False
-            if self.adaptation is not None:
-                self.adaptation.request_finished()
+            self.batch = self.new_batch()  # (idle: the next one drafts with the new drafter)
 
     def finish(self, served: "Served") -> None:
         """A request ended (finished or stopped): its statistics, its end of
@@ -619,14 +577,13 @@ class DFlashResponseGenerator:
             record_safely(self.recorder, served.prepared.tokens, served.answer)  # --learn: the finished conversation
         served.responses.put(None)
         self.prompt_cache.insert_cache(self.key, list(served.cache.tokens), [served.cache])
-        if self.adaptation is not None and self.batch is not None:
+        if self.adaptation is not None:
             self.adaptation.request_finished()
 
     def run_batched(self):
         """Continuous batching: new requests join between cycles, finished
         and disconnected ones leave at once (see :class:`~dflash_mlx.batch.BatchGenerator`)."""
-        while not self.stopping:
-            self.admit(block=not self.batch.busy)
+        while self.admit(block=not self.batch.busy):
             if not self.batch.busy:
                 continue
             self.busy = True
@@ -655,10 +612,10 @@ class DFlashResponseGenerator:
                 ended = False
                 for i, token in enumerate(r.tokens):
                     lp = None if r.logprobs is None else r.logprobs[i]
-                    if served.add(token, lp, r.from_draft[i], r.block, 0, r.copied[i]):
+                    if served.add(token, lp, r.from_draft[i], r.block, r.tree, r.copied[i]):
                         ended = True
                         break
-                if ended or r.finish_reason is not None or served.ctx.stopped:
+                if ended or r.finish_reason is not None or self.client_gone(served.ctx):
                     gone[r.uid] = r.finish_reason is not None
             leaving = [uid for uid, left in gone.items() if not left]
             if leaving:
@@ -666,14 +623,14 @@ class DFlashResponseGenerator:
             for uid in gone:
                 self.finish(self.serving.pop(uid))
 
-    def admit(self, block: bool) -> None:
+    def admit(self, block: bool) -> bool:
         """Take every queued request into the batch (waiting a little for
-        one when ``block`` and none is in flight)."""
+        one when ``block``); False once the server stops. With ``--pipeline``
+        one request at a time, rank 0's on every rank, while the batch is idle."""
         while True:
-            try:
-                item = self.requests.get(timeout=0.1) if block else self.requests.get_nowait()
-            except queue.Empty:
-                return
+            item = None if self.group is not None and self.batch.busy else self.next_request(block)
+            if item is None or item == STOP:
+                return item is None
             block = False
             responses, prepared, args = item
             if self.adaptation is not None and not self.batch.busy:  # a swap waits for an idle batch
@@ -704,13 +661,13 @@ class DFlashResponseGenerator:
                 served.alive = now
                 served.progress(0, len(served.todo))
 
-    def client_gone(self, ctx, from_draft: bool) -> bool:
-        """Whether to stop for a client that went away: with ``--pipeline``
-        decided at the end of each cycle on every rank alike, so every rank
-        stops at the same token and keeps the same prompt cache."""
+    def client_gone(self, ctx) -> bool:
+        """Whether to stop for a client that went away, asked after each
+        cycle: with ``--pipeline`` on every rank alike, so every rank stops
+        at the same token and keeps the same prompt cache."""
         if self.group is None:
             return ctx.stopped
-        return not from_draft and agree_flag(ctx.stopped, self.group, generation_stream)
+        return agree_flag(ctx.stopped, self.group, generation_stream)
 
 
 class DFlashAPIHandler(APIHandler):

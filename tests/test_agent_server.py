@@ -10,6 +10,7 @@ decodes of the same templated prompts, in this process.
 """
 
 import copy
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 import http.client
 import json
@@ -689,7 +690,8 @@ def test_kv_cache_flags_serve_mlx_lms_decode(chat_pair):
     """--max-kv-size: every request's caches are mlx-lm's rotating ones
     (served one at a time: a batch's rows share plain caches); its answer and
     a second turn that reuses the cached prefix are mlx-lm's decode with the
-    same setting."""
+    same setting, and so are two requests sent at once (the second waits in
+    the scheduler's queue). With --tree-budget too: every cycle a tree."""
     _, _, model, tokenizer, _ = chat_pair
     messages = ASK + [CALLED, RESULT]
     templated = copy.deepcopy(messages)
@@ -699,14 +701,19 @@ def test_kv_cache_flags_serve_mlx_lms_decode(chat_pair):
     want = reference_text(model, tokenizer, ids, MAX_TOKENS, max_kv_size=size)
     tokens, lps = reference_steps(model, tokenizer, ids, MAX_TOKENS, max_kv_size=size)
     plain, plain_lps = reference_steps(model, tokenizer, ids, MAX_TOKENS)
-    with live_server(chat_pair, "--max-kv-size", str(size)) as base:
+    with live_server(chat_pair, "--max-kv-size", str(size), "--tree-budget", "4") as base:
         oai = openai.OpenAI(base_url=base + "/v1", api_key="not-needed", max_retries=0, timeout=300)
-        for _ in range(2):  # the second from the prompt cache
-            r = oai.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS,
-                                            logprobs=True)
+
+        def ask(_=None):
+            return oai.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL], max_tokens=MAX_TOKENS,
+                                               logprobs=True)
+
+        for r in [ask(), *ThreadPoolExecutor(2).map(ask, range(2))]:  # the later ones from the prompt cache
             assert r.choices[0].message.content == want
             got = [c.logprob for c in r.choices[0].logprobs.content]
             assert max(abs(g - lps[i, t].item()) for i, (g, t) in enumerate(zip(got, tokens))) < 1e-4
+            stats = r.usage.model_extra["dflash"]
+            assert set(stats["tree_sizes"]) == {"4"} and stats["tree_sizes"]["4"] >= stats["cycles"] - 1  # (the last: room for one)
     # the check can fail: the ring changes the logprobs
     assert tokens != plain or max(abs(g - plain_lps[i, t].item()) for i, (g, t) in enumerate(zip(got, tokens))) > 1e-3
 

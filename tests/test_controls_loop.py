@@ -239,6 +239,30 @@ def test_kv_keywords_through_the_loop_are_mlx_lms_decode(wide_qwen3, tmp_path, k
     assert pair.dflash(draft, prompt, max_tokens=40, prefill_step_size=step, **processors, **kv)[0] == want
 
 
+@pytest.mark.parametrize("kv", [dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0), dict(max_kv_size=24)], ids=str)
+def test_kv_caches_and_forced_trees_decode_one_request_at_a_time(wide_qwen3, tmp_path, kv):
+    """What the server runs with quantized or rotating caches or forced
+    trees: the scheduler taking one request at a time
+    (``completion_batch_size=1``), each request mlx-lm's decode with its
+    caches, its cycles draft trees; a larger batch refuses both up front."""
+    pair, step = wide_qwen3, 16
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d", block_size=8), pair.model)
+    prompts = [prompt_of(20), prompt_of(12, seed=3)]
+    want = [pair.reference(p, 30, eos_ids=[], prefill_step_size=step, **kv) for p in prompts]
+    gen = BatchGenerator(pair.model, draft, completion_batch_size=1, tree_budget=6, prefill_step_size=step)
+    uids, got, trees = gen.insert(prompts, 30, **kv), {}, set()
+    while gen.busy:
+        for r in gen.next():
+            assert r.batch <= 1  # (0: a prefill's token)
+            got.setdefault(r.uid, []).extend(r.tokens)
+            trees.add(r.tree)
+    assert [got[u] for u in uids] == want and 6 in trees
+    with pytest.raises(ArgumentError, match="completion_batch_size=1"):
+        BatchGenerator(pair.model, draft, tree_budget=6)
+    with pytest.raises(ArgumentError, match="cannot join a batch"):
+        BatchGenerator(pair.model, draft).insert(prompts[:1], 5, **kv)
+
+
 # ---------------------------------------------------------------------------
 # Bad values: one clear error before any work
 

@@ -160,13 +160,15 @@ def check_joinable(caches) -> None:
     if kv is not None and kv.bits is not None:
         raise ArgumentError(
             "a prompt cache made with kv_bits cannot join a batch (its rows would quantize at different "
-            "positions): decode it alone (stream_generate), or batch caches made without kv_bits"
+            "positions): decode it alone (stream_generate, or a BatchGenerator with completion_batch_size=1), or batch "
+            "caches made without kv_bits"
         )
     for c in caches:
         if isinstance(c, RotatingKVCache) and c.keep:
             raise ArgumentError(
                 "a prompt cache made with max_kv_size (rotating caches that keep their first tokens) cannot join "
-                "a batch: decode it alone (stream_generate), or batch caches made without max_kv_size"
+                "a batch: decode it alone (stream_generate, or a BatchGenerator with completion_batch_size=1), or batch "
+                "caches made without max_kv_size"
             )
         if not isinstance(c, (KVCache, RotatingKVCache, ArraysCache, RaggedKVCache)):
             raise ArgumentError(
