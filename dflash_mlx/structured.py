@@ -205,6 +205,10 @@ class Constraint:
         self.forced_count = 0  # committed tokens that were the only ones allowed
         self.seen: dict = {}  # path past the state -> whether its mask allows one token (from the last verify)
         self.plan = None  # the last drafted block and its rows' bitmasks, for the verify after it
+        self.forced(1)  # a grammar too complex for llguidance's lexer fails on its first forced token: here, before any work
+        if self.matcher.is_error():
+            raise ArgumentError(f"llguidance cannot follow this grammar: {self.matcher.get_error().splitlines()[0]}; "
+                                "simplify it (a long fixed repetition such as a{1000000} is too complex)")
 
     # -- the state ----------------------------------------------------------
 
@@ -231,6 +235,8 @@ class Constraint:
         self.seen = {}
         taken = self.take(tokens)
         self.committed += taken
+        if taken != len(tokens) and self.matcher.is_error():
+            raise ArgumentError(f"llguidance stopped on the grammar: {self.matcher.get_error().splitlines()[0]}; simplify it")
         if taken != len(tokens):
             raise ValueError(f"the grammar refuses {tokens[taken]} of the committed {tokens}: a token was kept that its mask did not allow")
         self.forced_count += forced
