@@ -246,7 +246,7 @@ class BatchGenerator:
         if cap is not None:
             max_block_size(self.draft, cap, None)
         key = None if seed is None else mx.random.key(int(seed))
-        controls = row_controls(processors, constraint, cache, tokens, before)
+        controls = row_controls(processors, constraint, tokens, before)
         r = Request(uid, cache, rule, limit, stop_tokens(eos, constraint), bool(want), key, cap, tokens, len(tokens), hear, controls=controls)
         r.copies = CopyDrafts(cache) if (self.copy_drafts if copies is None else copies) else None
         return r

@@ -130,8 +130,8 @@ class Stats:
     cycles by block size and by tree size, drafted tokens the target
     accepted (``copied``: those copied from the context), tokens (eos
     included, the prefill's first too), and those a response format
-    forced (:attr:`BatchResponse.forced`). What ``batch_generate`` and the
-    server report."""
+    forced (:attr:`BatchResponse.forced`). What ``stream_generate``,
+    ``batch_generate`` and the server report."""
 
     tokens: int = 0
     accepted: int = 0

@@ -8,7 +8,7 @@ import threading
 import time
 from collections import Counter
 from contextlib import closing, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Generator, Iterable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -21,7 +21,7 @@ from .cache import PromptCache, bound_target, load_prompt_cache, prompt_cache_fo
 from .copy_source import CopyDrafts
 from .calibration import calibrated, plan
 from .controls import add_extra_eos_tokens, check_controls, template_prompt
-from .decode import BatchResponse, Decoder, Request, Sizing
+from .decode import BatchResponse, Decoder, Request, Sizing, Stats
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
 from .errors import ArgumentError
 from .ops.threads import release_at_thread_exit
@@ -243,7 +243,7 @@ def generate_step(
     cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink, **kv)
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
-        controls = row_controls(logits_processors, constraint, cache, prompt, all_tokens)
+        controls = row_controls(logits_processors, constraint, prompt, all_tokens)
         logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
         request = Request(0, cache, rule, max_tokens, stop_tokens(eos_token_ids, constraint), logprobs, controls=controls,
                           copies=CopyDrafts(cache) if copy_drafts else None)
@@ -266,24 +266,24 @@ def controlled_rule(target, sampling: tuple, logits_processors, kv: dict, min_to
     return acceptance_rule(*sampling, **more)
 
 
-def processors_for(logits_processors, cache: PromptCache, prompt: List[int], all_tokens=None) -> list:
+def processors_for(logits_processors, prompt: List[int], all_tokens=None) -> list:
     """A request's controls for its logits processors. Their history starts
-    with what mlx-lm's ``generate_step`` would be given as its prompt (the
-    tokens this generation feeds: the cache's pending ones, then
-    ``prompt``), or, given ``all_tokens`` (the tokens before ``prompt``, the
-    pending ones included: mlx-lm's ``BatchGenerator.insert`` keyword, by
-    which its server shows the processors a cached prefix), with those."""
+    with what mlx-lm's ``generate_step`` is given as its prompt: ``prompt``
+    (on a reused cache only the new turn's tokens: mlx-lm ran the last
+    turn's tokens, its last one too, as it generated them), or, given
+    ``all_tokens`` (the tokens before ``prompt``: mlx-lm's
+    ``BatchGenerator.insert`` keyword, by which its server shows the
+    processors a cached prefix), those first."""
     if not logits_processors:
         return []
-    before = list(cache.pending) if all_tokens is None else list(all_tokens)
-    return [Processors(logits_processors, before + list(prompt))]
+    return [Processors(logits_processors, list(all_tokens or []) + list(prompt))]
 
 
-def row_controls(logits_processors, constraint, cache: PromptCache, prompt: List[int], all_tokens=None) -> list:
+def row_controls(logits_processors, constraint, prompt: List[int], all_tokens=None) -> list:
     """A request's controls (:attr:`~dflash_mlx.decode.Request.controls`):
     its logits processors, then its grammar's mask, applied last as a
     masking processor after mlx-lm's own would be."""
-    return processors_for(logits_processors, cache, prompt, all_tokens) + ([constraint] if constraint else [])
+    return processors_for(logits_processors, prompt, all_tokens) + ([constraint] if constraint else [])
 
 
 def stop_tokens(eos_token_ids, constraint) -> frozenset:
@@ -353,9 +353,10 @@ def stream_generate(
 
     The text layer over :func:`generate_step` (which documents the sampling
     options in ``kwargs``): it detokenizes, stops at the tokenizer's eos
-    ids, ends at ``max_tokens`` and keeps the statistics. With
-    ``prompt_cache`` (:func:`dflash_mlx.make_prompt_cache`) ``prompt`` is
-    only the new part of the conversation, as in mlx-lm. ``record``
+    ids, ends at ``max_tokens`` and keeps the statistics
+    (:class:`~dflash_mlx.decode.Stats`). With ``prompt_cache``
+    (:func:`dflash_mlx.make_prompt_cache`) ``prompt`` is only the new part
+    of the conversation, as in mlx-lm. ``record``
     (a :class:`dflash_mlx.traffic.Recorder`) stores the conversation when
     the generation finishes, as training data for the drafter.
     ``copy_drafts`` (on by default): cycles may also verify what followed
@@ -377,15 +378,13 @@ def stream_generate(
     )
     with wired_limit(model, [stream]), closing(steps):
         tic = time.perf_counter()
-        n_out, prompt_tps, cycle, accepted, copied, answer, forced = 0, None, [], 0, 0, [], 0
+        n_out, prompt_tps, answer, stats, seen = 0, None, [], Stats(), Stats()  # seen: the totals at the last response
         for token, _, from_draft, block, tree, was_copied in steps:
             if prompt_tps is None:
                 prompt_tps = prompt.size / (time.perf_counter() - tic)
                 tic = time.perf_counter()
-            cycle.append(token)
             answer.append(token)
-            accepted += from_draft
-            copied += was_copied
+            stats.count(from_draft, block, tree, was_copied)
             finish = "stop" if token in eos else None
             if finish is None:
                 detok.add_token(token)
@@ -397,11 +396,12 @@ def stream_generate(
                 detok.finalize()
                 if record is not None:  # before the last yield: a caller may stop at it
                     record.record(context, answer)
+            stats.forced = constraint.forced_count if constraint else 0
             yield GenerationResponse(
                 text=detok.last_segment,
-                tokens=[t for t in cycle if t not in eos],
-                accepted=accepted,
-                committed=len(cycle),
+                tokens=[t for t in answer[seen.tokens :] if t not in eos],
+                accepted=stats.accepted - seen.accepted,
+                committed=stats.tokens - seen.tokens,
                 prompt_tokens=prompt.size,
                 prompt_tps=prompt_tps,
                 generation_tokens=n_out,
@@ -410,12 +410,12 @@ def stream_generate(
                 finish_reason=finish,
                 block_size=block,
                 tree_size=tree,
-                forced=constraint.forced_count - forced if constraint else 0,
-                copied=copied,
+                forced=stats.forced - seen.forced,
+                copied=stats.copied - seen.copied,
             )
             if finish:
                 return
-            cycle, accepted, copied, forced = [], 0, 0, constraint.forced_count if constraint else 0
+            seen = replace(stats)
 
 
 def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:

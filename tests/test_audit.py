@@ -53,8 +53,6 @@ def test_turns_on_a_bounded_cache_are_mlx_lms(wide_qwen3):
     assert got == want
 
 
-@pytest.mark.xfail(strict=True, reason="processors_for puts the cache's pending token (the last turn's last answer token) in "
-                   "the processors' history; mlx-lm's generate_step on a reused cache shows them only the new prompt")
 def test_processors_on_a_reused_cache_see_what_mlx_lms_see(wide_qwen3):
     """mlx-lm's stream_generate on a reused prompt cache starts its
     processors' history at the new turn's prompt: the previous answer's last
