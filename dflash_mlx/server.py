@@ -69,6 +69,7 @@ from .batch import DEFAULT_COMPLETION_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, Ba
 from .decode import Stats
 from .prefill import feed
 from .pipeline import STOP, agree_flag, share_request
+from .targets.kv import KVSettings
 from .traffic import record_safely
 
 ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
@@ -390,9 +391,10 @@ class DFlashResponseGenerator:
         self.prompt_cache = LRUPromptCache(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
         self.disk = None  # --prompt-cache-dir: the disk tier under the memory one
         if cli_args.prompt_cache_dir is not None:
-            classes = [type(c).__name__ for c in draft.target.make_cache()]
+            kv = KVSettings.of(**kv_keywords(self.controls))  # (--kv-bits, --max-kv-size: what its files hold)
+            classes = [type(c).__name__ for c in draft.target.make_cache(kv)]
             self.disk = DiskPromptCache(
-                cli_args.prompt_cache_dir, cli_args.prompt_cache_disk_bytes, pair_identity(model, draft), draft, classes
+                cli_args.prompt_cache_dir, cli_args.prompt_cache_disk_bytes, pair_identity(model, draft), draft, classes, kv
             )
             self.prompt_cache = TieredPromptCache(self.prompt_cache, self.disk)
         self.requests: "queue.Queue" = queue.Queue()

@@ -120,8 +120,6 @@ def test_gemma4_verify_blocks_are_mlx_lms_own_block_forward(make_pair, tmp_path)
     assert mx.array_equal(target.forward(block, ours)[0], pair.model(block, cache=lm))
 
 
-@pytest.mark.xfail(strict=True, reason="server.py builds its DiskPromptCache without the KV settings (kv=None) and with the "
-                   "classes of a plain make_cache(), so every file a --max-kv-size/--kv-bits server wrote is skipped on restart")
 def test_the_disk_tier_restores_a_bounded_cache_after_a_restart(make_pair, tmp_path):
     """--max-kv-size with --prompt-cache-dir: a restarted server serves the
     conversation from disk, as it does without KV settings."""
