@@ -7,21 +7,47 @@ The server is tests/test_agent_server.py's live one over the tiny chat pair.
 
 import http.client
 import json
+import threading
+import time
+from contextlib import contextmanager
 
 import pytest
-from test_agent_server import chat_pair, live_server  # noqa: F401 (the module's fixture)
+from test_agent_server import chat_pair  # noqa: F401 (the module's fixture)
 from test_cli import assert_one_error_line, run_here  # noqa: F401 (the module's fixture)
 from tiny_chat import ASK, CALLED, RESULT, WEATHER_TOOL
 
+from dflash_mlx.api import messages, responses
+from dflash_mlx.api.turn import Turn
 from dflash_mlx.errors import RequestError
-from dflash_mlx.server import prepare, setup_arg_parser
+from dflash_mlx.server import make_server, prepare, setup_arg_parser
 from dflash_mlx.api.harmony import text_format
 
 
+@contextmanager
+def live_server(chat_pair, *flags):  # noqa: F811
+    """(base URL, server) of a server over the chat pair, run with ``flags``."""
+    target, draft_dir, model, tokenizer, draft = chat_pair
+    server = make_server(setup_arg_parser().parse_args(["--model", str(target), "--port", "0", *flags]),
+                         model, tokenizer, draft, str(draft_dir))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host, port = server.server_address[:2]
+    try:
+        yield f"http://{host}:{port}", server
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.generator.stop_and_join()
+
+
 @pytest.fixture(scope="module")
-def base(chat_pair):  # noqa: F811
-    with live_server(chat_pair, "--max-tokens", "24") as url:
-        yield url
+def served(chat_pair):  # noqa: F811
+    with live_server(chat_pair, "--max-tokens", "24") as both:
+        yield both
+
+
+@pytest.fixture(scope="module")
+def base(served):
+    return served[0]
 
 
 def post(base: str, path: str, body: dict):
@@ -78,6 +104,58 @@ def test_whole_number_xtc_settings_are_honoured(base):
     status, text = post(base, "/v1/chat/completions", {**CHAT, "xtc_probability": 0, "xtc_threshold": 0})
     assert status == 200, text
     assert json.loads(text)["choices"] == json.loads(plain)["choices"]
+
+
+# An answer the grammar holds to 1500 letters at least: a long generation from the tiny target.
+LONG = {"type": "object", "properties": {"a": {"type": "string", "minLength": 1500, "pattern": "^[a-z]*$"}},
+        "required": ["a"], "additionalProperties": False}
+
+
+class GoneClient:
+    """A streaming client that left once the request was read: every write fails."""
+
+    def __init__(self, generator):
+        self.generator, self.wfile = generator, self
+
+    def start_events(self):
+        pass
+
+    def write(self, data):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("endpoint, to_chat, body", [
+    (responses.ResponsesEndpoint, lambda b: responses.to_chat(b, [])[0],
+     {"input": "zz", "max_output_tokens": 3000, "stream": True,
+      "text": {"format": {"type": "json_schema", "name": "long", "schema": LONG}}}),
+    (messages.MessagesEndpoint, messages.to_chat,
+     {"model": "m", "max_tokens": 3000, "stream": True, "messages": [{"role": "user", "content": "zz"}],
+      "output_config": {"format": {"type": "json_schema", "schema": LONG}}}),
+])
+def test_a_client_gone_before_the_first_event_stops_its_generation(served, endpoint, to_chat, body):
+    """A streaming client gone before the first event (response.created,
+    message_start) was written: that write was outside the guard that stops
+    the turn, so the whole answer was decoded for no one, holding a batch slot."""
+    base, server = served
+    generator = server.generator
+
+    def generated_when_idle() -> int:
+        deadline = time.time() + 120
+        while generator.serving or generator.queued() or generator.busy:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        return generator.metrics.totals["generated_tokens"]
+
+    before = generated_when_idle()
+    turn = Turn(generator, to_chat(body))
+    endpoint(GoneClient(generator)).stream(turn, {"id": "x", "model": "m", "output": [], "content": []})
+    assert turn.ctx.stopped
+    assert generated_when_idle() - before < 100
+    status, text = post(base, "/v1/chat/completions", CHAT)  # the server goes on
+    assert status == 200
 
 
 def test_context_check_reads_max_completion_tokens_first(chat_pair):  # noqa: F811

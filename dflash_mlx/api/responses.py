@@ -322,12 +322,13 @@ class ResponsesEndpoint:
             logging.exception("generation failed")
             self.send_error(500, f"generation failed: {e}")
             return False
-        handler.start_events()
-        send({"type": "response.created", "response": dict(response)})
-        send({"type": "response.in_progress", "response": dict(response)})
         try:
+            handler.start_events()
+            send({"type": "response.created", "response": dict(response)})
+            send({"type": "response.in_progress", "response": dict(response)})
             turn.run(output, send)
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError):  # the client left: its generation stops too
+            turn.stop()
             return False
         except Exception as e:
             logging.exception("generation failed")
