@@ -207,3 +207,27 @@ def test_generate_seed_out_of_range_is_one_line(run_here, chat_pair):  # noqa: F
     done = run_here("dflash_mlx.generate", "--model", str(target), "--draft-model", str(draft_dir), "--prompt", "hi",
                     "--seed", "-1", "--max-tokens", "2")
     assert_one_error_line(done, "--seed")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_convert_shard_size_is_a_positive_finite_number(run_here, value):  # noqa: F811
+    """``--max-shard-size inf`` was an OverflowError traceback, ``nan`` an
+    error naming no flag (``cannot convert float NaN to integer``)."""
+    assert_one_error_line(run_here("dflash_mlx.convert", "--hf-path", "/nonexistent", "--mlx-path", "/tmp/unused",
+                                   "--max-shard-size", value), "--max-shard-size")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--learning-rate", "nan"], "--learning-rate"), (["--learning-rate", "-1"], "--learning-rate"),
+    (["--gamma", "nan"], "--gamma"), (["--weight-decay", "nan"], "--weight-decay"), (["--grad-clip", "-1"], "--grad-clip"),
+    (["--max-minutes", "nan"], "--max-minutes"), (["--warmup", "-1"], "--warmup"), (["--seed", "-1"], "--seed"),
+])
+def test_train_numbers_are_checked_before_any_work(run_here, tmp_path, args, needle):  # noqa: F811
+    """A NaN learning rate or gamma trained and saved a NaN drafter (exit 0);
+    --seed -1 was a traceback; --grad-clip -1 failed only once training ran."""
+    data = tmp_path / "d.txt"
+    data.write_text("hello world")
+    out = tmp_path / "out"
+    done = run_here("dflash_mlx.train", "--model", str(tmp_path), "--draft-model", str(out), "--data", str(data), *args)
+    assert_one_error_line(done, needle)
+    assert not out.exists()
