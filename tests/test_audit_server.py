@@ -231,3 +231,13 @@ def test_train_numbers_are_checked_before_any_work(run_here, tmp_path, args, nee
     done = run_here("dflash_mlx.train", "--model", str(tmp_path), "--draft-model", str(out), "--data", str(data), *args)
     assert_one_error_line(done, needle)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("value", [0, 1 << 40, "many"])
+def test_responses_errors_name_max_output_tokens(base, value):
+    """A bad ``max_output_tokens`` was refused as ``max_tokens`` (param and
+    message), a field the Responses client never sent."""
+    status, text = post(base, "/v1/responses", {"input": "Paris?", "max_output_tokens": value})
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "max_output_tokens", text
+    assert "max_output_tokens" in error["message"] and "max_tokens" not in error["message"].replace("max_output_tokens", "")

@@ -274,6 +274,8 @@ class ResponsesEndpoint:
             chat, conversation = to_chat(body, history)
             turn = Turn(self.handler.generator, chat)
         except RequestError as e:
+            if e.param == "max_tokens":  # the chat field this dialect calls max_output_tokens
+                return self.send_error(e.status, str(e).replace("max_tokens", "max_output_tokens"), "max_output_tokens")
             return self.send_error(e.status, str(e), e.param)
         response = {
             "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
