@@ -1046,9 +1046,10 @@ def check_args(args: TrainConfig) -> None:
 
 def check_numbers(args: TrainConfig) -> None:
     """The optimiser's numbers and the seed: finite and in range (a NaN
-    learning rate or gamma trained, and saved, a NaN drafter; a negative
+    learning rate or gamma trained, and saved, a NaN drafter (a zero rate
+    keeps the starting weights, as --init-from runs may ask); a negative
     seed reached mx.random.seed as a traceback)."""
-    for name, low, positive in (("learning_rate", 0.0, True), ("gamma", 0.0, True), ("weight_decay", 0.0, False),
+    for name, low, positive in (("learning_rate", 0.0, False), ("gamma", 0.0, True), ("weight_decay", 0.0, False),
                                 ("grad_clip", 0.0, False), ("max_minutes", 0.0, True)):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > low if positive else value >= low)):
