@@ -1138,8 +1138,8 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--repeats", type=cli.positive_int, default=DEFAULT_BENCH_REPEATS, help="timed runs per prompt of each configuration, alternating")
     p.add_argument("--ar-draft-model", default=None, help="also run mlx-lm's classic speculative decoding with this autoregressive drafter")
     p.add_argument("--num-draft-tokens", type=cli.positive_int, default=3, help="draft tokens per step for --ar-draft-model")
-    p.add_argument("--temp", type=float, default=None, help="also compare tokens per cycle of rejection sampling vs exact match at this temperature")
-    p.add_argument("--sampling-temp", dest="temp", type=float, help=argparse.SUPPRESS)  # the old spelling
+    p.add_argument("--temp", type=cli.temperature, default=None, help="also compare tokens per cycle of rejection sampling vs exact match at this temperature")
+    p.add_argument("--sampling-temp", dest="temp", type=cli.temperature, help=argparse.SUPPRESS)  # the old spelling
     p.add_argument(
         "--prompt-lengths", type=cli.positive_int, nargs="+", default=None,
         help="measure long prompts instead: documentation text plus a question, about this many tokens each "

@@ -29,7 +29,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     cli.add_kv_cache_arguments(p)
     cli.add_load_arguments(p)
     cli.add_template_arguments(p)
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed")
+    p.add_argument("--seed", type=cli.seed, default=0, help="PRNG seed")
     cli.add_block_size_argument(p)
     cli.add_tree_budget_argument(p)
     cli.add_copy_drafts_argument(p)

@@ -83,10 +83,27 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     """mlx-lm's sampling flags; 0 turns each one off (greedy at ``--temp 0``)."""
-    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0 = off)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
-    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (0 = off)")
+    parser.add_argument("--temp", type=temperature, default=0.0, help="sampling temperature (0 = greedy)")
+    parser.add_argument("--top-p", type=checked(lambda v: controls.finite(v, "--top-p", 0.0, 1.0), float), default=0.0, help="nucleus sampling threshold (0 = off)")
+    parser.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k most likely tokens (0 = off)")
+    parser.add_argument("--min-p", type=checked(lambda v: controls.finite(v, "--min-p", 0.0, 1.0), float), default=0.0, help="drop tokens below min-p x the top probability (0 = off)")
+
+
+# The seeds mx.random.seed takes.
+MAX_SEED = 2**64 - 1
+
+
+def seed(text: str) -> int:
+    """argparse ``type`` for ``--seed``: what ``mx.random.seed`` takes (0 to 2**64 - 1)."""
+    value = int_at_least(text, 0)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SEED}, got {value}")
+    return value
+
+
+def temperature(text: str) -> float:
+    """argparse ``type`` for ``--temp``: a finite number, at least 0."""
+    return checked(lambda v: controls.finite(v, "--temp", 0.0), float)(text)
 
 
 def add_block_size_argument(parser: argparse.ArgumentParser) -> None:
@@ -181,10 +198,10 @@ def checked(check: Callable, kind: Callable = int) -> Callable[[str], object]:
     return parse
 
 
-def template_config(text: str) -> dict:
-    """argparse ``type`` for ``--chat-template-config``."""
+def template_config(text: str, flag: str = "--chat-template-config") -> dict:
+    """argparse ``type`` for ``--chat-template-config`` (the server's ``--chat-template-args``: ``flag``)."""
     try:
-        return controls.template_config(text)
+        return controls.template_config(text, flag)
     except ArgumentError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

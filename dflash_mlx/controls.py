@@ -158,16 +158,16 @@ def kv_keywords(keywords: dict) -> dict:
     return {k: v for k, v in keywords.items() if k in KV_KEYWORDS}
 
 
-def template_config(text: Optional[str]) -> dict:
-    """``--chat-template-config``: a JSON object of the template's extra variables."""
+def template_config(text: Optional[str], flag: str = "--chat-template-config") -> dict:
+    """``--chat-template-config`` (the server's ``--chat-template-args``, ``flag``): a JSON object of the template's extra variables."""
     if text is None:
         return {}
     try:
         config = json.loads(text)
     except ValueError as e:
-        raise ArgumentError(f"--chat-template-config is not JSON ({e}): pass an object, e.g. '{{\"enable_thinking\": false}}'") from None
+        raise ArgumentError(f"{flag} is not JSON ({e}): pass an object, e.g. '{{\"enable_thinking\": false}}'") from None
     if not isinstance(config, dict):
-        raise ArgumentError(f"--chat-template-config must be a JSON object, not {type(config).__name__}")
+        raise ArgumentError(f"{flag} must be a JSON object, not {type(config).__name__}")
     return config
 
 

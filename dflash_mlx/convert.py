@@ -13,6 +13,7 @@ the result appears at the destination only once it is complete.
 import argparse
 import glob
 import json
+import math
 import os
 import shutil
 import sys
@@ -405,6 +406,17 @@ def convert(
     return stats
 
 
+def shard_gib(text: str) -> float:
+    """argparse ``type`` for ``--max-shard-size``: a positive, finite number of GiB."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return value
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(
         prog="mlx-dflash convert",
@@ -434,7 +446,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing destination (after success)")
     p.add_argument(
         "--max-shard-size",
-        type=float,
+        type=shard_gib,
         default=DEFAULT_SHARD_GB,
         metavar="GB",
         help=f"drafter output shard size in GiB; peak memory is about one shard (default {DEFAULT_SHARD_GB})",
@@ -448,8 +460,6 @@ def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
     if not args.quantize and (args.q_bits is not None or args.q_group_size is not None):
         raise ConvertError("--q-bits / --q-group-size need -q/--quantize")
-    if args.max_shard_size <= 0:
-        raise ConvertError("--max-shard-size must be positive")
     if args.gguf is not None and (args.kind == "draft" or args.draft_hf_path is not None):
         raise ConvertError("--gguf imports a target model; it takes no drafter options")
     options = dict(

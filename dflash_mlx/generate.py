@@ -437,7 +437,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     p.add_argument("--max-tokens", "-m", type=cli.positive_int, default=DEFAULT_MAX_TOKENS)
     cli.add_sampling_arguments(p)
     cli.add_xtc_arguments(p)
-    p.add_argument("--seed", type=int, default=None, help="seed mx.random; a sampled run repeats exactly only with a fixed --block-size (the adaptive default follows measured speed)")
+    p.add_argument("--seed", type=cli.seed, default=None, help="seed mx.random; a sampled run repeats exactly only with a fixed --block-size (the adaptive default follows measured speed)")
     p.add_argument(
         "--acceptance",
         choices=ACCEPTANCE_RULES,

@@ -143,6 +143,13 @@ def check_fields(body: dict) -> None:
         isinstance(stop, list) and all(isinstance(s, str) for s in stop)
     ):
         raise RequestError("stop must be a string or a list of strings", "stop")
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)):
+        raise RequestError("stream_options must be an object {include_usage: true or false}", "stream_options")
+    if not isinstance(body.get("model", ""), str):
+        raise RequestError("model must be a string", "model")
+    if body.get("adapters") is not None:  # mlx-lm's server would load them: this one serves its --adapter-path only
+        raise RequestError("adapters cannot change per request here: start the server with --adapter-path", "adapters")
     if body.get("n", 1) != 1:
         raise RequestError("n must be 1: the DFlash server answers with one choice; send one request per choice", "n")
 
@@ -296,7 +303,8 @@ def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int],
         )
     if context is not None and len(tokens) >= context:
         raise RequestError(f"the prompt has {len(tokens)} tokens but the model's context is {context}: shorten it", param)
-    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+    max_tokens = body.get("max_completion_tokens")  # mlx-lm's server reads it first
+    max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
     if context is not None and max_tokens is not None and len(tokens) + max_tokens > context:
         raise RequestError(
             f"max_tokens is {max_tokens}, but the model's context of {context} tokens holds only "
@@ -797,6 +805,21 @@ class DFlashAPIHandler(APIHandler):
         self.rfile = io.BytesIO(raw)  # mlx-lm's handler reads the body again
         super().do_POST()
 
+    def validate_model_parameters(self):
+        """mlx-lm's checks, XTC's whole numbers (``0``, ``1``) read as the
+        numbers they are (mlx-lm's refuses all but a float; dflash_mlx.controls checked them)."""
+        for name in ("xtc_probability", "xtc_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, name, float(value))
+        super().validate_model_parameters()
+
+    def handle_completion(self, request, stop_words):
+        """mlx-lm's answer, ``stream_options`` without ``include_usage`` read as OpenAI reads it (false)."""
+        if self.stream_options is not None:
+            self.stream_options = {"include_usage": self.stream_options.get("include_usage", False)}
+        return super().handle_completion(request, stop_words)
+
     def generate_response(self, *args, **kwargs) -> dict:
         response = super().generate_response(*args, **kwargs)
         if "usage" in response:
@@ -883,7 +906,7 @@ def setup_arg_parser() -> cli.ArgumentParser:
     cli.add_load_arguments(p)
     p.add_argument("--chat-template", default=None, help="a chat template to use instead of the tokenizer's")
     p.add_argument("--use-default-chat-template", action="store_true", help="use the tokenizer's default template when it has none")
-    p.add_argument("--chat-template-args", type=json.loads, default={}, help="JSON arguments for the chat template")
+    p.add_argument("--chat-template-args", type=lambda text: cli.template_config(text, "--chat-template-args"), default={}, help="JSON object of arguments for the chat template")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--pipeline", action="store_true", help="split the target's layers across the processes mlx.launch started; rank 0 serves HTTP (see docs/pipeline.md)")
     add_learn_arguments(p, adapt=True)

@@ -987,6 +987,7 @@ def check_args(args: TrainConfig) -> None:
     """Everything that can be checked before loading the target (the
     defaults filled in first: :func:`fill_defaults`)."""
     fill_defaults(args)
+    check_numbers(args)
     if not args.model or not args.draft_model:
         raise TrainError("training needs a target (--model) and an output directory (--draft-model)")
     if args.from_traffic is not None:
@@ -1014,8 +1015,6 @@ def check_args(args: TrainConfig) -> None:
         )
     if args.cache_dir is not None and not args.cache_target:
         raise TrainError("--cache-dir keeps --cache-target's outputs: pass --cache-target too")
-    if args.gamma is not None and args.gamma <= 0:
-        raise TrainError("--gamma must be positive")
     if args.loss_slots is not None and not 1 <= args.loss_slots < args.block_size:
         raise TrainError(f"--loss-slots must be 1..{args.block_size - 1} (the drafted slots of a block)")
     if args.draft_vocab is not None and args.draft_vocab < 1:
@@ -1043,6 +1042,22 @@ def check_args(args: TrainConfig) -> None:
     out = Path(args.draft_model)
     if not args.resume and out.exists() and any(out.iterdir()):
         raise TrainError(f"{out} exists and is not empty: pass --resume to continue it, or choose a new --draft-model")
+
+
+def check_numbers(args: TrainConfig) -> None:
+    """The optimiser's numbers and the seed: finite and in range (a NaN
+    learning rate or gamma trained, and saved, a NaN drafter (a zero rate
+    keeps the starting weights, as --init-from runs may ask); a negative
+    seed reached mx.random.seed as a traceback)."""
+    for name, low, positive in (("learning_rate", 0.0, False), ("gamma", 0.0, True), ("weight_decay", 0.0, False),
+                                ("grad_clip", 0.0, False), ("max_minutes", 0.0, True)):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and (value > low if positive else value >= low)):
+            raise TrainError(f"--{name.replace('_', '-')} must be a finite number {'above' if positive else 'of at least'} {low}, not {value}")
+    if args.warmup is not None and args.warmup < 0:
+        raise TrainError(f"--warmup must be at least 0, not {args.warmup}")
+    if not 0 <= args.seed <= cli.MAX_SEED:
+        raise TrainError(f"--seed must be 0 to {cli.MAX_SEED}, not {args.seed}")
 
 
 def check_traffic_args(args: TrainConfig) -> None:

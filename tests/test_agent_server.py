@@ -386,7 +386,7 @@ BAD = [
     ("/v1/responses", {"model": "m", "input": [{"role": "robot", "content": "x"}]}, "role"),
     ("/v1/responses", {"model": "m", "input": [{"type": "function_call_output", "output": "x"}]}, "call_id"),
     ("/v1/responses", {"model": "m", "input": "hi", "tool_choice": "required"}, "needs tools"),
-    ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": -1}, "max_tokens"),
+    ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": -1}, "max_output_tokens"),
     ("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [WEATHER_TOOL], "tool_choice": "required",
                               "response_format": {"type": "json_object"}}, "cannot both hold"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "role"),

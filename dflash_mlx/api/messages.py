@@ -256,13 +256,13 @@ class MessagesEndpoint:
         except Exception as e:
             logging.exception("generation failed")
             return self.send_error(500, f"generation failed: {e}")
-        handler.start_events()
         start = dict(message, usage=dict(usage(turn.result), output_tokens=0))
-        event_stream(handler, "message_start", {"type": "message_start", "message": start})
         try:
+            handler.start_events()
+            event_stream(handler, "message_start", {"type": "message_start", "message": start})
             turn.run(blocks, lambda event: event_stream(handler, *event))
-        except (BrokenPipeError, ConnectionResetError):
-            return
+        except (BrokenPipeError, ConnectionResetError):  # the client left: its generation stops too
+            return turn.stop()
         except Exception as e:
             logging.exception("generation failed")
             return event_stream(handler, "error", error_body(500, f"generation failed: {e}"))

@@ -274,6 +274,8 @@ class ResponsesEndpoint:
             chat, conversation = to_chat(body, history)
             turn = Turn(self.handler.generator, chat)
         except RequestError as e:
+            if e.param == "max_tokens":  # the chat field this dialect calls max_output_tokens
+                return self.send_error(e.status, str(e).replace("max_tokens", "max_output_tokens"), "max_output_tokens")
             return self.send_error(e.status, str(e), e.param)
         response = {
             "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
@@ -322,12 +324,13 @@ class ResponsesEndpoint:
             logging.exception("generation failed")
             self.send_error(500, f"generation failed: {e}")
             return False
-        handler.start_events()
-        send({"type": "response.created", "response": dict(response)})
-        send({"type": "response.in_progress", "response": dict(response)})
         try:
+            handler.start_events()
+            send({"type": "response.created", "response": dict(response)})
+            send({"type": "response.in_progress", "response": dict(response)})
             turn.run(output, send)
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError):  # the client left: its generation stops too
+            turn.stop()
             return False
         except Exception as e:
             logging.exception("generation failed")

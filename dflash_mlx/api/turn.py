@@ -331,6 +331,11 @@ class Turn:
             if send is not None:
                 send(event)
 
+    def stop(self) -> None:
+        """Stop the generation of a started turn whose events are not read
+        (its client went away first); :meth:`events` stops it as it ends."""
+        self.ctx.stop()
+
     def stop_word(self, tokens: List[int]) -> Optional[str]:
         """The stop word whose tokens end ``tokens`` (the one that matched)."""
         tokenizer = self.generator.tokenizer

@@ -1,0 +1,242 @@
+"""An adversarial audit of the server's dialects and the command lines:
+each test is a bug found once (a 500 or a traceback where a clear 4xx or
+one ``error:`` line belongs, a bad value taken), fixed or marked.
+
+The server is tests/test_agent_server.py's live one over the tiny chat pair.
+"""
+
+import http.client
+import json
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+from test_agent_server import chat_pair  # noqa: F401 (the module's fixture)
+from test_cli import assert_one_error_line, run_here  # noqa: F401 (the module's fixture)
+from tiny_chat import ASK, CALLED, RESULT, WEATHER_TOOL
+
+from dflash_mlx.api import messages, responses
+from dflash_mlx.api.turn import Turn
+from dflash_mlx.errors import RequestError
+from dflash_mlx.server import make_server, prepare, setup_arg_parser
+from dflash_mlx.api.harmony import text_format
+
+
+@contextmanager
+def live_server(chat_pair, *flags):  # noqa: F811
+    """(base URL, server) of a server over the chat pair, run with ``flags``."""
+    target, draft_dir, model, tokenizer, draft = chat_pair
+    server = make_server(setup_arg_parser().parse_args(["--model", str(target), "--port", "0", *flags]),
+                         model, tokenizer, draft, str(draft_dir))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host, port = server.server_address[:2]
+    try:
+        yield f"http://{host}:{port}", server
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.generator.stop_and_join()
+
+
+@pytest.fixture(scope="module")
+def served(chat_pair):  # noqa: F811
+    with live_server(chat_pair, "--max-tokens", "24") as both:
+        yield both
+
+
+@pytest.fixture(scope="module")
+def base(served):
+    return served[0]
+
+
+def post(base: str, path: str, body: dict):
+    """(status, body text) of a POST."""
+    host, port = base.removeprefix("http://").split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=120)
+    c.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    return r.status, r.read().decode()
+
+
+def events(text: str) -> list:
+    return [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+CHAT = {"messages": ASK + [CALLED, RESULT], "tools": [WEATHER_TOOL]}
+
+
+def test_stream_options_without_include_usage_streams_the_answer(base):
+    """OpenAI's stream_options may leave include_usage out (false): mlx-lm's
+    handler read it as a key and failed with a KeyError after the whole
+    answer was decoded (an error event in a 200 stream). A stream_options
+    that is no object is a 400 before any work."""
+    status, whole = post(base, "/v1/chat/completions", CHAT)
+    assert status == 200
+    want = json.loads(whole)["choices"][0]["message"]["content"]
+    status, text = post(base, "/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {}})
+    chunks = events(text)
+    assert status == 200 and text.rstrip().endswith("data: [DONE]") and not any("error" in c for c in chunks), text
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == want
+    assert not any("usage" in c and not c["choices"] for c in chunks)  # include_usage: false
+    for bad in ("yes", {"include_usage": "yes"}, [True]):
+        status, text = post(base, "/v1/chat/completions", {**CHAT, "stream": True, "stream_options": bad})
+        assert status == 400 and json.loads(text)["error"]["param"] == "stream_options", text
+    status, text = post(base, "/v1/chat/completions", CHAT)  # the server goes on, alike
+    assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == want
+
+
+@pytest.mark.parametrize("field, value", [("model", 5), ("adapters", "some/lora"), ("adapters", 5)])
+def test_fields_mlx_lm_checks_get_openai_errors(base, field, value):
+    """``model`` and ``adapters`` were left to mlx-lm's handler, whose 400 is
+    ``{"error": "..."}`` (not OpenAI's shape), and a string ``adapters``
+    (which mlx-lm's server loads) was ignored: the answer came from another model."""
+    status, text = post(base, "/v1/chat/completions", {**CHAT, field: value})
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error["param"] == field and error["type"] == "invalid_request_error"
+
+
+def test_whole_number_xtc_settings_are_honoured(base):
+    """``xtc_probability: 0`` (a JSON integer) passed dflash_mlx's checks but
+    mlx-lm's handler refused every non-float with a non-OpenAI 400."""
+    status, plain = post(base, "/v1/chat/completions", CHAT)
+    status, text = post(base, "/v1/chat/completions", {**CHAT, "xtc_probability": 0, "xtc_threshold": 0})
+    assert status == 200, text
+    assert json.loads(text)["choices"] == json.loads(plain)["choices"]
+
+
+# An answer the grammar holds to 1500 letters at least: a long generation from the tiny target.
+LONG = {"type": "object", "properties": {"a": {"type": "string", "minLength": 1500, "pattern": "^[a-z]*$"}},
+        "required": ["a"], "additionalProperties": False}
+
+
+class GoneClient:
+    """A streaming client that left once the request was read: every write fails."""
+
+    def __init__(self, generator):
+        self.generator, self.wfile = generator, self
+
+    def start_events(self):
+        pass
+
+    def write(self, data):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("endpoint, to_chat, body", [
+    (responses.ResponsesEndpoint, lambda b: responses.to_chat(b, [])[0],
+     {"input": "zz", "max_output_tokens": 3000, "stream": True,
+      "text": {"format": {"type": "json_schema", "name": "long", "schema": LONG}}}),
+    (messages.MessagesEndpoint, messages.to_chat,
+     {"model": "m", "max_tokens": 3000, "stream": True, "messages": [{"role": "user", "content": "zz"}],
+      "output_config": {"format": {"type": "json_schema", "schema": LONG}}}),
+])
+def test_a_client_gone_before_the_first_event_stops_its_generation(served, endpoint, to_chat, body):
+    """A streaming client gone before the first event (response.created,
+    message_start) was written: that write was outside the guard that stops
+    the turn, so the whole answer was decoded for no one, holding a batch slot."""
+    base, server = served
+    generator = server.generator
+
+    def generated_when_idle() -> int:
+        deadline = time.time() + 120
+        while generator.serving or generator.queued() or generator.busy:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        return generator.metrics.totals["generated_tokens"]
+
+    before = generated_when_idle()
+    turn = Turn(generator, to_chat(body))
+    endpoint(GoneClient(generator)).stream(turn, {"id": "x", "model": "m", "output": [], "content": []})
+    assert turn.ctx.stopped
+    assert generated_when_idle() - before < 100
+    status, text = post(base, "/v1/chat/completions", CHAT)  # the server goes on
+    assert status == 200
+
+
+def test_context_check_reads_max_completion_tokens_first(chat_pair):  # noqa: F811
+    """mlx-lm's server decodes ``max_completion_tokens`` when both are given;
+    the context check read ``max_tokens``, so a request asking past the
+    context passed it."""
+    _, _, model, tokenizer, draft = chat_pair
+    context = model.args.max_position_embeddings
+    body = {"messages": ASK, "max_tokens": 1, "max_completion_tokens": context}
+    with pytest.raises(RequestError) as e:
+        prepare(tokenizer, draft.target, body, "chat", None, {}, text_format(tokenizer))
+    assert e.value.param == "max_tokens"
+    prepare(tokenizer, draft.target, {**body, "max_tokens": context, "max_completion_tokens": 1}, "chat", None, {},
+            text_format(tokenizer))
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "server"])
+@pytest.mark.parametrize("args, needle", [
+    (["--temp", "-1"], "--temp"), (["--temp", "nan"], "--temp"), (["--top-p", "2"], "--top-p"),
+    (["--min-p", "1.5"], "--min-p"), (["--top-k", "-3"], "--top-k"),
+])
+def test_sampling_flags_refuse_bad_values_in_one_line(run_here, command, args, needle):  # noqa: F811
+    """``--temp -1``/``nan``, ``--top-p 2`` were taken: generate sampled from
+    them, and the server used them as every request's defaults, past the
+    checks a request's own fields meet."""
+    assert_one_error_line(run_here(f"dflash_mlx.{command}", *args, "--model", "/nonexistent"), needle)
+
+
+def test_bench_temp_refuses_a_negative_value(run_here):  # noqa: F811
+    assert_one_error_line(run_here("dflash_mlx.benchmark", "--temp", "-0.5", "--model", "/nonexistent"), "--temp")
+
+
+def test_server_chat_template_args_must_be_an_object(run_here):  # noqa: F811
+    """``--chat-template-args '[1]'`` was taken (json.loads), and every chat
+    request then failed with a 500 (a list spread as keywords)."""
+    assert_one_error_line(run_here("dflash_mlx.server", "--chat-template-args", "[1]", "--model", "/nonexistent"), "--chat-template-args", "object")
+    assert setup_arg_parser().parse_args(["--chat-template-args", '{"enable_thinking": false}']).chat_template_args == {
+        "enable_thinking": False}
+
+
+def test_chat_seed_out_of_range_is_one_line(run_here):  # noqa: F811
+    """``--seed -1`` reached mx.random.seed: a TypeError traceback."""
+    assert_one_error_line(run_here("dflash_mlx.chat", "--seed", "-1", "--model", "/nonexistent"), "--seed")
+
+
+def test_generate_seed_out_of_range_is_one_line(run_here, chat_pair):  # noqa: F811
+    target, draft_dir = chat_pair[:2]
+    done = run_here("dflash_mlx.generate", "--model", str(target), "--draft-model", str(draft_dir), "--prompt", "hi",
+                    "--seed", "-1", "--max-tokens", "2")
+    assert_one_error_line(done, "--seed")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_convert_shard_size_is_a_positive_finite_number(run_here, value):  # noqa: F811
+    """``--max-shard-size inf`` was an OverflowError traceback, ``nan`` an
+    error naming no flag (``cannot convert float NaN to integer``)."""
+    assert_one_error_line(run_here("dflash_mlx.convert", "--hf-path", "/nonexistent", "--mlx-path", "/tmp/unused",
+                                   "--max-shard-size", value), "--max-shard-size")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--learning-rate", "nan"], "--learning-rate"), (["--learning-rate", "-1"], "--learning-rate"),
+    (["--gamma", "nan"], "--gamma"), (["--weight-decay", "nan"], "--weight-decay"), (["--grad-clip", "-1"], "--grad-clip"),
+    (["--max-minutes", "nan"], "--max-minutes"), (["--warmup", "-1"], "--warmup"), (["--seed", "-1"], "--seed"),
+])
+def test_train_numbers_are_checked_before_any_work(run_here, tmp_path, args, needle):  # noqa: F811
+    """A NaN learning rate or gamma trained and saved a NaN drafter (exit 0);
+    --seed -1 was a traceback; --grad-clip -1 failed only once training ran."""
+    data = tmp_path / "d.txt"
+    data.write_text("hello world")
+    out = tmp_path / "out"
+    done = run_here("dflash_mlx.train", "--model", str(tmp_path), "--draft-model", str(out), "--data", str(data), *args)
+    assert_one_error_line(done, needle)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", [0, 1 << 40, "many"])
+def test_responses_errors_name_max_output_tokens(base, value):
+    """A bad ``max_output_tokens`` was refused as ``max_tokens`` (param and
+    message), a field the Responses client never sent."""
+    status, text = post(base, "/v1/responses", {"input": "Paris?", "max_output_tokens": value})
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "max_output_tokens", text
+    assert "max_output_tokens" in error["message"] and "max_tokens" not in error["message"].replace("max_output_tokens", "")
