@@ -4,7 +4,6 @@ quantized KV caches, logits processors over a reused prompt cache, and a
 grammar llguidance's lexer cannot follow. References: mlx-lm's own
 ``stream_generate`` on its own prompt cache, float32."""
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import tiny

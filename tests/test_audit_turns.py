@@ -12,11 +12,10 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 from test_disk_cache import serving
-from tiny import DELTA, PROMPT, V, eos_set, prompt_of, reference_responses, small_pair
+from tiny import PROMPT, eos_set, prompt_of, reference_responses, small_pair
 
 import dflash_mlx
 from dflash_mlx.cache import load_prompt_cache, save_prompt_cache
-from dflash_mlx.sampling import processed_probs
 from dflash_mlx.targets import adapter_for
 
 
@@ -55,26 +54,10 @@ PENALISED = dict(logit_bias={3: 1.5}, repetition_penalty=2.0, repetition_context
 
 
 def pit_distance(model, runs, setting, processors):
-    """KS distance of a randomised PIT of each run's turn-2 tokens under the
-    target's processed p given the whole conversation, the processors seeing
-    the turn's own prompt first (mlx-lm's history on a reused cache)."""
-    us, rng = [], np.random.default_rng(0)
-    for prefix, prompt, tokens in runs:
-        logits = model(mx.array([prefix + tokens]))[0, len(prefix) - 1 : -1]
-        rows = []
-        for i in range(len(tokens)):
-            row = logits[i : i + 1]
-            for f in processors():
-                row = f(mx.array(prompt + tokens[:i]), row)
-            rows.append(row)
-        p = np.array(processed_probs(mx.concatenate(rows), **setting), dtype=np.float64)
-        x = np.array(tokens)
-        p_x = p[np.arange(len(x)), x]
-        above = (p > p_x[:, None]) | ((p == p_x[:, None]) & (np.arange(V)[None] < x[:, None]))
-        us.append((p * above).sum(axis=1) + rng.uniform(size=len(x)) * p_x)
-    u = np.sort(np.concatenate(us))
-    n = u.size
-    return max((np.arange(1, n + 1) / n - u).max(), (u - np.arange(n) / n).max()), np.sqrt(np.log(2 / DELTA) / (2 * n))
+    """:func:`tiny.pit_check` of each run's turn-2 tokens given the whole
+    conversation, the processors seeing the turn's own prompt first
+    (mlx-lm's history on a reused cache): (KS distance, its bound)."""
+    return tiny.pit_check(model, runs, setting, np.random.default_rng(0), logits_processors=processors)[:2]
 
 
 def test_sampling_with_penalties_on_a_reused_cache_follows_the_target(tmp_path):

@@ -512,20 +512,24 @@ def pit_check(model, runs, setting, rng, allow=None, logits_processors=None):
     ``allow(tokens)``: the tokens allowed at each position ``[n, V]``, the
     others' logits -inf, as a grammar's mask leaves them;
     ``logits_processors()``: mlx-lm processors applied to each position with
-    its own history first, as mlx-lm's decode applies them).
+    its own history first, as mlx-lm's decode applies them). A run is the
+    tokens generated after PROMPT, or ``(prefix, history, tokens)``: those
+    generated after ``prefix`` (a conversation's earlier turns), the
+    processors' history starting at ``history`` (the turn's own prompt).
 
     Returns (KS distance of the PIT values from U(0, 1), its DKW bound,
     number of tokens committed outside the processed support).
     """
     us, outside = [], 0
-    for tokens in runs:
-        logits = model(mx.array([PROMPT + tokens]))[0, len(PROMPT) - 1 : -1]
+    for run in runs:
+        prefix, history, tokens = run if isinstance(run, tuple) else (PROMPT, PROMPT, run)
+        logits = model(mx.array([prefix + tokens]))[0, len(prefix) - 1 : -1]
         if logits_processors is not None:
             rows = []
             for i in range(len(tokens)):
                 row = logits[i : i + 1]
                 for f in logits_processors():
-                    row = f(mx.array(PROMPT + tokens[:i]), row)
+                    row = f(mx.array(history + tokens[:i]), row)
                 rows.append(row)
             logits = mx.concatenate(rows)
         if allow is not None:
