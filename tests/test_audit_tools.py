@@ -85,3 +85,25 @@ def test_a_failed_conversion_leaves_no_directories_it_made(qwen3_pair, draft_src
     assert (tmp_path / "new" / "deep" / "out" / "config.json").is_file()
     shutil.rmtree(tmp_path / "new")
     assert json.loads((good / "config.json").read_text())["hidden_size"] > 0
+
+
+def test_a_restart_with_another_drafter_serves_that_drafter(qwen3_pair, tmp_path, caplog):
+    """current.json (the last accepted drafter) was resumed whatever
+    --draft-model the restarted server named: a restart that picked another
+    drafter silently served the old line's adapted one."""
+    from dflash_mlx.adapt import CURRENT, DRAFTERS, Adaptation
+    from dflash_mlx.traffic import ADAPT_RESULT, Recorder
+
+    first = qwen3_pair.make_draft(tmp_path / "first", block_size=4)
+    other = qwen3_pair.make_draft(tmp_path / "other", seed=9, block_size=4)
+    adapted = qwen3_pair.make_draft(tmp_path / "adapted", seed=2, block_size=4)
+    (adapted / ADAPT_RESULT).write_text(json.dumps({"init_from": str(first.resolve()), "before": 1.0, "after": 2.0}))
+    adaptation = Adaptation(Recorder(tmp_path / "t"), qwen3_pair.path, first)
+    adaptation.offer(adapted)
+    adaptation.swap(qwen3_pair.model, None)
+    assert json.loads((tmp_path / "t" / DRAFTERS / CURRENT).read_text())["version"] == 1
+    same = Adaptation(Recorder(tmp_path / "t"), qwen3_pair.path, first)  # the same flags continue
+    assert (same.version, same.path) == (1, adapted.resolve())
+    changed = Adaptation(Recorder(tmp_path / "t"), qwen3_pair.path, other)
+    assert changed.path == other and changed.round_dir(changed.version + 1).name == "v2"
+    assert "continues" in caplog.text
