@@ -58,6 +58,7 @@ class Adaptation:
         self.last_round = 0  # recorder.recorded when the last round started
         self.stopping = False
         self.version, self.path, self.scores = 0, Path(drafter), {}
+        self.origin = str(Path(drafter).resolve())  # the drafter the server was started with
         self.resume(drafter)
         self.thread = threading.Thread(target=self.loop, name="dflash-adaptation", daemon=True)
 
@@ -68,6 +69,12 @@ class Adaptation:
             return
         try:
             state = json.loads(saved.read_text())
+            if state.get("origin", self.origin) != self.origin:  # another --draft-model: it is what serves
+                logging.warning(
+                    "adaptation: %s continues %s, not %s; starting from %s", saved, state["origin"], drafter, drafter
+                )
+                self.version = int(state["version"])  # later rounds keep the other line's drafters
+                return
             path = Path(state["path"])
             if not (path / "model.safetensors").is_file():
                 raise ValueError(f"{path} is gone")
@@ -118,7 +125,7 @@ class Adaptation:
         self.version += 1
         self.scores = {"before": scores["before"], "after": scores["after"]}
         self.path = path
-        state = {"version": self.version, "path": str(path.resolve()), "scores": self.scores}
+        state = {"version": self.version, "path": str(path.resolve()), "scores": self.scores, "origin": self.origin}
         try:
             write_atomically(self.root / CURRENT, json.dumps(state).encode())
         except OSError as e:  # serving goes on; a restart would start from the first drafter

@@ -98,6 +98,8 @@ class Staging:
         self.force = force
         if os.path.lexists(self.dst) and not force:
             raise ConvertError(f"{dst} already exists: pass --force to replace it")
+        # Parents this run creates go again with a failed conversion.
+        self.made = [p for p in (self.dst.parent, *self.dst.parent.parents) if not p.exists()]
         self.dst.parent.mkdir(parents=True, exist_ok=True)
         self.remove_orphans()
         prefix = f".{self.dst.name}.{os.getpid()}."
@@ -132,6 +134,12 @@ class Staging:
 
     def discard(self):
         shutil.rmtree(self.root, ignore_errors=True)
+        if not os.path.lexists(self.dst):
+            for parent in self.made:  # innermost first; a non-empty one stays
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
 
 
 def quantizable(group_size: int):
@@ -375,6 +383,8 @@ def convert(
             job_kind = found
         elif job_kind == "draft" and found != "draft":
             check_draft_architecture(cfg, src)  # raises, naming the architecture
+        elif job_kind == "target" and found == "draft":
+            raise ConvertError(f"{src} is a DFlash drafter ({draft_architecture(cfg)}), not a target: drop --kind target")
         if src_dir.resolve() == Path(dst).expanduser().resolve():
             raise ConvertError(f"{dst} is the source checkpoint: choose another --mlx-path")
         resolved.append((src, cfg, dst, job_kind))

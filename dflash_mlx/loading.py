@@ -91,9 +91,12 @@ def read_config(path: Path) -> dict:
     if not cfg_file.is_file():
         raise CheckpointNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
     try:
-        return json.loads(cfg_file.read_text())
+        cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_file} must hold a JSON object, not {type(cfg).__name__}: not a Hugging Face config")
+    return cfg
 
 
 def draft_architecture(cfg: dict) -> Optional[str]:
@@ -121,11 +124,25 @@ def check_draft_architecture(cfg: dict, path) -> str:
     return arch
 
 
+def index_files(index: Path) -> list:
+    """The shard file names ``model.safetensors.index.json`` maps tensors to."""
+    try:
+        files = json.loads(index.read_text())["weight_map"].values()
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DraftLoadError(
+            f"{index} is damaged (no weight_map of tensor -> file; {type(e).__name__}: {e}): "
+            "download it again, or delete it to load every *.safetensors file"
+        ) from e
+    if not all(isinstance(f, str) and f for f in files):
+        raise DraftLoadError(f"{index}: weight_map must map tensor names to file names; download it again")
+    return list(files)
+
+
 def read_safetensors(path: Path) -> Dict[str, mx.array]:
     """All tensors of a single-file or sharded (indexed) checkpoint."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = sorted(set(index_files(index)))
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:

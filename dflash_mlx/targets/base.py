@@ -123,6 +123,12 @@ class TargetAdapter:
                 f"this {self.family} target has {self.num_layers}: drafter and "
                 f"target do not match"
             )
+        if config.hidden_size != self.hidden_size:  # it embeds with the target's table and scores with its head
+            raise TargetError(
+                f"drafter hidden_size {config.hidden_size} != target hidden size {self.hidden_size} "
+                f"({self.family} target): the drafter shares the target's embedding and LM head, "
+                f"so this drafter was trained for another target"
+            )
         want = len(config.target_layer_ids) * self.hidden_size
         if config.fc_input_size != want:
             raise TargetError(
