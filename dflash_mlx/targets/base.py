@@ -123,18 +123,18 @@ class TargetAdapter:
                 f"this {self.family} target has {self.num_layers}: drafter and "
                 f"target do not match"
             )
-        if config.hidden_size != self.hidden_size:  # it embeds with the target's table and scores with its head
-            raise TargetError(
-                f"drafter hidden_size {config.hidden_size} != target hidden size {self.hidden_size} "
-                f"({self.family} target): the drafter shares the target's embedding and LM head, "
-                f"so this drafter was trained for another target"
-            )
         want = len(config.target_layer_ids) * self.hidden_size
         if config.fc_input_size != want:
             raise TargetError(
                 f"drafter fc expects {config.fc_input_size} input features (drafter hidden "
                 f"{config.hidden_size}), but {len(config.target_layer_ids)} taps x target hidden "
                 f"{self.hidden_size} = {want} ({self.family} target): drafter and target do not match"
+            )
+        if config.hidden_size != self.hidden_size:  # it embeds with the target's table and scores with its head
+            raise TargetError(
+                f"drafter hidden_size {config.hidden_size} != target hidden size {self.hidden_size} "
+                f"({self.family} target): the drafter shares the target's embedding and LM head, "
+                f"so this drafter was trained for another target"
             )
         self.tap_ids = list(config.target_layer_ids)
 
