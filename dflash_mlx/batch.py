@@ -243,8 +243,8 @@ class BatchGenerator:
             raise ArgumentError("a prompt cache is in the middle of a generation: close that generation first")
         if self.completion_batch_size > 1:
             check_joinable(cache.target)
-        if cap is not None:
-            max_block_size(self.draft, cap, None)
+        if cap is not None:  # (a cap above the generator's largest block caps nothing)
+            cap = min(max_block_size(self.draft, cap, None), self.max_block)
         key = None if seed is None else mx.random.key(int(seed))
         controls = row_controls(processors, constraint, tokens, before)
         r = Request(uid, cache, rule, limit, stop_tokens(eos, constraint), bool(want), key, cap, tokens, len(tokens), hear, controls=controls)

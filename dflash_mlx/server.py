@@ -627,6 +627,8 @@ class DFlashResponseGenerator:
                         break
                 if ended or r.finish_reason is not None or self.client_gone(served.ctx):
                     gone[r.uid] = r.finish_reason is not None
+            answered = {r.uid for r in out}  # (a request queued or mid-prefill: its client may have gone too, as mlx-lm's server asks)
+            gone.update((uid, False) for uid, served in self.serving.items() if uid not in answered and self.client_gone(served.ctx))
             leaving = [uid for uid, left in gone.items() if not left]
             if leaving:
                 self.batch.remove(leaving)
