@@ -687,7 +687,7 @@ USER = {"role": "user", "content": "hi"}
         ("/v1/messages", {"temperature": 2**70}, "temperature must be at most"),  # a 500: std::bad_cast in MLX's sampler
         ("/v1/responses", {"temperature": 2**63}, "temperature must be at most"),
         ("/v1/messages", {"max_tokens": 10**12}, "max_tokens is 1000000000000, but the model's context"),
-        ("/v1/responses", {"max_output_tokens": 10**12}, "max_tokens is 1000000000000, but the model's context"),
+        ("/v1/responses", {"max_output_tokens": 10**12}, "max_output_tokens is 1000000000000, but the model's context"),
     ],
 )
 def test_agent_requests_the_fuzzer_broke_the_server_with(tiny_server, path, fields, message):
