@@ -244,10 +244,34 @@ def generate_step(
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
         controls = row_controls(logits_processors, constraint, prompt, all_tokens)
-        logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
+        progress = PromptProgress(prompt_progress_callback, len(prompt))
+        logits = prefill(target, cache, prompt, prefill_step_size, progress.chunk)
         request = Request(0, cache, rule, max_tokens, stop_tokens(eos_token_ids, constraint), logprobs, controls=controls,
                           copies=CopyDrafts(cache) if copy_drafts else None)
-        yield from alone(target, draft, request, request.start(logits), max_block, trees, block_size is not None, sizer)
+        first = request.start(logits)
+        progress.done()
+        yield from alone(target, draft, request, first, max_block, trees, block_size is not None, sizer)
+
+
+class PromptProgress:
+    """A ``prompt_progress_callback`` called as mlx-lm's ``generate_step``
+    calls it: ``(0, n)`` before the prefill, ``(done, n)`` after each chunk
+    and ``(n, n)`` once the first token is chosen, ``n`` the prompt's
+    tokens (a reused cache's pending token, which the chunks also run, not
+    counted: mlx-lm ran it in the last turn)."""
+
+    def __init__(self, callback, n: int):
+        self.callback, self.n = callback, n
+        if callback is not None:
+            callback(0, n)
+
+    def chunk(self, done: int, total: int) -> None:
+        if self.callback is not None:
+            self.callback(max(0, done - (total - self.n)), self.n)
+
+    def done(self) -> None:
+        if self.callback is not None:
+            self.callback(self.n, self.n)
 
 
 def controlled_rule(target, sampling: tuple, logits_processors, kv: dict, min_tokens_to_keep=1, xtc_probability=0.0,
