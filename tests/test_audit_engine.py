@@ -9,6 +9,7 @@ from test_state import assert_like_fresh_prefill
 from tiny import prompt_of
 
 import dflash_mlx
+from dflash_mlx.errors import ArgumentError
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +77,27 @@ def test_a_raise_in_a_plain_step_run_ahead_leaves_the_cache_usable(pair_and_draf
     turn, held = [4, 8], list(cache.tokens)
     again = [t for t, *_ in dflash_mlx.generate_step(turn, pair.model, draft, prompt_cache=cache, max_tokens=12)]
     assert again == mlx_lm_tokens(pair.model, held + turn, 12)
+
+
+@pytest.mark.parametrize("bad", [dict(prefill_step_size=-2), dict(prefill_step_size=0), dict(prefill_step_size=2.5),
+                                 dict(max_tokens=2.5), dict(block_size=3.5), dict(tree_budget=2.5)])
+def test_counts_that_are_not_whole_positive_numbers_are_refused_before_any_work(pair_and_draft, bad):
+    """A negative prefill_step_size fed no chunk: the prompt's body was
+    never read and the answer silently left mlx-lm's; 0 was range()'s
+    ValueError; a fractional block_size was cut down unsaid; a fractional
+    max_tokens or tree_budget failed after the prefill."""
+    pair, draft = pair_and_draft
+    cache = dflash_mlx.make_prompt_cache(pair.model, draft)
+    with pytest.raises(ArgumentError, match=next(iter(bad))):
+        next(dflash_mlx.generate_step(prompt_of(9), pair.model, draft, prompt_cache=cache, **{"max_tokens": 5, **bad}))
+    assert cache.tokens == []
+
+
+def test_one_eos_id_given_as_an_int_stops_the_generation(pair_and_draft):
+    """A Hugging Face generation config's eos_token_id is often one int: it
+    was a TypeError after the prefill."""
+    pair, draft = pair_and_draft
+    greedy = mlx_lm_tokens(pair.model, prompt_of(9), 12)
+    eos = greedy[4]
+    got = [t for t, *_ in dflash_mlx.generate_step(prompt_of(9), pair.model, draft, max_tokens=12, eos_token_ids=eos)]
+    assert got == greedy[: greedy.index(eos) + 1]
