@@ -101,3 +101,14 @@ def test_one_eos_id_given_as_an_int_stops_the_generation(pair_and_draft):
     eos = greedy[4]
     got = [t for t, *_ in dflash_mlx.generate_step(prompt_of(9), pair.model, draft, max_tokens=12, eos_token_ids=eos)]
     assert got == greedy[: greedy.index(eos) + 1]
+
+
+@pytest.mark.parametrize("temperature", [-1.0, float("nan"), float("inf")])
+def test_a_temperature_that_is_not_a_finite_non_negative_number_is_refused(pair_and_draft, temperature):
+    """The CLI refused these; the library decoded a negative temperature
+    greedily unsaid and sampled junk ids (the vocabulary's padding) at nan."""
+    pair, draft = pair_and_draft
+    with pytest.raises(ArgumentError, match="temperature must be a finite number"):
+        next(dflash_mlx.generate_step(prompt_of(5), pair.model, draft, max_tokens=4, temperature=temperature))
+    with pytest.raises(ArgumentError, match="temperature must be a finite number"):
+        dflash_mlx.BatchGenerator(pair.model, draft).insert([prompt_of(5)], 4, temperature=temperature)
