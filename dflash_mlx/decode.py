@@ -567,7 +567,11 @@ class Decoder:
             for c in r.controls:  # (logits processors: the next step sees the lazy token)
                 c.ahead(cycle.outcome[b, 1:2])
         self.keep(cycle, [1] * len(cycle.rows))
-        return self.launch(cycle.rows, 1, anchors=cycle.outcome[:, 1:2], queued_ahead=True)
+        try:
+            return self.launch(cycle.rows, 1, anchors=cycle.outcome[:, 1:2], queued_ahead=True)
+        except BaseException:  # (a logits processor or sampler raising): the caches ran the kept step, so its rows commit it
+            self.accept(cycle)
+            raise
 
     def launch(self, rows: List[Request], choice, anchors: Optional[mx.array] = None, queued_ahead: bool = False) -> Cycle:
         """Queue a cycle: a tree (one row), or per row its anchor and the

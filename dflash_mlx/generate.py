@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Generator, Iterable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -20,7 +21,7 @@ from .adaptive import BlockSizer
 from .cache import PromptCache, bound_target, load_prompt_cache, prompt_cache_for
 from .copy_source import CopyDrafts
 from .calibration import calibrated, plan
-from .controls import add_extra_eos_tokens, check_controls, template_prompt
+from .controls import add_extra_eos_tokens, check_controls, positive_int, template_prompt
 from .decode import BatchResponse, Decoder, Request, Sizing, Stats
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
 from .errors import ArgumentError
@@ -237,17 +238,51 @@ def generate_step(
     rule = controlled_rule(target, (temperature, top_p, top_k, min_p, sampler, acceptance), logits_processors, kv,
                            min_tokens_to_keep, xtc_probability, xtc_threshold, xtc_special_tokens)
     constraint = constraint_for(response_format, tokenizer)
-    if max_tokens < 1:
-        raise ArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
+    check_counts(max_tokens, prefill_step_size, block_size, tree_budget)
+    stop = stop_tokens(eos_token_ids, constraint)
     max_block, trees = max_block_size(draft, block_size, sizer), tree_plan(target, draft, tree_budget, sizer)
     cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink, **kv)
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
         controls = row_controls(logits_processors, constraint, prompt, all_tokens)
-        logits = prefill(target, cache, prompt, prefill_step_size, prompt_progress_callback)
-        request = Request(0, cache, rule, max_tokens, stop_tokens(eos_token_ids, constraint), logprobs, controls=controls,
-                          copies=CopyDrafts(cache) if copy_drafts else None)
-        yield from alone(target, draft, request, request.start(logits), max_block, trees, block_size is not None, sizer)
+        progress = PromptProgress(prompt_progress_callback, len(prompt))
+        logits = prefill(target, cache, prompt, prefill_step_size, progress.chunk)
+        request = Request(0, cache, rule, max_tokens, stop, logprobs, controls=controls, copies=CopyDrafts(cache) if copy_drafts else None)
+        yield from alone(target, draft, request, progress.done(request.start(logits)), max_block, trees, block_size is not None, sizer)
+
+
+class PromptProgress:
+    """A ``prompt_progress_callback`` called as mlx-lm's ``generate_step``
+    calls it: ``(0, n)`` before the prefill, ``(done, n)`` after each chunk
+    and ``(n, n)`` once the first token is chosen, ``n`` the prompt's
+    tokens (a reused cache's pending token, which the chunks also run, not
+    counted: mlx-lm ran it in the last turn)."""
+
+    def __init__(self, callback, n: int):
+        self.callback, self.n = callback, n
+        if callback is not None:
+            callback(0, n)
+
+    def chunk(self, done: int, total: int) -> None:
+        if self.callback is not None:
+            self.callback(max(0, done - (total - self.n)), self.n)
+
+    def done(self, first: BatchResponse) -> BatchResponse:
+        """The prefill's ``first`` token is chosen: the last call."""
+        if self.callback is not None:
+            self.callback(self.n, self.n)
+        return first
+
+
+def check_counts(max_tokens, prefill_step_size, block_size, tree_budget) -> None:
+    """The counts, whole numbers, checked before any work (a negative
+    ``prefill_step_size`` fed no chunk: the prompt's body went unread; a
+    fractional ``block_size`` was cut down unsaid)."""
+    positive_int(max_tokens, "max_tokens")
+    positive_int(prefill_step_size, "prefill_step_size")
+    for name, value in (("block_size", block_size), ("tree_budget", tree_budget)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+            raise ArgumentError(f"{name} must be a whole number, got {value!r}")
 
 
 def controlled_rule(target, sampling: tuple, logits_processors, kv: dict, min_tokens_to_keep=1, xtc_probability=0.0,
@@ -287,8 +322,11 @@ def row_controls(logits_processors, constraint, prompt: List[int], all_tokens=No
 
 
 def stop_tokens(eos_token_ids, constraint) -> frozenset:
-    """A request's stop tokens: its own, and its grammar's (where a complete answer ends)."""
-    return frozenset(eos_token_ids) | frozenset(constraint.eos if constraint else ())
+    """A request's stop tokens: its own (one id, as a Hugging Face
+    generation config may give it, or any iterable of ids), and its
+    grammar's (where a complete answer ends)."""
+    own = [eos_token_ids] if isinstance(eos_token_ids, (int, np.integer)) else eos_token_ids
+    return frozenset(int(t) for t in own) | frozenset(constraint.eos if constraint else ())
 
 
 @contextmanager

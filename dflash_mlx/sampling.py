@@ -26,6 +26,8 @@ then distributed exactly as the target samples it. All randomness is drawn
 from ``mx.random``, so ``mx.random.seed(n)`` reproduces a run.
 """
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -212,6 +214,9 @@ def acceptance_rule(temperature, top_p, top_k, min_p, sampler, acceptance, **sam
     keywords, checked by :func:`dflash_mlx.controls.check_sampling`)."""
     if acceptance not in ACCEPTANCE_RULES:
         raise ArgumentError(f"acceptance must be one of {ACCEPTANCE_RULES}, not {acceptance!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) or temperature < 0:
+        # (a negative one decoded greedily unsaid; nan sampled junk ids)
+        raise ArgumentError(f"temperature must be a finite number of at least 0 (0: greedy), got {temperature!r}")
     if sampler is not None and sampler_settings.get("xtc_probability"):
         raise ArgumentError("pass xtc_probability or a sampler, not both (a sampler makes every choice itself)")
     if sampler is not None or temperature <= 0:
