@@ -464,7 +464,7 @@ class Decoder:
         self.sizing.rows_joined(rows)
         if len(rows) > 1:
             batched = isinstance(self.cache, BatchCache)
-            parts, positions = ([self.cache], self.positions()) if batched else ([], [])
+            parts, positions = ([self.cache], list(self.cache.rows.pos)) if batched else ([], [])
             for r in rows[len(self.rows) if batched else 0 :]:
                 parts.append(r.cache.target)
                 positions.append(r.cache.ran)
@@ -473,11 +473,6 @@ class Decoder:
         else:
             self.cache = rows[0].cache.target
         self.rows = rows
-
-    def positions(self) -> List[int]:
-        if isinstance(self.cache, BatchCache):
-            return list(self.cache.rows.pos)
-        return [self.rows[0].cache.ran]
 
     def leave(self, indices: Sequence[int]) -> List[Request]:
         """Rows ``indices`` leave, each with its own target cache back (a row
