@@ -4,8 +4,9 @@
 
 The conversation lives in one prompt cache: each turn prefills only the new
 message, as mlx_lm.chat does. Type 'q' to quit, 'r' to reset the
-conversation. Targets without a chat template (the bundled code model)
-continue the running text instead.
+conversation, 'h' for help (the bare letter, as mlx_lm.chat reads it: any
+other line is a message). Targets without a chat template (the bundled
+code model) continue the running text instead.
 """
 
 import sys
@@ -18,6 +19,9 @@ from .cache import make_prompt_cache
 from .controls import add_extra_eos_tokens, kv_keywords, template_prompt
 from .defaults import DEFAULT_MAX_TOKENS
 from .generate import cycle_lengths, mean_tokens_per_cycle, stream_generate
+
+
+HELP = "[q quits, r resets, h shows this]"
 
 
 def setup_arg_parser() -> cli.ArgumentParser:
@@ -69,16 +73,19 @@ def main(argv=None, input_fn=input):
     warn_if_reference()  # loaded: about to decode
     mx.random.seed(args.seed)
     templated = bool(getattr(tokenizer, "chat_template", None))
-    print("[q quits, r resets]" + ("" if templated else " [no chat template: text continuation]"))
+    print(HELP + ("" if templated else " [no chat template: text continuation]"))
     cache = make_prompt_cache(model, draft, args.draft_window, args.draft_sink, **kv_keywords(controls))
     while True:
         try:
             query = input_fn(">> ")
         except EOFError:
             break
-        if query.strip() == "q":
+        if query == "q":
             break
-        if query.strip() == "r":
+        if query == "h":
+            print(HELP)
+            continue
+        if query == "r":
             cache = make_prompt_cache(model, draft, args.draft_window, args.draft_sink, **kv_keywords(controls))
             print("[conversation reset]")
             continue

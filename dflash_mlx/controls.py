@@ -177,7 +177,7 @@ def template_prompt(tokenizer, prompt: str, system_prompt=None, template_kwargs=
     ``prefill_response`` as the start of the assistant's answer (the
     template continues it instead of opening a new turn), the template
     config's variables passed to the template."""
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     messages.append({"role": "user", "content": prompt})
     if prefill_response is not None:
         messages.append({"role": "assistant", "content": prefill_response})
