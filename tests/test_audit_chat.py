@@ -76,3 +76,22 @@ def test_only_the_bare_commands_are_commands(templated_pair):
     """mlx_lm.chat quits on "q" alone (" q" is a query) and answers "h" with help, not a turn."""
     lines = [" q", "h", "hi", "q"]
     assert ours(templated_pair, lines, "-m", "8") == theirs(templated_pair, lines, 8)
+
+
+def test_a_strict_tools_bad_schema_is_named_as_the_tools_beside_a_good_response_format(templated_pair):
+    """The 400 names the field at fault: a strict tool's broken schema is
+    ``tools`` even when a (valid) ``response_format`` rides along."""
+    from dflash_mlx.api.formats import request_format
+    from dflash_mlx.api.harmony import text_format
+    from dflash_mlx.errors import RequestError
+
+    tokenizer = load_tokenizer(templated_pair[0])
+    good = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    broken = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"$ref": "#/nowhere"}}}
+    with pytest.raises(RequestError) as e:
+        request_format({"tools": [broken], "response_format": good}, tokenizer, text_format(tokenizer))
+    assert e.value.param == "tools" and e.value.status == 400
+    with pytest.raises(RequestError) as e:
+        request_format({"tools": [dict(broken, function=dict(broken["function"], parameters={"type": "object"}))],
+                        "response_format": {**good, "json_schema": {"name": "a", "schema": {"type": "strin"}}}}, tokenizer, text_format(tokenizer))
+    assert e.value.param == "response_format"

@@ -50,9 +50,21 @@ def request_format(body: dict, tokenizer, answers, state: str = "normal") -> Opt
         if form is not None:
             constraint_from_response_format(form, tokenizer)  # llguidance's checks, with the tokenizer
     except ArgumentError as e:
-        param = "tools" if body.get("response_format") is None else "response_format"
+        param = "response_format" if own_fault(body.get("response_format"), tokenizer) else "tools"
         raise RequestError(f"{param}: {e}", param) from None
     return form
+
+
+def own_fault(response_format, tokenizer) -> bool:
+    """Whether ``response_format`` alone is refused (so a refused format
+    built with strict tools is the tools' fault when it is not)."""
+    if response_format is None:
+        return False
+    try:
+        constraint_from_response_format(response_format, tokenizer)
+    except ArgumentError:
+        return True
+    return False
 
 
 def chat_format(body: dict, tokenizer, answers) -> Optional[dict]:
