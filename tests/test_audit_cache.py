@@ -7,8 +7,7 @@ import threading
 
 import openai
 from mlx_lm import load
-from test_server import TEMPLATE
-from tiny import reference_text
+from test_server import HEAD, TEMPLATE, exact_chat
 
 import dflash_mlx
 from dflash_mlx.server import make_server, setup_arg_parser
@@ -28,16 +27,13 @@ def test_hybrid_branches_and_regenerations_across_a_restart(qwen3_5_pair, tmp_pa
         host, port = server.server_address[:2]
         try:
             client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="x", max_retries=0, timeout=300)
-            r = client.chat.completions.create(model="default", messages=messages, max_tokens=8)
+            return exact_chat(client, model, tokenizer, messages)
         finally:
             server.shutdown()
             server.server_close()
             server.generator.stop_and_join()
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        assert r.choices[0].message.content == reference_text(model, tokenizer, ids, 8)
-        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
 
-    head = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"}]
+    head = HEAD
     first, cached = chat(head)
     assert cached == 0
     turn = head + [{"role": "assistant", "content": first}, {"role": "user", "content": "and g?"}]

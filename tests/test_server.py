@@ -221,6 +221,18 @@ TEMPLATE = (
 )
 
 
+HEAD = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"}]  # a chat's first turn
+
+
+def exact_chat(client, model, tokenizer, messages):
+    """One chat turn through the server, checked against mlx-lm's greedy
+    decode of the templated conversation: (answer, cached prompt tokens)."""
+    r = client.chat.completions.create(model="default", messages=messages, max_tokens=8)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert r.choices[0].message.content == reference_text(model, tokenizer, ids, 8)
+    return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+
 def test_hybrid_snapshots_at_message_boundaries(qwen3_5_pair, tmp_path):
     """A hybrid cache cannot trim: an edited last message reuses the snapshot
     taken where the previous message ended, and the answer stays exact."""
@@ -240,15 +252,11 @@ def test_hybrid_snapshots_at_message_boundaries(qwen3_5_pair, tmp_path):
         client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="x", max_retries=0, timeout=300)
 
         def chat(messages):
-            r = client.chat.completions.create(model="default", messages=messages, max_tokens=8)
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            assert r.choices[0].message.content == reference_text(model, tokenizer, ids, 8)
-            return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+            return exact_chat(client, model, tokenizer, messages)
 
-        head = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"}]
-        first, cached = chat(head)
+        first, cached = chat(HEAD)
         assert cached == 0
-        head.append({"role": "assistant", "content": first})
+        head = HEAD + [{"role": "assistant", "content": first}]
         _, cached = chat(head + [{"role": "user", "content": "and g?"}])
         assert cached >= len(tokenizer.apply_chat_template(head[:2], add_generation_prompt=True))
         _, cached = chat(head + [{"role": "user", "content": "or h?"}])
