@@ -40,6 +40,12 @@ def token_id(value, vocab_size: Optional[int], what: str) -> None:
         raise ArgumentError(f"{what}: token id {value} is outside the vocabulary (0..{vocab_size - 1}); pass ids below {vocab_size}")
 
 
+def whole(value, what: str) -> None:
+    """An int (not a bool): a count a float would be cut down unsaid, or fail on later."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ArgumentError(f"{what} must be a whole number, got {value!r}")
+
+
 def positive_int(value, what: str, hint: str = "") -> None:
     """An int of 1 or more (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

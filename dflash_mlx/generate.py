@@ -21,7 +21,7 @@ from .adaptive import BlockSizer
 from .cache import PromptCache, bound_target, load_prompt_cache, prompt_cache_for
 from .copy_source import CopyDrafts
 from .calibration import calibrated, plan
-from .controls import add_extra_eos_tokens, check_controls, positive_int, template_prompt
+from .controls import add_extra_eos_tokens, check_controls, positive_int, template_prompt, whole
 from .decode import BatchResponse, Decoder, Request, Sizing, Stats
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE, MAX_BLOCK_SIZE
 from .errors import ArgumentError
@@ -102,6 +102,8 @@ def max_block_size(draft, block_size: Optional[int], sizer: Optional[BlockSizer]
     the ``sizer``'s ``max_block`` or (adaptive) the drafter's trained size."""
     if sizer is not None and block_size is not None:
         raise ArgumentError("pass block_size or sizer, not both (a sizer's max_block is its largest block)")
+    if block_size is not None:
+        whole(block_size, "block_size")
     max_block = draft.block_size if block_size is None and sizer is None else sizer.max_block if sizer else int(block_size)
     if not 1 <= max_block <= MAX_BLOCK_SIZE:
         raise ArgumentError(f"block_size must be from 1 to {MAX_BLOCK_SIZE}, got {max_block}")
@@ -146,6 +148,8 @@ def tree_plan(target, draft, tree_budget: Optional[int], sizer) -> Tuple[int, bo
     """``(nodes of the tree every drafting cycle verifies (0: none forced),
     whether the sizer may choose trees)``; a budget this generation cannot
     honour is refused before any work."""
+    if tree_budget is not None:
+        whole(tree_budget, "tree_budget")
     if tree_budget is not None and tree_budget < 0:
         raise ArgumentError(f"tree_budget must be None (adaptive), 0 (chains only) or a node count, got {tree_budget}")
     able = not target.no_trees and hasattr(draft, "slot_head_logits")
@@ -238,7 +242,7 @@ def generate_step(
     rule = controlled_rule(target, (temperature, top_p, top_k, min_p, sampler, acceptance), logits_processors, kv,
                            min_tokens_to_keep, xtc_probability, xtc_threshold, xtc_special_tokens)
     constraint = constraint_for(response_format, tokenizer)
-    check_counts(max_tokens, prefill_step_size, block_size, tree_budget)
+    check_counts(max_tokens, prefill_step_size)
     stop = stop_tokens(eos_token_ids, constraint)
     max_block, trees = max_block_size(draft, block_size, sizer), tree_plan(target, draft, tree_budget, sizer)
     cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink, **kv)
@@ -274,15 +278,12 @@ class PromptProgress:
         return first
 
 
-def check_counts(max_tokens, prefill_step_size, block_size, tree_budget) -> None:
-    """The counts, whole numbers, checked before any work (a negative
-    ``prefill_step_size`` fed no chunk: the prompt's body went unread; a
-    fractional ``block_size`` was cut down unsaid)."""
+def check_counts(max_tokens, prefill_step_size) -> None:
+    """The counts, checked before any work (a negative ``prefill_step_size``
+    fed no chunk: the prompt's body went unread); ``block_size`` and
+    ``tree_budget``: :func:`max_block_size`, :func:`tree_plan`."""
     positive_int(max_tokens, "max_tokens")
     positive_int(prefill_step_size, "prefill_step_size")
-    for name, value in (("block_size", block_size), ("tree_budget", tree_budget)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
-            raise ArgumentError(f"{name} must be a whole number, got {value!r}")
 
 
 def controlled_rule(target, sampling: tuple, logits_processors, kv: dict, min_tokens_to_keep=1, xtc_probability=0.0,

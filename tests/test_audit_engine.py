@@ -93,6 +93,15 @@ def test_counts_that_are_not_whole_positive_numbers_are_refused_before_any_work(
     assert cache.tokens == []
 
 
+@pytest.mark.parametrize("bad", [dict(block_size=3.5), dict(tree_budget=2.5)])
+def test_a_batch_refuses_fractional_blocks_and_tree_budgets_too(pair_and_draft, bad):
+    """The checks live where both loops size their blocks (max_block_size,
+    tree_plan): a BatchGenerator cut block_size=3.5 down to 3 unsaid."""
+    pair, draft = pair_and_draft
+    with pytest.raises(ArgumentError, match=f"{next(iter(bad))} must be a whole number"):
+        dflash_mlx.BatchGenerator(pair.model, draft, completion_batch_size=1, **bad)
+
+
 def test_one_eos_id_given_as_an_int_stops_the_generation(pair_and_draft):
     """A Hugging Face generation config's eos_token_id is often one int: it
     was a TypeError after the prefill."""
