@@ -523,7 +523,7 @@ class BlockSizer:
             for b in range(cap):
                 i = min(b + 1, left) - 1
                 tokens[b] += seen[i] + (hope[i] - seen[i]) / n
-        extra = self.costs.switch_cost(n) * switch
+        extra = self.costs.switch_cost(n) if switch else 0.0
         return [t / (c + (b > 0) * extra) for b, (t, c) in enumerate(zip(tokens, self.costs.upto(cap, n)))]
 
     def drafting_pays(self, rows=None, remaining=None, block: Optional[int] = None, switch: bool = False) -> bool:
