@@ -235,9 +235,9 @@ class Constraint:
         self.seen = {}
         taken = self.take(tokens)
         self.committed += taken
-        if taken != len(tokens) and self.matcher.is_error():
-            raise ArgumentError(f"llguidance stopped on the grammar: {self.matcher.get_error().splitlines()[0]}; simplify it")
         if taken != len(tokens):
+            if self.matcher.is_error():
+                raise ArgumentError(f"llguidance stopped on the grammar: {self.matcher.get_error().splitlines()[0]}; simplify it")
             raise ValueError(f"the grammar refuses {tokens[taken]} of the committed {tokens}: a token was kept that its mask did not allow")
         self.forced_count += forced
         return forced
