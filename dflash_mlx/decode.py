@@ -177,7 +177,7 @@ class Cycle:
     tree's target choice at every row), logits and tap states; a tree and
     its candidates; whether it was queued before the last cycle was read,
     and whether its rows' kept tokens are in the caches yet; per row where
-    its proposal came from (``spans``, see :meth:`Decoder.proposals`; None:
+    its proposal came from (``spans``, see :meth:`Drafts.propose`; None:
     the drafter's block, every slot) and whether the drafter ran."""
 
     rows: List[Request]
@@ -195,11 +195,6 @@ class Cycle:
     @property
     def block(self) -> int:
         return self.tree.rows if self.tree is not None else self.outcome.shape[1] - 1
-
-    def copied(self, b: int, accepted: int) -> List[bool]:
-        """Per committed token of row ``b``, whether it was an accepted copied one."""
-        start = self.spans[b][0] if self.spans is not None else accepted
-        return [start <= i < accepted for i in range(accepted + 1)]
 
     def read(self) -> List[Tuple[List[int], List[int], int, int, Optional[TreeWalk]]]:
         """Per row ``(rows kept, proposed tokens along them, accepted count,
@@ -632,8 +627,7 @@ class Decoder:
             if isinstance(k, list):
                 r.cache.add_hidden(cycle.taps[b : b + 1, mx.array(k)])
             elif k:
-                taps = cycle.taps[b : b + 1]
-                r.cache.add_hidden(taps if taps.shape[1] == k else taps[:, :k])
+                r.cache.add_hidden(cycle.taps[b : b + 1, :k])
         cycle.kept = True
 
     def accept(self, cycle: Cycle, void=frozenset()) -> Tuple[List[BatchResponse], List[int]]:
@@ -664,10 +658,10 @@ class Decoder:
                 lps = log_probs(cycle.logits[b])
                 lp = [lps[i] for i in rows]
             finish = r.finish(stopped)
-            copied = cycle.copied(b, accepted)[: len(new)]
+            copy_start = cycle.spans[b][0] if cycle.spans is not None else accepted  # (its copied tokens start there)
             out.append(BatchResponse(
                 r.uid, new, [i < accepted for i in range(len(new))], lp, finish, cycle.block, len(cycle.rows), tree,
-                forced=forced, copied=copied,
+                forced=forced, copied=[copy_start <= i < accepted for i in range(len(new))],
             ))
             if finish is not None:
                 ended.append(b)
