@@ -302,9 +302,7 @@ class Sizing:
         """Each row's expected tokens by block length as the sizer weighs
         them (:meth:`worth`: in a closed batch, its share of the edge's advance)."""
         acceptance, rooms = self.acceptance(rows), self.trailing(rows)
-        if rooms is None:
-            return acceptance
-        return [Expected(rooms, acceptance)] * len(rows)
+        return acceptance if rooms is None else [Expected(rooms, acceptance)] * len(rows)
 
     def choose(self, rows: List[Request], ahead: int = 0):
         """The next cycle, from the cycles before it (``ahead``: chosen before
@@ -413,9 +411,6 @@ class Sizing:
             return
         drafted = [cycle.block - 1 if span is None else span[0] for span in spans]
         accepted = [min(a, d) for (_, _, a, _, _), d in zip(read, drafted)]
-        if self.alone(rows):
-            self.sizer.observe(cycle.choice, accepted[0], seconds, read[0][4], context=context, drafted=drafted)
-            return
         lone = len(rows) == 1
         self.sizer.observe(
             cycle.choice, accepted, seconds, read[0][4] if lone else None, context=context, rows=self.acceptance(rows),
