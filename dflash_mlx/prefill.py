@@ -26,7 +26,12 @@ def feed(target, cache: PromptCache, tokens: List[int], step: int = DEFAULT_PREF
     """
     tokens = list(tokens)
     if cache.pending and tokens and cache.target.kv is not None:
-        run_pending(target, cache)
+        # The last turn's last token runs on its own, as mlx-lm's decode ran it before the next turn's prompt:
+        # with mlx-lm's bounded or quantized caches (``max_kv_size``, ``kv_bits``) what a forward computes
+        # depends on where its chunk starts, so the new prompt's chunks must start where mlx-lm's do.
+        _, taps = target.forward(mx.array([cache.pending]), cache.target, last_logits_only=True, record=False)
+        mx.eval(taps, [c.state for c in cache.target])
+        cache.commit([], taps, pending=())
     todo, held = cache.pending + tokens, len(cache.pending)
     body = todo[:-1]
     for start in range(0, len(body), step):
@@ -38,17 +43,6 @@ def feed(target, cache: PromptCache, tokens: List[int], step: int = DEFAULT_PREF
         if progress is not None:
             progress(start + len(chunk), len(todo))
     cache.commit(tokens[max(0, len(body) - held) :], pending=todo[-1:])
-
-
-def run_pending(target, cache: PromptCache) -> None:
-    """Run the cache's pending tokens (the last turn's last token) on their
-    own, as mlx-lm's decode ran that token before the next turn's prompt:
-    with mlx-lm's bounded or quantized caches (``max_kv_size``,
-    ``kv_bits``) what a forward computes depends on where its chunk
-    starts, so the new prompt's chunks must start where mlx-lm's do."""
-    _, taps = target.forward(mx.array([cache.pending]), cache.target, last_logits_only=True, record=False)
-    mx.eval(taps, [c.state for c in cache.target])
-    cache.commit([], taps, pending=())
 
 
 def prefill(target, cache: PromptCache, tokens: List[int], step: int, progress=None) -> mx.array:
