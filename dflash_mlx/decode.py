@@ -508,9 +508,7 @@ class Decoder:
         self.returned = time.perf_counter()
 
     def step(self, run_ahead: bool = True) -> List[BatchResponse]:
-        """Read a cycle, commit every row's tokens, let the rows that ended
-        leave; what every row got (two cycles' worth where a plain step
-        ran ahead and a row ended)."""
+        """What every row got (see the class; two cycles' worth where a plain step ran ahead and a row ended)."""
         self.cycles_read = []
         now = time.perf_counter()
         if self.queued is None:

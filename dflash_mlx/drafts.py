@@ -28,9 +28,7 @@ def drafting(r):
 
 
 class Drafts:
-    """Each cycle's proposals for its rows, from one drafter (``settle``
-    evaluates a draft: ``mx.eval``, or ``mx.async_eval`` to overlap it with
-    the verify)."""
+    """Each cycle's proposals for its rows, from one drafter (``settle``: the :class:`~dflash_mlx.decode.Decoder`'s)."""
 
     def __init__(self, target, draft, max_block: int, settle):
         self.target, self.draft, self.max_block, self.settle = target, draft, max_block, settle
