@@ -395,8 +395,8 @@ class Sizing:
         # Out of a plain spell a copy cycle loses at most the plain step queued ahead.
         switch = min(costs.switch_cost(n), costs.cost(1, n)) if choice == 1 and self.plain_last else 0.0
         rates = copied[1:] / (np.array([costs.verify(m, n) for m in range(2, limit + 1)]) + switch)
-        best = int(np.argmax(rates)) if len(rates) else -1
-        return best + 2 if best >= 0 and rates[best] > rate else 0
+        best = int(np.argmax(rates))  # (limit is 2 or more here: at 1, copied[-1] is copied[0], returned above)
+        return best + 2 if rates[best] > rate else 0
 
     def observe(self, cycle: Cycle, read, seconds: float, context: int) -> None:
         """A cycle read ``seconds`` after the one before it."""
