@@ -242,48 +242,31 @@ def generate_step(
     rule = controlled_rule(target, (temperature, top_p, top_k, min_p, sampler, acceptance), logits_processors, kv,
                            min_tokens_to_keep, xtc_probability, xtc_threshold, xtc_special_tokens)
     constraint = constraint_for(response_format, tokenizer)
-    check_counts(max_tokens, prefill_step_size)
+    positive_int(max_tokens, "max_tokens")
+    positive_int(prefill_step_size, "prefill_step_size")  # (a negative one fed no chunk: the prompt's body went unread)
     stop = stop_tokens(eos_token_ids, constraint)
     max_block, trees = max_block_size(draft, block_size, sizer), tree_plan(target, draft, tree_budget, sizer)
     cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink, **kv)
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
         controls = row_controls(logits_processors, constraint, prompt, all_tokens)
-        progress = PromptProgress(prompt_progress_callback, len(prompt))
-        logits = prefill(target, cache, prompt, prefill_step_size, progress.chunk)
         request = Request(0, cache, rule, max_tokens, stop, logprobs, controls=controls, copies=CopyDrafts(cache) if copy_drafts else None)
-        yield from alone(target, draft, request, progress.done(request.start(logits)), max_block, trees, block_size is not None, sizer)
+        first = prefilled(target, request, prompt, prefill_step_size, prompt_progress_callback)
+        yield from alone(target, draft, request, first, max_block, trees, block_size is not None, sizer)
 
 
-class PromptProgress:
-    """A ``prompt_progress_callback`` called as mlx-lm's ``generate_step``
-    calls it: ``(0, n)`` before the prefill, ``(done, n)`` after each chunk
-    and ``(n, n)`` once the first token is chosen, ``n`` the prompt's
-    tokens (a reused cache's pending token, which the chunks also run, not
-    counted: mlx-lm ran it in the last turn)."""
-
-    def __init__(self, callback, n: int):
-        self.callback, self.n = callback, n
-        if callback is not None:
-            callback(0, n)
-
-    def chunk(self, done: int, total: int) -> None:
-        if self.callback is not None:
-            self.callback(max(0, done - (total - self.n)), self.n)
-
-    def done(self, first: BatchResponse) -> BatchResponse:
-        """The prefill's ``first`` token is chosen: the last call."""
-        if self.callback is not None:
-            self.callback(self.n, self.n)
-        return first
-
-
-def check_counts(max_tokens, prefill_step_size) -> None:
-    """The counts, checked before any work (a negative ``prefill_step_size``
-    fed no chunk: the prompt's body went unread); ``block_size`` and
-    ``tree_budget``: :func:`max_block_size`, :func:`tree_plan`."""
-    positive_int(max_tokens, "max_tokens")
-    positive_int(prefill_step_size, "prefill_step_size")
+def prefilled(target, request: Request, prompt: List[int], step: int, callback=None) -> BatchResponse:
+    """The prefill's token, ``callback`` (a ``prompt_progress_callback``)
+    called as mlx-lm's ``generate_step`` calls it: ``(0, n)`` before the
+    prefill, ``(done, n)`` after each chunk and ``(n, n)`` once the token is
+    chosen, ``n`` the prompt's tokens (a reused cache's pending token, which
+    the chunks also run, not counted: mlx-lm ran it in the last turn)."""
+    n, told = len(prompt), callback if callback is not None else (lambda done, total: None)
+    told(0, n)
+    logits = prefill(target, request.cache, prompt, step, lambda done, total: told(max(0, done - (total - n)), n))
+    first = request.start(logits)
+    told(n, n)
+    return first
 
 
 def controlled_rule(target, sampling: tuple, logits_processors, kv: dict, min_tokens_to_keep=1, xtc_probability=0.0,
