@@ -203,7 +203,7 @@ class BatchGenerator:
         quantized or rotating cache cannot join a batch: it is refused, see
         :func:`~dflash_mlx.targets.rows.check_joinable`); ``all_tokens``: per
         prompt, the tokens before it that its processors see (None: see
-        :func:`~dflash_mlx.generate.processors_for`)."""
+        :func:`~dflash_mlx.generate.row_controls`)."""
         n = len(prompts)
         each = lambda name, value, many=(list, tuple): one_each(name, value, n, many)  # noqa: E731
         settings = zip(

@@ -234,7 +234,7 @@ def generate_step(
     tokens per second, as measured (:mod:`dflash_mlx.adaptive`; a ``sizer`` makes
     the choices instead): a seeded sampled run repeats only when they are fixed.
     mlx-lm's controls are exact through speculation: ``logits_processors``
-    (:func:`processors_for`), ``min_tokens_to_keep``, XTC, the KV cache keywords;
+    (:func:`row_controls`), ``min_tokens_to_keep``, XTC, the KV cache keywords;
     ``response_format`` (with ``tokenizer``; docs/structured.md) as mlx-lm's masked decode.
     """
     target = bound_target(model, draft)
@@ -285,24 +285,18 @@ def controlled_rule(target, sampling: tuple, logits_processors, kv: dict, min_to
     return acceptance_rule(*sampling, **more)
 
 
-def processors_for(logits_processors, prompt: List[int], all_tokens=None) -> list:
-    """A request's controls for its logits processors. Their history starts
-    with what mlx-lm's ``generate_step`` is given as its prompt: ``prompt``
-    (on a reused cache only the new turn's tokens: mlx-lm ran the last
-    turn's tokens, its last one too, as it generated them), or, given
-    ``all_tokens`` (the tokens before ``prompt``: mlx-lm's
-    ``BatchGenerator.insert`` keyword, by which its server shows the
-    processors a cached prefix), those first."""
-    if not logits_processors:
-        return []
-    return [Processors(logits_processors, list(all_tokens or []) + list(prompt))]
-
-
 def row_controls(logits_processors, constraint, prompt: List[int], all_tokens=None) -> list:
     """A request's controls (:attr:`~dflash_mlx.decode.Request.controls`):
     its logits processors, then its grammar's mask, applied last as a
-    masking processor after mlx-lm's own would be."""
-    return processors_for(logits_processors, prompt, all_tokens) + ([constraint] if constraint else [])
+    masking processor after mlx-lm's own would be. The processors' history
+    starts with what mlx-lm's ``generate_step`` is given as its prompt:
+    ``prompt`` (on a reused cache only the new turn's tokens: mlx-lm ran the
+    last turn's tokens, its last one too, as it generated them), or, given
+    ``all_tokens`` (the tokens before ``prompt``: mlx-lm's
+    ``BatchGenerator.insert`` keyword, by which its server shows the
+    processors a cached prefix), those first."""
+    processors = [Processors(logits_processors, list(all_tokens or []) + list(prompt))] if logits_processors else []
+    return processors + ([constraint] if constraint else [])
 
 
 def stop_tokens(eos_token_ids, constraint) -> frozenset:
