@@ -17,7 +17,6 @@ alone does (the pair's sizer, draft trees included).
 """
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -34,7 +33,7 @@ from .decode import BatchResponse, Decoder, Request, Sizing, Stats
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
 from .generate import (
-    checked_prompt, controlled_rule, encode_prompt, max_block_size, one_thread_per_pair, row_controls, stop_tokens, tree_plan,
+    checked_prompt, controlled_rule, encode_prompt, max_block_size, on_pair, row_controls, stop_tokens, tree_plan,
 )
 from .prefill import feed, prefill, prefill_together
 from .structured import constraint_for
@@ -124,7 +123,7 @@ class BatchGenerator:
         """Roll back a queued cycle and give back the wired memory limit
         (Metal); the generator is done."""
         if self.decoder is not None:
-            with self.on_pair():
+            with on_pair(self.draft, self.stream):
                 self.decoder.drop_queued()
         if self.old_wired_limit is not None:
             mx.synchronize(self.stream)
@@ -133,12 +132,6 @@ class BatchGenerator:
 
     def __del__(self):
         self.close()
-
-    @contextmanager
-    def on_pair(self):
-        """What every step runs in: this thread owns the pair, on the generation stream."""
-        with one_thread_per_pair(self.draft), mx.stream(self.stream):
-            yield
 
     @property
     def active(self) -> List[Request]:
@@ -260,7 +253,7 @@ class BatchGenerator:
         self.joining = [r for r in self.joining if r.uid not in uids]
         leaving = [b for b, r in enumerate(self.active) if r.uid in uids]
         if leaving:
-            with self.on_pair():
+            with on_pair(self.draft, self.stream):
                 self.decoder.drop_queued()
                 out.update((r.uid, r.cache) for r in self.decoder.leave(leaving))
         return out
@@ -276,7 +269,7 @@ class BatchGenerator:
     def next(self) -> List[BatchResponse]:
         """Prefill what fits of the queued prompts, then one decode cycle
         of the batch; what every request committed."""
-        with self.on_pair():
+        with on_pair(self.draft, self.stream):
             if self.joining:
                 self.join(self.joining)
                 self.joining = []

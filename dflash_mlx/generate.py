@@ -116,12 +116,12 @@ GENERATING_LOCK = threading.Lock()
 
 
 @contextmanager
-def one_thread_per_pair(draft):
-    """Refuse a generation on a pair that another thread is generating with.
-
-    A pair's adapter, compiled functions and MLX stream are shared state;
-    one thread may hold several generations (a conversation's turns), two
-    threads may not run at once.
+def on_pair(draft, stream):
+    """What every step of a generation runs in: this thread owns the pair, on
+    ``stream``. A generation on a pair that another thread is generating
+    with is refused: a pair's adapter, compiled functions and MLX stream are
+    shared state; one thread may hold several generations (a conversation's
+    turns), two threads may not run at once.
     """
     me = threading.get_ident()
     release_at_thread_exit()  # mlx-lm's compiled functions and mx.random run on this thread
@@ -135,7 +135,8 @@ def one_thread_per_pair(draft):
             )
         GENERATING[id(draft)] = (me, depth + 1)
     try:
-        yield
+        with mx.stream(stream):
+            yield
     finally:
         with GENERATING_LOCK:
             if depth:
@@ -312,7 +313,7 @@ def generation(target, draft, cache: PromptCache, stream):
     """What a generation runs in: the pair owned by this thread, its
     stream; however it ends (closed at any token, an error), a cycle it
     queued ahead is rolled back and the cache left at rest."""
-    with one_thread_per_pair(draft), mx.stream(stream):
+    with on_pair(draft, stream):
         try:
             yield
         finally:
