@@ -26,14 +26,13 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from .cache import PromptCache, bound_target, prompt_cache_for
-from .calibration import plan
 from .controls import KV_KEYWORDS
 from .copy_source import CopyDrafts
-from .decode import BatchResponse, Decoder, Request, Sizing, Stats
+from .decode import BatchResponse, Request, Stats
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
 from .generate import (
-    checked_prompt, controlled_rule, encode_prompt, max_block_size, on_pair, row_controls, stop_tokens, tree_plan,
+    checked_prompt, controlled_rule, decoder_for, encode_prompt, max_block_size, on_pair, row_controls, stop_tokens, tree_plan,
 )
 from .prefill import feed, prefill, prefill_together
 from .structured import constraint_for
@@ -342,14 +341,8 @@ class BatchGenerator:
         """Prefilled requests join the decoder; the first one in a process
         measures the cycles' costs on its own cache first."""
         if self.decoder is None:
-            self.decoder = Decoder(self.target, self.draft, self.max_block, *self.sizing(requests[0]))
+            self.decoder = decoder_for(self.target, self.draft, requests[0].cache, self.max_block, self.fixed, None, self.trees)
         self.decoder.join(requests)
-
-    def sizing(self, r: Request):
-        """How the decoder evaluates each phase, and its sizers: the pair's
-        (what earlier generations learnt carries over), or fixed ones."""
-        sizer, settle = plan(self.target, self.draft, r.cache.target, r.cache.target_hidden, self.max_block, self.fixed, None, *self.trees)
-        return settle, Sizing(sizer)
 
 
 @dataclass

@@ -328,14 +328,12 @@ def alone(target, draft, request: Request, first: BatchResponse, max_block: int,
     cycles' costs measured if they are not yet (after ``first`` goes out),
     then a decoder holding it alone, whose first cycle is queued before
     ``first`` goes out, then cycle after cycle to its end."""
-    cache = request.cache
     if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
         yield from yielded(first)  # before the cycles' costs are measured, not after
         if first.finish_reason is not None:
             return
         first = None
-    sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, fixed, sizer, *trees)
-    decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
+    decoder = decoder_for(target, draft, request.cache, max_block, fixed, sizer, trees)
     decoder.join([request])
     decoder.queue()
     if first is not None:
@@ -345,6 +343,15 @@ def alone(target, draft, request: Request, first: BatchResponse, max_block: int,
             yield from yielded(response)
             if response.finish_reason is not None:
                 return
+
+
+def decoder_for(target, draft, cache: PromptCache, max_block: int, fixed: bool, sizer, trees) -> Decoder:
+    """A decoder sized by ``sizer``, else the pair's (what earlier generations
+    learnt carries over) or a fixed one (:func:`~dflash_mlx.calibration.plan`;
+    ``trees``: :func:`tree_plan`'s answer); the cycles' costs are measured on
+    ``cache`` first if they are not yet."""
+    sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, fixed, sizer, *trees)
+    return Decoder(target, draft, max_block, settle, Sizing(sizer))
 
 
 def yielded(response: BatchResponse):
