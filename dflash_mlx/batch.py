@@ -26,7 +26,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from .cache import PromptCache, bound_target, prompt_cache_for
-from .controls import KV_KEYWORDS
+from .controls import KV_KEYWORDS, positive_int
 from .copy_source import CopyDrafts
 from .decode import BatchResponse, Request, Stats
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
@@ -97,9 +97,9 @@ class BatchGenerator:
         tree_budget: Optional[int] = None,
     ):
         self.old_wired_limit = self.decoder = None  # (close() may run on a generator refused below)
-        for name, value in (("completion_batch_size", completion_batch_size), ("prefill_batch_size", prefill_batch_size), ("prefill_step_size", prefill_step_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ArgumentError(f"{name} must be a whole number of at least 1, not {value!r}")
+        positive_int(completion_batch_size, "completion_batch_size")
+        positive_int(prefill_batch_size, "prefill_batch_size")
+        positive_int(prefill_step_size, "prefill_step_size")
         self.model, self.draft, self.stream, self.tokenizer = model, draft, stream, tokenizer
         self.target = bound_target(model, draft)
         self.max_block = max_block_size(draft, block_size, None)
@@ -224,8 +224,7 @@ class BatchGenerator:
 
     def request(self, uid, prompt, limit, cache, temp, tp, tk, mp, seed, cap, hear, eos, want, form, copies, acceptance, controls, kv) -> Request:
         """One inserted request, checked before any work."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ArgumentError(f"max_tokens must be a whole number of at least 1, got {limit!r}")
+        positive_int(limit, "max_tokens")
         processors, before = controls.pop("logits_processors"), controls.pop("all_tokens")
         rule = controlled_rule(self.target, (temp, tp, tk, mp, None, acceptance), processors, kv, **controls)
         constraint = constraint_for(form, self.tokenizer)
@@ -239,9 +238,9 @@ class BatchGenerator:
             cap = min(max_block_size(self.draft, cap, None), self.max_block)
         key = None if seed is None else mx.random.key(int(seed))
         controls = row_controls(processors, constraint, tokens, before)
-        r = Request(uid, cache, rule, limit, stop_tokens(eos, constraint), bool(want), key, cap, tokens, len(tokens), hear, controls=controls)
-        r.copies = CopyDrafts(cache) if (self.copy_drafts if copies is None else copies) else None
-        return r
+        copies = CopyDrafts(cache) if (self.copy_drafts if copies is None else copies) else None
+        return Request(uid, cache, rule, limit, stop_tokens(eos, constraint), bool(want), key, cap, tokens, len(tokens), hear,
+                       controls=controls, copies=copies)
 
     def remove(self, uids: Iterable[int]) -> Dict[int, PromptCache]:
         """Drop requests between cycles; returns their prompt caches, each
