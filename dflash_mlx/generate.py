@@ -104,7 +104,7 @@ def max_block_size(draft, block_size: Optional[int], sizer: Optional[BlockSizer]
         raise ArgumentError("pass block_size or sizer, not both (a sizer's max_block is its largest block)")
     if block_size is not None:
         whole(block_size, "block_size")
-    max_block = draft.block_size if block_size is None and sizer is None else sizer.max_block if sizer else int(block_size)
+    max_block = sizer.max_block if sizer is not None else draft.block_size if block_size is None else int(block_size)
     if not 1 <= max_block <= MAX_BLOCK_SIZE:
         raise ArgumentError(f"block_size must be from 1 to {MAX_BLOCK_SIZE}, got {max_block}")
     draft.check_block_size(max_block)
@@ -151,8 +151,8 @@ def tree_plan(target, draft, tree_budget: Optional[int], sizer) -> Tuple[int, bo
     honour is refused before any work."""
     if tree_budget is not None:
         whole(tree_budget, "tree_budget")
-    if tree_budget is not None and tree_budget < 0:
-        raise ArgumentError(f"tree_budget must be None (adaptive), 0 (chains only) or a node count, got {tree_budget}")
+        if tree_budget < 0:
+            raise ArgumentError(f"tree_budget must be None (adaptive), 0 (chains only) or a node count, got {tree_budget}")
     able = not target.no_trees and hasattr(draft, "slot_head_logits")
     if tree_budget:
         if sizer is not None:
