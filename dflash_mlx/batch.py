@@ -17,7 +17,6 @@ alone does (the pair's sizer, draft trees included).
 """
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -27,14 +26,13 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from .cache import PromptCache, bound_target, prompt_cache_for
-from .calibration import plan
-from .controls import KV_KEYWORDS
+from .controls import KV_KEYWORDS, positive_int
 from .copy_source import CopyDrafts
-from .decode import BatchResponse, Decoder, Request, Sizing, Stats
+from .decode import BatchResponse, Request, Stats
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP_SIZE
 from .errors import ArgumentError
 from .generate import (
-    checked_prompt, controlled_rule, encode_prompt, max_block_size, one_thread_per_pair, row_controls, stop_tokens, tree_plan,
+    checked_prompt, controlled_rule, decoder_for, encode_prompt, max_block_size, on_pair, row_controls, stop_tokens, tree_plan,
 )
 from .prefill import feed, prefill, prefill_together
 from .structured import constraint_for
@@ -99,9 +97,9 @@ class BatchGenerator:
         tree_budget: Optional[int] = None,
     ):
         self.old_wired_limit = self.decoder = None  # (close() may run on a generator refused below)
-        for name, value in (("completion_batch_size", completion_batch_size), ("prefill_batch_size", prefill_batch_size), ("prefill_step_size", prefill_step_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ArgumentError(f"{name} must be a whole number of at least 1, not {value!r}")
+        positive_int(completion_batch_size, "completion_batch_size")
+        positive_int(prefill_batch_size, "prefill_batch_size")
+        positive_int(prefill_step_size, "prefill_step_size")
         self.model, self.draft, self.stream, self.tokenizer = model, draft, stream, tokenizer
         self.target = bound_target(model, draft)
         self.max_block = max_block_size(draft, block_size, None)
@@ -124,7 +122,7 @@ class BatchGenerator:
         """Roll back a queued cycle and give back the wired memory limit
         (Metal); the generator is done."""
         if self.decoder is not None:
-            with self.on_pair():
+            with on_pair(self.draft, self.stream):
                 self.decoder.drop_queued()
         if self.old_wired_limit is not None:
             mx.synchronize(self.stream)
@@ -133,12 +131,6 @@ class BatchGenerator:
 
     def __del__(self):
         self.close()
-
-    @contextmanager
-    def on_pair(self):
-        """What every step runs in: this thread owns the pair, on the generation stream."""
-        with one_thread_per_pair(self.draft), mx.stream(self.stream):
-            yield
 
     @property
     def active(self) -> List[Request]:
@@ -203,7 +195,7 @@ class BatchGenerator:
         quantized or rotating cache cannot join a batch: it is refused, see
         :func:`~dflash_mlx.targets.rows.check_joinable`); ``all_tokens``: per
         prompt, the tokens before it that its processors see (None: see
-        :func:`~dflash_mlx.generate.processors_for`)."""
+        :func:`~dflash_mlx.generate.row_controls`)."""
         n = len(prompts)
         each = lambda name, value, many=(list, tuple): one_each(name, value, n, many)  # noqa: E731
         settings = zip(
@@ -232,8 +224,7 @@ class BatchGenerator:
 
     def request(self, uid, prompt, limit, cache, temp, tp, tk, mp, seed, cap, hear, eos, want, form, copies, acceptance, controls, kv) -> Request:
         """One inserted request, checked before any work."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ArgumentError(f"max_tokens must be a whole number of at least 1, got {limit!r}")
+        positive_int(limit, "max_tokens")
         processors, before = controls.pop("logits_processors"), controls.pop("all_tokens")
         rule = controlled_rule(self.target, (temp, tp, tk, mp, None, acceptance), processors, kv, **controls)
         constraint = constraint_for(form, self.tokenizer)
@@ -247,9 +238,9 @@ class BatchGenerator:
             cap = min(max_block_size(self.draft, cap, None), self.max_block)
         key = None if seed is None else mx.random.key(int(seed))
         controls = row_controls(processors, constraint, tokens, before)
-        r = Request(uid, cache, rule, limit, stop_tokens(eos, constraint), bool(want), key, cap, tokens, len(tokens), hear, controls=controls)
-        r.copies = CopyDrafts(cache) if (self.copy_drafts if copies is None else copies) else None
-        return r
+        copies = CopyDrafts(cache) if (self.copy_drafts if copies is None else copies) else None
+        return Request(uid, cache, rule, limit, stop_tokens(eos, constraint), bool(want), key, cap, tokens, len(tokens), hear,
+                       controls=controls, copies=copies)
 
     def remove(self, uids: Iterable[int]) -> Dict[int, PromptCache]:
         """Drop requests between cycles; returns their prompt caches, each
@@ -260,7 +251,7 @@ class BatchGenerator:
         self.joining = [r for r in self.joining if r.uid not in uids]
         leaving = [b for b, r in enumerate(self.active) if r.uid in uids]
         if leaving:
-            with self.on_pair():
+            with on_pair(self.draft, self.stream):
                 self.decoder.drop_queued()
                 out.update((r.uid, r.cache) for r in self.decoder.leave(leaving))
         return out
@@ -276,7 +267,7 @@ class BatchGenerator:
     def next(self) -> List[BatchResponse]:
         """Prefill what fits of the queued prompts, then one decode cycle
         of the batch; what every request committed."""
-        with self.on_pair():
+        with on_pair(self.draft, self.stream):
             if self.joining:
                 self.join(self.joining)
                 self.joining = []
@@ -349,14 +340,8 @@ class BatchGenerator:
         """Prefilled requests join the decoder; the first one in a process
         measures the cycles' costs on its own cache first."""
         if self.decoder is None:
-            self.decoder = Decoder(self.target, self.draft, self.max_block, *self.sizing(requests[0]))
+            self.decoder = decoder_for(self.target, self.draft, requests[0].cache, self.max_block, self.fixed, None, self.trees)
         self.decoder.join(requests)
-
-    def sizing(self, r: Request):
-        """How the decoder evaluates each phase, and its sizers: the pair's
-        (what earlier generations learnt carries over), or fixed ones."""
-        sizer, settle = plan(self.target, self.draft, r.cache.target, r.cache.target_hidden, self.max_block, self.fixed, None, *self.trees)
-        return settle, Sizing(sizer)
 
 
 @dataclass

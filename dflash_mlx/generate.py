@@ -104,7 +104,7 @@ def max_block_size(draft, block_size: Optional[int], sizer: Optional[BlockSizer]
         raise ArgumentError("pass block_size or sizer, not both (a sizer's max_block is its largest block)")
     if block_size is not None:
         whole(block_size, "block_size")
-    max_block = draft.block_size if block_size is None and sizer is None else sizer.max_block if sizer else int(block_size)
+    max_block = sizer.max_block if sizer is not None else draft.block_size if block_size is None else int(block_size)
     if not 1 <= max_block <= MAX_BLOCK_SIZE:
         raise ArgumentError(f"block_size must be from 1 to {MAX_BLOCK_SIZE}, got {max_block}")
     draft.check_block_size(max_block)
@@ -116,12 +116,12 @@ GENERATING_LOCK = threading.Lock()
 
 
 @contextmanager
-def one_thread_per_pair(draft):
-    """Refuse a generation on a pair that another thread is generating with.
-
-    A pair's adapter, compiled functions and MLX stream are shared state;
-    one thread may hold several generations (a conversation's turns), two
-    threads may not run at once.
+def on_pair(draft, stream):
+    """What every step of a generation runs in: this thread owns the pair, on
+    ``stream``. A generation on a pair that another thread is generating
+    with is refused: a pair's adapter, compiled functions and MLX stream are
+    shared state; one thread may hold several generations (a conversation's
+    turns), two threads may not run at once.
     """
     me = threading.get_ident()
     release_at_thread_exit()  # mlx-lm's compiled functions and mx.random run on this thread
@@ -135,7 +135,8 @@ def one_thread_per_pair(draft):
             )
         GENERATING[id(draft)] = (me, depth + 1)
     try:
-        yield
+        with mx.stream(stream):
+            yield
     finally:
         with GENERATING_LOCK:
             if depth:
@@ -150,8 +151,8 @@ def tree_plan(target, draft, tree_budget: Optional[int], sizer) -> Tuple[int, bo
     honour is refused before any work."""
     if tree_budget is not None:
         whole(tree_budget, "tree_budget")
-    if tree_budget is not None and tree_budget < 0:
-        raise ArgumentError(f"tree_budget must be None (adaptive), 0 (chains only) or a node count, got {tree_budget}")
+        if tree_budget < 0:
+            raise ArgumentError(f"tree_budget must be None (adaptive), 0 (chains only) or a node count, got {tree_budget}")
     able = not target.no_trees and hasattr(draft, "slot_head_logits")
     if tree_budget:
         if sizer is not None:
@@ -234,7 +235,7 @@ def generate_step(
     tokens per second, as measured (:mod:`dflash_mlx.adaptive`; a ``sizer`` makes
     the choices instead): a seeded sampled run repeats only when they are fixed.
     mlx-lm's controls are exact through speculation: ``logits_processors``
-    (:func:`processors_for`), ``min_tokens_to_keep``, XTC, the KV cache keywords;
+    (:func:`row_controls`), ``min_tokens_to_keep``, XTC, the KV cache keywords;
     ``response_format`` (with ``tokenizer``; docs/structured.md) as mlx-lm's masked decode.
     """
     target = bound_target(model, draft)
@@ -242,48 +243,31 @@ def generate_step(
     rule = controlled_rule(target, (temperature, top_p, top_k, min_p, sampler, acceptance), logits_processors, kv,
                            min_tokens_to_keep, xtc_probability, xtc_threshold, xtc_special_tokens)
     constraint = constraint_for(response_format, tokenizer)
-    check_counts(max_tokens, prefill_step_size)
+    positive_int(max_tokens, "max_tokens")
+    positive_int(prefill_step_size, "prefill_step_size")  # (a negative one fed no chunk: the prompt's body went unread)
     stop = stop_tokens(eos_token_ids, constraint)
     max_block, trees = max_block_size(draft, block_size, sizer), tree_plan(target, draft, tree_budget, sizer)
     cache = prompt_cache_for(model, draft, prompt_cache, draft_window, draft_sink, **kv)
     prompt = checked_prompt(target, cache, prompt)
     with generation(target, draft, cache, stream):
         controls = row_controls(logits_processors, constraint, prompt, all_tokens)
-        progress = PromptProgress(prompt_progress_callback, len(prompt))
-        logits = prefill(target, cache, prompt, prefill_step_size, progress.chunk)
         request = Request(0, cache, rule, max_tokens, stop, logprobs, controls=controls, copies=CopyDrafts(cache) if copy_drafts else None)
-        yield from alone(target, draft, request, progress.done(request.start(logits)), max_block, trees, block_size is not None, sizer)
+        first = prefilled(target, request, prompt, prefill_step_size, prompt_progress_callback)
+        yield from alone(target, draft, request, first, max_block, trees, block_size is not None, sizer)
 
 
-class PromptProgress:
-    """A ``prompt_progress_callback`` called as mlx-lm's ``generate_step``
-    calls it: ``(0, n)`` before the prefill, ``(done, n)`` after each chunk
-    and ``(n, n)`` once the first token is chosen, ``n`` the prompt's
-    tokens (a reused cache's pending token, which the chunks also run, not
-    counted: mlx-lm ran it in the last turn)."""
-
-    def __init__(self, callback, n: int):
-        self.callback, self.n = callback, n
-        if callback is not None:
-            callback(0, n)
-
-    def chunk(self, done: int, total: int) -> None:
-        if self.callback is not None:
-            self.callback(max(0, done - (total - self.n)), self.n)
-
-    def done(self, first: BatchResponse) -> BatchResponse:
-        """The prefill's ``first`` token is chosen: the last call."""
-        if self.callback is not None:
-            self.callback(self.n, self.n)
-        return first
-
-
-def check_counts(max_tokens, prefill_step_size) -> None:
-    """The counts, checked before any work (a negative ``prefill_step_size``
-    fed no chunk: the prompt's body went unread); ``block_size`` and
-    ``tree_budget``: :func:`max_block_size`, :func:`tree_plan`."""
-    positive_int(max_tokens, "max_tokens")
-    positive_int(prefill_step_size, "prefill_step_size")
+def prefilled(target, request: Request, prompt: List[int], step: int, callback=None) -> BatchResponse:
+    """The prefill's token, ``callback`` (a ``prompt_progress_callback``)
+    called as mlx-lm's ``generate_step`` calls it: ``(0, n)`` before the
+    prefill, ``(done, n)`` after each chunk and ``(n, n)`` once the token is
+    chosen, ``n`` the prompt's tokens (a reused cache's pending token, which
+    the chunks also run, not counted: mlx-lm ran it in the last turn)."""
+    n, told = len(prompt), callback if callback is not None else (lambda done, total: None)
+    told(0, n)
+    logits = prefill(target, request.cache, prompt, step, lambda done, total: told(max(0, done - (total - n)), n))
+    first = request.start(logits)
+    told(n, n)
+    return first
 
 
 def controlled_rule(target, sampling: tuple, logits_processors, kv: dict, min_tokens_to_keep=1, xtc_probability=0.0,
@@ -302,24 +286,18 @@ def controlled_rule(target, sampling: tuple, logits_processors, kv: dict, min_to
     return acceptance_rule(*sampling, **more)
 
 
-def processors_for(logits_processors, prompt: List[int], all_tokens=None) -> list:
-    """A request's controls for its logits processors. Their history starts
-    with what mlx-lm's ``generate_step`` is given as its prompt: ``prompt``
-    (on a reused cache only the new turn's tokens: mlx-lm ran the last
-    turn's tokens, its last one too, as it generated them), or, given
-    ``all_tokens`` (the tokens before ``prompt``: mlx-lm's
-    ``BatchGenerator.insert`` keyword, by which its server shows the
-    processors a cached prefix), those first."""
-    if not logits_processors:
-        return []
-    return [Processors(logits_processors, list(all_tokens or []) + list(prompt))]
-
-
 def row_controls(logits_processors, constraint, prompt: List[int], all_tokens=None) -> list:
     """A request's controls (:attr:`~dflash_mlx.decode.Request.controls`):
     its logits processors, then its grammar's mask, applied last as a
-    masking processor after mlx-lm's own would be."""
-    return processors_for(logits_processors, prompt, all_tokens) + ([constraint] if constraint else [])
+    masking processor after mlx-lm's own would be. The processors' history
+    starts with what mlx-lm's ``generate_step`` is given as its prompt:
+    ``prompt`` (on a reused cache only the new turn's tokens: mlx-lm ran the
+    last turn's tokens, its last one too, as it generated them), or, given
+    ``all_tokens`` (the tokens before ``prompt``: mlx-lm's
+    ``BatchGenerator.insert`` keyword, by which its server shows the
+    processors a cached prefix), those first."""
+    processors = [Processors(logits_processors, list(all_tokens or []) + list(prompt))] if logits_processors else []
+    return processors + ([constraint] if constraint else [])
 
 
 def stop_tokens(eos_token_ids, constraint) -> frozenset:
@@ -335,7 +313,7 @@ def generation(target, draft, cache: PromptCache, stream):
     """What a generation runs in: the pair owned by this thread, its
     stream; however it ends (closed at any token, an error), a cycle it
     queued ahead is rolled back and the cache left at rest."""
-    with one_thread_per_pair(draft), mx.stream(stream):
+    with on_pair(draft, stream):
         try:
             yield
         finally:
@@ -350,14 +328,12 @@ def alone(target, draft, request: Request, first: BatchResponse, max_block: int,
     cycles' costs measured if they are not yet (after ``first`` goes out),
     then a decoder holding it alone, whose first cycle is queued before
     ``first`` goes out, then cycle after cycle to its end."""
-    cache = request.cache
     if first.finish_reason is not None or not calibrated(target, draft, max_block, trees[1]):
         yield from yielded(first)  # before the cycles' costs are measured, not after
         if first.finish_reason is not None:
             return
         first = None
-    sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, fixed, sizer, *trees)
-    decoder = Decoder(target, draft, max_block, settle, Sizing(sizer))
+    decoder = decoder_for(target, draft, request.cache, max_block, fixed, sizer, trees)
     decoder.join([request])
     decoder.queue()
     if first is not None:
@@ -367,6 +343,15 @@ def alone(target, draft, request: Request, first: BatchResponse, max_block: int,
             yield from yielded(response)
             if response.finish_reason is not None:
                 return
+
+
+def decoder_for(target, draft, cache: PromptCache, max_block: int, fixed: bool, sizer, trees) -> Decoder:
+    """A decoder sized by ``sizer``, else the pair's (what earlier generations
+    learnt carries over) or a fixed one (:func:`~dflash_mlx.calibration.plan`;
+    ``trees``: :func:`tree_plan`'s answer); the cycles' costs are measured on
+    ``cache`` first if they are not yet."""
+    sizer, settle = plan(target, draft, cache.target, cache.target_hidden, max_block, fixed, sizer, *trees)
+    return Decoder(target, draft, max_block, settle, Sizing(sizer))
 
 
 def yielded(response: BatchResponse):
