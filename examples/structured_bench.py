@@ -24,7 +24,8 @@ A schema compiles with llguidance's defaults
 (``LLMatcher.grammar_from_json_schema(schema)``: flexible whitespace), so the
 reference can be rebuilt anywhere. Reported per request and pooled: tokens
 per cycle of ``dflash`` (forced tokens included) over ``free``'s, and pooled
-over ``verify-only``'s (the same text); wall clock
+over ``verify-only``'s (the same text; also over the held answers that end
+by themselves, which no repeat up to ``--max-tokens`` inflates); wall clock
 (prefill included) and decode speed of ``dflash`` over ``mlx-lm``'s; whether
 the two gave the same tokens; whether each answer validates against its
 schema (with the ``jsonschema`` package where installed, else only
@@ -236,12 +237,16 @@ def summary(rows) -> dict:
     total = {k: sum(r[k] for r in rows) for k in ("forced", "produced", "mlx_lm_wall_s", "dflash_wall_s", "mlx_lm_decode_s", "mask_s", "decode_s")}
     cycles = sum(r["cycles"]["dflash"] for r in rows)
     tpc, free, verify = (per_cycle([r["committed"] for r in rows], [r["cycles"] for r in rows], n) for n in DECODERS[1:])
+    ended = [r for r in rows if r["finish"] == "stop"]  # held answers that end by themselves (no repeat to the cut)
+    ended_held, ended_verify = (per_cycle([r["committed"] for r in ended], [r["cycles"] for r in ended], n) for n in ("dflash", "verify-only"))
     out = {
         "tokens_per_cycle": tpc,
         "free_tokens_per_cycle": free,
         "tokens_per_cycle_ratio": tpc / free if free else 0.0,
         "verify_only_tokens_per_cycle": verify,
         "same_text_ratio": tpc / verify if verify else 0.0,
+        "ended": len(ended),
+        "same_text_ratio_ended": ended_held / ended_verify if ended_verify else 0.0,
         "wall_speedup": total["mlx_lm_wall_s"] / total["dflash_wall_s"],
         "decode_speedup": total["mlx_lm_decode_s"] / total["decode_s"] if total["decode_s"] else 0.0,
         "forced_share": total["forced"] / total["produced"],
@@ -287,7 +292,7 @@ def print_table(rows, total) -> None:
         f"{'yes' if t['outputs_identical'] else 'NO':<4}  {t['valid']}/{t['requests']}"
     )
     print(f"same text, the grammar in the verify only: {t['verify_only_tokens_per_cycle']:.2f} tokens per cycle; "
-          f"held {t['same_text_ratio']:.2f}x that")
+          f"held {t['same_text_ratio']:.2f}x that ({t['same_text_ratio_ended']:.2f}x over the {t['ended']} answers that end by themselves)")
     print(f"decode only (from the first token): {t['decode_speedup']:.2f}x mlx-lm's masked decode; "
           f"mask {t['mask_ms_per_cycle']:.2f} ms of a {t['cycle_ms']:.2f} ms cycle; "
           f"unconstrained answers valid: {t['free_valid']}/{t['requests']}; validator: {t['validator']}")

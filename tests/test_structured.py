@@ -725,7 +725,7 @@ def test_the_structured_bench_runs_on_the_bundled_pair_and_reports(tmp_path, cap
     assert report["requests"] == 2 and report["outputs_identical"]
     for key in ("tokens_per_cycle", "free_tokens_per_cycle", "tokens_per_cycle_ratio", "wall_speedup", "decode_speedup",
                 "forced_share", "mask_ms_per_cycle", "cycle_ms", "mask_share", "valid", "free_valid", "validator", "bars_met",
-                "verify_only_tokens_per_cycle", "same_text_ratio"):
+                "verify_only_tokens_per_cycle", "same_text_ratio", "ended", "same_text_ratio_ended"):
         assert key in report, key
     for row in report["rows"]:
         assert row["identical"] and 0 < row["tokens"] <= 10 and row["produced"] >= row["tokens"]
