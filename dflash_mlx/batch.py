@@ -415,10 +415,10 @@ def batch_generate(
     eos = set(tokenizer.eos_token_ids)
     bodies = [[x for x in t if x not in eos] for t in tokens]  # as stream_generate reports them
     texts = [tokenizer.decode(body) for body in bodies]
-    total = sum(map(len, bodies))
+    total = sum(map(len, tokens))  # an eos counted, as mlx-lm's batch_generate and stream_generate count it
     stats = [
-        dict(prompt_tokens=len(e), generation_tokens=len(body), cycles=c.cycles, accepted=c.accepted, forced=c.forced, copied=c.copied,
+        dict(prompt_tokens=len(e), generation_tokens=len(t), cycles=c.cycles, accepted=c.accepted, forced=c.forced, copied=c.copied,
              tokens_per_cycle=c.tokens_per_cycle, batch_tps=total / max(elapsed, 1e-9))
-        for e, body, c in zip(encoded, bodies, counts)
+        for e, t, c in zip(encoded, tokens, counts)
     ]
     return BatchResult(texts, bodies, finish, stats, caches)

@@ -410,9 +410,9 @@ def stream_generate(
             answer.append(token)
             stats.count(from_draft, block, tree, was_copied)
             finish = "stop" if token in eos else None
+            n_out += 1  # (an eos counted too, as mlx-lm's stream_generate counts it)
             if finish is None:
                 detok.add_token(token)
-                n_out += 1
                 finish = "length" if n_out == max_tokens else None
             if from_draft and finish is None:
                 continue

@@ -79,3 +79,25 @@ def test_a_grammar_llguidance_cannot_follow_is_refused_before_any_work(qwen3_pai
     ok = [t for r in dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, prompt_of(5), max_tokens=4,
                                                 response_format={"type": "regex", "pattern": "a{1000}"}) for t in r.tokens]
     assert pair.tokenizer.decode(ok) == "aaaa"  # a long repetition llguidance can follow is still held
+
+
+def test_generation_tokens_count_the_eos_as_mlx_lms_do(qwen3_pair, tmp_path):
+    """mlx-lm's stream_generate counts the eos it stops at in its last
+    response's ``generation_tokens`` (and so in ``generation_tps``); an
+    answer cut at ``max_tokens`` counts ``max_tokens``."""
+    pair = qwen3_pair
+    draft = dflash_mlx.load_draft(pair.make_draft(tmp_path / "d"), pair.model)
+    prompt = prompt_of(6)
+    free = pair.reference(prompt, 12)
+    k = next(i for i, t in enumerate(free) if i >= 3 and t not in free[:i])  # the answer stops at its (k+1)th token
+    eos, ends = [free[k]], []
+    for limit in (12, k + 1, k):
+        want = tiny.reference_responses(pair.model, pair.tokenizer, prompt, limit, eos)[-1]
+        with tiny.eos_set(pair.tokenizer, eos):
+            got = list(dflash_mlx.stream_generate(pair.model, draft, pair.tokenizer, prompt, max_tokens=limit))[-1]
+        assert (got.generation_tokens, got.finish_reason) == (want.generation_tokens, want.finish_reason)
+        ends.append((want.generation_tokens, want.finish_reason))
+    assert ends == [(k + 1, "stop"), (k + 1, "stop"), (k, "length")]
+    with tiny.eos_set(pair.tokenizer, eos):  # batch_generate's per-request record counts alike
+        result = dflash_mlx.batch_generate(pair.model, draft, pair.tokenizer, [prompt, prompt], max_tokens=[12, k])
+    assert [s["generation_tokens"] for s in result.stats] == [k + 1, k] and result.finish_reasons == ["stop", "length"]
