@@ -27,7 +27,7 @@ from mlx_lm.tool_parsers import json_tools
 
 from ..errors import ArgumentError, RequestError
 from ..structured import JSON_OBJECT, bridge, constraint_from_response_format, grammar_of
-from .turn import openai_tool_choice
+from .turn import check_chat_tools, openai_tool_choice
 
 # Any JSON object: a non-strict tool's arguments.
 ANY_OBJECT = {"type": "object"}
@@ -70,6 +70,7 @@ def own_fault(response_format, tokenizer) -> bool:
 def chat_format(body: dict, tokenizer, answers) -> Optional[dict]:
     """:func:`request_format` before the tokenizer's check."""
     response_format = body.get("response_format")
+    check_chat_tools(body.get("tools"))  # (a text completion's tools are read here only)
     choice = openai_tool_choice(body.get("tool_choice"))
     tools = [] if choice == "none" else [t["function"] for t in body.get("tools") or [] if t.get("type") == "function"]
     forced = choice in ("required", "named")

@@ -1,0 +1,36 @@
+"""Structured outputs' edge cases found by an adversarial audit: each test
+is a bug that was, against the behaviour the docs promise (one clear
+error before any work for bad input; masked output equal to mlx-lm's)."""
+
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from dflash_mlx.api.formats import request_format
+from dflash_mlx.api.harmony import text_format
+from dflash_mlx.errors import RequestError
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    """The Qwen-style tiny chat tokenizer (mlx-lm's json_tools calls), as test_structured's."""
+    from tiny_chat import QWEN_CHAT, write_chat_tokenizer
+
+    path = tmp_path_factory.mktemp("chat_tokenizer")
+    write_chat_tokenizer(path, QWEN_CHAT)
+    return load_tokenizer(path)
+
+
+def format_of(body, tokenizer):
+    return request_format(body, tokenizer, text_format(tokenizer))
+
+
+def tool(**function):
+    return {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, **function}}
+
+
+@pytest.mark.parametrize("tools", [[5], [{"type": "function", "function": {}}], [{"type": "function", "function": {"name": 3}}]])
+def test_malformed_tools_of_a_text_completion_are_a_400(chat_tokenizer, tools):
+    """/v1/completions reads tools only for the format: a malformed list was a 500 (AttributeError, KeyError)."""
+    with pytest.raises(RequestError) as e:
+        format_of({"prompt": "hi", "tools": tools, "tool_choice": "required"}, chat_tokenizer)
+    assert e.value.param == "tools"
