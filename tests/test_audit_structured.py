@@ -34,3 +34,23 @@ def test_malformed_tools_of_a_text_completion_are_a_400(chat_tokenizer, tools):
     with pytest.raises(RequestError) as e:
         format_of({"prompt": "hi", "tools": tools, "tool_choice": "required"}, chat_tokenizer)
     assert e.value.param == "tools"
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_schema"},
+    {"type": "json_schema", "json_schema": 5},
+    {"type": "json_schema", "json_schema": {"name": "a"}},
+    {"type": "json_schema", "json_schema": {"name": 5, "schema": {}}},
+    {"type": "json_schema", "json_schema": {"strict": "yes", "schema": {}}},
+    "x",
+    "text",
+])
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_malformed_response_format_beside_strict_tools_or_a_forced_call_is_a_400(chat_tokenizer, response_format, choice):
+    """The same response_format is refused with and without strict tools: beside them
+    it was a 500 (KeyError, TypeError) or read as no format at all."""
+    with pytest.raises(RequestError) as alone:
+        format_of({"response_format": response_format}, chat_tokenizer)
+    with pytest.raises(RequestError) as e:
+        format_of({"tools": [tool(strict=True)], "tool_choice": choice, "response_format": response_format}, chat_tokenizer)
+    assert e.value.param == "response_format" and str(e.value) == str(alone.value)

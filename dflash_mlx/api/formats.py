@@ -86,6 +86,7 @@ def chat_format(body: dict, tokenizer, answers) -> Optional[dict]:
         raise RequestError("parallel_tool_calls must be true or false", "parallel_tool_calls")
     if not forced and not any(t.get("strict") is True for t in tools):
         return response_format  # (checked with the tokenizer by the caller)
+    grammar_of(response_format)  # (its own errors first, named as its own)
     kind = response_format.get("type") if isinstance(response_format, dict) else response_format
     if forced and kind not in (None, "text"):
         raise RequestError("a forced tool call and a response_format cannot both hold: send one", "response_format")
