@@ -54,3 +54,11 @@ def test_a_malformed_response_format_beside_strict_tools_or_a_forced_call_is_a_4
     with pytest.raises(RequestError) as e:
         format_of({"tools": [tool(strict=True)], "tool_choice": choice, "response_format": response_format}, chat_tokenizer)
     assert e.value.param == "response_format" and str(e.value) == str(alone.value)
+
+
+@pytest.mark.parametrize("strict", ["yes", 1, "true"])
+def test_a_chat_tools_strict_that_is_not_a_bool_is_a_400(chat_tokenizer, strict):
+    """Responses' and Messages' tools refuse a non-bool strict; chat's read it as not strict, silently."""
+    with pytest.raises(RequestError, match="strict must be true or false") as e:
+        format_of({"tools": [tool(strict=strict)]}, chat_tokenizer)
+    assert e.value.param == "tools"

@@ -163,7 +163,7 @@ def check_chat_tools(tools) -> None:
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
             raise RequestError(f"tools.{i} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
         f = t["function"]
-        chat_tool(f.get("name"), f.get("description"), f.get("parameters"), f"tools.{i}.function")
+        chat_tool(f.get("name"), f.get("description"), f.get("parameters"), f"tools.{i}.function", f.get("strict"))
 
 
 def chat_tools(tools, convert) -> Optional[list]:
