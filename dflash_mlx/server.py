@@ -322,11 +322,12 @@ def prepare(tokenizer, target, body: dict, kind: str, max_prompt: Optional[int],
 
 
 def top_logprobs(logprobs: mx.array, n: int, tokenizer) -> tuple:
-    """The ``n`` most likely tokens at a position, in mlx-lm's format."""
+    """The ``n`` most likely tokens at a position, in mlx-lm's format; a token
+    a response format refuses (-inf, which is not JSON) at OpenAI's -9999.0."""
     if n <= 0:
         return ()
     ids = mx.argpartition(-logprobs, kth=n - 1)[:n].tolist()
-    values = logprobs[ids].tolist()
+    values = [max(v, -9999.0) for v in logprobs[ids].tolist()]
     return tuple(
         {"id": i, "token": t, "logprob": v} for i, t, v in zip(ids, tokenizer.convert_ids_to_tokens(ids), values)
     )

@@ -2,12 +2,19 @@
 is a bug that was, against the behaviour the docs promise (one clear
 error before any work for bad input; masked output equal to mlx-lm's)."""
 
+import http.client
+import json
+import threading
+from pathlib import Path
+
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from dflash_mlx.api.formats import request_format
 from dflash_mlx.api.harmony import text_format
 from dflash_mlx.errors import RequestError
+
+DEFAULT_TARGET = Path(__file__).parent.parent / "dflash_mlx" / "default_pair" / "target"
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +69,43 @@ def test_a_chat_tools_strict_that_is_not_a_bool_is_a_400(chat_tokenizer, strict)
     with pytest.raises(RequestError, match="strict must be true or false") as e:
         format_of({"tools": [tool(strict=strict)]}, chat_tokenizer)
     assert e.value.param == "tools"
+
+
+def strict_json(text: str):
+    """``text`` read as RFC 8259 JSON (Python's reader takes -Infinity and NaN; other clients' do not)."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logprobs_of_tokens_a_format_refuses_are_json(tmp_path):
+    """A held answer's top_logprobs list tokens its format refuses: their -inf
+    was written as -Infinity, which no strict JSON reader takes; OpenAI's -9999.0 now."""
+    from dflash_mlx.pair import load_pair
+    from dflash_mlx.server import make_server, setup_arg_parser
+
+    model, tokenizer, draft, _ = load_pair(DEFAULT_TARGET)
+    args = setup_arg_parser().parse_args(["--model", str(DEFAULT_TARGET), "--port", "0"])
+    server = make_server(args, model, tokenizer, draft, "default")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host, port = server.server_address[:2]
+    form = {"type": "regex", "pattern": "(yes|no)!"}
+    asks = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "Sky blue?"}], "response_format": form, "logprobs": True, "top_logprobs": 4}),
+            ("/v1/responses", {"input": "Sky blue?", "text": {"format": form}, "top_logprobs": 4, "include": ["message.output_text.logprobs"]})]
+    try:
+        for path, body in asks:
+            for stream in (False, True):
+                c = http.client.HTTPConnection(host, port, timeout=120)
+                c.request("POST", path, json.dumps({**body, "max_tokens": 8, "max_output_tokens": 8, "stream": stream}), {"Content-Type": "application/json"})
+                r = c.getresponse()
+                text = r.read().decode()
+                assert r.status == 200, text
+                assert stream or "Infinity" in text.replace("-9999.0", "Infinity"), "the case: refused tokens among the top ones"
+                for line in text.splitlines() if stream else [text]:
+                    if line.startswith("data: {") or not stream:
+                        strict_json(line[len("data: "):] if stream else line)
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.generator.stop_and_join()
