@@ -109,3 +109,18 @@ def test_logprobs_of_tokens_a_format_refuses_are_json(tmp_path):
         server.shutdown()
         server.server_close()
         server.generator.stop_and_join()
+
+
+@pytest.mark.parametrize("schema", [None, 5, "x", True])
+def test_a_dialects_json_schema_format_without_a_schema_names_its_own_field(schema):
+    """Responses' text.format and Messages' output_config.format without a schema object
+    were refused as chat's response_format, naming fields the client never sent."""
+    from dflash_mlx.api import messages, responses
+
+    with pytest.raises(RequestError, match='text.format of type json_schema needs "schema"') as e:
+        responses.to_chat({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a", "schema": schema}}}, [])
+    assert e.value.param == "text"
+    with pytest.raises(RequestError, match='output_config.format needs "schema"') as e:
+        messages.to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                          "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert e.value.param == "output_config"

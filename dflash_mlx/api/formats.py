@@ -194,6 +194,8 @@ def responses_text_format(text) -> Optional[dict]:
     form = text.get("format")
     if form is None or not isinstance(form, dict) or form.get("type") != "json_schema":
         return form  # text, json_object (or a bad one, named by the chat check)
+    if not isinstance(form.get("schema"), dict):
+        raise RequestError('text.format of type json_schema needs "schema": a JSON schema object', "text")
     spec = {k: form[k] for k in ("name", "schema", "strict", "description") if k in form}
     return {"type": "json_schema", "json_schema": spec}
 
@@ -209,4 +211,6 @@ def messages_output_format(body: dict) -> Optional[dict]:
         return None
     if not isinstance(form, dict) or form.get("type") != "json_schema":
         raise RequestError('output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config")
+    if not isinstance(form.get("schema"), dict):
+        raise RequestError('output_config.format needs "schema": a JSON schema object', "output_config")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": form.get("schema")}}
