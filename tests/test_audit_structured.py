@@ -124,3 +124,38 @@ def test_a_dialects_json_schema_format_without_a_schema_names_its_own_field(sche
         messages.to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
                           "output_config": {"format": {"type": "json_schema", "schema": schema}}})
     assert e.value.param == "output_config"
+
+
+CITY_DEFS = {"$defs": {"City": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"], "additionalProperties": False}},
+             "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"], "additionalProperties": False}
+ZIP_DEFS = {"$defs": {"City": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "type": "object", "properties": {"zip": {"$ref": "#/$defs/City"}}, "required": ["zip"], "additionalProperties": False}
+TREE = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"], "additionalProperties": False}
+
+
+def call(name, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def takes(form, tokenizer, text) -> bool:
+    from dflash_mlx.structured import constraint_from_response_format
+
+    c = constraint_from_response_format(form, tokenizer)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return c.take(ids) == len(ids) and c.is_accepting()
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_strict_tools_whose_parameters_use_local_refs_hold_calls_to_them(chat_tokenizer, choice):
+    """A strict tool's parameters with $defs and $ref (as Pydantic writes them) were a 400
+    ("Pointer '/$defs/City' does not exist"): the call's schema nests them, so their refs resolved against its root."""
+    tools = [tool(name="weather", strict=True, parameters=CITY_DEFS), tool(name="post", strict=True, parameters=ZIP_DEFS),
+             tool(name="tree", strict=True, parameters=TREE)]
+    for some in (tools[:1], tools):
+        form = format_of({"tools": some, "tool_choice": choice}, chat_tokenizer)
+        assert takes(form, chat_tokenizer, call("weather", '{"city": {"name": "Paris"}}'))
+        assert not takes(form, chat_tokenizer, call("weather", '{"city": "Paris"}'))
+    assert takes(form, chat_tokenizer, call("post", '{"zip": "75001"}'))
+    assert not takes(form, chat_tokenizer, call("post", '{"zip": {"name": "Paris"}}')), "each tool's own $defs"
+    assert takes(form, chat_tokenizer, call("tree", '{"kids": [{"kids": []}]}'))
+    assert not takes(form, chat_tokenizer, call("tree", '{"kids": [{"kids": [1]}]}')), "a ref to the parameters' root"

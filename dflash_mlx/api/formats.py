@@ -125,20 +125,48 @@ def named_tool(choice: dict) -> str:
 
 def call_schema(tools: List[dict]) -> dict:
     """The JSON schema of one call of ``tools``: the name, then the
-    arguments (a strict tool's its parameters' schema, another's any object)."""
+    arguments (a strict tool's its parameters' schema, another's any object;
+    its local ``$ref``s re-pointed to where it sits in this schema)."""
     options = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": t["name"]},
-                "arguments": (t.get("parameters") or ANY_OBJECT) if t.get("strict") is True else ANY_OBJECT,
+                "arguments": rooted(t.get("parameters") or ANY_OBJECT, ("" if len(tools) == 1 else f"/anyOf/{i}") + "/properties/arguments")
+                if t.get("strict") is True else ANY_OBJECT,
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for t in tools
+        for i, t in enumerate(tools)
     ]
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+# Keywords whose value maps names to schemas, and those whose value is data (never a schema).
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_DATA = ("const", "enum", "default", "examples")
+
+
+def rooted(schema, at: str):
+    """``schema`` placed at JSON pointer ``at`` inside a larger schema: its
+    local references (``#/$defs/...``, ``#``) re-pointed below ``at``, as they
+    resolve against the document's root (JSON Schema's ``$ref``)."""
+    if isinstance(schema, list):
+        return [rooted(s, at) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + at + value[1:]
+        elif key in SCHEMA_DATA:
+            out[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: rooted(s, at) for name, s in value.items()}
+        else:
+            out[key] = rooted(value, at)
+    return out
 
 
 def literal(text: str, tokenizer) -> str:
