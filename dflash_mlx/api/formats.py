@@ -158,7 +158,7 @@ def rooted(schema, at: str):
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):  # (not an anchor: #name)
             out[key] = "#" + at + value[1:]
         elif key in SCHEMA_DATA:
             out[key] = value
