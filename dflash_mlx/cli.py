@@ -167,6 +167,8 @@ def response_format(args) -> Optional[dict]:
             text = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ArgumentError(f"cannot read {path}: {e}") from None
+        if not text.strip():
+            raise ArgumentError(f"{path} is empty: write the {'Lark grammar' if args.grammar is not None else 'JSON schema'} there")
         if args.grammar is not None:
             form = {"type": "grammar", "lark": text}
         else:
@@ -174,6 +176,8 @@ def response_format(args) -> Optional[dict]:
                 schema = json.loads(text)
             except json.JSONDecodeError as e:
                 raise ArgumentError(f"--json-schema {path} is not JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ArgumentError(f"--json-schema {path} holds a JSON {type(schema).__name__}, not a schema: write one JSON object, e.g. {{\"type\": \"object\"}}")
             form = {"type": "json_schema", "json_schema": {"name": Path(path).stem, "schema": schema, "strict": True}}
     else:
         return None

@@ -12,7 +12,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from dflash_mlx.api.formats import request_format
 from dflash_mlx.api.harmony import text_format
-from dflash_mlx.errors import RequestError
+from dflash_mlx.errors import ArgumentError, RequestError
 
 DEFAULT_TARGET = Path(__file__).parent.parent / "dflash_mlx" / "default_pair" / "target"
 
@@ -159,3 +159,18 @@ def test_strict_tools_whose_parameters_use_local_refs_hold_calls_to_them(chat_to
     assert not takes(form, chat_tokenizer, call("post", '{"zip": {"name": "Paris"}}')), "each tool's own $defs"
     assert takes(form, chat_tokenizer, call("tree", '{"kids": [{"kids": []}]}'))
     assert not takes(form, chat_tokenizer, call("tree", '{"kids": [{"kids": [1]}]}')), "a ref to the parameters' root"
+
+
+@pytest.mark.parametrize("flag,text,says", [("--json-schema", "[1]", "holds a JSON list, not a schema"), ("--json-schema", '"x"', "holds a JSON str, not a schema"),
+                                            ("--grammar", "\n", "is empty: write the Lark grammar"), ("--json-schema", "", "is empty: write the JSON schema")])
+def test_the_cli_names_a_structured_file_that_holds_no_schema_or_grammar(tmp_path, flag, text, says):
+    """A --json-schema file holding a list, or an empty --grammar file, was refused as a
+    response_format ('a json_schema response_format needs "json_schema": ...'), which the CLI user never wrote."""
+    from dflash_mlx import cli
+
+    parser = cli.ArgumentParser()
+    cli.add_structured_arguments(parser)
+    path = tmp_path / "f"
+    path.write_text(text)
+    with pytest.raises(ArgumentError, match=says):
+        cli.response_format(parser.parse_args([flag, str(path)]))
