@@ -174,3 +174,11 @@ def test_the_cli_names_a_structured_file_that_holds_no_schema_or_grammar(tmp_pat
     path.write_text(text)
     with pytest.raises(ArgumentError, match=says):
         cli.response_format(parser.parse_args([flag, str(path)]))
+
+
+def test_rooted_re_points_pointers_only():
+    """An anchor (#name) resolves by name wherever it sits; data (const, enum) is no schema; a property may be named enum."""
+    from dflash_mlx.api.formats import rooted
+
+    schema = {"$ref": "#city", "items": {"$ref": "#/$defs/b"}, "enum": [{"$ref": "#"}], "properties": {"enum": {"$ref": "#"}}}
+    assert rooted(schema, "/p") == {"$ref": "#city", "items": {"$ref": "#/p/$defs/b"}, "enum": [{"$ref": "#"}], "properties": {"enum": {"$ref": "#/p"}}}
