@@ -85,6 +85,15 @@ def exchange(a: Path, b: Path) -> bool:
     return False
 
 
+def check_parents(dst) -> None:
+    """Refuse a destination under a file up front: its directory could never
+    be made, which the trainer found only at its first checkpoint."""
+    dst = Path(dst).expanduser().absolute()
+    blocked = next((p for p in dst.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConvertError(f"cannot write {dst}: {blocked} is a file, not a directory; choose another destination")
+
+
 class Staging:
     """A private directory beside DST that becomes DST only on commit().
 
@@ -96,6 +105,7 @@ class Staging:
     def __init__(self, dst, force: bool):
         self.dst = Path(dst).expanduser().absolute()
         self.force = force
+        check_parents(self.dst)
         if os.path.lexists(self.dst) and not force:
             raise ConvertError(f"{dst} already exists: pass --force to replace it")
         # Parents this run creates go again with a failed conversion.

@@ -1040,8 +1040,19 @@ def check_args(args: TrainConfig) -> None:
     if args.init_from is not None and not (Path(args.init_from) / "config.json").is_file():
         raise TrainError(f"--init-from {args.init_from} holds no drafter checkpoint (config.json)")
     out = Path(args.draft_model)
+    check_out(out)
     if not args.resume and out.exists() and any(out.iterdir()):
         raise TrainError(f"{out} exists and is not empty: pass --resume to continue it, or choose a new --draft-model")
+
+
+def check_out(out: Path) -> None:
+    """--draft-model must be a directory to be: a file there was a
+    traceback, a file above it failed the run at its first checkpoint."""
+    from .convert import check_parents
+
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--draft-model {out} is a file: choose a directory")
+    check_parents(out)
 
 
 def check_numbers(args: TrainConfig) -> None:
@@ -1407,6 +1418,7 @@ def adapt(args: TrainConfig) -> dict:
     (:func:`~dflash_mlx.traffic.refusal`). Returns the scores before and
     after and whether it was written."""
     out = Path(args.draft_model)
+    check_out(out)
     if out.exists() and any(out.iterdir()):
         raise TrainError(f"{out} exists and is not empty: choose a new --draft-model")
     run = dataclasses.replace(args, draft_model=str(out.with_name(out.name + ADAPTING)))

@@ -1,0 +1,50 @@
+"""Audit of the learning and conversion tools (train, --from-traffic,
+convert): bad input that once ran long or ended in a traceback."""
+
+from pathlib import Path
+
+import pytest
+
+from dflash_mlx import cli
+from dflash_mlx import train as T
+from dflash_mlx.cli import main as cli_main
+
+import tiny
+
+
+@pytest.fixture(scope="module")
+def traffic(qwen3_pair, tmp_path_factory):
+    return tiny.recorded_traffic(qwen3_pair, tmp_path_factory.mktemp("traffic"), conversations=6)
+
+
+def one_error_line(capsys, words: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and words in err, err
+    return err
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+@pytest.mark.parametrize("kind", ["train", "from traffic", "convert"])
+def test_an_output_path_blocked_by_a_file_is_one_error_before_any_work(qwen3_pair, traffic, tmp_path, capsys, kind, where):
+    """A --draft-model (--mlx-path) that is a file, or lies under one, was a
+    NotADirectoryError traceback, or trained the whole run and then failed
+    at its first checkpoint with FileExistsError."""
+    (tmp_path / "f").write_text("not a directory")
+    out = tmp_path / "f" if where == "a file" else tmp_path / "f" / "out"
+    init = qwen3_pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    if kind == "convert":
+        if where == "a file":
+            pytest.skip("convert replaces an existing destination with --force, and refuses it without")
+        capsys.readouterr()
+        assert cli_main(["convert", "--hf-path", str(init), "--mlx-path", str(out)]) == 1
+        one_error_line(capsys, f"{tmp_path / 'f'} is a file")
+        assert (tmp_path / "f").read_text() == "not a directory"
+        return
+    (tmp_path / "c.txt").write_text(tiny.seeded_source(functions=20))
+    data = ["--data", str(tmp_path / "c.txt")] if kind == "train" else ["--from-traffic", str(traffic.root), "--init-from", str(init)]
+    argv = ["--model", str(qwen3_pair.path), "--draft-model", str(out), "--block-size", "8", "--seq-len", "32",
+            "--anchors-per-seq", "2", "--steps", "2", *data]  # fmt: skip
+    capsys.readouterr()
+    assert cli.run(T.main, argv) == 1
+    one_error_line(capsys, f"{tmp_path / 'f'} is a file")
+    assert (tmp_path / "f").read_text() == "not a directory"
