@@ -48,7 +48,7 @@ class Adaptation:
 
     def __init__(self, recorder: Recorder, target, drafter, every: int = DEFAULT_EVERY, train_args: str = "", poll: float = 1.0):
         self.recorder, self.target, self.every, self.poll = recorder, str(target), every, poll
-        self.train_args = shlex.split(train_args)
+        self.train_args = check_train_args(train_args)
         self.root = recorder.root / DRAFTERS
         self.root.mkdir(mode=0o700, exist_ok=True)
         self.lock = threading.Lock()
@@ -212,6 +212,24 @@ class Adaptation:
                 self.signal(signal.SIGSTOP)
         logging.info("adaptation: round for v%d started (pid %d)", self.version + 1, self.child.pid)
         return self.child
+
+
+def check_train_args(train_args: str) -> list:
+    """``--adapt-args`` split and parsed as a round will parse them, so a bad
+    one is refused when the server starts, not in every round's log."""
+    from .train import setup_arg_parser
+
+    def refuse(message):
+        raise ArgumentError(f"--adapt-args {train_args!r}: {message}; fix or drop it")
+
+    try:
+        argv = shlex.split(train_args)
+    except ValueError as e:
+        refuse(e)
+    parser = setup_arg_parser()
+    parser.error = refuse  # this instance's, not argparse's exit
+    parser.parse_args(["--model", "T", "--draft-model", "OUT", *argv])
+    return argv
 
 
 def add_learn_arguments(parser, adapt: bool = False) -> None:

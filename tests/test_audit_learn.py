@@ -48,3 +48,22 @@ def test_an_output_path_blocked_by_a_file_is_one_error_before_any_work(qwen3_pai
     assert cli.run(T.main, argv) == 1
     one_error_line(capsys, f"{tmp_path / 'f'} is a file")
     assert (tmp_path / "f").read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("adapt_args, words", [("--steps x", "--steps"), ("--no-such-flag 3", "--no-such-flag"), ('--steps "5', "quotation")])
+def test_bad_adapt_args_are_one_error_when_the_server_starts(qwen3_pair, tmp_path, adapt_args, words):
+    """server --adapt-args was split and parsed only by each round's child,
+    after --adapt-every conversations: every round then failed into its log
+    and serving went on, adapting nothing (an unbalanced quote was a bare
+    "No closing quotation")."""
+    import subprocess
+    import sys
+
+    draft = qwen3_pair.make_draft(tmp_path / "d", block_size=8)
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx", "server", "--model", str(qwen3_pair.path), "--port", "0", "--draft-model", str(draft),
+         "--learn", str(tmp_path / "t"), "--adapt", "--adapt-args", adapt_args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stderr.startswith("error: --adapt-args") and words in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1
