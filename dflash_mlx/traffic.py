@@ -219,7 +219,7 @@ def read_traffic(path, vocab_size: Optional[int] = None) -> List[Record]:
     record (or one with ids outside ``vocab_size``: another target's) is
     skipped with a warning."""
     root = check_traffic_dir(path)
-    records = []
+    records, foreign = [], 0
     for f in sorted((root / RECORDS).glob("*.npz")):
         try:
             rec = read_record(f)
@@ -227,11 +227,16 @@ def read_traffic(path, vocab_size: Optional[int] = None) -> List[Record]:
             logging.warning("skipping the corrupt traffic record %s (%s)", f, e)
             continue
         if vocab_size is not None and len(rec.tokens) and (rec.tokens.min() < 0 or rec.tokens.max() >= vocab_size):
-            logging.warning("skipping the traffic record %s: its ids are outside the target's vocabulary", f)
+            foreign += 1
             continue
         records.append(rec)
+    outside = f"{foreign} records of {root} hold ids outside the target's vocabulary (0..{vocab_size - 1})" if foreign else ""
+    if not records and foreign:
+        raise TrafficError(f"{outside}: they were recorded with another target; train with that target, or record with this one")
     if not records:
         raise TrafficError(f"{root} holds no readable recorded conversation: serve some requests with --learn {root} first")
+    if foreign:
+        logging.warning("skipping %s (another target's)", outside)
     return records
 
 

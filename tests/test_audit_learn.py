@@ -67,3 +67,22 @@ def test_bad_adapt_args_are_one_error_when_the_server_starts(qwen3_pair, tmp_pat
     )  # fmt: skip
     assert done.returncode == 1 and done.stderr.startswith("error: --adapt-args") and words in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1
+
+
+def test_traffic_of_another_vocabulary_is_one_error_naming_it(qwen3_pair, tmp_path, capsys):
+    """Traffic recorded with a larger-vocabulary target printed a warning per
+    record, then said the directory held nothing and to serve requests with
+    --learn first: the wrong fix, for a directory full of conversations."""
+    from dflash_mlx.traffic import Recorder
+
+    rec = Recorder(tmp_path / "t")
+    for i in range(4):
+        rec.record([qwen3_pair.vocab + 7, 1, 2], [qwen3_pair.vocab + i])
+    init = qwen3_pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    argv = ["--model", str(qwen3_pair.path), "--from-traffic", str(tmp_path / "t"), "--init-from", str(init),
+            "--draft-model", str(tmp_path / "out"), "--seq-len", "32", "--steps", "2"]  # fmt: skip
+    capsys.readouterr()
+    assert cli.run(T.main, argv) == 1
+    err = one_error_line(capsys, f"ids outside the target's vocabulary (0..{qwen3_pair.vocab - 1})")
+    assert "4 records" in err and "another" in err and "--learn" not in err
+    assert not (tmp_path / "out").exists()
