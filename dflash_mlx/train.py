@@ -853,8 +853,13 @@ def read_state(out: Path):
     state_dir = out / STATE_DIR
     if not (state_dir / "training_state.json").exists():
         raise TrainError(f"--resume: {out} holds no training state ({STATE_DIR}/) to continue")
-    state = json.loads((state_dir / "training_state.json").read_text())
-    arrays = mx.load(str(state_dir / "training_state.safetensors"))
+    try:
+        state = json.loads((state_dir / "training_state.json").read_text())
+        arrays = mx.load(str(state_dir / "training_state.safetensors"))
+    except (OSError, ValueError, RuntimeError) as e:  # mx.load: RuntimeError
+        raise TrainError(
+            f"--resume: the training state in {out} is damaged ({e}); start again into a new --draft-model (--init-from {out} starts from its weights)"
+        ) from None
     return state, arrays
 
 

@@ -86,3 +86,26 @@ def test_traffic_of_another_vocabulary_is_one_error_naming_it(qwen3_pair, tmp_pa
     err = one_error_line(capsys, f"ids outside the target's vocabulary (0..{qwen3_pair.vocab - 1})")
     assert "4 records" in err and "another" in err and "--learn" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["arrays missing", "arrays truncated", "state not json"])
+def test_resume_from_a_damaged_training_state_is_one_error(qwen3_pair, tmp_path, capsys, damage):
+    """--resume over a checkpoint whose training state was damaged (a copy
+    cut short, a disk error) was a RuntimeError traceback from mx.load, or
+    a bare JSON parser message naming no file."""
+    (tmp_path / "c.txt").write_text(tiny.seeded_source(functions=40))
+    out = tmp_path / "out"
+    argv = ["--model", str(qwen3_pair.path), "--data", str(tmp_path / "c.txt"), "--draft-model", str(out),
+            "--block-size", "8", "--seq-len", "32", "--anchors-per-seq", "2", "--intermediate-size", "96", "--steps", "2"]  # fmt: skip
+    assert cli.run(T.main, argv) == 0
+    state = out / T.STATE_DIR
+    arrays, saved = state / "training_state.safetensors", state / "training_state.json"
+    if damage == "arrays missing":
+        arrays.unlink()
+    elif damage == "arrays truncated":
+        arrays.write_bytes(arrays.read_bytes()[:100])
+    else:
+        saved.write_text("{")
+    capsys.readouterr()
+    assert cli.run(T.main, [*argv, "--resume"]) == 1
+    one_error_line(capsys, f"--resume: the training state in {out} is damaged")
