@@ -124,6 +124,10 @@ class Recorder:
             raise TrafficError("--learn-max-bytes must be at least 1")
         self.root = check_traffic_dir(path, create=True)
         self.dir = self.root / RECORDS
+        try:
+            self.dir.mkdir(mode=0o700, exist_ok=True)  # cleared by hand since it was made
+        except OSError as e:
+            raise TrafficError(f"cannot record to {self.root}: {e.strerror or e}") from None
         self.max_bytes = max_bytes
         self.lock = threading.Lock()
         self.count = 0

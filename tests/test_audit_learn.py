@@ -109,3 +109,18 @@ def test_resume_from_a_damaged_training_state_is_one_error(qwen3_pair, tmp_path,
     capsys.readouterr()
     assert cli.run(T.main, [*argv, "--resume"]) == 1
     one_error_line(capsys, f"--resume: the training state in {out} is damaged")
+
+
+def test_a_recorder_over_a_traffic_dir_whose_records_were_cleared_records(tmp_path):
+    """Clearing old traffic (rm -r DIR/records) and restarting left every
+    later record failing with "No such file or directory": the marker was
+    there, so the records' directory was never made again."""
+    import shutil
+
+    from dflash_mlx.traffic import RECORDS, Recorder, read_traffic
+
+    Recorder(tmp_path / "t").record([1, 2], [3])
+    shutil.rmtree(tmp_path / "t" / RECORDS)
+    Recorder(tmp_path / "t").record([4, 5], [6, 7])
+    assert [r.tokens.tolist() for r in read_traffic(tmp_path / "t")] == [[4, 5, 6, 7]]
+    assert (tmp_path / "t" / RECORDS).stat().st_mode & 0o777 == 0o700
