@@ -347,6 +347,14 @@ def import_gguf(gguf_path: str, mlx_path: str, options: dict, force: bool, max_s
     return stats
 
 
+def check_not_holding(dsts: List[Path], sources: List[Path]) -> None:
+    """No destination holds a source: ``--force`` replaces it whole, and
+    the source went with it after the conversion."""
+    for dst in dsts:
+        if any(dst.resolve() in src.resolve().parents for src in sources):
+            raise ConvertError(f"{dst} holds the source checkpoint: choose another destination")
+
+
 def convert(
     hf_path: str,
     mlx_path: str,
@@ -384,7 +392,7 @@ def convert(
         raise ConvertError("the target and the drafter need different destinations")
     q = {"group_size": q_group_size, "bits": q_bits} if quantize else None
 
-    resolved = []
+    resolved, sources = [], []
     for src, dst, job_kind in jobs:
         src_dir = resolve_path(src, allow_patterns=["config.json"])  # fetching nothing else yet
         cfg = read_config(src_dir)
@@ -398,6 +406,8 @@ def convert(
         if src_dir.resolve() == Path(dst).expanduser().resolve():
             raise ConvertError(f"{dst} is the source checkpoint: choose another --mlx-path")
         resolved.append((src, cfg, dst, job_kind))
+        sources.append(src_dir)
+    check_not_holding(dsts, sources)
 
     stagings = []
     try:

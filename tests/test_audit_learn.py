@@ -124,3 +124,14 @@ def test_a_recorder_over_a_traffic_dir_whose_records_were_cleared_records(tmp_pa
     Recorder(tmp_path / "t").record([4, 5], [6, 7])
     assert [r.tokens.tolist() for r in read_traffic(tmp_path / "t")] == [[4, 5, 6, 7]]
     assert (tmp_path / "t" / RECORDS).stat().st_mode & 0o777 == 0o700
+
+
+def test_convert_never_replaces_a_directory_that_holds_its_source(qwen3_pair, tmp_path, capsys):
+    """convert --hf-path DIR/src --mlx-path DIR --force converted, then
+    replaced DIR with the result: the source checkpoint was deleted."""
+    src = qwen3_pair.make_draft(tmp_path / "box" / "src", block_size=8)
+    before = sorted(p.name for p in src.iterdir())
+    capsys.readouterr()
+    assert cli_main(["convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "box"), "--force"]) == 1
+    one_error_line(capsys, "holds the source checkpoint")
+    assert sorted(p.name for p in src.iterdir()) == before
