@@ -128,6 +128,7 @@ class Recorder:
             self.dir.mkdir(mode=0o700, exist_ok=True)  # cleared by hand since it was made
         except OSError as e:
             raise TrafficError(f"cannot record to {self.root}: {e.strerror or e}") from None
+        self.clear_killed_writers()
         self.max_bytes = max_bytes
         self.lock = threading.Lock()
         self.count = 0
@@ -136,6 +137,17 @@ class Recorder:
         self.sizes: Dict[str, int] = {}
         for f in sorted(self.dir.glob("*.npz")):
             self.sizes[f.name] = f.stat().st_size
+
+    def clear_killed_writers(self) -> None:
+        """Delete the temporary files (:func:`write_atomically`'s
+        ``.NAME.PID.THREAD.tmp``) of writers killed before their rename:
+        never read, they were never counted against the bound either."""
+        from .convert import pid_alive
+
+        for tmp in self.dir.glob(".*.tmp"):
+            pid = tmp.name.rsplit(".", 3)[-3]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                tmp.unlink(missing_ok=True)
 
     @property
     def nbytes(self) -> int:

@@ -135,3 +135,23 @@ def test_convert_never_replaces_a_directory_that_holds_its_source(qwen3_pair, tm
     assert cli_main(["convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "box"), "--force"]) == 1
     one_error_line(capsys, "holds the source checkpoint")
     assert sorted(p.name for p in src.iterdir()) == before
+
+
+def test_a_recorder_clears_the_temporary_files_of_a_killed_writer(tmp_path):
+    """A recorder killed between writing a record's temporary file and its
+    rename left the file for good: never read, never counted against
+    --learn-max-bytes, never removed, one more for every kill."""
+    import subprocess
+    import sys
+
+    from dflash_mlx.traffic import RECORDS, Recorder
+
+    Recorder(tmp_path / "t").record([1, 2], [3])
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    records = tmp_path / "t" / RECORDS
+    stale = records / f".0001-x.npz.{int(gone.stdout)}.7.tmp"
+    live = records / f".0002-x.npz.{__import__('os').getpid()}.7.tmp"  # a writer still at work
+    for f in (stale, live):
+        f.write_bytes(b"half a record")
+    Recorder(tmp_path / "t")
+    assert not stale.exists() and live.exists()
