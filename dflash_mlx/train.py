@@ -1044,6 +1044,11 @@ def check_args(args: TrainConfig) -> None:
         raise TrainError("--init-from and --init-from-target both set the starting weights: pass one")
     if args.init_from is not None and not (Path(args.init_from) / "config.json").is_file():
         raise TrainError(f"--init-from {args.init_from} holds no drafter checkpoint (config.json)")
+    if args.init_from is not None and inherited_config(args).get("quantization"):
+        raise TrainError(
+            f"--init-from {args.init_from} is quantized, and training needs float weights: start from the "
+            "checkpoint it was converted from (and convert -q the result)"
+        )
     out = Path(args.draft_model)
     check_out(out)
     if not args.resume and out.exists() and any(out.iterdir()):
@@ -1096,8 +1101,8 @@ def check_traffic_args(args: TrainConfig) -> None:
 
 
 def inherited_config(args: TrainConfig) -> dict:
-    """--from-traffic: the --init-from drafter's config, whose shape, taps,
-    mask token, block size and draft vocabulary the run keeps."""
+    """The --init-from drafter's config: with --from-traffic, its shape,
+    taps, mask token, block size and draft vocabulary are the run's."""
     try:
         cfg = json.loads((Path(args.init_from) / "config.json").read_text())
         cfg["dflash_config"]["target_layer_ids"]

@@ -155,3 +155,20 @@ def test_a_recorder_clears_the_temporary_files_of_a_killed_writer(tmp_path):
         f.write_bytes(b"half a record")
     Recorder(tmp_path / "t")
     assert not stale.exists() and live.exists()
+
+
+@pytest.mark.parametrize("kind", ["train", "from traffic"])
+def test_a_quantized_init_from_is_one_error_naming_the_float_checkpoint(qwen3_pair, traffic, tmp_path, capsys, kind):
+    """--init-from a quantized drafter (convert -q) loaded the target and
+    the traffic, then failed with "tensors do not match the config:
+    unexpected ['fc.biases', ...]", which says neither what nor what to do."""
+    init = qwen3_pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    assert cli_main(["convert", "--hf-path", str(init), "--mlx-path", str(tmp_path / "q"), "-q", "--q-group-size", "32"]) == 0
+    (tmp_path / "c.txt").write_text(tiny.seeded_source(functions=20))
+    data = ["--data", str(tmp_path / "c.txt"), "--intermediate-size", "96"] if kind == "train" else ["--from-traffic", str(traffic.root)]
+    argv = ["--model", str(qwen3_pair.path), "--draft-model", str(tmp_path / "out"), "--init-from", str(tmp_path / "q"),
+            "--block-size", "8", "--seq-len", "32", "--anchors-per-seq", "2", "--steps", "2", *data]  # fmt: skip
+    capsys.readouterr()
+    assert cli.run(T.main, argv) == 1
+    one_error_line(capsys, "is quantized")
+    assert not (tmp_path / "out").exists()
