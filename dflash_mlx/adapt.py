@@ -228,7 +228,11 @@ def check_train_args(train_args: str) -> list:
         refuse(e)
     parser = setup_arg_parser()
     parser.error = refuse  # this instance's, not argparse's exit
-    parser.parse_args(["--model", "T", "--draft-model", "OUT", *argv])
+    own = {"from_traffic": "TRAFFIC", "init_from": "INIT", "model": "T", "draft_model": "OUT", "resume": False}
+    parsed = vars(parser.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in own.items() if v] + argv))
+    taken = [k for k, v in own.items() if parsed[k] != v]  # a round's flags come first: these would replace them
+    if taken:
+        refuse(f"--{taken[0].replace('_', '-')} is the server's to set (each round's traffic, drafter, target, output)")
     return argv
 
 

@@ -172,3 +172,18 @@ def test_a_quantized_init_from_is_one_error_naming_the_float_checkpoint(qwen3_pa
     assert cli.run(T.main, argv) == 1
     one_error_line(capsys, "is quantized")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag", ["--draft-model elsewhere", "--out elsewhere", "--init-from d", "--from-traffic t", "--model m", "--resume"])
+def test_adapt_args_may_not_set_what_each_round_is(qwen3_pair, tmp_path, flag):
+    """--adapt-args come last in a round's flags, so "--draft-model X" (or
+    the traffic, the drafter, the target) replaced the server's: the round
+    wrote X, the server looked for its drafter in drafters/v<N>, and every
+    round was logged as not beating the drafter in use."""
+    from dflash_mlx.adapt import Adaptation
+    from dflash_mlx.errors import ArgumentError
+    from dflash_mlx.traffic import Recorder
+
+    draft = qwen3_pair.make_draft(tmp_path / "d", block_size=8)
+    with pytest.raises(ArgumentError, match=f"--adapt-args .*{flag.split()[0]}.* is the server's"):
+        Adaptation(Recorder(tmp_path / "t"), qwen3_pair.path, draft, train_args=f"--steps 3 {flag}")
