@@ -1368,8 +1368,11 @@ def train(args: TrainConfig) -> dict:
 
     tic = start = time.perf_counter()
     begun = state["step"]
+    initial = draft if args.from_traffic is None else load_draft(args.init_from, model, dtype=mx.float32)
     if not state.get("eval"):  # where the curve starts: with --from-traffic, --init-from as it is (its vocabulary)
-        evaluate(draft if args.from_traffic is None else load_draft(args.init_from, model, dtype=mx.float32))
+        evaluate(initial)
+    elif args.from_traffic is not None:  # resumed: the traffic, so its held-out rows, may have grown since
+        state["eval"][0] = curves["eval"](initial, 0)
     for step in range(state["step"], args.steps):
         optimizer.learning_rate = lr_at(step, args.steps, args.learning_rate, args.warmup)
         starts, windows, anchors = sample_batch(rng, data, args, answers)

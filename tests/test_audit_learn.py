@@ -187,3 +187,38 @@ def test_adapt_args_may_not_set_what_each_round_is(qwen3_pair, tmp_path, flag):
     draft = qwen3_pair.make_draft(tmp_path / "d", block_size=8)
     with pytest.raises(ArgumentError, match=f"--adapt-args .*{flag.split()[0]}.* is the server's"):
         Adaptation(Recorder(tmp_path / "t"), qwen3_pair.path, draft, train_args=f"--steps 3 {flag}")
+
+
+def test_a_resumed_fine_tune_scores_its_start_on_the_held_out_traffic_of_now(qwen3_pair, tmp_path, monkeypatch):
+    """A --from-traffic run resumed after the traffic grew (the server kept
+    recording) kept the score of --init-from on the held-out rows of its
+    first start, and compared it with the adapted drafter's score on the
+    rows of now, other conversations: the gate that writes OUT compared
+    two different tests."""
+    import dflash_mlx
+
+    rec = tiny.recorded_traffic(qwen3_pair, tmp_path, conversations=10)
+    init = qwen3_pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+
+    def config(out, **kw):
+        return T.TrainConfig(model=str(qwen3_pair.path), from_traffic=str(rec.root), init_from=str(init), draft_model=str(out),
+                             seq_len=48, steps=4, save_every=2, **kw)  # fmt: skip
+
+    real, calls = T.sample_batch, []
+
+    def interrupted(*a):
+        calls.append(1)
+        if len(calls) == 4:  # the approximate softmax's first batch, then steps 1, 2, 3
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(T, "sample_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        T.adapt(config(tmp_path / "out"))
+    monkeypatch.setattr(T, "sample_batch", real)
+    draft = dflash_mlx.load_draft(init, qwen3_pair.model)
+    for i in range(10):  # the traffic grows: its most recent tenth is other conversations
+        list(dflash_mlx.stream_generate(qwen3_pair.model, draft, qwen3_pair.tokenizer, tiny.prompt_of(30, seed=100 + i), max_tokens=40, record=rec))
+    resumed = T.adapt(config(tmp_path / "out", resume=True))
+    fresh = T.adapt(config(tmp_path / "fresh"))
+    assert (resumed["before"], resumed["held_out_cycles"]) == (fresh["before"], fresh["held_out_cycles"])
