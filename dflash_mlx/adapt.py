@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .errors import ArgumentError
+from .errors import ArgumentError, DFlashError
 from .traffic import ADAPT_RESULT, ADAPTING, DEFAULT_MAX_BYTES, Recorder, refusal, write_atomically
 
 DRAFTERS = "drafters"
@@ -60,6 +60,7 @@ class Adaptation:
         self.version, self.path, self.scores = 0, Path(drafter), {}
         self.origin = str(Path(drafter).resolve())  # the drafter the server was started with
         self.resume(drafter)
+        self.check_round(train_args)
         self.thread = threading.Thread(target=self.loop, name="dflash-adaptation", daemon=True)
 
     def resume(self, drafter) -> None:
@@ -81,6 +82,17 @@ class Adaptation:
             self.version, self.path, self.scores = int(state["version"]), path, dict(state["scores"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             logging.warning("adaptation: cannot continue from %s (%s); starting from %s", saved, e, drafter)
+
+    def check_round(self, train_args: str) -> None:
+        """What a round's trainer checks before its work, checked when the
+        server starts: a flag it refuses would fail every round into its log."""
+        from .train import TrainConfig, check_args, parse_taps, setup_arg_parser
+
+        args = vars(setup_arg_parser().parse_args(self.round_argv(self.root / ".check")))
+        try:
+            check_args(TrainConfig(**{**args, "taps": parse_taps(args["taps"])}))
+        except DFlashError as e:
+            raise ArgumentError(f"{f'--adapt-args {train_args!r}' if train_args else '--adapt'}: {e}") from None
 
     def start(self) -> "Adaptation":
         self.thread.start()

@@ -222,3 +222,19 @@ def test_a_resumed_fine_tune_scores_its_start_on_the_held_out_traffic_of_now(qwe
     resumed = T.adapt(config(tmp_path / "out", resume=True))
     fresh = T.adapt(config(tmp_path / "fresh"))
     assert (resumed["before"], resumed["held_out_cycles"]) == (fresh["before"], fresh["held_out_cycles"])
+
+
+@pytest.mark.parametrize("adapt_args, words", [("--data nowhere.npy", "not found"), ("--replay-share 2", "--replay-share"),
+                                               ("--learning-rate nan", "--learning-rate"), ("--eval-data x.npy", "--eval-data")])  # fmt: skip
+def test_adapt_args_a_round_would_refuse_are_refused_when_the_server_starts(qwen3_pair, tmp_path, adapt_args, words):
+    """Flags that parse but that train --from-traffic refuses (a missing
+    --data, a share past 1, a NaN rate, --eval-data) failed every round
+    into its log, after --adapt-every conversations each."""
+    from dflash_mlx.adapt import Adaptation
+    from dflash_mlx.errors import ArgumentError
+    from dflash_mlx.traffic import Recorder
+
+    draft = qwen3_pair.make_draft(tmp_path / "d", block_size=8)
+    with pytest.raises(ArgumentError, match="--adapt-args") as refused:
+        Adaptation(Recorder(tmp_path / "t"), qwen3_pair.path, draft, train_args=adapt_args)
+    assert words in str(refused.value)
