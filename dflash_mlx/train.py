@@ -1496,7 +1496,8 @@ def main(argv=None) -> int:
             return 0
         state = train(config)
     except KeyboardInterrupt:
-        print(f"\ninterrupted; the last checkpoint in {config.draft_model} resumes with --resume", file=sys.stderr)
+        where = str(Path(config.draft_model)) + (ADAPTING if config.from_traffic is not None else "")  # see adapt()
+        print(f"\ninterrupted; the last checkpoint in {where} resumes with --resume", file=sys.stderr)
         return 130
     hist = state["history"]
     tail = np.mean([h[0] for h in hist[-20:]]) if hist else float("nan")

@@ -238,3 +238,26 @@ def test_adapt_args_a_round_would_refuse_are_refused_when_the_server_starts(qwen
     with pytest.raises(ArgumentError, match="--adapt-args") as refused:
         Adaptation(Recorder(tmp_path / "t"), qwen3_pair.path, draft, train_args=adapt_args)
     assert words in str(refused.value)
+
+
+def test_an_interrupted_fine_tune_names_where_its_checkpoint_is(qwen3_pair, traffic, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in train --from-traffic said its last checkpoint was in
+    --draft-model, which a fine-tune writes only at its end, if at all:
+    the checkpoint is beside it, in OUT.adapting."""
+    init = qwen3_pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
+    real, calls = T.sample_batch, []
+
+    def interrupted(*a):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(T, "sample_batch", interrupted)
+    out = tmp_path / "out"
+    argv = ["--model", str(qwen3_pair.path), "--from-traffic", str(traffic.root), "--init-from", str(init),
+            "--draft-model", str(out), "--seq-len", "32", "--steps", "4", "--save-every", "2"]  # fmt: skip
+    capsys.readouterr()
+    assert cli.run(T.main, argv) == 130
+    assert f"the last checkpoint in {out}.adapting resumes" in capsys.readouterr().err
+    assert (tmp_path / "out.adapting" / T.STATE_DIR).is_dir()
