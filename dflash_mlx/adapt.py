@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .errors import ArgumentError
+from .errors import ArgumentError, DFlashError
 from .traffic import ADAPT_RESULT, ADAPTING, DEFAULT_MAX_BYTES, Recorder, refusal, write_atomically
 
 DRAFTERS = "drafters"
@@ -48,7 +48,7 @@ class Adaptation:
 
     def __init__(self, recorder: Recorder, target, drafter, every: int = DEFAULT_EVERY, train_args: str = "", poll: float = 1.0):
         self.recorder, self.target, self.every, self.poll = recorder, str(target), every, poll
-        self.train_args = shlex.split(train_args)
+        self.train_args = check_train_args(train_args)
         self.root = recorder.root / DRAFTERS
         self.root.mkdir(mode=0o700, exist_ok=True)
         self.lock = threading.Lock()
@@ -60,6 +60,7 @@ class Adaptation:
         self.version, self.path, self.scores = 0, Path(drafter), {}
         self.origin = str(Path(drafter).resolve())  # the drafter the server was started with
         self.resume(drafter)
+        self.check_round(train_args)
         self.thread = threading.Thread(target=self.loop, name="dflash-adaptation", daemon=True)
 
     def resume(self, drafter) -> None:
@@ -81,6 +82,17 @@ class Adaptation:
             self.version, self.path, self.scores = int(state["version"]), path, dict(state["scores"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             logging.warning("adaptation: cannot continue from %s (%s); starting from %s", saved, e, drafter)
+
+    def check_round(self, train_args: str) -> None:
+        """What a round's trainer checks before its work, checked when the
+        server starts: a flag it refuses would fail every round into its log."""
+        from .train import TrainConfig, check_args, parse_taps, setup_arg_parser
+
+        args = vars(setup_arg_parser().parse_args(self.round_argv(self.root / ".check")))
+        try:
+            check_args(TrainConfig(**{**args, "taps": parse_taps(args["taps"])}))
+        except DFlashError as e:
+            raise ArgumentError(f"{f'--adapt-args {train_args!r}' if train_args else '--adapt'}: {e}") from None
 
     def start(self) -> "Adaptation":
         self.thread.start()
@@ -212,6 +224,28 @@ class Adaptation:
                 self.signal(signal.SIGSTOP)
         logging.info("adaptation: round for v%d started (pid %d)", self.version + 1, self.child.pid)
         return self.child
+
+
+def check_train_args(train_args: str) -> list:
+    """``--adapt-args`` split and parsed as a round will parse them, so a bad
+    one is refused when the server starts, not in every round's log."""
+    from .train import setup_arg_parser
+
+    def refuse(message):
+        raise ArgumentError(f"--adapt-args {train_args!r}: {message}; fix or drop it")
+
+    try:
+        argv = shlex.split(train_args)
+    except ValueError as e:
+        refuse(e)
+    parser = setup_arg_parser()
+    parser.error = refuse  # this instance's, not argparse's exit
+    own = {"from_traffic": "TRAFFIC", "init_from": "INIT", "model": "T", "draft_model": "OUT", "resume": False}
+    parsed = vars(parser.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in own.items() if v] + argv))
+    taken = [k for k, v in own.items() if parsed[k] != v]  # a round's flags come first: these would replace them
+    if taken:
+        refuse(f"--{taken[0].replace('_', '-')} is the server's to set (each round's traffic, drafter, target, output)")
+    return argv
 
 
 def add_learn_arguments(parser, adapt: bool = False) -> None:

@@ -85,6 +85,15 @@ def exchange(a: Path, b: Path) -> bool:
     return False
 
 
+def check_parents(dst) -> None:
+    """Refuse a destination under a file up front: its directory could never
+    be made, which the trainer found only at its first checkpoint."""
+    dst = Path(dst).expanduser().absolute()
+    blocked = next((p for p in dst.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConvertError(f"cannot write {dst}: {blocked} is a file, not a directory; choose another destination")
+
+
 class Staging:
     """A private directory beside DST that becomes DST only on commit().
 
@@ -96,6 +105,7 @@ class Staging:
     def __init__(self, dst, force: bool):
         self.dst = Path(dst).expanduser().absolute()
         self.force = force
+        check_parents(self.dst)
         if os.path.lexists(self.dst) and not force:
             raise ConvertError(f"{dst} already exists: pass --force to replace it")
         # Parents this run creates go again with a failed conversion.
@@ -337,6 +347,14 @@ def import_gguf(gguf_path: str, mlx_path: str, options: dict, force: bool, max_s
     return stats
 
 
+def check_not_holding(dsts: List[Path], sources: List[Path]) -> None:
+    """No destination holds a source: ``--force`` replaces it whole, and
+    the source went with it after the conversion."""
+    for dst in dsts:
+        if any(dst.resolve() in src.resolve().parents for src in sources):
+            raise ConvertError(f"{dst} holds the source checkpoint: choose another destination")
+
+
 def convert(
     hf_path: str,
     mlx_path: str,
@@ -374,7 +392,7 @@ def convert(
         raise ConvertError("the target and the drafter need different destinations")
     q = {"group_size": q_group_size, "bits": q_bits} if quantize else None
 
-    resolved = []
+    resolved, sources = [], []
     for src, dst, job_kind in jobs:
         src_dir = resolve_path(src, allow_patterns=["config.json"])  # fetching nothing else yet
         cfg = read_config(src_dir)
@@ -388,6 +406,8 @@ def convert(
         if src_dir.resolve() == Path(dst).expanduser().resolve():
             raise ConvertError(f"{dst} is the source checkpoint: choose another --mlx-path")
         resolved.append((src, cfg, dst, job_kind))
+        sources.append(src_dir)
+    check_not_holding(dsts, sources)
 
     stagings = []
     try:

@@ -124,6 +124,11 @@ class Recorder:
             raise TrafficError("--learn-max-bytes must be at least 1")
         self.root = check_traffic_dir(path, create=True)
         self.dir = self.root / RECORDS
+        try:
+            self.dir.mkdir(mode=0o700, exist_ok=True)  # cleared by hand since it was made
+        except OSError as e:
+            raise TrafficError(f"cannot record to {self.root}: {e.strerror or e}") from None
+        self.clear_killed_writers()
         self.max_bytes = max_bytes
         self.lock = threading.Lock()
         self.count = 0
@@ -132,6 +137,17 @@ class Recorder:
         self.sizes: Dict[str, int] = {}
         for f in sorted(self.dir.glob("*.npz")):
             self.sizes[f.name] = f.stat().st_size
+
+    def clear_killed_writers(self) -> None:
+        """Delete the temporary files (:func:`write_atomically`'s
+        ``.NAME.PID.THREAD.tmp``) of writers killed before their rename:
+        never read, they were never counted against the bound either."""
+        from .convert import pid_alive
+
+        for tmp in self.dir.glob(".*.tmp"):
+            pid = tmp.name.rsplit(".", 3)[-3]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                tmp.unlink(missing_ok=True)
 
     @property
     def nbytes(self) -> int:
@@ -219,7 +235,7 @@ def read_traffic(path, vocab_size: Optional[int] = None) -> List[Record]:
     record (or one with ids outside ``vocab_size``: another target's) is
     skipped with a warning."""
     root = check_traffic_dir(path)
-    records = []
+    records, foreign = [], 0
     for f in sorted((root / RECORDS).glob("*.npz")):
         try:
             rec = read_record(f)
@@ -227,11 +243,16 @@ def read_traffic(path, vocab_size: Optional[int] = None) -> List[Record]:
             logging.warning("skipping the corrupt traffic record %s (%s)", f, e)
             continue
         if vocab_size is not None and len(rec.tokens) and (rec.tokens.min() < 0 or rec.tokens.max() >= vocab_size):
-            logging.warning("skipping the traffic record %s: its ids are outside the target's vocabulary", f)
+            foreign += 1
             continue
         records.append(rec)
+    outside = f"{foreign} records of {root} hold ids outside the target's vocabulary (0..{vocab_size - 1})" if foreign else ""
+    if not records and foreign:
+        raise TrafficError(f"{outside}: they were recorded with another target; train with that target, or record with this one")
     if not records:
         raise TrafficError(f"{root} holds no readable recorded conversation: serve some requests with --learn {root} first")
+    if foreign:
+        logging.warning("skipping %s (another target's)", outside)
     return records
 
 

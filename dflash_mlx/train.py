@@ -853,8 +853,13 @@ def read_state(out: Path):
     state_dir = out / STATE_DIR
     if not (state_dir / "training_state.json").exists():
         raise TrainError(f"--resume: {out} holds no training state ({STATE_DIR}/) to continue")
-    state = json.loads((state_dir / "training_state.json").read_text())
-    arrays = mx.load(str(state_dir / "training_state.safetensors"))
+    try:
+        state = json.loads((state_dir / "training_state.json").read_text())
+        arrays = mx.load(str(state_dir / "training_state.safetensors"))
+    except (OSError, ValueError, RuntimeError) as e:  # mx.load: RuntimeError
+        raise TrainError(
+            f"--resume: the training state in {out} is damaged ({e}); start again into a new --draft-model (--init-from {out} starts from its weights)"
+        ) from None
     return state, arrays
 
 
@@ -1039,9 +1044,25 @@ def check_args(args: TrainConfig) -> None:
         raise TrainError("--init-from and --init-from-target both set the starting weights: pass one")
     if args.init_from is not None and not (Path(args.init_from) / "config.json").is_file():
         raise TrainError(f"--init-from {args.init_from} holds no drafter checkpoint (config.json)")
+    if args.init_from is not None and inherited_config(args).get("quantization"):
+        raise TrainError(
+            f"--init-from {args.init_from} is quantized, and training needs float weights: start from the "
+            "checkpoint it was converted from (and convert -q the result)"
+        )
     out = Path(args.draft_model)
+    check_out(out)
     if not args.resume and out.exists() and any(out.iterdir()):
         raise TrainError(f"{out} exists and is not empty: pass --resume to continue it, or choose a new --draft-model")
+
+
+def check_out(out: Path) -> None:
+    """--draft-model must be a directory to be: a file there was a
+    traceback, a file above it failed the run at its first checkpoint."""
+    from .convert import check_parents
+
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--draft-model {out} is a file: choose a directory")
+    check_parents(out)
 
 
 def check_numbers(args: TrainConfig) -> None:
@@ -1080,8 +1101,8 @@ def check_traffic_args(args: TrainConfig) -> None:
 
 
 def inherited_config(args: TrainConfig) -> dict:
-    """--from-traffic: the --init-from drafter's config, whose shape, taps,
-    mask token, block size and draft vocabulary the run keeps."""
+    """The --init-from drafter's config: with --from-traffic, its shape,
+    taps, mask token, block size and draft vocabulary are the run's."""
     try:
         cfg = json.loads((Path(args.init_from) / "config.json").read_text())
         cfg["dflash_config"]["target_layer_ids"]
@@ -1347,8 +1368,11 @@ def train(args: TrainConfig) -> dict:
 
     tic = start = time.perf_counter()
     begun = state["step"]
+    initial = draft if args.from_traffic is None else load_draft(args.init_from, model, dtype=mx.float32)
     if not state.get("eval"):  # where the curve starts: with --from-traffic, --init-from as it is (its vocabulary)
-        evaluate(draft if args.from_traffic is None else load_draft(args.init_from, model, dtype=mx.float32))
+        evaluate(initial)
+    elif args.from_traffic is not None:  # resumed: the traffic, so its held-out rows, may have grown since
+        state["eval"][0] = curves["eval"](initial, 0)
     for step in range(state["step"], args.steps):
         optimizer.learning_rate = lr_at(step, args.steps, args.learning_rate, args.warmup)
         starts, windows, anchors = sample_batch(rng, data, args, answers)
@@ -1407,6 +1431,7 @@ def adapt(args: TrainConfig) -> dict:
     (:func:`~dflash_mlx.traffic.refusal`). Returns the scores before and
     after and whether it was written."""
     out = Path(args.draft_model)
+    check_out(out)
     if out.exists() and any(out.iterdir()):
         raise TrainError(f"{out} exists and is not empty: choose a new --draft-model")
     run = dataclasses.replace(args, draft_model=str(out.with_name(out.name + ADAPTING)))
@@ -1471,7 +1496,8 @@ def main(argv=None) -> int:
             return 0
         state = train(config)
     except KeyboardInterrupt:
-        print(f"\ninterrupted; the last checkpoint in {config.draft_model} resumes with --resume", file=sys.stderr)
+        where = str(Path(config.draft_model)) + (ADAPTING if config.from_traffic is not None else "")  # see adapt()
+        print(f"\ninterrupted; the last checkpoint in {where} resumes with --resume", file=sys.stderr)
         return 130
     hist = state["history"]
     tail = np.mean([h[0] for h in hist[-20:]]) if hist else float("nan")
