@@ -240,3 +240,49 @@ def test_responses_errors_name_max_output_tokens(base, value):
     error = json.loads(text)["error"]
     assert status == 400 and error["param"] == "max_output_tokens", text
     assert "max_output_tokens" in error["message"] and "max_tokens" not in error["message"].replace("max_output_tokens", "")
+
+
+def clients(base: str):
+    """(openai, anthropic) clients of the server at ``base``."""
+    import anthropic
+    import openai
+
+    return (openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120),
+            anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=120))
+
+
+@pytest.mark.parametrize("form", [
+    {"type": "json_schema", "name": "a", "schema": {"type": "strin"}},  # llguidance refuses the schema
+    {"type": "xml"},
+    {"type": "json_schema", "name": "a"},  # no schema
+])
+def test_responses_format_errors_name_text_format(base, form):
+    """A bad ``text.format`` was refused as ``response_format`` (param and
+    message), the chat-completions field a Responses client never sent."""
+    import openai
+
+    oai, _ = clients(base)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="m", input="Paris?", max_output_tokens=4, text={"format": form})
+    assert e.value.param == "text.format", e.value.body
+    assert "text.format" in e.value.message and "response_format" not in e.value.message
+
+
+@pytest.mark.parametrize("field, extra", [
+    ("output_config.format", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "strin"}}}}),
+    ("output_config.format", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+                              "tool_choice": {"type": "any"}}),  # a forced call beside it
+    ("output_format", {"output_format": {"type": "json_schema", "schema": {"type": "strin"}}}),  # the beta field
+    ("output_format", {"output_format": {"type": "json_schema"}}),  # no schema
+])
+def test_messages_format_errors_name_the_field_sent(base, field, extra):
+    """A bad Messages output format was refused as ``response_format``;
+    the error names the field the Anthropic client sent."""
+    import anthropic
+
+    _, claude = clients(base)
+    tools = [{"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="m", max_tokens=4, messages=ASK, tools=tools, extra_body=extra)
+    message = e.value.body["error"]["message"]
+    assert field in message and "response_format" not in message, message

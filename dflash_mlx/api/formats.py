@@ -183,28 +183,53 @@ def tool_call_grammar(tools: List[dict], forced: bool, response_format, tokenize
     return "\n".join([f"start: TEXT? | TEXT? {start} calls", "TEXT: /(?s:.+)/", *lines])
 
 
+# The Responses API's text.format types (OpenAI's three, and this server's regex and grammar in chat's shape).
+TEXT_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
+
+
 def responses_text_format(text) -> Optional[dict]:
-    """The Responses API's ``text.format`` as chat's ``response_format``."""
+    """The Responses API's ``text.format`` as chat's ``response_format``,
+    its own shape checked here (errors name ``text.format``)."""
     if text is None:
         return None
     if not isinstance(text, dict):
         raise RequestError("text must be an object, e.g. {\"format\": {\"type\": \"json_schema\", ...}}", "text")
     form = text.get("format")
-    if form is None or not isinstance(form, dict) or form.get("type") != "json_schema":
-        return form  # text, json_object (or a bad one, named by the chat check)
+    if form is None:
+        return None
+    if not isinstance(form, dict) or form.get("type") not in TEXT_FORMAT_TYPES:
+        raise RequestError(
+            "text.format must be an object whose type is one of " + ", ".join(TEXT_FORMAT_TYPES)
+            + ', e.g. {"type": "json_schema", "name": "answer", "schema": {...}}', "text.format")
+    if form["type"] != "json_schema":
+        return form  # (text, json_object; regex and grammar as chat's, checked by the chat check)
+    if not isinstance(form.get("schema"), dict):
+        raise RequestError('a json_schema text.format needs "schema": a JSON schema object, e.g. '
+                           '{"type": "json_schema", "name": "answer", "schema": {...}}', "text.format")
     spec = {k: form[k] for k in ("name", "schema", "strict", "description") if k in form}
     return {"type": "json_schema", "json_schema": spec}
 
 
+def output_format_field(body: dict) -> str:
+    """The field a Messages request asks for its output format with:
+    ``output_config.format``, or the beta ``output_format``."""
+    config = body.get("output_config")
+    if "output_format" in body and not (isinstance(config, dict) and "format" in config):
+        return "output_format"
+    return "output_config.format"
+
+
 def messages_output_format(body: dict) -> Optional[dict]:
     """Anthropic's ``output_config.format`` (or the beta ``output_format``),
-    ``{"type": "json_schema", "schema": {...}}``, as chat's ``response_format``."""
+    ``{"type": "json_schema", "schema": {...}}``, as chat's ``response_format``
+    (errors name the field the client sent)."""
     config = body.get("output_config")
     if config is not None and not isinstance(config, dict):
         raise RequestError("output_config must be an object", "output_config")
     form = (config or {}).get("format", body.get("output_format"))
     if form is None:
         return None
-    if not isinstance(form, dict) or form.get("type") != "json_schema":
-        raise RequestError('output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config")
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": form.get("schema")}}
+    field = output_format_field(body)
+    if not isinstance(form, dict) or form.get("type") != "json_schema" or not isinstance(form.get("schema"), dict):
+        raise RequestError(f'{field} must be {{"type": "json_schema", "schema": {{...}}}}', field)
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": form["schema"]}}

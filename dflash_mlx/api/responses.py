@@ -28,11 +28,14 @@ from .turn import (
     openai_tool_choice,
     part_text,
     read_json_body,
+    renamed,
     tool_choice_rule,
 )
 
 STORED_RESPONSES = 256  # responses kept for previous_response_id
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the include that asks for output text's logprobs
+# The chat fields a Responses request's errors name, by this dialect's names for them.
+CHAT_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 def error_body(status: int, message: str, param: Optional[str] = None) -> dict:
@@ -274,8 +277,7 @@ class ResponsesEndpoint:
             chat, conversation = to_chat(body, history)
             turn = Turn(self.handler.generator, chat)
         except RequestError as e:
-            if e.param == "max_tokens":  # the chat field this dialect calls max_output_tokens
-                return self.send_error(e.status, str(e).replace("max_tokens", "max_output_tokens"), "max_output_tokens")
+            e = renamed(e, CHAT_NAMES)
             return self.send_error(e.status, str(e), e.param)
         response = {
             "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",

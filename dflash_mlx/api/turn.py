@@ -129,6 +129,16 @@ def tool_choice_rule(choice: Optional[str], tools: Optional[list]) -> Optional[l
     return None if choice == "none" else tools
 
 
+def renamed(error: RequestError, names: dict) -> RequestError:
+    """``error`` with the chat field it names (``names``' keys) called as the
+    dialect's client sent it (their values): a Responses or Messages client
+    never sent ``response_format`` or ``max_tokens``."""
+    name = names.get(error.param)
+    if name is None:
+        return error
+    return RequestError(str(error).replace(error.param, name), name, error.status)
+
+
 def openai_tool_choice(choice) -> Optional[str]:
     """An OpenAI tool choice (chat completions' or Responses'), normalised."""
     if choice is None or choice in ("auto", "none", "required"):
