@@ -286,3 +286,51 @@ def test_messages_format_errors_name_the_field_sent(base, field, extra):
         claude.messages.create(model="m", max_tokens=4, messages=ASK, tools=tools, extra_body=extra)
     message = e.value.body["error"]["message"]
     assert field in message and "response_format" not in message, message
+
+
+def raw_request(base: str, head: bytes, wait: float) -> bytes:
+    """What the server sends on a connection that sends ``head`` and then
+    nothing, read until it closes (b"" if it says nothing in ``wait`` s)."""
+    import socket
+
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as s:
+        s.sendall(head)
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except TimeoutError:
+            return b"" if not got else got + b"<still open>"
+        return got + b"<closed>"
+
+
+def test_a_body_shorter_than_its_content_length_is_refused_after_the_read_timeout(chat_pair):  # noqa: F811
+    """A Content-Length past the body held a handler thread forever (the
+    read waited for bytes that never came). With the server's read timeout
+    (set short on this instance) the client hears a 408 and the connection
+    closes; a client silent before its headers is closed too; a slow client
+    that keeps sending, and a stream after it, are served."""
+    with live_server(chat_pair, "--max-tokens", "8") as (base, server):
+        server.read_timeout = 0.5
+        body = json.dumps({"messages": ASK, "max_tokens": 4}).encode()
+        for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+            head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body) + 50}\r\n\r\n".encode()
+            answer = raw_request(base, head + body, wait=10)
+            assert answer.startswith(b"HTTP/1.") and b" 408 " in answer.split(b"\r\n")[0], (path, answer)
+            assert answer.endswith(b"<closed>") and b"Content-Length of" in answer, answer
+        assert raw_request(base, b"POST /v1/chat/com", wait=10) == b"<closed>"
+        # an honest client, pausing under the bound between its pieces, streaming its answer
+        import socket
+
+        host, port = base.removeprefix("http://").split(":")
+        streamed = json.dumps({"messages": ASK, "max_tokens": 4, "stream": True}).encode()
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(streamed)}\r\n\r\n".encode())
+            for piece in (streamed[:10], streamed[10:]):
+                time.sleep(0.3)
+                s.sendall(piece)
+            got = b""
+            while b"data: [DONE]" not in got and (chunk := s.recv(65536)):
+                got += chunk
+        assert got.startswith(b"HTTP/1.") and b" 200 " in got.split(b"\r\n")[0] and b"data: [DONE]" in got, got
