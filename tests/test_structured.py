@@ -428,7 +428,7 @@ def test_the_dialects_formats_read_as_chats(chat_tokenizer):
     assert chat["response_format"]["json_schema"]["schema"] == SCHEMA
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert takes(format_of({**chat, "response_format": None}, chat_tokenizer), chat_tokenizer, CALL)
-    with pytest.raises(RequestError, match="output_config"):
+    with pytest.raises(RequestError, match="^output_format must be"):
         messages.to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "output_format": {"type": "regex"}})
 
 
