@@ -334,3 +334,42 @@ def test_a_body_shorter_than_its_content_length_is_refused_after_the_read_timeou
             while b"data: [DONE]" not in got and (chunk := s.recv(65536)):
                 got += chunk
         assert got.startswith(b"HTTP/1.") and b" 200 " in got.split(b"\r\n")[0] and b"data: [DONE]" in got, got
+
+
+def test_responses_function_tools_are_strict_unless_they_say_strict_false(base):
+    """A Responses function tool that leaves ``strict`` out is strict (the
+    Responses API's default, unlike chat completions'): its call is held to
+    its schema (the grammar forces tokens of the call); ``strict: false``
+    leaves it free. Both make the call the target makes."""
+    oai, _ = clients(base)
+    tool = {"type": "function", "name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+            "parameters": WEATHER_TOOL["function"]["parameters"]}
+    forced = {}
+    for strict in (None, False):
+        r = oai.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=96,
+                                 tools=[tool if strict is None else dict(tool, strict=strict)])
+        (item,) = r.output
+        assert item.type == "function_call" and item.name == "get_weather", r.output
+        assert json.loads(item.arguments) == json.loads(CALLED["tool_calls"][0]["function"]["arguments"])
+        forced[strict] = r.usage.model_extra["dflash"]["forced_tokens"]
+    assert forced[None] > 0 and forced[False] == 0, forced
+
+
+def test_strict_by_default_tools_stay_free_where_the_model_cannot_hold_calls(chat_pair):  # noqa: F811
+    """Where the model writes calls in a format other than json_tools (so
+    none can be held), a Responses tool strict only by the API's default is
+    left free, as before (Codex's requests go on); an explicit strict: true
+    is still refused there."""
+    from types import SimpleNamespace
+
+    from dflash_mlx.api.formats import request_format
+
+    tokenizer = chat_pair[3]
+    other = SimpleNamespace(tool_parser=None)  # a model whose calls json_tools does not read
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL["function"]["parameters"]}
+    chat, _ = responses.to_chat({"input": "Paris?", "tools": [tool]}, [])
+    assert request_format(chat, tokenizer, other) is None
+    assert request_format(chat, tokenizer, text_format(tokenizer))["type"] == "grammar"  # (json_tools: held)
+    chat, _ = responses.to_chat({"input": "Paris?", "tools": [dict(tool, strict=True)]}, [])
+    with pytest.raises(RequestError, match="json_tools"):
+        request_format(chat, tokenizer, other)

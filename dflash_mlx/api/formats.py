@@ -32,6 +32,12 @@ from .turn import openai_tool_choice
 # Any JSON object: a non-strict tool's arguments.
 ANY_OBJECT = {"type": "object"}
 
+# The internal chat body's list of the tools strict by their API's default
+# (the Responses API's function tools that leave strict out): held to their
+# schemas where the model writes json_tools calls, left free elsewhere (an
+# explicit strict: true there is a 400).
+STRICT_DEFAULT = "strict_default"
+
 
 def request_format(body: dict, tokenizer, answers, state: str = "normal") -> Optional[dict]:
     """The response format a checked chat (or text) completions body asks
@@ -72,6 +78,9 @@ def chat_format(body: dict, tokenizer, answers) -> Optional[dict]:
     response_format = body.get("response_format")
     choice = openai_tool_choice(body.get("tool_choice"))
     tools = [] if choice == "none" else [t["function"] for t in body.get("tools") or [] if t.get("type") == "function"]
+    defaults = set(body.get(STRICT_DEFAULT) or ())
+    if defaults and answers.tool_parser is json_tools.parse_tool_call:  # (elsewhere calls cannot be held: free)
+        tools = [dict(t, strict=True) if t["name"] in defaults else t for t in tools]
     forced = choice in ("required", "named")
     if forced and not tools:
         raise RequestError(f"tool_choice {choice!r} needs tools to call", "tool_choice")

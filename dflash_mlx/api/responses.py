@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import List, Optional, Tuple
 
 from ..errors import RequestError
-from .formats import responses_text_format
+from .formats import STRICT_DEFAULT, responses_text_format
 from .turn import (
     Assembler,
     Result,
@@ -134,7 +134,11 @@ HOSTED_TOOLS = (
 
 def function_tool(t: dict, where: str) -> Optional[dict]:
     """A function tool as a chat tool; None for a hosted one
-    (:data:`HOSTED_TOOLS`); a type neither names is refused."""
+    (:data:`HOSTED_TOOLS`); a type neither names is refused. A tool that
+    leaves ``strict`` out (or null) is strict, the Responses API's default
+    (OpenAI's function-calling guide: "Responses requests will normalize your
+    schema into strict mode"; chat completions' default is not strict):
+    :data:`~dflash_mlx.api.formats.STRICT_DEFAULT` carries it."""
     kind = t.get("type")
     if kind in HOSTED_TOOLS:
         return None
@@ -162,6 +166,7 @@ def to_chat(body: dict, history: list) -> Tuple[dict, list]:
         "tool_choice": body.get("tool_choice"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "response_format": responses_text_format(body.get("text")),
+        STRICT_DEFAULT: [t["name"] for t in body.get("tools") or () if t.get("type") == "function" and t.get("strict") is None],
         "chat_template_kwargs": dict(body.get("chat_template_kwargs") or {}),
     }
     if max_tokens is not None:
