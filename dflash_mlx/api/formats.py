@@ -32,6 +32,14 @@ from .turn import openai_tool_choice
 # Any JSON object: a non-strict tool's arguments.
 ANY_OBJECT = {"type": "object"}
 
+# llguidance's JSON options for a held call: no free whitespace, and the
+# separators Python's json.dumps writes, which the json_tools templates
+# (Qwen's, Hermes') render calls with and mlx-lm's parser re-dumps arguments
+# with. Flexible whitespace (llguidance's default) would let a model pushed
+# into a call pad it with spaces and newlines up to max_tokens, a call that
+# never closes; a response_format's JSON keeps llguidance's defaults.
+CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 # The internal chat body's list of the tools strict by their API's default
 # (the Responses API's function tools that leave strict out): held to their
 # schemas where the model writes json_tools calls, left free elsewhere (an
@@ -172,7 +180,7 @@ def tool_call_grammar(tools: List[dict], forced: bool, response_format, tokenize
     start, end = literal(json_tools.tool_call_start, tokenizer), literal(json_tools.tool_call_end, tokenizer)
     lines = [
         f'calls: "\\n" call "\\n" {end}' + (f' ("\\n" {start} "\\n" call "\\n" {end})*' if parallel else ""),
-        f"call: %json {json.dumps(call_schema(tools))}",
+        f"call: %json {json.dumps({**call_schema(tools), 'x-guidance': CALL_JSON})}",
     ]
     if forced:
         return "\n".join([f"start: {start} calls", *lines])
