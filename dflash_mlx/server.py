@@ -683,6 +683,17 @@ class DFlashResponseGenerator:
         return agree_flag(ctx.stopped, self.group, generation_stream)
 
 
+# Seconds a connection may stay silent while the server waits to read a
+# request from it (its request line, headers or body); past that it gets a
+# 408 or is closed and its handler thread is free. An honest client sends a
+# request without pausing this long (the bound is per read, so a slow one
+# that keeps sending is served); one whose Content-Length overstates its
+# body, or that never sends, would otherwise hold a thread forever (mlx-lm's
+# handler reads the body with a plain blocking rfile.read). The answer's
+# writes are not bounded: a stream waits on its reader.
+READ_TIMEOUT = 60.0
+
+
 class DFlashAPIHandler(APIHandler):
     """mlx-lm's handler, with requests checked and tokenized before they are
     queued (errors in each API's dialect), ``--api-key`` checked, the loaded
@@ -699,6 +710,12 @@ class DFlashAPIHandler(APIHandler):
     def __init__(self, generator: DFlashResponseGenerator, *args, **kwargs):
         self.generator, self.prepared, self.context = generator, None, None
         super().__init__(RequestScope(generator, self), *args, **kwargs)
+
+    def handle_one_request(self):
+        """http.server's, with its reads bounded by the server's
+        ``read_timeout`` (:data:`READ_TIMEOUT`; the body's read lifts it)."""
+        self.connection.settimeout(self.server.read_timeout)
+        super().handle_one_request()
 
     def send_response(self, code, message=None):
         self.status_line, self.header_lines = (code, message), []
@@ -937,6 +954,7 @@ def listen(args) -> ThreadingHTTPServer:
         server = ThreadingHTTPServer(
             (args.host, args.port), lambda *a, **kw: DFlashAPIHandler(server.generator, *a, **kw)
         )
+        server.read_timeout = READ_TIMEOUT  # (per server: a test may set a shorter one)
     except OSError as e:  # the address is taken or not ours
         raise ArgumentError(
             f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; choose another --host/--port"

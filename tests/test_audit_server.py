@@ -240,3 +240,136 @@ def test_responses_errors_name_max_output_tokens(base, value):
     error = json.loads(text)["error"]
     assert status == 400 and error["param"] == "max_output_tokens", text
     assert "max_output_tokens" in error["message"] and "max_tokens" not in error["message"].replace("max_output_tokens", "")
+
+
+def clients(base: str):
+    """(openai, anthropic) clients of the server at ``base``."""
+    import anthropic
+    import openai
+
+    return (openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120),
+            anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=120))
+
+
+@pytest.mark.parametrize("form", [
+    {"type": "json_schema", "name": "a", "schema": {"type": "strin"}},  # llguidance refuses the schema
+    {"type": "xml"},
+    {"type": "json_schema", "name": "a"},  # no schema
+])
+def test_responses_format_errors_name_text_format(base, form):
+    """A bad ``text.format`` was refused as ``response_format`` (param and
+    message), the chat-completions field a Responses client never sent."""
+    import openai
+
+    oai, _ = clients(base)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="m", input="Paris?", max_output_tokens=4, text={"format": form})
+    assert e.value.param == "text.format", e.value.body
+    assert "text.format" in e.value.message and "response_format" not in e.value.message
+
+
+@pytest.mark.parametrize("field, extra", [
+    ("output_config.format", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "strin"}}}}),
+    ("output_config.format", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+                              "tool_choice": {"type": "any"}}),  # a forced call beside it
+    ("output_format", {"output_format": {"type": "json_schema", "schema": {"type": "strin"}}}),  # the beta field
+    ("output_format", {"output_format": {"type": "json_schema"}}),  # no schema
+])
+def test_messages_format_errors_name_the_field_sent(base, field, extra):
+    """A bad Messages output format was refused as ``response_format``;
+    the error names the field the Anthropic client sent."""
+    import anthropic
+
+    _, claude = clients(base)
+    tools = [{"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="m", max_tokens=4, messages=ASK, tools=tools, extra_body=extra)
+    message = e.value.body["error"]["message"]
+    assert field in message and "response_format" not in message, message
+
+
+def raw_request(base: str, head: bytes, wait: float) -> bytes:
+    """What the server sends on a connection that sends ``head`` and then
+    nothing, read until it closes (b"" if it says nothing in ``wait`` s)."""
+    import socket
+
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as s:
+        s.sendall(head)
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except TimeoutError:
+            return b"" if not got else got + b"<still open>"
+        return got + b"<closed>"
+
+
+def test_a_body_shorter_than_its_content_length_is_refused_after_the_read_timeout(chat_pair):  # noqa: F811
+    """A Content-Length past the body held a handler thread forever (the
+    read waited for bytes that never came). With the server's read timeout
+    (set short on this instance) the client hears a 408 and the connection
+    closes; a client silent before its headers is closed too; a slow client
+    that keeps sending, and a stream after it, are served."""
+    with live_server(chat_pair, "--max-tokens", "8") as (base, server):
+        server.read_timeout = 0.5
+        body = json.dumps({"messages": ASK, "max_tokens": 4}).encode()
+        for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+            head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body) + 50}\r\n\r\n".encode()
+            answer = raw_request(base, head + body, wait=10)
+            assert answer.startswith(b"HTTP/1.") and b" 408 " in answer.split(b"\r\n")[0], (path, answer)
+            assert answer.endswith(b"<closed>") and b"Content-Length of" in answer, answer
+        assert raw_request(base, b"POST /v1/chat/com", wait=10) == b"<closed>"
+        # an honest client, pausing under the bound between its pieces, streaming its answer
+        import socket
+
+        host, port = base.removeprefix("http://").split(":")
+        streamed = json.dumps({"messages": ASK, "max_tokens": 4, "stream": True}).encode()
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(streamed)}\r\n\r\n".encode())
+            for piece in (streamed[:10], streamed[10:]):
+                time.sleep(0.3)
+                s.sendall(piece)
+            got = b""
+            while b"data: [DONE]" not in got and (chunk := s.recv(65536)):
+                got += chunk
+        assert got.startswith(b"HTTP/1.") and b" 200 " in got.split(b"\r\n")[0] and b"data: [DONE]" in got, got
+
+
+def test_responses_function_tools_are_strict_unless_they_say_strict_false(base):
+    """A Responses function tool that leaves ``strict`` out is strict (the
+    Responses API's default, unlike chat completions'): its call is held to
+    its schema (the grammar forces tokens of the call); ``strict: false``
+    leaves it free. Both make the call the target makes."""
+    oai, _ = clients(base)
+    tool = {"type": "function", "name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+            "parameters": WEATHER_TOOL["function"]["parameters"]}
+    forced = {}
+    for strict in (None, False):
+        r = oai.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=96,
+                                 tools=[tool if strict is None else dict(tool, strict=strict)])
+        (item,) = r.output
+        assert item.type == "function_call" and item.name == "get_weather", r.output
+        assert json.loads(item.arguments) == json.loads(CALLED["tool_calls"][0]["function"]["arguments"])
+        forced[strict] = r.usage.model_extra["dflash"]["forced_tokens"]
+    assert forced[None] > 0 and forced[False] == 0, forced
+
+
+def test_strict_by_default_tools_stay_free_where_the_model_cannot_hold_calls(chat_pair):  # noqa: F811
+    """Where the model writes calls in a format other than json_tools (so
+    none can be held), a Responses tool strict only by the API's default is
+    left free, as before (Codex's requests go on); an explicit strict: true
+    is still refused there."""
+    from types import SimpleNamespace
+
+    from dflash_mlx.api.formats import request_format
+
+    tokenizer = chat_pair[3]
+    other = SimpleNamespace(tool_parser=None)  # a model whose calls json_tools does not read
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL["function"]["parameters"]}
+    chat, _ = responses.to_chat({"input": "Paris?", "tools": [tool]}, [])
+    assert request_format(chat, tokenizer, other) is None
+    assert request_format(chat, tokenizer, text_format(tokenizer))["type"] == "grammar"  # (json_tools: held)
+    chat, _ = responses.to_chat({"input": "Paris?", "tools": [dict(tool, strict=True)]}, [])
+    with pytest.raises(RequestError, match="json_tools"):
+        request_format(chat, tokenizer, other)

@@ -428,7 +428,7 @@ def test_the_dialects_formats_read_as_chats(chat_tokenizer):
     assert chat["response_format"]["json_schema"]["schema"] == SCHEMA
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert takes(format_of({**chat, "response_format": None}, chat_tokenizer), chat_tokenizer, CALL)
-    with pytest.raises(RequestError, match="output_config"):
+    with pytest.raises(RequestError, match="^output_format must be"):
         messages.to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "output_format": {"type": "regex"}})
 
 
@@ -769,3 +769,25 @@ def test_the_structured_adaptation_serves_other_kinds_held_to_their_schemas(tmp_
     assert len(served) == 2 and all(0 < s["tokens"] <= 6 for s in served)
     records = read_traffic(work / "traffic")
     assert sorted(int(r.answer.sum()) for r in records) == sorted(s["tokens"] for s in served)
+
+
+def test_a_held_call_is_written_as_the_templates_write_calls(chat_tokenizer):
+    """A forced (or strict) call's JSON had llguidance's flexible whitespace:
+    a model pushed into a call could pad it with spaces and newlines up to
+    max_tokens. It is held to json.dumps' separators, the json_tools
+    templates' own (tests/tiny_chat.py's renders calls with them), with no
+    other whitespace; the arguments string mlx-lm's parser returns is
+    json.dumps of the parsed call either way (no padding reaches a client)."""
+    tok = chat_tokenizer
+    for body in ({"tools": [WEATHER, OTHER], "tool_choice": "required"},
+                 {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+                 {"tools": [WEATHER]}):
+        form = format_of(body, tok)
+        assert takes(form, tok, CALL)
+        call = json.loads(CALL.split("\n")[1])
+        assert CALL.split("\n")[1] == json.dumps(call)  # (the templates' separators)
+        for padded in ('{"name": "get_weather", "arguments": {"city": "Paris"} }',
+                       '{"name": "get_weather",\n"arguments": {"city": "Paris"}}',
+                       '{ "name": "get_weather", "arguments": {"city": "Paris"}}',
+                       '{"name":"get_weather","arguments":{"city":"Paris"}}'):
+            assert not takes(form, tok, f"<tool_call>\n{padded}\n</tool_call>"), (body, padded)

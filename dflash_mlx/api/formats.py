@@ -32,6 +32,20 @@ from .turn import check_chat_tools, openai_tool_choice
 # Any JSON object: a non-strict tool's arguments.
 ANY_OBJECT = {"type": "object"}
 
+# llguidance's JSON options for a held call: no free whitespace, and the
+# separators Python's json.dumps writes, which the json_tools templates
+# (Qwen's, Hermes') render calls with and mlx-lm's parser re-dumps arguments
+# with. Flexible whitespace (llguidance's default) would let a model pushed
+# into a call pad it with spaces and newlines up to max_tokens, a call that
+# never closes; a response_format's JSON keeps llguidance's defaults.
+CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# The internal chat body's list of the tools strict by their API's default
+# (the Responses API's function tools that leave strict out): held to their
+# schemas where the model writes json_tools calls, left free elsewhere (an
+# explicit strict: true there is a 400).
+STRICT_DEFAULT = "strict_default"
+
 
 def request_format(body: dict, tokenizer, answers, state: str = "normal") -> Optional[dict]:
     """The response format a checked chat (or text) completions body asks
@@ -73,6 +87,9 @@ def chat_format(body: dict, tokenizer, answers) -> Optional[dict]:
     check_chat_tools(body.get("tools"))  # (a text completion's tools are read here only)
     choice = openai_tool_choice(body.get("tool_choice"))
     tools = [] if choice == "none" else [t["function"] for t in body.get("tools") or [] if t.get("type") == "function"]
+    defaults = set(body.get(STRICT_DEFAULT) or ())
+    if defaults and answers.tool_parser is json_tools.parse_tool_call:  # (elsewhere calls cannot be held: free)
+        tools = [dict(t, strict=True) if t["name"] in defaults else t for t in tools]
     forced = choice in ("required", "named")
     if forced and not tools:
         raise RequestError(f"tool_choice {choice!r} needs tools to call", "tool_choice")
@@ -193,7 +210,7 @@ def tool_call_grammar(tools: List[dict], forced: bool, response_format, tokenize
     start, end = literal(json_tools.tool_call_start, tokenizer), literal(json_tools.tool_call_end, tokenizer)
     lines = [
         f'calls: "\\n" call "\\n" {end}' + (f' ("\\n" {start} "\\n" call "\\n" {end})*' if parallel else ""),
-        f"call: %json {json.dumps(call_schema(tools))}",
+        f"call: %json {json.dumps({**call_schema(tools), 'x-guidance': CALL_JSON})}",
     ]
     if forced:
         return "\n".join([f"start: {start} calls", *lines])
@@ -213,32 +230,53 @@ def tool_call_grammar(tools: List[dict], forced: bool, response_format, tokenize
     return "\n".join([f"start: TEXT? | TEXT? {start} calls", "TEXT: /(?s:.+)/", *lines])
 
 
+# The Responses API's text.format types (OpenAI's three, and this server's regex and grammar in chat's shape).
+TEXT_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
+
+
 def responses_text_format(text) -> Optional[dict]:
-    """The Responses API's ``text.format`` as chat's ``response_format``."""
+    """The Responses API's ``text.format`` as chat's ``response_format``,
+    its own shape checked here (errors name ``text.format``)."""
     if text is None:
         return None
     if not isinstance(text, dict):
         raise RequestError("text must be an object, e.g. {\"format\": {\"type\": \"json_schema\", ...}}", "text")
     form = text.get("format")
-    if form is None or not isinstance(form, dict) or form.get("type") != "json_schema":
-        return form  # text, json_object (or a bad one, named by the chat check)
+    if form is None:
+        return None
+    if not isinstance(form, dict) or form.get("type") not in TEXT_FORMAT_TYPES:
+        raise RequestError(
+            "text.format must be an object whose type is one of " + ", ".join(TEXT_FORMAT_TYPES)
+            + ', e.g. {"type": "json_schema", "name": "answer", "schema": {...}}', "text.format")
+    if form["type"] != "json_schema":
+        return form  # (text, json_object; regex and grammar as chat's, checked by the chat check)
     if not isinstance(form.get("schema"), dict):
-        raise RequestError('text.format of type json_schema needs "schema": a JSON schema object', "text")
+        raise RequestError('a json_schema text.format needs "schema": a JSON schema object, e.g. '
+                           '{"type": "json_schema", "name": "answer", "schema": {...}}', "text.format")
     spec = {k: form[k] for k in ("name", "schema", "strict", "description") if k in form}
     return {"type": "json_schema", "json_schema": spec}
 
 
+def output_format_field(body: dict) -> str:
+    """The field a Messages request asks for its output format with:
+    ``output_config.format``, or the beta ``output_format``."""
+    config = body.get("output_config")
+    if "output_format" in body and not (isinstance(config, dict) and "format" in config):
+        return "output_format"
+    return "output_config.format"
+
+
 def messages_output_format(body: dict) -> Optional[dict]:
     """Anthropic's ``output_config.format`` (or the beta ``output_format``),
-    ``{"type": "json_schema", "schema": {...}}``, as chat's ``response_format``."""
+    ``{"type": "json_schema", "schema": {...}}``, as chat's ``response_format``
+    (errors name the field the client sent)."""
     config = body.get("output_config")
     if config is not None and not isinstance(config, dict):
         raise RequestError("output_config must be an object", "output_config")
     form = (config or {}).get("format", body.get("output_format"))
     if form is None:
         return None
-    if not isinstance(form, dict) or form.get("type") != "json_schema":
-        raise RequestError('output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config")
-    if not isinstance(form.get("schema"), dict):
-        raise RequestError('output_config.format needs "schema": a JSON schema object', "output_config")
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": form.get("schema")}}
+    field = output_format_field(body)
+    if not isinstance(form, dict) or form.get("type") != "json_schema" or not isinstance(form.get("schema"), dict):
+        raise RequestError(f'{field} must be {{"type": "json_schema", "schema": {{...}}}}', field)
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": form["schema"]}}

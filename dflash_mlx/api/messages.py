@@ -12,7 +12,7 @@ import logging
 from typing import List, Optional, Tuple
 
 from ..errors import RequestError
-from .formats import messages_output_format
+from .formats import messages_output_format, output_format_field
 from .turn import (
     Assembler,
     Result,
@@ -25,6 +25,7 @@ from .turn import (
     openai_tool_choice,
     part_text,
     read_json_body,
+    renamed,
     tool_choice_rule,
 )
 
@@ -221,6 +222,7 @@ class MessagesEndpoint:
         self.handler.send_json(status, error_body(status, message))
 
     def serve(self):
+        body = {}
         try:
             body, _ = read_json_body(self.handler)
             if self.count_only:
@@ -228,7 +230,7 @@ class MessagesEndpoint:
                 return self.handler.send_json(200, {"input_tokens": len(prepared.tokens)})
             turn = Turn(self.handler.generator, to_chat(body))
         except RequestError as e:
-            return self.send_error(e.status, str(e))
+            return self.send_error(e.status, str(renamed(e, {"response_format": output_format_field(body)})))
         message = {"id": new_id("msg"), "type": "message", "role": "assistant", "model": body.get("model", "default"),
                    "content": [], "stop_reason": None, "stop_sequence": None}
         if body.get("stream"):

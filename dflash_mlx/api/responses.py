@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import List, Optional, Tuple
 
 from ..errors import RequestError
-from .formats import responses_text_format
+from .formats import STRICT_DEFAULT, responses_text_format
 from .turn import (
     Assembler,
     Result,
@@ -28,11 +28,14 @@ from .turn import (
     openai_tool_choice,
     part_text,
     read_json_body,
+    renamed,
     tool_choice_rule,
 )
 
 STORED_RESPONSES = 256  # responses kept for previous_response_id
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the include that asks for output text's logprobs
+# The chat fields a Responses request's errors name, by this dialect's names for them.
+CHAT_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 def error_body(status: int, message: str, param: Optional[str] = None) -> dict:
@@ -131,7 +134,11 @@ HOSTED_TOOLS = (
 
 def function_tool(t: dict, where: str) -> Optional[dict]:
     """A function tool as a chat tool; None for a hosted one
-    (:data:`HOSTED_TOOLS`); a type neither names is refused."""
+    (:data:`HOSTED_TOOLS`); a type neither names is refused. A tool that
+    leaves ``strict`` out (or null) is strict, the Responses API's default
+    (OpenAI's function-calling guide: "Responses requests will normalize your
+    schema into strict mode"; chat completions' default is not strict):
+    :data:`~dflash_mlx.api.formats.STRICT_DEFAULT` carries it."""
     kind = t.get("type")
     if kind in HOSTED_TOOLS:
         return None
@@ -159,6 +166,7 @@ def to_chat(body: dict, history: list) -> Tuple[dict, list]:
         "tool_choice": body.get("tool_choice"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "response_format": responses_text_format(body.get("text")),
+        STRICT_DEFAULT: [t["name"] for t in body.get("tools") or () if t.get("type") == "function" and t.get("strict") is None],
         "chat_template_kwargs": dict(body.get("chat_template_kwargs") or {}),
     }
     if max_tokens is not None:
@@ -274,8 +282,7 @@ class ResponsesEndpoint:
             chat, conversation = to_chat(body, history)
             turn = Turn(self.handler.generator, chat)
         except RequestError as e:
-            if e.param == "max_tokens":  # the chat field this dialect calls max_output_tokens
-                return self.send_error(e.status, str(e).replace("max_tokens", "max_output_tokens"), "max_output_tokens")
+            e = renamed(e, CHAT_NAMES)
             return self.send_error(e.status, str(e), e.param)
         response = {
             "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",

@@ -129,6 +129,16 @@ def tool_choice_rule(choice: Optional[str], tools: Optional[list]) -> Optional[l
     return None if choice == "none" else tools
 
 
+def renamed(error: RequestError, names: dict) -> RequestError:
+    """``error`` with the chat field it names (``names``' keys) called as the
+    dialect's client sent it (their values): a Responses or Messages client
+    never sent ``response_format`` or ``max_tokens``."""
+    name = names.get(error.param)
+    if name is None:
+        return error
+    return RequestError(str(error).replace(error.param, name), name, error.status)
+
+
 def openai_tool_choice(choice) -> Optional[str]:
     """An OpenAI tool choice (chat completions' or Responses'), normalised."""
     if choice is None or choice in ("auto", "none", "required"):
@@ -425,10 +435,33 @@ def drain(rfile, length: int, chunk: int = 1 << 20) -> None:
     otherwise meet a reset connection instead of the answer."""
     left = min(length, DRAIN_BYTES)
     while left > 0:
-        data = rfile.read(min(chunk, left))
+        try:
+            data = rfile.read(min(chunk, left))
+        except TimeoutError:  # (the connection's read timeout: the client stopped sending)
+            return
         if not data:
             return
         left -= len(data)
+
+
+def read_body(handler, length: int) -> bytes:
+    """The request's ``length`` bytes of body, read under the connection's
+    read timeout (the server's ``read_timeout``), which is then lifted so the
+    answer's writes wait on the client; a body that stops short (the client
+    silent past the timeout, or gone) is a 408 or 400 and the connection closes."""
+    try:
+        raw = handler.rfile.read(length)
+    except TimeoutError:
+        handler.close_connection = True
+        raise RequestError(
+            f"the request body stopped arriving before its Content-Length of {length} bytes (no data for "
+            f"{handler.server.read_timeout:g} s): send the whole body, with its true length", status=408,
+        ) from None
+    if len(raw) < length:
+        handler.close_connection = True
+        raise RequestError(f"the request body has {len(raw)} bytes, fewer than its Content-Length of {length}")
+    handler.connection.settimeout(None)
+    return raw
 
 
 def read_json_body(handler) -> Tuple[dict, bytes]:
@@ -448,7 +481,7 @@ def read_json_body(handler) -> Tuple[dict, bytes]:
             f"the request body has {length} bytes, more than this server's limit of {limit} (--max-request-bytes)",
             status=413,
         )
-    raw = handler.rfile.read(length)
+    raw = read_body(handler, length)
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
