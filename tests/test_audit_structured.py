@@ -117,13 +117,13 @@ def test_a_dialects_json_schema_format_without_a_schema_names_its_own_field(sche
     were refused as chat's response_format, naming fields the client never sent."""
     from dflash_mlx.api import messages, responses
 
-    with pytest.raises(RequestError, match='text.format of type json_schema needs "schema"') as e:
+    with pytest.raises(RequestError, match='a json_schema text.format needs "schema"') as e:
         responses.to_chat({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a", "schema": schema}}}, [])
-    assert e.value.param == "text"
-    with pytest.raises(RequestError, match='output_config.format needs "schema"') as e:
+    assert e.value.param == "text.format"
+    with pytest.raises(RequestError, match='output_config.format must be .*"schema"') as e:
         messages.to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
                           "output_config": {"format": {"type": "json_schema", "schema": schema}}})
-    assert e.value.param == "output_config"
+    assert e.value.param == "output_config.format"
 
 
 CITY_DEFS = {"$defs": {"City": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"], "additionalProperties": False}},
