@@ -67,6 +67,17 @@ def llama_pair(make_pair):
     return make_pair("llama")
 
 
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory):
+    """The Qwen-style tiny chat tokenizer: <tool_call> a single (non-special) token, mlx-lm's json_tools parser."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from tiny_chat import QWEN_CHAT, write_chat_tokenizer
+
+    path = tmp_path_factory.mktemp("chat_tokenizer")
+    write_chat_tokenizer(path, QWEN_CHAT)
+    return load_tokenizer(path)
+
+
 @pytest.fixture(params=["qwen3", "qwen3_5"])
 def pair(request, make_pair):
     return make_pair(request.param)

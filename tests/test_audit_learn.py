@@ -1,7 +1,6 @@
 """Audit of the learning and conversion tools (train, --from-traffic,
 convert): bad input that once ran long or ended in a traceback."""
 
-from pathlib import Path
 
 import pytest
 
@@ -204,15 +203,7 @@ def test_a_resumed_fine_tune_scores_its_start_on_the_held_out_traffic_of_now(qwe
         return T.TrainConfig(model=str(qwen3_pair.path), from_traffic=str(rec.root), init_from=str(init), draft_model=str(out),
                              seq_len=48, steps=4, save_every=2, **kw)  # fmt: skip
 
-    real, calls = T.sample_batch, []
-
-    def interrupted(*a):
-        calls.append(1)
-        if len(calls) == 4:  # the approximate softmax's first batch, then steps 1, 2, 3
-            raise KeyboardInterrupt
-        return real(*a)
-
-    monkeypatch.setattr(T, "sample_batch", interrupted)
+    real = tiny.interrupt_sampling_at(monkeypatch, 4)  # the approximate softmax's first batch, then steps 1, 2, 3
     with pytest.raises(KeyboardInterrupt):
         T.adapt(config(tmp_path / "out"))
     monkeypatch.setattr(T, "sample_batch", real)
@@ -245,15 +236,7 @@ def test_an_interrupted_fine_tune_names_where_its_checkpoint_is(qwen3_pair, traf
     --draft-model, which a fine-tune writes only at its end, if at all:
     the checkpoint is beside it, in OUT.adapting."""
     init = qwen3_pair.make_draft(tmp_path / "init", block_size=8, intermediate_size=96)
-    real, calls = T.sample_batch, []
-
-    def interrupted(*a):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real(*a)
-
-    monkeypatch.setattr(T, "sample_batch", interrupted)
+    tiny.interrupt_sampling_at(monkeypatch, 4)
     out = tmp_path / "out"
     argv = ["--model", str(qwen3_pair.path), "--from-traffic", str(traffic.root), "--init-from", str(init),
             "--draft-model", str(out), "--seq-len", "32", "--steps", "4", "--save-every", "2"]  # fmt: skip

@@ -8,27 +8,11 @@ import threading
 from pathlib import Path
 
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
+from tiny_chat import format_of
 
-from dflash_mlx.api.formats import request_format
-from dflash_mlx.api.harmony import text_format
 from dflash_mlx.errors import ArgumentError, RequestError
 
 DEFAULT_TARGET = Path(__file__).parent.parent / "dflash_mlx" / "default_pair" / "target"
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer(tmp_path_factory):
-    """The Qwen-style tiny chat tokenizer (mlx-lm's json_tools calls), as test_structured's."""
-    from tiny_chat import QWEN_CHAT, write_chat_tokenizer
-
-    path = tmp_path_factory.mktemp("chat_tokenizer")
-    write_chat_tokenizer(path, QWEN_CHAT)
-    return load_tokenizer(path)
-
-
-def format_of(body, tokenizer):
-    return request_format(body, tokenizer, text_format(tokenizer))
 
 
 def tool(**function):

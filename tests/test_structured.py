@@ -14,6 +14,7 @@ from llguidance import LLMatcher
 from mlx_lm.generate import generate_step
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tiny import LOOP_FAMILIES, QWEN3, V, ScriptedSizer, eos_set, make_target, pit_check, prompt_of, sampled_runs, small_pair
+from tiny_chat import format_of
 
 import dflash_mlx
 
@@ -295,23 +296,6 @@ WEATHER = {
 }
 OTHER = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer(tmp_path_factory):
-    """The Qwen-style tiny chat tokenizer: <tool_call> a single (non-special) token, mlx-lm's json_tools parser."""
-    from tiny_chat import QWEN_CHAT, write_chat_tokenizer
-
-    path = tmp_path_factory.mktemp("chat_tokenizer")
-    write_chat_tokenizer(path, QWEN_CHAT)
-    return load_tokenizer(path)
-
-
-def format_of(body, tokenizer):
-    from dflash_mlx.api.formats import request_format
-    from dflash_mlx.api.harmony import text_format
-
-    return request_format(body, tokenizer, text_format(tokenizer))
 
 
 def takes(form, tokenizer, text) -> bool:

@@ -301,16 +301,7 @@ def test_resume_equals_uninterrupted_run(qwen3_pair, corpus, tmp_path, monkeypat
     assert train_cli(small_run(pair, corpus, straight, "--steps", "8", "--save-every", "3")) == 0
 
     # Interrupt (Ctrl-C) while sampling step 5's batch: the checkpoint of step 3 survives.
-    real = T.sample_batch
-    calls = []
-
-    def interrupted(*a):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return real(*a)
-
-    monkeypatch.setattr(T, "sample_batch", interrupted)
+    real = tiny.interrupt_sampling_at(monkeypatch, 5)
     argv = small_run(pair, corpus, resumed, "--steps", "8", "--save-every", "3")
     assert train_cli(argv) == 130
     assert "--resume" in capsys.readouterr().err

@@ -1014,3 +1014,20 @@ def zlab_shaped_target(root: Path, name: str):
         text = {**DEEPSEEK_V3, **small, **mla, "num_key_value_heads": 2, "moe_intermediate_size": 8}
         base = dict(KIMI_K25, text_config=dict(text, model_type="kimi_k2"))
     return load(str(make_hf_target(root / name, base)))
+
+
+def interrupt_sampling_at(monkeypatch, n: int):
+    """Ctrl-C while the trainer samples its ``n``-th batch (the checkpoints
+    saved before survive); returns the real sampler, to put back."""
+    from dflash_mlx import train
+
+    real, calls = train.sample_batch, []
+
+    def interrupted(*a):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(train, "sample_batch", interrupted)
+    return real

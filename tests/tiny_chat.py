@@ -216,3 +216,11 @@ def make_chat_draft(root: Path, target: Path, block_size: int = 4, chat: ChatFor
     """A random drafter for the chat target (lossless whatever it proposes)."""
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     return make_draft(Path(root) / f"{chat.name}-draft", draft_config(chat.target, vocab, block_size=block_size), seed=1)
+
+
+def format_of(body, tokenizer):
+    """The server's reading of a request's format (chat completions' fields), with the tokenizer's own call format."""
+    from dflash_mlx.api.formats import request_format
+    from dflash_mlx.api.harmony import text_format
+
+    return request_format(body, tokenizer, text_format(tokenizer))
