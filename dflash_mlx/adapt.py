@@ -86,11 +86,10 @@ class Adaptation:
     def check_round(self, train_args: str) -> None:
         """What a round's trainer checks before its work, checked when the
         server starts: a flag it refuses would fail every round into its log."""
-        from .train import TrainConfig, check_args, parse_taps, setup_arg_parser
+        from .train import check_args, config_of
 
-        args = vars(setup_arg_parser().parse_args(self.round_argv(self.root / ".check")))
         try:
-            check_args(TrainConfig(**{**args, "taps": parse_taps(args["taps"])}))
+            check_args(config_of(self.round_argv(self.root / ".check")))
         except DFlashError as e:
             raise ArgumentError(f"{f'--adapt-args {train_args!r}' if train_args else '--adapt'}: {e}") from None
 

@@ -1486,10 +1486,16 @@ def parse_taps(text: Optional[str]) -> Optional[List[int]]:
         raise TrainError(f"--taps must be a comma list of layer indices, not {text!r}") from None
 
 
-def main(argv=None) -> int:
+def config_of(argv) -> TrainConfig:
+    """``mlx-dflash train``'s command line as the run's config (what a
+    server's adaptation rounds are also checked with)."""
     args = vars(setup_arg_parser().parse_args(argv))
     args["taps"] = parse_taps(args["taps"])
-    config = TrainConfig(**args)
+    return TrainConfig(**args)
+
+
+def main(argv=None) -> int:
+    config = config_of(argv)
     try:
         if config.from_traffic is not None:
             adapt(config)
