@@ -250,9 +250,9 @@ def read_json(p: Path, default=None):
 
 
 def write_json(p: Path, obj_):
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(obj_, indent=1))
-    tmp.replace(p)
+    from dflash_mlx.traffic import write_atomically
+
+    write_atomically(p, json.dumps(obj_, indent=1).encode())
 
 
 def main(argv=None):

@@ -138,10 +138,9 @@ def read_json(name, default=None):
 
 
 def write_json(name, obj):
-    p = WORK / name
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(p)
+    from dflash_mlx.traffic import write_atomically
+
+    write_atomically(WORK / name, json.dumps(obj, indent=1).encode())
 
 
 def stage_requests(args):
